@@ -1,0 +1,260 @@
+"""Typed schema of a recipe: every field, its type, its default and what it means.
+
+Hydra composes recipes over these dataclasses (registered in its ConfigStore), so an
+unknown key or a value of the wrong type fails at compose time. The ranks load the run
+dir's resolved `config.yaml` into the same dataclasses with `load_config`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from models.config import ModelConfig
+
+
+@dataclass
+class ParallelConfig:
+    """Parallel degrees; their product is the world size (nodes x gpus_per_node)."""
+
+    tp: int = 1
+    """Tensor-parallel degree; GPUs of one node split each layer's matrices."""
+    sp: bool = False
+    """Sequence parallelism: shard norms and residuals along the sequence inside TP."""
+    pp: int = 1
+    """Pipeline-parallel degree: stages, usually across nodes."""
+    vpp: int = 1
+    """Virtual pipeline stages per rank (model chunks) for interleaved schedules."""
+    pp_schedule: str = "1f1b"
+    """Pipeline schedule: gpipe, 1f1b, interleaved_1f1b or zero_bubble."""
+    pp_microbatches: int = 0
+    """Micro-batches per pipeline step; 0 means the gradient-accumulation count."""
+    dp_replicate: int = 1
+    """Data-parallel replicas (the outer, replicated dim of hybrid sharding)."""
+    dp_shard: int = -1
+    """Data-parallel ranks that shard under ZeRO >= 1 (plain replicas under ZeRO 0); -1 fills
+    what the other degrees leave of the world size."""
+    zero: int = 0
+    """ZeRO stage: 0 = DDP, 1 = sharded optimizer states, 2 = + gradients, 3 = + parameters."""
+    ep: int = 1
+    """Expert-parallel degree (MoE models), carved from the data-parallel ranks."""
+    allow_tp_across_nodes: bool = False
+    """Permit tp larger than one node's GPUs (slow: TP traffic leaves NVLink)."""
+
+
+@dataclass
+class PrecisionConfig:
+    """Numeric precision of compute, parameters and gradient reduction."""
+
+    dtype: str = "fp32"
+    """Compute dtype: fp32, or bf16 (FP32 master weights and FP32 gradient reduction)."""
+
+
+@dataclass
+class RecomputeConfig:
+    """Activation recomputation (checkpointing) policy."""
+
+    policy: str = "none"
+    """none; full (recompute whole blocks); selective (keep matmul outputs, recompute the
+    attention core and elementwise ops)."""
+    every: int = 1
+    """With policy=full: recompute every k-th block (1 = all blocks)."""
+
+
+@dataclass
+class OptimConfig:
+    """Optimizer and gradient clipping."""
+
+    name: str = "adamw"
+    """adamw, lion or sgd."""
+    lr: float = 3e-4
+    """Peak learning rate (after warmup, before any batch-size scaling)."""
+    min_lr: float = 3e-5
+    """Learning rate at the end of the decay."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    """Adam/Lion betas."""
+    eps: float = 1e-8
+    """Adam epsilon."""
+    momentum: float = 0.9
+    """SGD momentum."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay; never applied to norms, biases or embeddings."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value; 0 turns clipping off."""
+    lr_scaling: str = "none"
+    """Scale lr with the global batch: none, linear or sqrt (relative to base_batch)."""
+    base_batch: int = 0
+    """Global batch (sequences) that `lr` was tuned for; needed when lr_scaling != none."""
+
+
+@dataclass
+class ScheduleConfig:
+    """Learning-rate schedule."""
+
+    name: str = "cosine"
+    """cosine, linear, constant or wsd (warmup-stable-decay)."""
+    warmup_steps: int = 0
+    """Linear warmup from 0 to the peak lr."""
+    decay_steps: int = 0
+    """cosine/linear: steps of decay after warmup (0 = until train.steps). wsd: length of the
+    final cooldown to min_lr (0 = 20% of train.steps)."""
+
+
+@dataclass
+class TrainConfig:
+    """Batching and length of the run."""
+
+    steps: int = 100
+    """Optimizer steps."""
+    seq_len: int = 128
+    """Tokens per sequence."""
+    micro_batch: int = 4
+    """Sequences per rank per forward/backward."""
+    global_batch: int = 16
+    """Sequences per optimizer step across all data-parallel ranks."""
+
+
+@dataclass
+class DataConfig:
+    """Training corpus and tokenizer."""
+
+    source: str = "stdlib"
+    """`stdlib` (this Python's standard-library sources, no download), a local file, directory
+    or glob of text/JSONL/Parquet files, or `hf:NAME` for a Hugging Face hub dataset."""
+    format: str = "auto"
+    """auto (from the file extension), text, jsonl or parquet."""
+    text_field: str = "text"
+    """Column holding the document text in JSONL/Parquet/hub datasets."""
+    split: str = "train"
+    """Split of a hub dataset."""
+    tokenizer: str = "train"
+    """`train`: a byte-level BPE of model.vocab_size trained on the corpus (cached); otherwise
+    a tokenizer.json path or a Hugging Face tokenizer directory."""
+    max_bytes: int = 0
+    """Read at most this many bytes of text from the source (0 = all)."""
+    cache_dir: str = "~/.cache/pretrain"
+    """Where tokenized corpora and trained tokenizers are cached (shared by runs)."""
+
+
+@dataclass
+class ClusterConfig:
+    """Where and how the job runs."""
+
+    backend: str = "local"
+    """local (torchrun on this machine) or slurm (sbatch)."""
+    nodes: int = 1
+    """Nodes in the job."""
+    gpus_per_node: int = 1
+    """Ranks per node: GPUs, or CPU processes when device=cpu."""
+    device: str = "cuda"
+    """cuda or cpu (gloo backend; for tests and the embedded default)."""
+    gpu_type: str = "h100_sxm"
+    """Accelerator model, for peak FLOP/s and memory (see launcher/hardware.py)."""
+    gpu_memory_gib: float = 0.0
+    """Memory per GPU in GiB; 0 takes it from gpu_type."""
+    partition: str = ""
+    """SLURM partition (empty: the cluster default)."""
+    account: str = ""
+    """SLURM account (empty: none)."""
+    qos: str = ""
+    """SLURM quality of service (empty: none)."""
+    time: str = "01:00:00"
+    """SLURM time limit: [D-]HH:MM:SS."""
+    cpus_per_task: int = 8
+    """CPU cores per node's task (data loading threads)."""
+    signal_seconds: int = 120
+    """Seconds before the time limit at which SLURM sends SIGUSR1."""
+    master_port: int = 29500
+    """Rendezvous port on the first node."""
+    omp_num_threads: int = 1
+    """OMP_NUM_THREADS for every rank."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Extra environment variables for the ranks (e.g. NCCL settings)."""
+
+
+@dataclass
+class HardwareConfig:
+    """Device facts used by the metrics."""
+
+    peak_tflops: float = 0.0
+    """Peak dense TFLOP/s per device for the compute dtype; 0 takes it from the GPU table (or,
+    on CPU, from a short measured matmul)."""
+
+
+@dataclass
+class LoggingConfig:
+    """Where metrics go."""
+
+    log_every: int = 1
+    """Log every this many steps."""
+    wandb: str = "auto"
+    """Weights & Biases: auto (online with an API key, offline without), online, offline or
+    disabled."""
+    wandb_project: str = "pretrain"
+    """W&B project."""
+    wandb_entity: str = ""
+    """W&B entity (empty: the default of the API key)."""
+
+
+@dataclass
+class RunConfig:
+    """The run directory."""
+
+    dir: str = ""
+    """Run directory; empty means runs/<recipe name> (plus the override string in a sweep)."""
+
+
+@dataclass
+class PlanConfig:
+    """How action=plan prints."""
+
+    format: str = "table"
+    """table or json."""
+
+
+@dataclass
+class RecipeConfig:
+    """A whole recipe: what to train, how to lay it out, and where to run it."""
+
+    name: str = "tiny"
+    """Recipe name; names the run dir and the W&B run."""
+    action: str = "run"
+    """run (plan, write the run dir, launch or submit), plan (print only) or script
+    (write the run dir and job script, launch nothing)."""
+    seed: int = 1234
+    """Seed for weights and data order; the same seed gives the same run in every layout."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    recompute: RecomputeConfig = field(default_factory=RecomputeConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    hardware: HardwareConfig = field(default_factory=HardwareConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
+
+
+def to_recipe(node: Any) -> RecipeConfig:
+    """Turn a composed OmegaConf node (or a plain dict) into a typed RecipeConfig."""
+    from omegaconf import OmegaConf
+
+    merged = OmegaConf.merge(OmegaConf.structured(RecipeConfig), node)
+    return OmegaConf.to_object(merged)
+
+
+def load_config(path: str) -> RecipeConfig:
+    """Load a run dir's resolved config.yaml into the typed schema (what every rank does)."""
+    from omegaconf import OmegaConf
+
+    return to_recipe(OmegaConf.load(path))
+
+
+def dump_config(cfg: RecipeConfig) -> str:
+    """The resolved recipe as YAML text."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))

@@ -1,0 +1,104 @@
+"""Exact parameter counts and FLOPs per token for the Llama-style decoder.
+
+Pure Python on the config, so the launcher's plan and the trainer's MFU use one definition.
+
+Conventions (the same as `torch.utils.flop_counter.FlopCounterMode`):
+- A matmul of (m x k) @ (k x n) costs 2*m*k*n FLOPs; only matmuls are counted
+  (norms, rotary, softmax, SiLU and the elementwise product are a few percent and left out).
+- Attention scores are counted over the full s x s square even though the mask is causal,
+  as the math kernels compute it and as PaLM's MFU definition does.
+- Backward costs twice the forward (a gradient for the input and one for the weight).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from models.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class ParamCount:
+    """Parameters by part of the model."""
+
+    embedding: int
+    per_layer: int
+    final_norm: int
+    lm_head: int
+    n_layers: int
+
+    @property
+    def layers(self) -> int:
+        return self.per_layer * self.n_layers
+
+    @property
+    def total(self) -> int:
+        return self.embedding + self.layers + self.final_norm + self.lm_head
+
+    @property
+    def non_embedding(self) -> int:
+        return self.layers + self.final_norm
+
+
+def count_params(cfg: ModelConfig) -> ParamCount:
+    """Count every parameter of the model; a tied LM head adds none of its own."""
+    h, hd = cfg.dim, cfg.head_dim
+    attention = h * (cfg.n_heads * hd) + 2 * h * (cfg.kv_heads * hd) + (cfg.n_heads * hd) * h
+    mlp = 3 * h * cfg.ffn_dim
+    norms = 2 * h
+    embedding = cfg.vocab_size * h
+    return ParamCount(
+        embedding=embedding,
+        per_layer=attention + mlp + norms,
+        final_norm=h,
+        lm_head=0 if cfg.tie_embeddings else cfg.vocab_size * h,
+        n_layers=cfg.n_layers,
+    )
+
+
+@dataclass(frozen=True)
+class FlopsPerToken:
+    """Forward FLOPs per token by part; training FLOPs follow from the backward convention."""
+
+    attention_projections: int
+    attention_scores: int
+    mlp: int
+    lm_head: int
+
+    @property
+    def forward(self) -> int:
+        return self.attention_projections + self.attention_scores + self.mlp + self.lm_head
+
+    @property
+    def train(self) -> int:
+        """Forward + backward: the model FLOPs that MFU counts."""
+        return 3 * self.forward
+
+    def with_recompute(self, policy: str, recomputed_fraction: float = 1.0) -> int:
+        """Training FLOPs including recomputation (what HFU counts).
+
+        `full` re-runs the forward of the recomputed blocks; `selective` re-runs only the
+        attention scores. `recomputed_fraction` is the share of blocks that recompute.
+        """
+        if policy == "full":
+            blocks = self.attention_projections + self.attention_scores + self.mlp
+            return self.train + round(blocks * recomputed_fraction)
+        if policy == "selective":
+            return self.train + round(self.attention_scores * recomputed_fraction)
+        return self.train
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> FlopsPerToken:
+    """Forward FLOPs per token of a sequence of `seq_len` tokens (see module conventions)."""
+    h, hd, n_layers = cfg.dim, cfg.head_dim, cfg.n_layers
+    q_width, kv_width = cfg.n_heads * hd, cfg.kv_heads * hd
+    projections = 2 * h * q_width + 2 * 2 * h * kv_width + 2 * q_width * h
+    # Q @ K^T and P @ V: each query meets seq_len keys in every head.
+    scores = 2 * 2 * seq_len * q_width
+    mlp = 3 * 2 * h * cfg.ffn_dim
+    return FlopsPerToken(
+        attention_projections=n_layers * projections,
+        attention_scores=n_layers * scores,
+        mlp=n_layers * mlp,
+        lm_head=2 * h * cfg.vocab_size,
+    )

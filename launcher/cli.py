@@ -1,0 +1,101 @@
+"""The `pretrain` command: compose a recipe with Hydra, validate, plan, then act.
+
+    pretrain --config-name RECIPE key=value +key=value ~key group=option [-m] [--cfg job]
+
+`action=run` (default) writes the run dir and launches (torchrun here, or sbatch);
+`action=plan` prints the plan and writes nothing; `action=script` writes the run dir and
+the job script and launches nothing. Nothing here imports torch, so the command starts fast.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+import hydra
+from hydra.core.config_store import ConfigStore
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+from launcher.schema import RecipeConfig, dump_config, to_recipe
+
+RECIPES_DIR = str(Path(__file__).resolve().parent.parent / "recipes")
+DEFAULT_RECIPE = "tiny"
+
+ConfigStore.instance().store(name="recipe_schema", node=RecipeConfig)
+
+
+def _run_dir(cfg: RecipeConfig) -> Path:
+    """The run dir: `run.dir`, else runs/<name>, plus the override string in a sweep."""
+    if cfg.run.dir:
+        return Path(cfg.run.dir).expanduser().resolve()
+    run_dir = Path("runs") / cfg.name
+    hydra_cfg = HydraConfig.get()
+    if hydra_cfg.mode is not None and hydra_cfg.mode.name == "MULTIRUN":
+        point = hydra_cfg.job.override_dirname or f"point{hydra_cfg.job.num}"
+        run_dir = run_dir / re.sub(r"[^A-Za-z0-9_.=,-]+", "_", point)
+    return run_dir.resolve()
+
+
+def _fail(message: str, code: int = 2) -> None:
+    print(message, file=sys.stderr)
+    raise SystemExit(code)
+
+
+def execute(cfg: RecipeConfig) -> None:
+    """Validate, plan and carry out `cfg.action` for one composed recipe."""
+    from launcher.plan import make_plan, plan_to_dict
+    from launcher.render import render_plan
+    from launcher.validate import RecipeError, validate
+
+    try:
+        validate(cfg, for_launch=cfg.action != "plan")
+    except RecipeError as err:
+        _fail(f"Recipe '{cfg.name}' is not valid:\n{err}")
+
+    plan = make_plan(cfg)
+    if cfg.action == "plan":
+        if cfg.plan.format == "json":
+            print(json.dumps(plan_to_dict(plan)))
+        else:
+            print(render_plan(plan))
+        return
+
+    from launcher.backends import LaunchError, run_local, submit_slurm
+    from launcher.job import JobError, write_run_dir
+
+    print(render_plan(plan))
+    try:
+        files = write_run_dir(cfg, Path(cfg.run.dir), dump_config(cfg))
+    except JobError as err:
+        _fail(str(err))
+    print(f"run dir:    {files.run_dir}")
+    print(f"config:     {files.config_path}")
+    print(f"job script: {files.script_path}")
+    if cfg.action == "script":
+        return
+
+    try:
+        if cfg.cluster.backend == "slurm":
+            job = submit_slurm(files)
+            print(f"submitted SLURM job {job.job_id}; log: {job.log_path}")
+            return
+        code = run_local(files, cfg)
+    except LaunchError as err:
+        _fail(str(err))
+    if code != 0:
+        _fail(f"training exited with code {code}; see the output above", code)
+
+
+@hydra.main(config_path=RECIPES_DIR, config_name=DEFAULT_RECIPE, version_base=None)
+def _hydra_main(node: DictConfig) -> None:
+    cfg = to_recipe(node)
+    cfg.run.dir = str(_run_dir(cfg))
+    execute(cfg)
+
+
+def main() -> None:
+    """Console entry point of `pretrain`."""
+    _hydra_main()

@@ -1,0 +1,32 @@
+"""Materialize a meta-device model and give it the same weights under every layout.
+
+Every parameter's full value comes from `models.init.initial_value(name, seed)`; a sharded
+(DTensor) parameter keeps only its own slice of it, so DP, ZeRO and TP runs all start from
+the weights of the single-device run.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from models.config import ModelConfig
+from models.init import initial_value
+
+
+@torch.no_grad()
+def materialize(model: nn.Module, cfg: ModelConfig, seed: int, device: torch.device) -> None:
+    """Allocate storage on `device` and fill parameters and buffers deterministically."""
+    model.to_empty(device=device)
+    for name, param in model.named_parameters():
+        full = initial_value(cfg, name, tuple(param.shape), seed).to(device)
+        if isinstance(param, DTensor):
+            # Every rank computed the same full tensor: slice locally, no communication.
+            local = distribute_tensor(
+                full, param.device_mesh, param.placements, src_data_rank=None
+            ).to_local()
+            param.to_local().copy_(local)
+        else:
+            param.copy_(full)
+    model.init_buffers(device)

@@ -1,0 +1,66 @@
+"""Activation recompute: none, full (every k-th block) or selective (keep matmul outputs).
+
+The block's own `forward` is wrapped in `torch.utils.checkpoint` on the instance, so
+parameter names stay those of the plain model (checkpoints do not depend on the policy)
+and FSDP's hooks, which run around `forward`, stay outside the recomputed region.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
+
+from launcher.schema import RecomputeConfig
+
+# Matmul outputs are expensive to recompute and small next to the attention core and the
+# elementwise activations, which selective recompute throws away (Korthikanti et al. 2022).
+_SAVED_OPS = {
+    torch.ops.aten.mm.default,
+    torch.ops.aten.addmm.default,
+    torch.ops.aten.bmm.default,
+}
+
+
+def _save_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    if op in _SAVED_OPS:
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _checkpointed(forward: Callable, context_fn: Callable | None) -> Callable:
+    def run(*args, **kwargs):
+        extra = {"context_fn": context_fn} if context_fn is not None else {}
+        return checkpoint(forward, *args, use_reentrant=False, **extra, **kwargs)
+
+    return run
+
+
+def recomputed_blocks(cfg: RecomputeConfig, n_layers: int) -> list[int]:
+    """Indices of the blocks whose activations are recomputed under `cfg`."""
+    if cfg.policy == "none":
+        return []
+    every = cfg.every if cfg.policy == "full" else 1
+    return [i for i in range(n_layers) if i % every == every - 1]
+
+
+def apply_recompute(model: nn.Module, cfg: RecomputeConfig) -> None:
+    """Wrap the forward of the blocks `recomputed_blocks` selects, in place."""
+    if cfg.policy == "none":
+        return
+    context_fn = (
+        partial(create_selective_checkpoint_contexts, _save_matmuls)
+        if cfg.policy == "selective"
+        else None
+    )
+    keys = sorted(model.layers.keys(), key=int)
+    for index in recomputed_blocks(cfg, len(keys)):
+        block = model.layers[keys[index]]
+        block.forward = _checkpointed(block.forward, context_fn)

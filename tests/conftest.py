@@ -1,0 +1,22 @@
+"""Shared test settings: one cache for tokenized corpora, a private temp dir, no W&B cloud."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # The tokenized test corpus is built once and shared by every test and rank.
+    os.environ.setdefault("PRETRAIN_CACHE_DIR", str(REPO / ".cache" / "tests"))
+    os.environ.setdefault("WANDB_MODE", "offline")
+    os.environ.setdefault("WANDB_SILENT", "true")
+    tmp = REPO / ".cache" / "tmp"
+    tmp.mkdir(parents=True, exist_ok=True)
+    # torchrun leaves a folder per launch under TMPDIR; keep them out of /tmp.
+    os.environ.setdefault("TMPDIR", str(tmp))
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(REPO / ".cache" / "inductor"))

@@ -1,0 +1,77 @@
+"""Parity harness: train the tiny model under a layout and read back its loss curve.
+
+Each run goes through the real `pretrain` CLI (Hydra compose, validation, run dir,
+torchrun with gloo on CPU), so a layout is tested exactly as a user would launch it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+# Small enough to build and train in seconds, large enough that every layout has
+# gradient accumulation (global batch 8 = micro-batch 2 x accumulation x dp).
+BASE_OVERRIDES = (
+    "model.vocab_size=512",
+    "model.dim=64",
+    "model.n_heads=4",
+    "model.n_kv_heads=2",
+    "model.ffn_dim=192",
+    "model.n_layers=4",
+    "data.max_bytes=400000",
+    "train.steps=6",
+    "train.seq_len=64",
+    "train.micro_batch=2",
+    "train.global_batch=8",
+    "schedule.warmup_steps=2",
+    "optim.lr=3e-3",
+    "logging.log_every=1",
+    "logging.wandb=disabled",
+)
+
+
+@dataclass(frozen=True)
+class Curve:
+    """Per-step metrics of one run, as logged to metrics.jsonl."""
+
+    loss: list[float]
+    grad_norm: list[float]
+
+
+def run_pretrain(run_dir: Path, overrides: list[str], nproc: int, timeout: float = 300) -> Curve:
+    """Train through the CLI with `nproc` CPU ranks and return the logged curve."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "launcher",
+        "--config-name",
+        "tiny",
+        *BASE_OVERRIDES,
+        f"cluster.gpus_per_node={nproc}",
+        f"run.dir={run_dir}",
+        *overrides,
+    ]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    if result.returncode != 0:
+        raise AssertionError(
+            f"pretrain failed ({result.returncode}):\n{result.stdout[-4000:]}\n"
+            f"{result.stderr[-4000:]}"
+        )
+    return read_curve(run_dir / "metrics.jsonl")
+
+
+def read_curve(path: Path) -> Curve:
+    """The loss and gradient-norm curves of a metrics.jsonl file."""
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return Curve(loss=[r["loss"] for r in rows], grad_norm=[r["grad_norm"] for r in rows])
+
+
+def max_relative_difference(a: list[float], b: list[float]) -> float:
+    """Largest |a - b| / |b| over steps; the curves must have the same length."""
+    assert len(a) == len(b), f"curves differ in length: {len(a)} vs {len(b)}"
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b, strict=True))

@@ -1,0 +1,57 @@
+"""Every data-parallel layout and recompute policy reproduces the single-process loss curve.
+
+FP32 on CPU: the per-step loss must match the one-process reference within a relative
+1e-5 (what reordered FP32 sums leave); BF16 within 2e-2 of the BF16 reference.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.distributed.harness import max_relative_difference, run_pretrain
+
+pytestmark = pytest.mark.distributed
+
+FP32_TOLERANCE = 1e-5
+BF16_TOLERANCE = 2e-2
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("parity")
+
+
+@pytest.fixture(scope="module")
+def reference(workdir: Path):
+    return run_pretrain(workdir / "reference", [], nproc=1)
+
+
+def test_reference_loss_falls(reference) -> None:
+    assert reference.loss[-1] < reference.loss[0] - 0.5
+
+
+@pytest.mark.parametrize(
+    ("label", "overrides", "nproc"),
+    [
+        ("ddp_dp2", ["parallel.zero=0"], 2),
+        ("zero1_dp2", ["parallel.zero=1"], 2),
+        ("zero2_dp2", ["parallel.zero=2"], 2),
+        ("zero3_dp2", ["parallel.zero=3"], 2),
+        ("hsdp_dp4", ["parallel.zero=3", "parallel.dp_replicate=2"], 4),
+        ("full_recompute_zero3_dp2", ["parallel.zero=3", "recompute=full"], 2),
+        ("selective_recompute_dp1", ["recompute=selective"], 1),
+        ("full_recompute_every2_dp2", ["recompute=full", "recompute.every=2"], 2),
+    ],
+)
+def test_fp32_layout_matches_reference(workdir, reference, label, overrides, nproc) -> None:
+    curve = run_pretrain(workdir / label, overrides, nproc=nproc)
+    assert max_relative_difference(curve.loss, reference.loss) <= FP32_TOLERANCE
+    assert max_relative_difference(curve.grad_norm, reference.grad_norm) <= FP32_TOLERANCE
+
+
+def test_bf16_zero2_tracks_bf16_reference(workdir) -> None:
+    reference = run_pretrain(workdir / "bf16_reference", ["precision=bf16"], nproc=1)
+    curve = run_pretrain(workdir / "bf16_zero2", ["precision=bf16", "parallel.zero=2"], nproc=2)
+    assert max_relative_difference(curve.loss, reference.loss) <= BF16_TOLERANCE

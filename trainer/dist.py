@@ -1,0 +1,61 @@
+"""Process-group set-up for one rank: backend, device and the rank's place in the job."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from launcher.schema import ClusterConfig
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """Who this process is in the job."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def init_distributed(cluster: ClusterConfig, timeout_s: float = 600.0) -> RankInfo:
+    """Join the job's process group (gloo on CPU, NCCL on CUDA) from torchrun's environment.
+
+    A single process started without torchrun still gets a one-rank group, so the trainer
+    has one code path.
+    """
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if cluster.device == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError(
+                "cluster.device=cuda but this node has no CUDA device; "
+                "use cluster.device=cpu to run on CPU"
+            )
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        device = torch.device("cpu")
+        backend = "gloo"
+    timeout = timedelta(seconds=timeout_s)
+    if "WORLD_SIZE" in os.environ:
+        dist.init_process_group(backend=backend, timeout=timeout)
+    else:
+        # Started without torchrun: a one-rank group on an in-memory store needs no port.
+        dist.init_process_group(
+            backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
+        )
+    return RankInfo(
+        rank=dist.get_rank(),
+        world_size=dist.get_world_size(),
+        local_rank=local_rank,
+        device=device,
+    )

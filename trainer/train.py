@@ -1,0 +1,152 @@
+"""The per-rank training program: set up from the frozen config, then step and log."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from launcher.layout import Degrees, grad_accum_steps, resolve_degrees
+from launcher.schema import RecipeConfig, load_config
+from models.flops import count_params, flops_per_token
+from parallel.clip import clip_grad_norm_
+from parallel.data import gradient_sync, uses_fsdp
+from parallel.mesh import build_mesh
+from parallel.recompute import recomputed_blocks
+from trainer.build import TrainState, build_train_state
+from trainer.data import DataLoader, GlobalBatchSampler, prepare_dataset
+from trainer.dist import RankInfo, init_distributed
+from trainer.loggers import MetricsLogger
+from trainer.metrics import ThroughputMeter, peak_memory_gib, resolve_peak_flops
+
+
+def _autocast(cfg: RecipeConfig, degrees: Degrees, device: torch.device):
+    """BF16 autocast where FSDP's mixed-precision policy does not already cast."""
+    enabled = cfg.precision.dtype == "bf16" and not uses_fsdp(cfg.parallel, degrees)
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=enabled)
+
+
+def train_step(
+    state: TrainState,
+    micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
+    cfg: RecipeConfig,
+    degrees: Degrees,
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One optimizer step over this rank's accumulation micro-batches.
+
+    Returns this rank's mean loss and the global gradient norm (before clipping).
+    """
+    accum = len(micro_batches)
+    loss_sum = torch.zeros((), device=device)
+    for i, (inputs, targets) in enumerate(micro_batches):
+        inputs, targets = inputs.to(device), targets.to(device)
+        with gradient_sync(state.model, enabled=i == accum - 1):
+            with _autocast(cfg, degrees, device):
+                logits = state.model(inputs)
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+            (loss / accum).backward()
+        loss_sum += loss.detach()
+    norm = clip_grad_norm_(state.plain.parameters(), cfg.optim.grad_clip)
+    state.optimizer.step()
+    state.scheduler.step()
+    state.optimizer.zero_grad(set_to_none=True)
+    return loss_sum / accum, norm
+
+
+def _hfu_flops_per_token(cfg: RecipeConfig) -> int:
+    flops = flops_per_token(cfg.model, cfg.train.seq_len)
+    blocks = recomputed_blocks(cfg.recompute, cfg.model.n_layers)
+    return flops.with_recompute(cfg.recompute.policy, len(blocks) / cfg.model.n_layers)
+
+
+def run(cfg: RecipeConfig, rank: RankInfo) -> None:
+    """Train `cfg` on this rank until `train.steps`."""
+    degrees = resolve_degrees(cfg)
+    if degrees.world != rank.world_size:
+        raise RuntimeError(
+            f"the recipe's layout needs {degrees.world} ranks but torchrun started "
+            f"{rank.world_size}; launch it with `pretrain` or fix cluster.gpus_per_node"
+        )
+    torch.manual_seed(cfg.seed)
+    mesh = build_mesh(degrees, rank.device.type)
+    dp_rank = mesh["dp"].get_local_rank()
+    dp_group = mesh["dp"].get_group()
+    run_dir = Path(cfg.run.dir)
+
+    state = build_train_state(cfg, mesh, degrees, rank.device)
+    dataset = prepare_dataset(cfg.data, vocab_size=cfg.model.vocab_size, seq_len=cfg.train.seq_len)
+    sampler = GlobalBatchSampler(len(dataset), cfg.train.global_batch, cfg.seed)
+    loader = DataLoader(
+        dataset, sampler, dp_rank=dp_rank, dp_size=degrees.dp, micro_batch=cfg.train.micro_batch
+    )
+
+    model_flops = flops_per_token(cfg.model, cfg.train.seq_len).train
+    peak = resolve_peak_flops(rank.device, cfg.precision.dtype, cfg.hardware)
+    meter = ThroughputMeter(
+        tokens_per_step=cfg.train.global_batch * cfg.train.seq_len,
+        model_flops_per_token=model_flops,
+        hardware_flops_per_token=_hfu_flops_per_token(cfg),
+        devices=rank.world_size,
+        peak=peak,
+    )
+    from omegaconf import OmegaConf
+
+    config_dict = OmegaConf.to_container(OmegaConf.structured(cfg))
+    with MetricsLogger(
+        run_dir,
+        is_main=rank.is_main,
+        logging=cfg.logging,
+        config=config_dict,
+        run_name=cfg.name,
+        total_steps=cfg.train.steps,
+    ) as logger:
+        if rank.is_main:
+            params = count_params(cfg.model).total
+            print(
+                f"[trainer] {cfg.name}: {params / 1e6:.2f}M parameters, world {rank.world_size} "
+                f"(dp {degrees.dp}, zero {cfg.parallel.zero}), "
+                f"grad accum {grad_accum_steps(cfg)}, {len(dataset)} sequences; "
+                f"peak {peak.tflops} TFLOP/s ({peak.source})",
+                flush=True,
+            )
+        window_start = time.perf_counter()
+        window_data_wait = 0.0
+        window_steps = 0
+        for step in range(cfg.train.steps):
+            wait_start = time.perf_counter()
+            micro_batches = loader.next_step()
+            window_data_wait += time.perf_counter() - wait_start
+            lr = state.scheduler.get_last_lr()[0]
+            loss, norm = train_step(state, micro_batches, cfg, degrees, rank.device)
+            window_steps += 1
+            last = step == cfg.train.steps - 1
+            if (step + 1) % cfg.logging.log_every and not last:
+                continue
+            dist.all_reduce(loss, group=dp_group)
+            loss_value = loss.item() / degrees.dp
+            elapsed = time.perf_counter() - window_start
+            metrics = {
+                "loss": loss_value,
+                "lr": lr,
+                "grad_norm": norm.item(),
+                **meter.measure(
+                    steps=window_steps, elapsed_s=elapsed, data_wait_s=window_data_wait
+                ),
+                "mem_peak_gib": peak_memory_gib(rank.device),
+            }
+            logger.log(step + 1, metrics)
+            window_start, window_data_wait, window_steps = time.perf_counter(), 0.0, 0
+
+
+def main(config_path: str) -> None:
+    """Run one rank of the job described by the run dir's config.yaml."""
+    cfg = load_config(config_path)
+    rank = init_distributed(cfg.cluster)
+    try:
+        run(cfg, rank)
+    finally:
+        dist.destroy_process_group()

@@ -12,7 +12,7 @@ from torch import nn
 from models import build
 from models.config import ModelConfig
 from models.init import init_std, init_weights, initial_value
-from models.llama import Attention, Transformer, build_on_meta
+from models.llama import Attention, RMSNorm, Transformer, build_on_meta
 
 # The tiny recipe's shape (recipes/model/tiny.yaml): 4 query heads share 2 KV heads.
 TINY = ModelConfig(
@@ -64,6 +64,27 @@ def test_sequence_longer_than_max_seq_len_is_rejected() -> None:
     cfg = dataclasses.replace(TINY, max_seq_len=SEQ_LEN - 1)
     with pytest.raises(ValueError, match="max_seq_len"):
         initialized(cfg)(random_tokens(cfg))
+
+
+def test_rms_norm_normalizes_in_float32_and_returns_input_dtype() -> None:
+    norm = RMSNorm(TINY.dim, eps=1e-5)
+    g = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(TINY.dim, generator=g) + 0.5)
+    # Small activations, so that eps visibly changes the result.
+    x = 1e-2 * torch.randn(BATCH, SEQ_LEN, TINY.dim, generator=g)
+    x64 = x.double()
+    expected = x64 / (x64.pow(2).mean(-1, keepdim=True) + 1e-5).sqrt() * norm.weight.double()
+    with torch.no_grad():
+        torch.testing.assert_close(norm(x), expected.float())
+        # bf16 activations and weight, as under mixed precision: the statistics are still
+        # exact, and only the normalized value and the product are rounded to bf16.
+        low, low_norm = x.bfloat16(), norm.bfloat16()
+        out = low_norm(low)
+    low64 = low.double()
+    normed = (low64 / (low64.pow(2).mean(-1, keepdim=True) + 1e-5).sqrt()).bfloat16()
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out, normed * low_norm.weight)
 
 
 # --- attention against an explicit reference ----------------------------------------------

@@ -157,13 +157,14 @@ class Transformer(nn.Module):
         A pipeline stage without `tok_embeddings` takes hidden states [b, s, dim] instead;
         one without `output` returns hidden states.
         """
-        h = tokens if self.tok_embeddings is None else self.tok_embeddings(tokens)
-        seq_len = h.shape[1]
+        # The input's length, not the embedding's: sequence parallelism may shard the latter.
+        seq_len = tokens.shape[1]
         if seq_len > self.rope_cos.shape[0]:
             raise ValueError(
                 f"sequence of {seq_len} tokens exceeds max_seq_len {self.cfg.max_seq_len}"
             )
         cos, sin = self.rope_cos[:seq_len], self.rope_sin[:seq_len]
+        h = tokens if self.tok_embeddings is None else self.tok_embeddings(tokens)
         for layer in self.layers.values():
             h = layer(h, cos, sin)
         if self.norm is not None:

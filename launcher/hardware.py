@@ -1,0 +1,116 @@
+"""A table of known accelerators: memory, dense peak TFLOP/s per dtype, compute capability.
+
+Peaks are dense (without 2:4 structured sparsity), per device, from the vendors' datasheets:
+NVIDIA H100 Tensor Core GPU datasheet (SXM5 and PCIe columns), NVIDIA H200 Tensor Core GPU
+datasheet (SXM column), NVIDIA A100 Tensor Core GPU datasheet (SXM4/PCIe columns), NVIDIA DGX
+B200 / HGX B200 datasheet (8-GPU system figures divided by 8), NVIDIA L40S datasheet and the
+NVIDIA V100 datasheet (SXM2). The datasheets quote tensor-core figures "with sparsity"; the
+dense figure is half of that. `fp32` is the plain (non-tensor-core) FP32 rate.
+
+Memory is the nominal capacity in GiB; CUDA reports slightly less as usable.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class GpuSpec:
+    """One accelerator model as the planner and the metrics see it."""
+
+    name: str
+    memory_gib: float
+    """Nominal device memory; 0 for `cpu` (the planner does not compare against it)."""
+    peak_tflops: dict[str, float] = field(default_factory=dict)
+    """Dense peak TFLOP/s by compute dtype; a dtype missing here is not supported."""
+    compute_capability: tuple[int, int] = (0, 0)
+    gpus_per_node_typical: int = 8
+
+    @property
+    def supports_bf16(self) -> bool:
+        """Whether the device computes in bf16 (compute capability 8.0 and newer; any CPU)."""
+        return self.name == "cpu" or self.compute_capability >= (8, 0)
+
+
+_HOPPER_SXM = {"fp8": 1979.0, "bf16": 989.5, "fp16": 989.5, "tf32": 494.5, "fp32": 67.0}
+_AMPERE = {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5}
+
+GPUS: dict[str, GpuSpec] = {
+    spec.name: spec
+    for spec in (
+        GpuSpec("h100_sxm", 80, dict(_HOPPER_SXM), (9, 0), 8),
+        GpuSpec(
+            "h100_pcie",
+            80,
+            {"fp8": 1513.0, "bf16": 756.0, "fp16": 756.0, "tf32": 378.0, "fp32": 51.0},
+            (9, 0),
+            8,
+        ),
+        # The H200 has the H100 SXM's compute with more and faster memory.
+        GpuSpec("h200_sxm", 141, dict(_HOPPER_SXM), (9, 0), 8),
+        GpuSpec("a100_sxm_80gb", 80, dict(_AMPERE), (8, 0), 8),
+        GpuSpec("a100_sxm_40gb", 40, dict(_AMPERE), (8, 0), 8),
+        GpuSpec("a100_pcie_80gb", 80, dict(_AMPERE), (8, 0), 8),
+        GpuSpec(
+            "b200",
+            180,
+            {"fp8": 4500.0, "bf16": 2250.0, "fp16": 2250.0, "tf32": 1125.0, "fp32": 75.0},
+            (10, 0),
+            8,
+        ),
+        GpuSpec(
+            "l40s",
+            48,
+            {"fp8": 733.0, "bf16": 362.05, "fp16": 362.05, "tf32": 183.0, "fp32": 91.6},
+            (8, 9),
+            8,
+        ),
+        # Volta has no bf16 and no tf32: kept so that bf16 on it is refused by name.
+        GpuSpec("v100_sxm_32gb", 32, {"fp16": 125.0, "fp32": 15.7}, (7, 0), 8),
+        # Ranks on CPU: no table peak (the metrics measure one), no device memory to fit.
+        GpuSpec("cpu", 0, {}, (0, 0), 1),
+    )
+}
+
+# Patterns over torch.cuda.get_device_name(), first match wins; NVL, GH200 and the 40GB
+# PCIe A100 differ in clocks or memory from every entry above, so they match nothing.
+_DEVICE_NAME_PATTERNS: tuple[tuple[str, str], ...] = (
+    (r"\bH100\b.*\b(PCIE)\b", "h100_pcie"),
+    (r"^(NVIDIA )?H100\b(?!.*\bNVL\b)", "h100_sxm"),
+    (r"^(NVIDIA )?H200\b(?!.*\bNVL\b)", "h200_sxm"),
+    (r"\bA100-SXM4?-80GB\b", "a100_sxm_80gb"),
+    (r"\bA100-SXM4?-40GB\b", "a100_sxm_40gb"),
+    (r"\bA100\b.*80GB.*\bPCIE\b|\bA100-PCIE-80GB\b", "a100_pcie_80gb"),
+    (r"^(NVIDIA )?B200\b", "b200"),
+    (r"^(NVIDIA )?L40S\b", "l40s"),
+    (r"\bV100-SXM2-32GB\b", "v100_sxm_32gb"),
+)
+
+
+def known_gpus() -> list[str]:
+    """Names of every entry in the table, in table order."""
+    return list(GPUS)
+
+
+def gpu_spec(name: str) -> GpuSpec:
+    """The table entry for `name`; a KeyError lists the known names if there is none."""
+    try:
+        return GPUS[name]
+    except KeyError:
+        raise KeyError(f"unknown GPU type {name!r}; known: {', '.join(GPUS)}") from None
+
+
+def match_device_name(cuda_device_name: str) -> str | None:
+    """The table name for a CUDA device name ("NVIDIA H100 80GB HBM3" -> "h100_sxm")."""
+    text = " ".join(cuda_device_name.upper().split())
+    for pattern, name in _DEVICE_NAME_PATTERNS:
+        if re.search(pattern, text):
+            return name
+    return None
+
+
+def peak_tflops(name: str, dtype: str) -> float | None:
+    """Dense peak TFLOP/s of `name` for `dtype`, or None where the table has no figure."""
+    return gpu_spec(name).peak_tflops.get(dtype)

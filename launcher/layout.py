@@ -1,0 +1,152 @@
+"""Parallel layout: degrees resolved from the world size, and which ranks form each group.
+
+The mesh's dims are, outer to inner, (pp, dp_replicate, dp_shard, tp), laid over global
+ranks in row-major order: tp is innermost, so a TP group is consecutive ranks of one node.
+The trainer builds its DeviceMesh from the same `resolve_degrees`, so the plan and the run
+agree on every group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import product
+
+from launcher.schema import RecipeConfig
+
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+"""Mesh dims, outer to inner."""
+
+
+@dataclass(frozen=True)
+class Degrees:
+    """Resolved parallel degrees; pp * dp_replicate * dp_shard * tp == world."""
+
+    pp: int
+    dp_replicate: int
+    dp_shard: int
+    tp: int
+    ep: int
+    world: int
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel degree: replicas times shards."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def mesh_shape(self) -> tuple[int, int, int, int]:
+        """Sizes of the mesh dims in `MESH_DIMS` order."""
+        return (self.pp, self.dp_replicate, self.dp_shard, self.tp)
+
+
+def world_size(cfg: RecipeConfig) -> int:
+    """Ranks in the job: nodes times ranks per node."""
+    return cfg.cluster.nodes * cfg.cluster.gpus_per_node
+
+
+def resolve_degrees(cfg: RecipeConfig) -> Degrees:
+    """The degrees of `cfg` with dp_shard=-1 filled from the world size.
+
+    Raises RecipeError (naming `parallel.dp_shard`) when the degrees cannot tile the world.
+    """
+    p = cfg.parallel
+    world = world_size(cfg)
+    fixed = p.pp * p.dp_replicate * p.tp
+    if min(p.pp, p.dp_replicate, p.tp, p.ep, world) < 1 or (p.dp_shard < 1 and p.dp_shard != -1):
+        _fail(
+            p.dp_shard,
+            f"degrees pp={p.pp}, dp_replicate={p.dp_replicate}, dp_shard={p.dp_shard}, "
+            f"tp={p.tp}, ep={p.ep} and world size {world} must be positive (dp_shard may be -1)",
+            "use positive degrees; dp_shard=-1 fills the rest of the world",
+        )
+    where = f"{cfg.cluster.nodes} node(s) x {cfg.cluster.gpus_per_node} GPU(s)"
+    if p.dp_shard == -1:
+        if world % fixed:
+            _fail(
+                p.dp_shard,
+                f"the world size {world} ({where}) is not divisible by pp*dp_replicate*tp = "
+                f"{p.pp}*{p.dp_replicate}*{p.tp} = {fixed}",
+                f"choose pp*dp_replicate*tp among the divisors of {world}: "
+                f"{or_list(divisors(world))}",
+            )
+        return Degrees(p.pp, p.dp_replicate, world // fixed, p.tp, p.ep, world)
+    if fixed * p.dp_shard != world:
+        fill = f"dp_shard={world // fixed} or -1" if world % fixed == 0 else "-1 after fixing tp/pp"
+        _fail(
+            p.dp_shard,
+            f"pp*dp_replicate*dp_shard*tp = {p.pp}*{p.dp_replicate}*{p.dp_shard}*{p.tp} = "
+            f"{fixed * p.dp_shard} but the world size is {world} ({where})",
+            f"set parallel.{fill}, or change cluster.nodes/gpus_per_node",
+        )
+    return Degrees(p.pp, p.dp_replicate, p.dp_shard, p.tp, p.ep, world)
+
+
+def _fail(value: object, reason: str, fix: str, field: str = "parallel.dp_shard") -> None:
+    # Imported here: validate imports this module for its layout rules.
+    from launcher.validate import Problem, RecipeError
+
+    raise RecipeError([Problem(field, value, reason, fix)])
+
+
+def rank_groups(degrees: Degrees) -> dict[str, list[list[int]]]:
+    """Global ranks of every group along each mesh dim, plus `dp` and `ep`.
+
+    `dp` joins dp_replicate and dp_shard (gradient reduction spans both); `ep` splits each
+    dp group into consecutive chunks of ep members (expert parallelism borrows dp ranks).
+    """
+    shape = degrees.mesh_shape
+    strides = [1] * len(shape)
+    for i in range(len(shape) - 2, -1, -1):
+        strides[i] = strides[i + 1] * shape[i + 1]
+
+    def groups_along(dims: tuple[int, ...]) -> list[list[int]]:
+        others = [i for i in range(len(shape)) if i not in dims]
+        result = []
+        for fixed in product(*(range(shape[i]) for i in others)):
+            base = sum(c * strides[i] for c, i in zip(fixed, others, strict=True))
+            members = product(*(range(shape[i]) for i in dims))
+            result.append(
+                [base + sum(c * strides[i] for c, i in zip(m, dims, strict=True)) for m in members]
+            )
+        return result
+
+    groups = {name: groups_along((i,)) for i, name in enumerate(MESH_DIMS)}
+    groups["dp"] = groups_along((1, 2))
+    groups["ep"] = [
+        g[i : i + degrees.ep] for g in groups["dp"] for i in range(0, len(g), degrees.ep)
+    ]
+    return groups
+
+
+def grad_accum_steps(cfg: RecipeConfig) -> int:
+    """Micro-batches each rank runs per optimizer step: global / (micro_batch * dp).
+
+    Raises RecipeError (naming `train.global_batch`) when the division leaves a remainder.
+    """
+    micro, dp, batch = cfg.train.micro_batch, resolve_degrees(cfg).dp, cfg.train.global_batch
+    per_pass = micro * dp
+    if per_pass < 1 or batch < 1 or batch % per_pass:
+        _fail(
+            batch,
+            f"not divisible by micro_batch*dp = {micro}*{dp} = {per_pass}",
+            f"use a multiple of {per_pass}, e.g. {or_list(nearby_multiples(batch, per_pass))}",
+            field="train.global_batch",
+        )
+    return batch // per_pass
+
+
+def divisors(n: int) -> list[int]:
+    """Positive divisors of n in ascending order."""
+    return [d for d in range(1, n + 1) if n % d == 0] if n > 0 else []
+
+
+def nearby_multiples(value: int, step: int) -> list[int]:
+    """The positive multiples of `step` just below and just above `value`."""
+    below = value // step * step
+    return [v for v in (below, below + step) if v > 0] if step > 0 else []
+
+
+def or_list(values: list) -> str:
+    """Choices as prose: '1, 2, 4 or 8'."""
+    words = [str(v) for v in values]
+    return words[0] if len(words) == 1 else ", ".join(words[:-1]) + " or " + words[-1]

@@ -1,0 +1,130 @@
+"""The plan as a readable text report (rich tables rendered to a string)."""
+
+from __future__ import annotations
+
+import io
+
+from launcher.plan import GIB, MFU_ASSUMPTION, Plan
+
+WIDTH = 100
+MEMBERS_SHOWN = 8
+"""Ranks listed per group before the list is abbreviated."""
+
+
+def render_plan(plan: Plan) -> str:
+    """A multi-section plain-text table of the plan, WIDTH columns wide."""
+    # rich costs ~20 ms to import: only `action=plan` with the table format pays it.
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(record=True, width=WIDTH, file=io.StringIO(), color_system=None)
+
+    def section(title: str, rows: list[tuple[str, str]]) -> None:
+        table = Table(title=title, title_justify="left", show_header=False, min_width=60)
+        table.add_column(style="bold")
+        table.add_column(overflow="fold")
+        for key, value in rows:
+            table.add_row(key, value)
+        console.print(table)
+
+    d = plan.degrees
+    section(
+        f"Plan: {plan.name}",
+        [
+            ("world", f"{d.world} ranks"),
+            (
+                "degrees",
+                f"pp={d.pp} dp_replicate={d.dp_replicate} dp_shard={d.dp_shard} "
+                f"tp={d.tp} ep={d.ep} (dp={d.dp})",
+            ),
+        ]
+        + [
+            (f"{dim} groups", _groups(groups, plan.rank_group_counts[dim]))
+            for dim, groups in plan.rank_groups.items()
+            if len(groups[0]) > 1  # a dim of size 1 groups nothing
+        ],
+    )
+    section(
+        "Model",
+        [
+            ("parameters", _count(plan.params_total)),
+            ("non-embedding", _count(plan.params_non_embedding)),
+            (
+                "first / last stage",
+                f"{_count(plan.params_first_stage)} / {_count(plan.params_last_stage)}",
+            ),
+            ("per rank (largest stage / tp)", _count(plan.params_per_rank)),
+        ],
+    )
+    section(
+        "Compute",
+        [
+            ("FLOPs/token forward", _flops(plan.flops_per_token_forward)),
+            ("FLOPs/token train (MFU)", _flops(plan.flops_per_token_train)),
+            ("FLOPs/token with recompute (HFU)", _flops(plan.flops_per_token_hardware)),
+            ("tokens per step", f"{plan.tokens_per_step:,}"),
+            ("grad-accum steps", str(plan.grad_accum)),
+            ("pipeline micro-batches", str(plan.pp_microbatches)),
+            ("pipeline bubble", f"{plan.bubble_fraction:.1%}"),
+        ],
+    )
+    memory = Table(title="Memory per rank (GiB)", title_justify="left", min_width=60)
+    for column in ("ZeRO", "params", "grads", "optimizer", "model states", "+ activations"):
+        memory.add_column(column, justify="right")
+    for zero, states in plan.model_states_by_zero.items():
+        mark = " *" if zero == plan.zero else ""
+        memory.add_row(
+            f"{zero}{mark}",
+            *(f"{v / GIB:.2f}" for v in (states.params, states.grads, states.optimizer)),
+            f"{states.total / GIB:.2f}",
+            f"{(states.total + plan.activations) / GIB:.2f}",
+        )
+    console.print(memory)
+    gpu = f"{plan.gpu_memory_gib:g} GiB" if plan.gpu_memory_gib else "n/a (cpu)"
+    section(
+        "Fit and speed",
+        [
+            ("activations", f"{plan.activations / GIB:.2f} GiB"),
+            (f"total at ZeRO {plan.zero}", f"{plan.memory_gib:.2f} GiB"),
+            (f"{plan.gpu_type} memory", gpu),
+            ("peak TFLOP/s per device", _maybe(plan.peak_tflops, "{:g}")),
+            (f"step time at {MFU_ASSUMPTION:.0%} MFU", _maybe(plan.step_time_s, "{:.3g} s")),
+            ("tokens/s", _maybe(plan.tokens_per_s, "{:,.0f}")),
+        ],
+    )
+    for line in plan.warnings:
+        console.print(f"warning: {line}")
+    for line in plan.assumptions:
+        console.print(f"assumed: {line}")
+    return console.export_text()
+
+
+def _groups(groups: list[list[int]], count: int) -> str:
+    shown = "  ".join(_members(g) for g in groups)
+    more = f"  … ({count} groups)" if count > len(groups) else ""
+    return shown + more
+
+
+def _members(ranks: list[int]) -> str:
+    if len(ranks) <= MEMBERS_SHOWN:
+        return "[" + ",".join(map(str, ranks)) + "]"
+    head = ",".join(map(str, ranks[: MEMBERS_SHOWN - 2]))
+    return f"[{head},…,{ranks[-1]}] ({len(ranks)} ranks)"
+
+
+def _count(n: int) -> str:
+    for scale, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            return f"{n / scale:.2f}{suffix} ({n:,})"
+    return f"{n:,}"
+
+
+def _flops(n: int) -> str:
+    for scale, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            return f"{n / scale:.3g} {prefix}FLOP"
+    return f"{n} FLOP"
+
+
+def _maybe(value: float | None, fmt: str) -> str:
+    return fmt.format(value) if value is not None else "n/a"

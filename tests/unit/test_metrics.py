@@ -1,0 +1,134 @@
+"""Throughput metrics: MFU/HFU arithmetic, where the peak comes from, timing and memory."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from launcher.schema import HardwareConfig
+from models.config import ModelConfig
+from models.flops import flops_per_token
+from trainer.metrics import (
+    GIB,
+    PeakFlops,
+    StepTimer,
+    ThroughputMeter,
+    peak_memory_gib,
+    resolve_peak_flops,
+    table_peak_flops,
+)
+
+
+def test_mfu_is_model_flops_per_token_times_tokens_per_s_per_device_over_peak() -> None:
+    tokens_per_step, devices, step_time, peak_tflops = 2**20, 8, 2.0, 989.5
+    model_flops, hardware_flops = 1e12, 1.25e12
+    meter = ThroughputMeter(
+        tokens_per_step=tokens_per_step,
+        model_flops_per_token=model_flops,
+        hardware_flops_per_token=hardware_flops,
+        num_devices=devices,
+        peak=PeakFlops(peak_tflops, "recipe"),
+    )
+    metrics = meter.measure(step_time_s=step_time, data_wait_s=0.5)
+
+    per_device = tokens_per_step / step_time / devices
+    assert metrics["tokens_per_s"] == pytest.approx(tokens_per_step / step_time)
+    assert metrics["tokens_per_s_per_device"] == pytest.approx(per_device)
+    assert metrics["tflops_per_device"] == pytest.approx(model_flops * per_device / 1e12)
+    assert metrics["mfu"] == pytest.approx(model_flops * per_device / (peak_tflops * 1e12))
+    assert metrics["hfu"] == pytest.approx(hardware_flops * per_device / (peak_tflops * 1e12))
+    assert (metrics["step_time_s"], metrics["data_wait_s"]) == (step_time, 0.5)
+
+
+def test_recompute_raises_hfu_above_mfu_with_the_model_flops_definition() -> None:
+    flops = flops_per_token(ModelConfig(), seq_len=128)
+    meter = ThroughputMeter(
+        tokens_per_step=16 * 128,
+        model_flops_per_token=flops.train,
+        hardware_flops_per_token=flops.with_recompute("full"),
+        num_devices=2,
+        peak=PeakFlops(0.05, "recipe"),
+    )
+    metrics = meter.measure(step_time_s=0.5)
+    assert metrics["hfu"] / metrics["mfu"] == pytest.approx(
+        flops.with_recompute("full") / flops.train
+    )
+
+
+def test_without_a_peak_mfu_and_hfu_are_none_but_throughput_is_reported() -> None:
+    meter = ThroughputMeter(
+        tokens_per_step=1000,
+        model_flops_per_token=6e6,
+        hardware_flops_per_token=6e6,
+        num_devices=1,
+        peak=PeakFlops(None, "unknown device X; set hardware.peak_tflops"),
+    )
+    metrics = meter.measure(step_time_s=1.0)
+    assert metrics["mfu"] is None and metrics["hfu"] is None
+    assert metrics["tflops_per_device"] == pytest.approx(6e6 * 1000 / 1e12)
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_recipe_peak_beats_table_and_measurement(device: str) -> None:
+    peak = resolve_peak_flops(torch.device(device), "bf16", HardwareConfig(peak_tflops=123.0))
+    assert peak == PeakFlops(123.0, "recipe")
+
+
+def test_cpu_peak_is_measured_quickly_and_positive() -> None:
+    start = time.perf_counter()
+    peak = resolve_peak_flops(torch.device("cpu"), "fp32", HardwareConfig())
+    elapsed = time.perf_counter() - start
+    assert peak.source == "measured CPU matmul"
+    assert peak.tflops is not None and peak.tflops > 0
+    assert elapsed < 2.0
+
+
+def test_known_gpu_name_gives_the_table_peak_for_the_dtype() -> None:
+    hardware = pytest.importorskip("launcher.hardware")
+    name = "NVIDIA H100 80GB HBM3"
+    key = hardware.match_device_name(name)
+    assert key is not None
+    expected = hardware.gpu_spec(key).peak_tflops["bf16"]
+    assert table_peak_flops(name, "bf16") == PeakFlops(expected, f"table: {key} bf16")
+
+
+def test_unknown_gpu_gives_no_peak_and_says_how_to_set_one() -> None:
+    pytest.importorskip("launcher.hardware")
+    peak = table_peak_flops("Acme Tensor Blaster 9000", "bf16")
+    assert peak == PeakFlops(
+        None, "unknown device Acme Tensor Blaster 9000; set hardware.peak_tflops"
+    )
+
+
+def test_known_gpu_without_the_dtype_gives_no_peak() -> None:
+    hardware = pytest.importorskip("launcher.hardware")
+    name = "Tesla V100-SXM2-32GB"
+    key = hardware.match_device_name(name)
+    if key is None or "bf16" in hardware.gpu_spec(key).peak_tflops:
+        pytest.skip("the GPU table has no known device without bf16")
+    peak = table_peak_flops(name, "bf16")
+    assert peak.tflops is None
+    assert key in peak.source and "hardware.peak_tflops" in peak.source
+
+
+def test_step_timer_averages_steps_and_data_wait_since_the_last_lap() -> None:
+    timer = StepTimer(torch.device("cpu"))
+    for _ in range(2):
+        with timer.data_wait():
+            time.sleep(0.03)
+        time.sleep(0.02)
+        timer.step_done()
+    step_time, data_wait = timer.lap()
+    assert data_wait >= 0.03
+    assert step_time >= data_wait + 0.02
+    # The lap started a new interval.
+    timer.step_done()
+    step_time, data_wait = timer.lap()
+    assert data_wait == 0.0 and step_time < 0.05
+
+
+def test_cpu_peak_memory_is_the_process_peak_rss_in_gib() -> None:
+    block = torch.ones(32 * 2**20)  # 128 MiB, written so its pages are resident
+    assert peak_memory_gib(torch.device("cpu")) >= block.numel() * block.element_size() / GIB

@@ -1,0 +1,164 @@
+"""Throughput metrics, defined once: tokens/s, TFLOP/s per device, MFU, HFU, peak memory.
+
+    tokens/s per device = tokens per step / step time / devices
+    MFU = model FLOPs per token x tokens/s per device / peak FLOP/s of one device
+    HFU = the same with hardware FLOPs per token (model FLOPs + recomputed forward FLOPs)
+
+FLOPs per token come from `models.flops` (the same numbers the launcher's plan prints); the
+peak comes from the recipe, the GPU table or (on CPU) a short measured matmul, never a guess.
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+from launcher.schema import HardwareConfig
+
+GIB = 1024**3
+
+
+@dataclass(frozen=True)
+class PeakFlops:
+    """Peak dense TFLOP/s of one device for the compute dtype, and where the figure came from.
+
+    `tflops` is None when no trustworthy figure exists; `source` then says why.
+    """
+
+    tflops: float | None
+    source: str
+
+
+def table_peak_flops(device_name: str, dtype: str) -> PeakFlops:
+    """Peak of a CUDA device from the GPU table, looked up by its reported name and the dtype."""
+    from launcher.hardware import gpu_spec, match_device_name
+
+    key = match_device_name(device_name)
+    if key is None:
+        return PeakFlops(None, f"unknown device {device_name}; set hardware.peak_tflops")
+    tflops = gpu_spec(key).peak_tflops.get(dtype)
+    if tflops is None:
+        return PeakFlops(None, f"no {dtype} peak for {key} in the table; set hardware.peak_tflops")
+    return PeakFlops(tflops, f"table: {key} {dtype}")
+
+
+def measure_cpu_matmul_tflops(size: int = 512, budget_s: float = 0.2) -> float:
+    """TFLOP/s of fp32 (size x size) matmuls on this process's CPU threads, timed for ~budget_s."""
+    a = torch.randn(size, size)
+    b = torch.randn(size, size)
+    torch.mm(a, b)  # first call pays for thread-pool start-up and allocation
+    iters, start = 0, time.perf_counter()
+    while True:
+        torch.mm(a, b)
+        iters += 1
+        elapsed = time.perf_counter() - start
+        if elapsed >= budget_s and iters >= 3:
+            break
+    return 2 * size**3 * iters / elapsed / 1e12
+
+
+def resolve_peak_flops(device: torch.device, dtype: str, hardware: HardwareConfig) -> PeakFlops:
+    """Peak TFLOP/s of one device: recipe value > GPU table (CUDA) > measured matmul (CPU)."""
+    if hardware.peak_tflops > 0:
+        return PeakFlops(hardware.peak_tflops, "recipe")
+    if device.type == "cuda":
+        return table_peak_flops(torch.cuda.get_device_name(device), dtype)
+    if device.type == "cpu":
+        return PeakFlops(measure_cpu_matmul_tflops(), "measured CPU matmul")
+    return PeakFlops(None, f"unknown device {device.type}; set hardware.peak_tflops")
+
+
+@dataclass(frozen=True)
+class ThroughputMeter:
+    """Turns step and data-wait times into throughput metrics for one training configuration.
+
+    `tokens_per_step` counts the global batch (all data-parallel ranks); `num_devices` is the
+    world size, so per-device figures divide the whole job's work over every device.
+    """
+
+    tokens_per_step: int
+    model_flops_per_token: float
+    """Forward + backward FLOPs per token (`FlopsPerToken.train`): what MFU counts."""
+    hardware_flops_per_token: float
+    """Model FLOPs plus recomputation (`FlopsPerToken.with_recompute`): what HFU counts."""
+    num_devices: int
+    peak: PeakFlops
+
+    def measure(self, step_time_s: float, data_wait_s: float = 0.0) -> dict[str, float | None]:
+        """Metrics for one step (or an average step); mfu and hfu are None without a peak."""
+        tokens_per_s = self.tokens_per_step / step_time_s
+        per_device = tokens_per_s / self.num_devices
+        model_flops = self.model_flops_per_token * per_device
+        hardware_flops = self.hardware_flops_per_token * per_device
+        peak = None if self.peak.tflops is None else self.peak.tflops * 1e12
+        return {
+            "tokens_per_s": tokens_per_s,
+            "tokens_per_s_per_device": per_device,
+            "step_time_s": step_time_s,
+            "data_wait_s": data_wait_s,
+            "tflops_per_device": model_flops / 1e12,
+            "mfu": None if peak is None else model_flops / peak,
+            "hfu": None if peak is None else hardware_flops / peak,
+        }
+
+
+class StepTimer:
+    """Average wall time per optimizer step, and the part of it spent waiting for data.
+
+    Call `step_done()` after each optimizer step and `lap()` when logging; the device is
+    synchronized only in `lap()`, so timing costs no extra syncs on steps that are not logged.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.reset()
+
+    def reset(self) -> None:
+        """Start a new interval now (e.g. after a warmup or compile step)."""
+        self._start = time.perf_counter()
+        self._steps = 0
+        self._data_wait = 0.0
+
+    @contextmanager
+    def data_wait(self) -> Iterator[None]:
+        """Time the enclosed block as waiting for data."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._data_wait += time.perf_counter() - start
+
+    def step_done(self) -> None:
+        """Count one finished optimizer step."""
+        self._steps += 1
+
+    def lap(self) -> tuple[float, float]:
+        """(step time, data wait) in seconds per step since the last lap, then start anew."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        elapsed = time.perf_counter() - self._start
+        steps = max(self._steps, 1)
+        result = (elapsed / steps, self._data_wait / steps)
+        self.reset()
+        return result
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    """Peak memory in GiB: CUDA allocated by torch on `device`, or this process's peak RSS."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / GIB
+    # ru_maxrss is in KiB on Linux and in bytes on macOS.
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss / GIB if sys.platform == "darwin" else rss * 1024 / GIB
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    """Restart the CUDA peak-memory counter (the process's peak RSS cannot be reset)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)

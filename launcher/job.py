@@ -1,0 +1,225 @@
+"""The run dir and its job script: the frozen `config.yaml` plus `run.sh` (local) or
+`job.sbatch` (SLURM), rendered so that no recipe string ever reaches a shell unquoted.
+
+Two parsers read what is rendered here, and each gets its own quoting:
+- bash reads the script body: every recipe value is a `shlex.quote`d word (never inside
+  double quotes); environment keys must be identifiers.
+- sbatch reads the `#SBATCH` lines with its own small parser: values are double-quoted with
+  `"` escaped. It cannot carry a line break or other control character (the directive line
+  would end and the rest would run as shell), and a backslash in an output path turns off
+  SLURM's `%j` substitution; values holding those are rejected with a JobError.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from string import Template
+
+from launcher.schema import RecipeConfig
+
+SBATCH_TEMPLATE = Path(__file__).resolve().parent.parent / "slurm" / "sbatch.template"
+
+NODE_RANK = "$SLURM_NODEID"
+"""torchrun argument the job script expands on each node (its index in the allocation)."""
+RDZV_ENDPOINT = "$MASTER_ADDR:$MASTER_PORT"
+"""torchrun argument the job script expands to the first node's address and the port."""
+_SHELL_REFS = {NODE_RANK, RDZV_ENDPOINT}
+
+_ENV_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+class JobError(ValueError):
+    """The run dir or job script cannot be written as asked; the message says how to fix it."""
+
+
+@dataclass(frozen=True)
+class JobFiles:
+    """What `write_run_dir` wrote: absolute paths of the run dir, its config and job script."""
+
+    run_dir: Path
+    config_path: Path
+    script_path: Path
+
+
+class _ScriptTemplate(Template):
+    """`${name}` placeholders are lowercase; `$UPPERCASE` and `$(...)` are left to the shell."""
+
+    idpattern = r"[a-z][a-z0-9_]*"
+    flags = 0
+
+
+def torchrun_args(cfg: RecipeConfig, config_path: Path) -> list[str]:
+    """The torchrun command line that starts every rank of one node on `config_path`.
+
+    One node: a standalone rendezvous. Several: a static rendezvous whose node rank and
+    endpoint are the shell references NODE_RANK and RDZV_ENDPOINT, which the job script
+    expands on each node (c10d would number nodes in arrival order).
+    """
+    c = cfg.cluster
+    per_node = ["--nproc-per-node", str(c.gpus_per_node)]
+    program = ["-m", "trainer", str(config_path)]
+    if c.nodes == 1:
+        return ["torchrun", "--standalone", *per_node, *program]
+    return [
+        "torchrun",
+        "--nnodes",
+        str(c.nodes),
+        *per_node,
+        "--node-rank",
+        NODE_RANK,
+        "--rdzv-backend",
+        "static",
+        "--rdzv-endpoint",
+        RDZV_ENDPOINT,
+        *program,
+    ]
+
+
+def job_env(cfg: RecipeConfig) -> dict[str, str]:
+    """The variables every rank gets on top of the launcher's environment."""
+    env = {"OMP_NUM_THREADS": str(cfg.cluster.omp_num_threads)}
+    for key, value in cfg.cluster.env.items():
+        if not _ENV_KEY.fullmatch(key):
+            raise JobError(
+                f"cluster.env: {key!r} is not a valid environment variable name; "
+                "use letters, digits and underscores, not starting with a digit"
+            )
+        if "\x00" in str(value):
+            raise JobError(
+                f"cluster.env.{key}: the value holds a NUL byte, which no "
+                "environment variable can carry"
+            )
+        env[key] = str(value)
+    return env
+
+
+def _shell_word(arg: str) -> str:
+    """One shell word that evaluates to `arg`; only our own references are expanded."""
+    return f'"{arg}"' if arg in _SHELL_REFS else shlex.quote(arg)
+
+
+def _exports(cfg: RecipeConfig) -> str:
+    """`export KEY=value` lines for cluster.env (OMP_NUM_THREADS is in the templates)."""
+    env = job_env(cfg)
+    del env["OMP_NUM_THREADS"]
+    return "\n".join(f"export {k}={shlex.quote(v)}" for k, v in env.items())
+
+
+def _directive(field: str, value: str) -> str:
+    """An #SBATCH value quoted for sbatch's parser, or a JobError naming the field."""
+    if _CONTROL.search(value) or "\\" in value:
+        raise JobError(
+            f"{field}={value!r}: #SBATCH lines cannot carry line breaks, control characters "
+            "or backslashes; choose a value without them"
+        )
+    return '"' + value.replace('"', '\\"') + '"'
+
+
+def render_sbatch(cfg: RecipeConfig, run_dir: Path, config_path: Path) -> str:
+    """The sbatch script for this recipe: resources, logs under RUN_DIR/logs, requeue and
+    SIGUSR1 before the time limit, and one srun task per node running torchrun."""
+    c = cfg.cluster
+    optional = []
+    if c.device != "cpu":
+        optional.append(f"#SBATCH --gpus-per-node={c.gpus_per_node}")
+    for field in ("partition", "account", "qos"):
+        value = getattr(c, field)
+        if value:
+            optional.append(f"#SBATCH --{field}={_directive(f'cluster.{field}', value)}")
+    # SLURM expands %j (job id) in the output path; a literal % is written %%.
+    log_pattern = str(Path(run_dir) / "logs").replace("%", "%%") + "/slurm-%j.out"
+    node_script = 'trap "" USR1; exec ' + " ".join(
+        _shell_word(a) for a in torchrun_args(cfg, config_path)
+    )
+    values = {
+        "job_name": _directive("name", cfg.name),
+        "nodes": str(c.nodes),
+        "cpus_per_task": str(c.cpus_per_task),
+        "time": _directive("cluster.time", c.time),
+        "log_pattern": _directive("run.dir", log_pattern),
+        "signal_seconds": str(c.signal_seconds),
+        "optional_directives": "\n".join(optional),
+        "omp_num_threads": str(c.omp_num_threads),
+        "env_exports": _exports(cfg),
+        "master_port": str(c.master_port),
+        "config_path": shlex.quote(str(config_path)),
+        "node_command": shlex.quote(node_script),
+    }
+    template = _ScriptTemplate(SBATCH_TEMPLATE.read_text())
+    found = {m["named"] or m["braced"] for m in template.pattern.finditer(template.template)}
+    found.discard(None)
+    if found != values.keys():
+        raise JobError(
+            f"{SBATCH_TEMPLATE} and the renderer disagree on placeholders: "
+            f"{sorted(found ^ values.keys())}"
+        )
+    return template.safe_substitute(values)
+
+
+def render_local(cfg: RecipeConfig, config_path: Path) -> str:
+    """run.sh: the same torchrun command and environment that `run_local` uses."""
+    command = " ".join(shlex.quote(a) for a in torchrun_args(cfg, config_path))
+    exports = "\n".join(f"export {k}={shlex.quote(v)}" for k, v in job_env(cfg).items())
+    return (
+        "#!/bin/bash\n"
+        "# Rendered by launcher/job.py: runs every rank of this recipe on this machine.\n"
+        "set -euo pipefail\n"
+        f"{exports}\n"
+        f"exec {command}\n"
+    )
+
+
+def _write_atomic(path: Path, text: str, mode: int) -> None:
+    """Write `text` to `path` so that readers see the old file or the new, never half of one."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_run_dir(cfg: RecipeConfig, run_dir: Path, config_yaml: str) -> JobFiles:
+    """Create the run dir with its frozen config.yaml and job script (run.sh or job.sbatch).
+
+    A run dir belongs to one config: if it already holds a different config.yaml, nothing is
+    written and a JobError says so; the same config again (a resubmission) is fine.
+    """
+    backend = cfg.cluster.backend
+    if backend not in ("local", "slurm"):
+        raise JobError(f"cluster.backend={backend!r}: use local or slurm")
+    if backend == "local" and cfg.cluster.nodes != 1:
+        raise JobError(
+            f"cluster.nodes={cfg.cluster.nodes} with cluster.backend=local: the "
+            "local backend runs one node; use cluster=slurm or cluster.nodes=1"
+        )
+    run_dir = Path(run_dir).expanduser().resolve()
+    config_path = run_dir / "config.yaml"
+    script_path = run_dir / ("run.sh" if backend == "local" else "job.sbatch")
+    # Render before touching the disk, so a rejected value leaves no half-made run dir.
+    if backend == "local":
+        script = render_local(cfg, config_path)
+    else:
+        script = render_sbatch(cfg, run_dir, config_path)
+
+    if config_path.exists() and config_path.read_text() != config_yaml:
+        raise JobError(
+            f"{config_path} holds a different config: a run dir belongs to one recipe (resuming "
+            f"needs the same config). Pick a new run.dir=... or remove {run_dir} to start over."
+        )
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    if not config_path.exists():
+        _write_atomic(config_path, config_yaml, 0o644)
+    _write_atomic(script_path, script, 0o755)
+    return JobFiles(run_dir=run_dir, config_path=config_path, script_path=script_path)

@@ -292,13 +292,17 @@ def _check_parallel(
         return
     if p.pp > 1 and schedule_ok and p.pp_microbatches >= 0:
         micro = p.pp_microbatches or accum
+        per_pass = cfg.train.micro_batch * degrees.dp
         source = "" if p.pp_microbatches else f" (0 takes the gradient-accumulation count {accum})"
         if micro < p.pp:
             c.add(
                 "parallel.pp_microbatches",
                 p.pp_microbatches,
-                f"{micro} micro-batches{source} cannot fill {p.pp} pipeline stages",
-                f"use parallel.pp_microbatches >= {p.pp}, or raise train.global_batch",
+                f"{micro} micro-batch(es){source} cannot fill {p.pp} pipeline stages",
+                f"use parallel.pp_microbatches >= {p.pp}"
+                if p.pp_microbatches
+                else f"raise train.global_batch to {p.pp * per_pass} ({p.pp} micro-batches per "
+                "dp rank), or set parallel.pp_microbatches",
             )
         elif p.vpp > 1 and micro % p.pp:
             c.add(

@@ -1,0 +1,88 @@
+"""The GPU table: names, device-name matching and peak FLOP/s."""
+
+import pytest
+
+from launcher.hardware import GPUS, gpu_spec, known_gpus, match_device_name, peak_tflops
+
+REQUIRED = [
+    "h100_sxm",
+    "h100_pcie",
+    "h200_sxm",
+    "a100_sxm_80gb",
+    "a100_sxm_40gb",
+    "a100_pcie_80gb",
+    "b200",
+    "l40s",
+    "cpu",
+]
+
+
+def test_table_holds_every_required_accelerator():
+    assert set(REQUIRED) <= set(known_gpus())
+
+
+@pytest.mark.parametrize(
+    ("device_name", "expected"),
+    [
+        ("NVIDIA H100 80GB HBM3", "h100_sxm"),
+        ("NVIDIA H100 PCIe", "h100_pcie"),
+        ("NVIDIA H200", "h200_sxm"),
+        ("NVIDIA A100-SXM4-80GB", "a100_sxm_80gb"),
+        ("NVIDIA A100-SXM4-40GB", "a100_sxm_40gb"),
+        ("NVIDIA A100 80GB PCIe", "a100_pcie_80gb"),
+        ("NVIDIA B200", "b200"),
+        ("NVIDIA L40S", "l40s"),
+        ("Tesla V100-SXM2-32GB", "v100_sxm_32gb"),
+    ],
+)
+def test_cuda_device_names_match_their_table_entry(device_name, expected):
+    assert match_device_name(device_name) == expected
+
+
+@pytest.mark.parametrize(
+    "device_name",
+    ["NVIDIA H100 NVL", "NVIDIA GH200 480GB", "NVIDIA A100-PCIE-40GB", "Tesla T4", ""],
+)
+def test_devices_whose_figures_differ_from_every_entry_match_nothing(device_name):
+    assert match_device_name(device_name) is None
+
+
+def test_unknown_gpu_type_error_lists_the_known_names():
+    with pytest.raises(KeyError) as error:
+        gpu_spec("h100")
+    for name in REQUIRED:
+        assert name in str(error.value)
+
+
+@pytest.mark.parametrize("name", [n for n in REQUIRED if n != "cpu"])
+def test_bf16_and_fp16_peaks_are_equal_and_twice_tf32(name):
+    # Tensor cores run bf16 and fp16 at one rate and tf32 at half of it on every
+    # generation since Ampere; a sparse figure pasted by mistake breaks the ratio to fp32.
+    assert peak_tflops(name, "bf16") == peak_tflops(name, "fp16")
+    assert peak_tflops(name, "tf32") == pytest.approx(peak_tflops(name, "bf16") / 2, rel=0.02)
+    assert peak_tflops(name, "fp32") < peak_tflops(name, "tf32")
+
+
+@pytest.mark.parametrize("name", ["h100_sxm", "h100_pcie", "h200_sxm", "b200", "l40s"])
+def test_fp8_doubles_bf16_where_the_hardware_has_fp8(name):
+    assert peak_tflops(name, "fp8") == pytest.approx(2 * peak_tflops(name, "bf16"), rel=0.02)
+
+
+def test_ampere_has_no_fp8_peak_and_cpu_has_none_at_all():
+    assert peak_tflops("a100_sxm_80gb", "fp8") is None
+    assert all(peak_tflops("cpu", dtype) is None for dtype in ("fp32", "bf16", "fp8"))
+
+
+def test_h200_computes_like_h100_sxm_with_more_memory():
+    assert gpu_spec("h200_sxm").peak_tflops == gpu_spec("h100_sxm").peak_tflops
+    assert gpu_spec("h200_sxm").memory_gib > gpu_spec("h100_sxm").memory_gib
+
+
+def test_bf16_support_follows_compute_capability_8():
+    supported = {name for name, spec in GPUS.items() if spec.supports_bf16}
+    assert supported == set(GPUS) - {"v100_sxm_32gb"}
+    assert all(
+        ("bf16" in spec.peak_tflops) == spec.supports_bf16
+        for spec in GPUS.values()
+        if spec.name != "cpu"
+    )

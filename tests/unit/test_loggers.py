@@ -1,0 +1,175 @@
+"""Metrics sinks: metrics.jsonl, the console line and a real (offline) Weights & Biases run."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from launcher.schema import LoggingConfig
+from trainer.loggers import (
+    WANDB_ID_FILE,
+    MetricsLogger,
+    console_line,
+    resolve_wandb_mode,
+    truncate_partial_line,
+    wandb_key,
+)
+
+METRICS = {
+    "loss": 3.25,
+    "lr": 3e-4,
+    "grad_norm": 0.75,
+    "tokens_per_s": 12000.0,
+    "tflops_per_device": 0.5,
+    "mfu": 0.25,
+    "hfu": None,
+}
+
+
+@pytest.fixture(autouse=True)
+def wandb_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Keep W&B's caches and credentials lookups inside the test's tmp dir."""
+    for var in ("WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR", "WANDB_DIR"):
+        monkeypatch.setenv(var, str(tmp_path / "wandb-home" / var.lower()))
+    monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    for var in ("WANDB_API_KEY", "WANDB_MODE", "WANDB_BASE_URL", "WANDB_RUN_ID"):
+        monkeypatch.delenv(var, raising=False)
+
+
+def make_logger(run_dir: Path, *, wandb: str = "disabled", is_main: bool = True) -> MetricsLogger:
+    return MetricsLogger(
+        run_dir,
+        is_main=is_main,
+        logging=LoggingConfig(wandb=wandb),
+        config={"model": {"dim": 128}},
+        run_name="tiny",
+        total_steps=10,
+    )
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_each_log_call_appends_one_json_line_with_step_and_every_metric(tmp_path: Path) -> None:
+    with make_logger(tmp_path) as logger:
+        logger.log(1, METRICS)
+        logger.log(2, {**METRICS, "loss": 3.0})
+        # Flushed per line: readable while the logger is still open.
+        assert len(read_jsonl(tmp_path / "metrics.jsonl")) == 2
+    records = read_jsonl(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2]
+    assert [r["loss"] for r in records] == [3.25, 3.0]
+    for record in records:
+        assert set(record) == {"step", "time", *METRICS}
+        assert record["hfu"] is None
+
+
+def test_a_second_logger_appends_after_the_first(tmp_path: Path) -> None:
+    with make_logger(tmp_path) as logger:
+        logger.log(1, METRICS)
+    with make_logger(tmp_path) as logger:
+        logger.log(2, METRICS)
+    assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [1, 2]
+
+
+def test_a_partial_last_line_from_a_crash_is_cut_before_appending(tmp_path: Path) -> None:
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "loss": 3.5}\n{"step": 2, "loss": 3.4}\n{"step": 3, "lo')
+    with make_logger(tmp_path) as logger:
+        logger.log(3, METRICS)
+    assert [r["step"] for r in read_jsonl(path)] == [1, 2, 3]
+
+
+def test_truncation_keeps_complete_files_and_finds_newlines_far_back(tmp_path: Path) -> None:
+    complete = tmp_path / "complete.jsonl"
+    complete.write_text('{"step": 1}\n{"step": 2}\n')
+    truncate_partial_line(complete)
+    assert complete.read_text() == '{"step": 1}\n{"step": 2}\n'
+
+    long_tail = tmp_path / "long.jsonl"
+    long_tail.write_text('{"step": 1}\n' + "x" * 200_000)
+    truncate_partial_line(long_tail)
+    assert long_tail.read_text() == '{"step": 1}\n'
+
+    only_partial = tmp_path / "partial.jsonl"
+    only_partial.write_text('{"step": 1, "lo')
+    truncate_partial_line(only_partial)
+    assert only_partial.read_text() == ""
+
+
+def test_non_main_rank_writes_nothing(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    with make_logger(run_dir, wandb="offline", is_main=False) as logger:
+        logger.log(1, METRICS)
+    assert not run_dir.exists()
+
+
+def test_console_line_shows_progress_and_mfu_as_a_percentage() -> None:
+    line = console_line(5, 10, METRICS)
+    assert line.startswith("step 5/10 | loss 3.2500 | lr 3.00e-04 | grad norm 0.750")
+    assert f"{METRICS['tokens_per_s']:,.0f} tok/s" in line
+    assert f"MFU {100 * METRICS['mfu']:.1f}%" in line
+    assert console_line(5, 10, {**METRICS, "mfu": None}).endswith("MFU n/a")
+
+
+def test_wandb_keys_come_from_one_table_and_unknown_names_go_under_train() -> None:
+    assert [wandb_key(k) for k in ("loss", "mfu", "peak_memory_gib", "aux_loss")] == [
+        "train/loss",
+        "perf/mfu",
+        "mem/peak_gib",
+        "train/aux_loss",
+    ]
+
+
+def test_auto_mode_is_online_only_with_credentials(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert resolve_wandb_mode("auto") == "offline"
+    (tmp_path / "netrc").write_text("machine api.wandb.ai\n  login user\n  password abc\n")
+    assert resolve_wandb_mode("auto") == "online"
+    (tmp_path / "netrc").unlink()
+    monkeypatch.setenv("WANDB_API_KEY", "abc")
+    assert resolve_wandb_mode("auto") == "online"
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    assert resolve_wandb_mode("auto") == "disabled"
+    assert resolve_wandb_mode("offline") == "offline"
+    with pytest.raises(ValueError, match="auto, online, offline, disabled"):
+        resolve_wandb_mode("yes")
+
+
+def sync_dirs(output: str) -> set[Path]:
+    """Directories named in the `wandb sync DIR` hints of the console output."""
+    return {Path(m) for m in re.findall(r"wandb sync (\S+)", output)}
+
+
+def test_offline_wandb_run_is_written_in_the_run_dir_and_resumes_the_same_id(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with make_logger(tmp_path, wandb="offline") as logger:
+        logger.log(1, METRICS)
+    run_id = (tmp_path / WANDB_ID_FILE).read_text().strip()
+    (first,) = sync_dirs(capsys.readouterr().out)
+    assert first.parent == tmp_path / "wandb"
+    assert (first / f"run-{run_id}.wandb").is_file()
+
+    with make_logger(tmp_path, wandb="offline") as logger:
+        logger.log(2, METRICS)
+    assert (tmp_path / WANDB_ID_FILE).read_text().strip() == run_id
+    (second,) = sync_dirs(capsys.readouterr().out)
+    assert second != first
+    assert (second / f"run-{run_id}.wandb").is_file()
+
+
+def test_wandb_that_cannot_start_warns_and_the_other_sinks_keep_working(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Online without any API key: wandb.init refuses at once.
+    with make_logger(tmp_path, wandb="online") as logger:
+        logger.log(1, METRICS)
+    assert "W&B disabled" in capsys.readouterr().out
+    assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [1]

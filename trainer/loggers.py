@@ -1,0 +1,259 @@
+"""Where metrics go: a console line, RUN_DIR/metrics.jsonl and Weights & Biases (main rank only).
+
+Metric names are flat and the same in every sink (loss, lr, grad_norm, tokens_per_s, mfu...);
+W&B groups them into sections through WANDB_KEYS.
+"""
+
+from __future__ import annotations
+
+import json
+import netrc
+import os
+import secrets
+import string
+import time
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from rich.console import Console
+from rich.markup import escape
+
+from launcher.schema import LoggingConfig
+
+WANDB_KEYS = {
+    "loss": "train/loss",
+    "lr": "train/lr",
+    "grad_norm": "train/grad_norm",
+    "tokens_per_s": "perf/tokens_per_s",
+    "tokens_per_s_per_device": "perf/tokens_per_s_per_device",
+    "tflops_per_device": "perf/tflops_per_device",
+    "mfu": "perf/mfu",
+    "hfu": "perf/hfu",
+    "step_time_s": "perf/step_time_s",
+    "data_wait_s": "perf/data_wait_s",
+    "peak_memory_gib": "mem/peak_gib",
+}
+"""Flat metric name -> W&B key; names not listed go under train/."""
+WANDB_STEP = "train/step"
+WANDB_ID_FILE = "wandb_run_id"
+WANDB_MODES = ("auto", "online", "offline", "disabled")
+
+
+def wandb_key(name: str) -> str:
+    """The W&B key of a flat metric name."""
+    return WANDB_KEYS.get(name) or (name if "/" in name else f"train/{name}")
+
+
+def wandb_api_key_configured() -> bool:
+    """Whether W&B has credentials: WANDB_API_KEY or a netrc entry for its host."""
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    host = os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai").split("://")[-1]
+    host = host.split("/")[0].split(":")[0]
+    path = os.environ.get("NETRC") or os.path.expanduser("~/.netrc")
+    try:
+        return netrc.netrc(path).authenticators(host) is not None
+    except (OSError, netrc.NetrcParseError):
+        return False
+
+
+def resolve_wandb_mode(setting: str) -> str:
+    """online, offline or disabled for a `logging.wandb` setting.
+
+    auto honours an explicit WANDB_MODE in the environment, else goes online with credentials
+    and offline without.
+    """
+    if setting not in WANDB_MODES:
+        raise ValueError(f"logging.wandb={setting!r}: use {', '.join(WANDB_MODES)}")
+    if setting != "auto":
+        return setting
+    env = os.environ.get("WANDB_MODE", "").lower()
+    if env in ("online", "offline", "disabled"):
+        return env
+    if env == "dryrun":
+        return "offline"
+    return "online" if wandb_api_key_configured() else "offline"
+
+
+def truncate_partial_line(path: Path) -> None:
+    """Cut a trailing line that has no newline (a write interrupted by a crash)."""
+    if not path.exists():
+        return
+    with path.open("rb+") as f:
+        end = f.seek(0, os.SEEK_END)
+        pos = end
+        # Read backwards in blocks until the last newline: the file may be large.
+        while pos > 0:
+            size = min(65536, pos)
+            f.seek(pos - size)
+            block = f.read(size)
+            if pos == end and block.endswith(b"\n"):
+                return
+            newline = block.rfind(b"\n")
+            if newline >= 0:
+                f.truncate(pos - size + newline + 1)
+                return
+            pos -= size
+        f.truncate(0)
+
+
+def _plain(value: Any) -> Any:
+    """A JSON-ready number: 0-d tensors and numpy scalars become Python numbers."""
+    return value.item() if hasattr(value, "item") else value
+
+
+def console_line(step: int, total_steps: int, metrics: dict[str, Any]) -> str:
+    """The one-line console summary of a logged step."""
+
+    def has(key: str) -> bool:
+        return metrics.get(key) is not None
+
+    parts = [f"step {step}/{total_steps}"]
+    if has("loss"):
+        parts.append(f"loss {metrics['loss']:.4f}")
+    if has("lr"):
+        parts.append(f"lr {metrics['lr']:.2e}")
+    if has("grad_norm"):
+        parts.append(f"grad norm {metrics['grad_norm']:.3f}")
+    if has("tokens_per_s"):
+        parts.append(f"{metrics['tokens_per_s']:,.0f} tok/s")
+    if has("tflops_per_device"):
+        parts.append(f"{metrics['tflops_per_device']:.3g} TFLOP/s/device")
+    parts.append(f"MFU {100 * metrics['mfu']:.1f}%" if has("mfu") else "MFU n/a")
+    if has("peak_memory_gib"):
+        parts.append(f"mem {metrics['peak_memory_gib']:.2f} GiB")
+    return " | ".join(parts)
+
+
+class MetricsLogger:
+    """Logs metrics of the main rank to the console, RUN_DIR/metrics.jsonl and W&B.
+
+    Other ranks construct it too and do nothing. The caller decides which steps to log
+    (`should_log` applies `logging.log_every`). A W&B failure warns and leaves the other sinks.
+    """
+
+    def __init__(
+        self,
+        run_dir: Path,
+        *,
+        is_main: bool,
+        logging: LoggingConfig,
+        config: dict,
+        run_name: str,
+        total_steps: int,
+    ) -> None:
+        self.run_dir = Path(run_dir)
+        self.is_main = is_main
+        self.logging = logging
+        self.total_steps = total_steps
+        self.console = Console(highlight=False, soft_wrap=True)
+        self._file = None
+        self._wandb_run = None
+        self._wandb_mode = "disabled"
+        mode = resolve_wandb_mode(logging.wandb)  # on every rank: a bad setting fails everywhere
+        if not is_main:
+            return
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        jsonl = self.run_dir / "metrics.jsonl"
+        truncate_partial_line(jsonl)
+        self._file = jsonl.open("a", encoding="utf-8")
+        if mode != "disabled":
+            self._init_wandb(mode, config, run_name)
+
+    def wandb_run_id(self) -> str:
+        """The W&B run id of this run dir, created on first use and kept in RUN_DIR/wandb_run_id."""
+        path = self.run_dir / WANDB_ID_FILE
+        if path.exists():
+            run_id = path.read_text().strip()
+            if run_id:
+                return run_id
+        # W&B run ids: lowercase letters and digits; 8 random ones like W&B's own.
+        run_id = "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(run_id + "\n")
+        os.replace(tmp, path)
+        return run_id
+
+    def _init_wandb(self, mode: str, config: dict, run_name: str) -> None:
+        os.environ.setdefault("WANDB_SILENT", "true")
+        try:
+            import wandb
+
+            run = wandb.init(
+                project=self.logging.wandb_project,
+                entity=self.logging.wandb_entity or None,
+                name=run_name,
+                id=self.wandb_run_id(),
+                resume="allow",
+                dir=str(self.run_dir),
+                config=config,
+                mode=mode,
+                settings=wandb.Settings(silent=True),
+            )
+            # A custom x-axis: a resumed run may log steps again that W&B's own counter passed.
+            run.define_metric(WANDB_STEP)
+            run.define_metric("*", step_metric=WANDB_STEP)
+            run.define_metric(WANDB_KEYS["mfu"], step_metric=WANDB_STEP, summary="max")
+            run.define_metric(WANDB_KEYS["tokens_per_s"], step_metric=WANDB_STEP, summary="max")
+            run.define_metric(WANDB_KEYS["loss"], step_metric=WANDB_STEP, summary="min")
+        except Exception as exc:  # whatever W&B raises, training must go on
+            reason = escape(f"{type(exc).__name__}: {exc}")
+            self.console.print(f"[yellow]W&B disabled ({mode}): {reason}")
+            return
+        self._wandb_run, self._wandb_mode = run, mode
+        if mode == "offline":
+            self._print_offline_hint()
+
+    def _print_offline_hint(self) -> None:
+        sync_dir = self._wandb_run.settings.sync_dir
+        self.console.print(f"W&B offline run in {sync_dir}; upload with: wandb sync {sync_dir}")
+
+    def should_log(self, step: int) -> bool:
+        """Whether step `step` (1-based count of optimizer steps done) is a logging step."""
+        return step % self.logging.log_every == 0 or step == self.total_steps
+
+    def log(self, step: int, metrics: dict[str, float | None]) -> None:
+        """Write one step's metrics to every sink (main rank only); None means not measured."""
+        if not self.is_main:
+            return
+        values = {k: _plain(v) for k, v in metrics.items()}
+        self.console.print(console_line(step, self.total_steps, values), markup=False)
+        record = {"step": step, "time": round(time.time(), 3), **values}
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        if self._wandb_run is not None:
+            data = {wandb_key(k): v for k, v in values.items() if v is not None}
+            try:
+                self._wandb_run.log({WANDB_STEP: step, **data})
+            except Exception as exc:  # losing W&B mid-run must not stop training
+                self.console.print(f"[yellow]W&B log failed, W&B disabled: {escape(str(exc))}")
+                self._wandb_run = None
+
+    def close(self, exit_code: int = 0) -> None:
+        """Flush and close every sink; safe to call more than once."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self._wandb_run is not None:
+            run, self._wandb_run = self._wandb_run, None
+            try:
+                run.finish(exit_code=exit_code)
+            except Exception as exc:
+                self.console.print(f"[yellow]W&B finish failed: {escape(str(exc))}")
+                return
+            if self._wandb_mode == "offline":
+                self.console.print(
+                    f"W&B offline run saved; upload with: wandb sync {run.settings.sync_dir}"
+                )
+
+    def __enter__(self) -> MetricsLogger:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close(exit_code=0 if exc_type is None else 1)

@@ -214,7 +214,10 @@ class MetricsLogger:
         return step % self.logging.log_every == 0 or step == self.total_steps
 
     def log(self, step: int, metrics: dict[str, float | None]) -> None:
-        """Write one step's metrics to every sink (main rank only); None means not measured."""
+        """Write one step's metrics to every sink (main rank only); None means not measured.
+
+        The metrics.jsonl line holds `step`, `time` (unix seconds) and every metric as given.
+        """
         if not self.is_main:
             return
         values = {k: _plain(v) for k, v in metrics.items()}

@@ -68,25 +68,25 @@ def render_plan(plan: Plan) -> str:
             ("pipeline bubble", f"{plan.bubble_fraction:.1%}"),
         ],
     )
-    memory = Table(title="Memory per rank (GiB)", title_justify="left", min_width=60)
+    memory = Table(title="Memory per rank", title_justify="left", min_width=60)
     for column in ("ZeRO", "params", "grads", "optimizer", "model states", "+ activations"):
         memory.add_column(column, justify="right")
     for zero, states in plan.model_states_by_zero.items():
         mark = " *" if zero == plan.zero else ""
         memory.add_row(
             f"{zero}{mark}",
-            *(f"{v / GIB:.2f}" for v in (states.params, states.grads, states.optimizer)),
-            f"{states.total / GIB:.2f}",
-            f"{(states.total + plan.activations) / GIB:.2f}",
+            *(_bytes(v) for v in (states.params, states.grads, states.optimizer)),
+            _bytes(states.total),
+            _bytes(states.total + plan.activations),
         )
     console.print(memory)
     gpu = f"{plan.gpu_memory_gib:g} GiB" if plan.gpu_memory_gib else "n/a (cpu)"
     section(
         "Fit and speed",
         [
-            ("activations", f"{plan.activations / GIB:.2f} GiB"),
-            (f"total at ZeRO {plan.zero}", f"{plan.memory_gib:.2f} GiB"),
-            (f"{plan.gpu_type} memory", gpu),
+            ("activations", _bytes(plan.activations)),
+            (f"total at ZeRO {plan.zero}", _bytes(plan.memory_gib * GIB)),
+            (f"device memory ({plan.gpu_type})", gpu),
             ("peak TFLOP/s per device", _maybe(plan.peak_tflops, "{:g}")),
             (f"step time at {MFU_ASSUMPTION:.0%} MFU", _maybe(plan.step_time_s, "{:.3g} s")),
             ("tokens/s", _maybe(plan.tokens_per_s, "{:,.0f}")),
@@ -124,6 +124,10 @@ def _flops(n: int) -> str:
         if n >= scale:
             return f"{n / scale:.3g} {prefix}FLOP"
     return f"{n} FLOP"
+
+
+def _bytes(n: float) -> str:
+    return f"{n / GIB:.2f} GiB" if n >= GIB else f"{n / 2**20:.1f} MiB"
 
 
 def _maybe(value: float | None, fmt: str) -> str:

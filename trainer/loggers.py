@@ -32,7 +32,7 @@ WANDB_KEYS = {
     "hfu": "perf/hfu",
     "step_time_s": "perf/step_time_s",
     "data_wait_s": "perf/data_wait_s",
-    "peak_memory_gib": "mem/peak_gib",
+    "mem_peak_gib": "mem/peak_gib",
 }
 """Flat metric name -> W&B key; names not listed go under train/."""
 WANDB_STEP = "train/step"
@@ -121,8 +121,8 @@ def console_line(step: int, total_steps: int, metrics: dict[str, Any]) -> str:
     if has("tflops_per_device"):
         parts.append(f"{metrics['tflops_per_device']:.3g} TFLOP/s/device")
     parts.append(f"MFU {100 * metrics['mfu']:.1f}%" if has("mfu") else "MFU n/a")
-    if has("peak_memory_gib"):
-        parts.append(f"mem {metrics['peak_memory_gib']:.2f} GiB")
+    if has("mem_peak_gib"):
+        parts.append(f"mem {metrics['mem_peak_gib']:.2f} GiB")
     return " | ".join(parts)
 
 

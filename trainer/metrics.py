@@ -76,10 +76,10 @@ def resolve_peak_flops(device: torch.device, dtype: str, hardware: HardwareConfi
 
 @dataclass(frozen=True)
 class ThroughputMeter:
-    """Turns step and data-wait times into throughput metrics for one training configuration.
+    """Turns the wall time of a window of steps into throughput metrics for one configuration.
 
-    `tokens_per_step` counts the global batch (all data-parallel ranks); `num_devices` is the
-    world size, so per-device figures divide the whole job's work over every device.
+    `tokens_per_step` counts the global batch (all data-parallel ranks); `devices` is the world
+    size, so per-device figures divide the whole job's work over every device.
     """
 
     tokens_per_step: int
@@ -87,21 +87,26 @@ class ThroughputMeter:
     """Forward + backward FLOPs per token (`FlopsPerToken.train`): what MFU counts."""
     hardware_flops_per_token: float
     """Model FLOPs plus recomputation (`FlopsPerToken.with_recompute`): what HFU counts."""
-    num_devices: int
+    devices: int
     peak: PeakFlops
 
-    def measure(self, step_time_s: float, data_wait_s: float = 0.0) -> dict[str, float | None]:
-        """Metrics for one step (or an average step); mfu and hfu are None without a peak."""
+    def measure(
+        self, steps: int, elapsed_s: float, data_wait_s: float = 0.0
+    ) -> dict[str, float | None]:
+        """Metrics of `steps` steps that took `elapsed_s` (of which `data_wait_s` waiting for
+        data) in total; times are reported per step, mfu and hfu are None without a peak."""
+        step_time_s = elapsed_s / steps
         tokens_per_s = self.tokens_per_step / step_time_s
-        per_device = tokens_per_s / self.num_devices
+        per_device = tokens_per_s / self.devices
         model_flops = self.model_flops_per_token * per_device
         hardware_flops = self.hardware_flops_per_token * per_device
         peak = None if self.peak.tflops is None else self.peak.tflops * 1e12
+        # MFU = model FLOPs per token x tokens/s per device / peak FLOP/s (HFU: hardware FLOPs).
         return {
             "tokens_per_s": tokens_per_s,
             "tokens_per_s_per_device": per_device,
             "step_time_s": step_time_s,
-            "data_wait_s": data_wait_s,
+            "data_wait_s": data_wait_s / steps,
             "tflops_per_device": model_flops / 1e12,
             "mfu": None if peak is None else model_flops / peak,
             "hfu": None if peak is None else hardware_flops / peak,
@@ -109,7 +114,7 @@ class ThroughputMeter:
 
 
 class StepTimer:
-    """Average wall time per optimizer step, and the part of it spent waiting for data.
+    """Times windows of optimizer steps for `ThroughputMeter.measure(*timer.lap())`.
 
     Call `step_done()` after each optimizer step and `lap()` when logging; the device is
     synchronized only in `lap()`, so timing costs no extra syncs on steps that are not logged.
@@ -120,7 +125,7 @@ class StepTimer:
         self.reset()
 
     def reset(self) -> None:
-        """Start a new interval now (e.g. after a warmup or compile step)."""
+        """Start a new window now (e.g. after a warmup or compile step)."""
         self._start = time.perf_counter()
         self._steps = 0
         self._data_wait = 0.0
@@ -138,13 +143,11 @@ class StepTimer:
         """Count one finished optimizer step."""
         self._steps += 1
 
-    def lap(self) -> tuple[float, float]:
-        """(step time, data wait) in seconds per step since the last lap, then start anew."""
+    def lap(self) -> tuple[int, float, float]:
+        """(steps, elapsed seconds, data-wait seconds) of the window, then start a new one."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        elapsed = time.perf_counter() - self._start
-        steps = max(self._steps, 1)
-        result = (elapsed / steps, self._data_wait / steps)
+        result = (self._steps, time.perf_counter() - self._start, self._data_wait)
         self.reset()
         return result
 

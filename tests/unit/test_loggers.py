@@ -118,7 +118,7 @@ def test_console_line_shows_progress_and_mfu_as_a_percentage() -> None:
 
 
 def test_wandb_keys_come_from_one_table_and_unknown_names_go_under_train() -> None:
-    assert [wandb_key(k) for k in ("loss", "mfu", "peak_memory_gib", "aux_loss")] == [
+    assert [wandb_key(k) for k in ("loss", "mfu", "mem_peak_gib", "aux_loss")] == [
         "train/loss",
         "perf/mfu",
         "mem/peak_gib",

@@ -22,24 +22,27 @@ from trainer.metrics import (
 
 
 def test_mfu_is_model_flops_per_token_times_tokens_per_s_per_device_over_peak() -> None:
-    tokens_per_step, devices, step_time, peak_tflops = 2**20, 8, 2.0, 989.5
+    tokens_per_step, devices, peak_tflops = 2**20, 8, 989.5
+    steps, elapsed, data_wait = 4, 8.0, 2.0
     model_flops, hardware_flops = 1e12, 1.25e12
     meter = ThroughputMeter(
         tokens_per_step=tokens_per_step,
         model_flops_per_token=model_flops,
         hardware_flops_per_token=hardware_flops,
-        num_devices=devices,
+        devices=devices,
         peak=PeakFlops(peak_tflops, "recipe"),
     )
-    metrics = meter.measure(step_time_s=step_time, data_wait_s=0.5)
+    metrics = meter.measure(steps=steps, elapsed_s=elapsed, data_wait_s=data_wait)
 
+    step_time = elapsed / steps
     per_device = tokens_per_step / step_time / devices
+    assert metrics["step_time_s"] == pytest.approx(step_time)
+    assert metrics["data_wait_s"] == pytest.approx(data_wait / steps)
     assert metrics["tokens_per_s"] == pytest.approx(tokens_per_step / step_time)
     assert metrics["tokens_per_s_per_device"] == pytest.approx(per_device)
     assert metrics["tflops_per_device"] == pytest.approx(model_flops * per_device / 1e12)
     assert metrics["mfu"] == pytest.approx(model_flops * per_device / (peak_tflops * 1e12))
     assert metrics["hfu"] == pytest.approx(hardware_flops * per_device / (peak_tflops * 1e12))
-    assert (metrics["step_time_s"], metrics["data_wait_s"]) == (step_time, 0.5)
 
 
 def test_recompute_raises_hfu_above_mfu_with_the_model_flops_definition() -> None:
@@ -48,10 +51,10 @@ def test_recompute_raises_hfu_above_mfu_with_the_model_flops_definition() -> Non
         tokens_per_step=16 * 128,
         model_flops_per_token=flops.train,
         hardware_flops_per_token=flops.with_recompute("full"),
-        num_devices=2,
+        devices=2,
         peak=PeakFlops(0.05, "recipe"),
     )
-    metrics = meter.measure(step_time_s=0.5)
+    metrics = meter.measure(steps=1, elapsed_s=0.5)
     assert metrics["hfu"] / metrics["mfu"] == pytest.approx(
         flops.with_recompute("full") / flops.train
     )
@@ -62,10 +65,10 @@ def test_without_a_peak_mfu_and_hfu_are_none_but_throughput_is_reported() -> Non
         tokens_per_step=1000,
         model_flops_per_token=6e6,
         hardware_flops_per_token=6e6,
-        num_devices=1,
+        devices=1,
         peak=PeakFlops(None, "unknown device X; set hardware.peak_tflops"),
     )
-    metrics = meter.measure(step_time_s=1.0)
+    metrics = meter.measure(steps=1, elapsed_s=1.0)
     assert metrics["mfu"] is None and metrics["hfu"] is None
     assert metrics["tflops_per_device"] == pytest.approx(6e6 * 1000 / 1e12)
 
@@ -113,20 +116,21 @@ def test_known_gpu_without_the_dtype_gives_no_peak() -> None:
     assert key in peak.source and "hardware.peak_tflops" in peak.source
 
 
-def test_step_timer_averages_steps_and_data_wait_since_the_last_lap() -> None:
+def test_step_timer_counts_steps_time_and_data_wait_since_the_last_lap() -> None:
     timer = StepTimer(torch.device("cpu"))
     for _ in range(2):
         with timer.data_wait():
             time.sleep(0.03)
         time.sleep(0.02)
         timer.step_done()
-    step_time, data_wait = timer.lap()
-    assert data_wait >= 0.03
-    assert step_time >= data_wait + 0.02
-    # The lap started a new interval.
+    steps, elapsed, data_wait = timer.lap()
+    assert steps == 2
+    assert data_wait >= 2 * 0.03
+    assert elapsed >= data_wait + 2 * 0.02
+    # The lap started a new window.
     timer.step_done()
-    step_time, data_wait = timer.lap()
-    assert data_wait == 0.0 and step_time < 0.05
+    steps, elapsed, data_wait = timer.lap()
+    assert (steps, data_wait) == (1, 0.0) and elapsed < 0.05
 
 
 def test_cpu_peak_memory_is_the_process_peak_rss_in_gib() -> None:

@@ -15,14 +15,13 @@ from collections.abc import Iterator
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
 from launcher.layout import Degrees
 from launcher.schema import ParallelConfig, PrecisionConfig
-from parallel.mesh import data_parallel_mesh
+from parallel.mesh import JobMesh, data_parallel_mesh
 
 
 def uses_fsdp(parallel: ParallelConfig, degrees: Degrees) -> bool:
@@ -32,7 +31,7 @@ def uses_fsdp(parallel: ParallelConfig, degrees: Degrees) -> bool:
 
 def apply_fsdp(
     model: nn.Module,
-    mesh: DeviceMesh,
+    mesh: JobMesh,
     degrees: Degrees,
     parallel: ParallelConfig,
     precision: PrecisionConfig,
@@ -41,7 +40,7 @@ def apply_fsdp(
     mp_policy = MixedPrecisionPolicy()
     if precision.dtype == "bf16":
         mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    dp_mesh = data_parallel_mesh(mesh, degrees)
+    dp_mesh = data_parallel_mesh(mesh.world, degrees)
     reshard = parallel.zero == 3
     for block in model.layers.values():
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp_policy)
@@ -50,22 +49,22 @@ def apply_fsdp(
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=False, mp_policy=mp_policy)
 
 
-def apply_ddp(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
+def apply_ddp(model: nn.Module, mesh: JobMesh) -> nn.Module:
     """Wrap a materialized model in DDP over the flattened dp group."""
-    return DistributedDataParallel(model, process_group=mesh["dp"].get_group())
+    return DistributedDataParallel(model, process_group=mesh.dp.get_group())
 
 
 def build_zero1_optimizer(
     param_groups: list[dict],
     optimizer_class: type[torch.optim.Optimizer],
     optimizer_kwargs: dict,
-    mesh: DeviceMesh,
+    mesh: JobMesh,
 ) -> torch.optim.Optimizer:
     """An optimizer whose states are sharded over dp_shard (ZeRO-1)."""
     return ZeroRedundancyOptimizer(
         param_groups,
         optimizer_class=optimizer_class,
-        process_group=mesh["dp_shard"].get_group(),
+        process_group=mesh.world["dp_shard"].get_group(),
         **optimizer_kwargs,
     )
 

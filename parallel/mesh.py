@@ -7,20 +7,28 @@ loader use.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from launcher.layout import Degrees
-
-MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+from launcher.layout import MESH_DIMS, Degrees
 
 
-def build_mesh(degrees: Degrees, device_type: str) -> DeviceMesh:
+@dataclass(frozen=True)
+class JobMesh:
+    """The job's mesh and its flattened data-parallel dim."""
+
+    world: DeviceMesh
+    dp: DeviceMesh
+
+
+def build_mesh(degrees: Degrees, device_type: str) -> JobMesh:
     """Create the job's mesh and its flattened `dp` dim; needs an initialized process group."""
-    sizes = (degrees.pp, degrees.dp_replicate, degrees.dp_shard, degrees.tp)
-    mesh = init_device_mesh(device_type, sizes, mesh_dim_names=MESH_DIMS)
-    # Flattening is private API but the supported way to name a group spanning two dims.
-    mesh["dp_replicate", "dp_shard"]._flatten("dp")
-    return mesh
+    mesh = init_device_mesh(device_type, degrees.mesh_shape, mesh_dim_names=MESH_DIMS)
+    # Flattening is private API but the supported way to name a group spanning two dims;
+    # the flattened mesh is kept here because slicing it back out of the root is deprecated.
+    dp = mesh["dp_replicate", "dp_shard"]._flatten("dp")
+    return JobMesh(world=mesh, dp=dp)
 
 
 def data_parallel_mesh(mesh: DeviceMesh, degrees: Degrees) -> DeviceMesh:

@@ -11,13 +11,13 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 
 import models
 from launcher.layout import Degrees
 from launcher.schema import RecipeConfig
 from parallel.data import apply_ddp, apply_fsdp, build_zero1_optimizer, uses_fsdp
 from parallel.materialize import materialize
+from parallel.mesh import JobMesh
 from parallel.recompute import apply_recompute
 from trainer.optim import build_optimizer, optimizer_spec, param_groups, scaled_lr
 from trainer.schedule import build_lr_scheduler
@@ -34,7 +34,7 @@ class TrainState:
 
 
 def build_model(
-    cfg: RecipeConfig, mesh: DeviceMesh, degrees: Degrees, device: torch.device
+    cfg: RecipeConfig, mesh: JobMesh, degrees: Degrees, device: torch.device
 ) -> tuple[nn.Module, nn.Module]:
     """The model wrapped for the layout, and the plain module it wraps."""
     plain = models.build(cfg.model)
@@ -48,7 +48,7 @@ def build_model(
 
 
 def build_train_state(
-    cfg: RecipeConfig, mesh: DeviceMesh, degrees: Degrees, device: torch.device
+    cfg: RecipeConfig, mesh: JobMesh, degrees: Degrees, device: torch.device
 ) -> TrainState:
     """Model, optimizer and LR schedule for this rank."""
     model, plain = build_model(cfg, mesh, degrees, device)

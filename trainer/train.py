@@ -73,8 +73,8 @@ def run(cfg: RecipeConfig, rank: RankInfo) -> None:
         )
     torch.manual_seed(cfg.seed)
     mesh = build_mesh(degrees, rank.device.type)
-    dp_rank = mesh["dp"].get_local_rank()
-    dp_group = mesh["dp"].get_group()
+    dp_rank = mesh.dp.get_local_rank()
+    dp_group = mesh.dp.get_group()
     run_dir = Path(cfg.run.dir)
 
     state = build_train_state(cfg, mesh, degrees, rank.device)

@@ -1,0 +1,281 @@
+"""The run dir and its job scripts: torchrun command lines, sbatch directives, quoting."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from launcher.job import (
+    NODE_RANK,
+    RDZV_ENDPOINT,
+    JobError,
+    render_sbatch,
+    torchrun_args,
+    write_run_dir,
+)
+from launcher.schema import RecipeConfig
+
+# Each tries to create the marker file if any shell ever evaluates it instead of quoting it.
+INJECTIONS = ["x; touch {m}", "$(touch {m})", "`touch {m}`", "a'b\"c $(touch {m}) %j #"]
+
+
+def slurm_recipe(**cluster: object) -> RecipeConfig:
+    cfg = RecipeConfig()
+    cfg.cluster.backend = "slurm"
+    for key, value in cluster.items():
+        setattr(cfg.cluster, key, value)
+    return cfg
+
+
+def directives(script: str) -> list[str]:
+    return [
+        line.removeprefix("#SBATCH ") for line in script.splitlines() if line.startswith("#SBATCH ")
+    ]
+
+
+def words_bash_passes(command_line: str, env: dict[str, str] | None = None) -> list[str]:
+    """The arguments bash hands to the command on this line: its first word is swapped for a
+    printf of them, so bash's own expansion is what gets checked."""
+    _, rest = command_line.split(" ", 1)
+    out = subprocess.run(
+        ["bash", "-c", "printf '%s\\0' " + rest],
+        env=env, capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    return out.split("\0")[:-1]
+
+
+def test_one_node_runs_a_standalone_torchrun() -> None:
+    cfg = RecipeConfig()
+    cfg.cluster.gpus_per_node = 2
+    args = torchrun_args(cfg, Path("/runs/a/config.yaml"))
+    assert args == [
+        "torchrun", "--standalone", "--nproc-per-node", "2",
+        "-m", "trainer", "/runs/a/config.yaml",
+    ]  # fmt: skip
+
+
+def test_two_nodes_use_a_static_rendezvous_ranked_by_slurm_node_id() -> None:
+    cfg = slurm_recipe(nodes=2, gpus_per_node=4)
+    args = torchrun_args(cfg, Path("/runs/a/config.yaml"))
+    assert args == [
+        "torchrun", "--nnodes", "2", "--nproc-per-node", "4",
+        "--node-rank", "$SLURM_NODEID", "--rdzv-backend", "static",
+        "--rdzv-endpoint", "$MASTER_ADDR:$MASTER_PORT",
+        "-m", "trainer", "/runs/a/config.yaml",
+    ]  # fmt: skip
+    assert (NODE_RANK, RDZV_ENDPOINT) == ("$SLURM_NODEID", "$MASTER_ADDR:$MASTER_PORT")
+
+
+def test_sbatch_for_a_llama3_70b_cluster_has_exactly_its_directives(tmp_path: Path) -> None:
+    cfg = slurm_recipe(nodes=8, gpus_per_node=8, partition="gpu", account="llm", time="48:00:00")
+    cfg.name = "llama3_70b"
+    c = cfg.cluster
+    script = render_sbatch(cfg, tmp_path, tmp_path / "config.yaml")
+    log = f'"{tmp_path}/logs/slurm-%j.out"'
+    assert directives(script) == [
+        f'--job-name="{cfg.name}"',
+        f"--nodes={c.nodes}",
+        "--ntasks-per-node=1",
+        f"--cpus-per-task={c.cpus_per_task}",
+        f'--time="{c.time}"',
+        f"--output={log}",
+        f"--error={log}",
+        "--requeue",
+        f"--signal=USR1@{c.signal_seconds}",
+        f"--gpus-per-node={c.gpus_per_node}",
+        f'--partition="{c.partition}"',
+        f'--account="{c.account}"',
+    ]
+    subprocess.run(["bash", "-n"], input=script, text=True, check=True)
+
+
+def test_sbatch_directives_all_come_before_the_first_command(tmp_path: Path) -> None:
+    # sbatch stops reading #SBATCH lines at the first command.
+    script = render_sbatch(slurm_recipe(qos="high"), tmp_path, tmp_path / "config.yaml")
+    lines = script.splitlines()
+    first_command = next(i for i, line in enumerate(lines) if line and not line.startswith("#"))
+    last_directive = max(i for i, line in enumerate(lines) if line.startswith("#SBATCH"))
+    assert last_directive < first_command
+
+
+def test_cpu_job_requests_no_gpus_and_unset_fields_are_left_out(tmp_path: Path) -> None:
+    script = render_sbatch(slurm_recipe(device="cpu"), tmp_path, tmp_path / "config.yaml")
+    names = {d.split("=")[0] for d in directives(script)}
+    assert names.isdisjoint({"--gpus-per-node", "--partition", "--account", "--qos"})
+
+
+def test_the_job_ends_with_srun_of_torchrun_in_a_task_that_ignores_sigusr1(tmp_path: Path) -> None:
+    cfg = slurm_recipe(nodes=2, gpus_per_node=4)
+    config = tmp_path / "config.yaml"
+    srun_line = render_sbatch(cfg, tmp_path, config).rstrip().splitlines()[-1]
+    srun = words_bash_passes(srun_line)
+    assert srun[:3] == ["--ntasks-per-node=1", "--kill-on-bad-exit=1", "bash"]
+    assert srun[3] == "-c"
+    trap, exec_torchrun = srun[4].split("; ", 1)
+    assert trap == 'trap "" USR1'
+    assert exec_torchrun.startswith("exec torchrun ")
+    node = {**os.environ, "SLURM_NODEID": "1", "MASTER_ADDR": "10.0.0.7", "MASTER_PORT": "29500"}
+    expected = torchrun_args(cfg, config)
+    expected[expected.index(NODE_RANK)] = "1"
+    expected[expected.index(RDZV_ENDPOINT)] = "10.0.0.7:29500"
+    assert words_bash_passes(exec_torchrun, node) == expected
+
+
+@pytest.mark.parametrize("attack", INJECTIONS)
+def test_recipe_strings_reach_the_shell_as_literals_and_never_run(
+    tmp_path: Path, attack: str
+) -> None:
+    marker = tmp_path / "owned"
+    value = attack.format(m=marker)
+    cfg = slurm_recipe(device="cpu", partition=value, account=value, env={"EVIL": value})
+    cfg.name = value
+    run_dir = tmp_path / value
+    files = write_run_dir(cfg, run_dir, "name: x\n")
+    script = files.script_path.read_text()
+
+    # The environment part runs for real; every value arrives byte for byte.
+    exports = "\n".join(line for line in script.splitlines() if line.startswith("export "))
+    env = subprocess.run(
+        ["bash", "-c", "set -euo pipefail\n" + exports + "\nprintf '%s' \"$EVIL\""],
+        capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    assert env == value
+    # The node command: bash expands it to torchrun's argv with the literal config path.
+    srun = words_bash_passes(script.rstrip().splitlines()[-1])
+    torchrun = words_bash_passes(srun[4].split("; ", 1)[1])
+    assert torchrun == torchrun_args(cfg, files.config_path)
+    # sbatch's quoting keeps the value whole (its parser reads "..." with \" escapes).
+    assert f'--partition="{value.replace(chr(34), chr(92) + chr(34))}"' in directives(script)
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("name", "job\ntouch /tmp/owned"), ("cluster.partition", "gpu\rx"), ("run.dir", "runs\\x")],
+)
+def test_values_an_sbatch_line_cannot_carry_are_rejected_before_writing(
+    tmp_path: Path, field: str, value: str
+) -> None:
+    cfg = slurm_recipe(device="cpu")
+    run_dir = tmp_path / "run"
+    if field == "name":
+        cfg.name = value
+    elif field == "cluster.partition":
+        cfg.cluster.partition = value
+    else:
+        run_dir = tmp_path / value
+    with pytest.raises(JobError) as err:
+        write_run_dir(cfg, run_dir, "name: x\n")
+    assert str(err.value).startswith(f"{field}=")
+    assert "cannot carry line breaks, control characters or backslashes" in str(err.value)
+    assert not run_dir.exists()
+
+
+@pytest.mark.parametrize("key", ["A;B", "1X", "X Y", "$(id)", ""])
+def test_env_keys_must_be_identifiers(tmp_path: Path, key: str) -> None:
+    cfg = slurm_recipe(device="cpu", env={key: "1"})
+    with pytest.raises(JobError, match="not a valid environment variable name"):
+        write_run_dir(cfg, tmp_path / "run", "name: x\n")
+
+
+def test_run_dir_holds_the_config_the_script_and_a_log_dir(tmp_path: Path) -> None:
+    files = write_run_dir(slurm_recipe(device="cpu"), tmp_path / "run", "name: a\n")
+    assert files.config_path.read_text() == "name: a\n"
+    assert sorted(p.name for p in files.run_dir.iterdir()) == ["config.yaml", "job.sbatch", "logs"]
+    assert files.script_path == files.run_dir / "job.sbatch"
+
+
+def test_local_run_script_is_the_torchrun_command_with_the_environment(tmp_path: Path) -> None:
+    cfg = RecipeConfig()
+    cfg.cluster.gpus_per_node = 2
+    cfg.cluster.omp_num_threads = 3
+    cfg.cluster.env = {"NCCL_DEBUG": "WARN"}
+    files = write_run_dir(cfg, tmp_path / "run", "name: a\n")
+    script = files.script_path.read_text()
+    assert files.script_path.name == "run.sh"
+    assert os.access(files.script_path, os.X_OK)
+    lines = script.splitlines()
+    assert "export OMP_NUM_THREADS=3" in lines
+    assert "export NCCL_DEBUG=WARN" in lines
+    assert lines[-1] == "exec " + shlex.join(torchrun_args(cfg, files.config_path))
+    subprocess.run(["bash", "-n", str(files.script_path)], check=True)
+
+
+def test_a_different_config_in_an_existing_run_dir_is_refused_and_kept(tmp_path: Path) -> None:
+    cfg = slurm_recipe(device="cpu")
+    first = write_run_dir(cfg, tmp_path / "run", "train:\n  steps: 3\n")
+    with pytest.raises(JobError, match=r"holds a different config.*run\.dir=.*remove"):
+        write_run_dir(cfg, tmp_path / "run", "train:\n  steps: 4\n")
+    assert first.config_path.read_text() == "train:\n  steps: 3\n"
+
+
+def test_the_same_config_again_is_a_resubmission_and_accepted(tmp_path: Path) -> None:
+    cfg = slurm_recipe(device="cpu")
+    first = write_run_dir(cfg, tmp_path / "run", "name: a\n")
+    again = write_run_dir(cfg, tmp_path / "run", "name: a\n")
+    assert again == first
+    assert again.config_path.read_text() == "name: a\n"
+
+
+def test_local_backend_refuses_more_than_one_node(tmp_path: Path) -> None:
+    cfg = RecipeConfig()
+    cfg.cluster.nodes = 2
+    with pytest.raises(JobError, match=r"cluster\.nodes=2 with cluster\.backend=local"):
+        write_run_dir(cfg, tmp_path / "run", "name: a\n")
+
+
+LAUNCHER = """
+import sys
+from pathlib import Path
+from launcher.backends import run_local
+from launcher.job import write_run_dir
+from launcher.schema import RecipeConfig, dump_config
+
+cfg = RecipeConfig()
+cfg.cluster.device, cfg.cluster.gpu_type, cfg.cluster.gpus_per_node = "cpu", "cpu", 2
+cfg.train.steps, cfg.logging.wandb, cfg.run.dir = 100_000, "disabled", sys.argv[1]
+files = write_run_dir(cfg, Path(cfg.run.dir), dump_config(cfg))
+sys.exit(run_local(files, cfg))
+"""
+
+
+def _processes_mentioning(text: str) -> list[int]:
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and text in (proc / "cmdline").read_text():
+                pids.append(int(proc.name))
+        except OSError:
+            continue
+    return pids
+
+
+@pytest.mark.distributed
+def test_ctrl_c_reaches_torchrun_and_every_rank_stops(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, str(run_dir)])
+    try:
+        deadline = time.monotonic() + 120
+        metrics = run_dir / "metrics.jsonl"
+        while not (metrics.exists() and metrics.read_text()) and time.monotonic() < deadline:
+            assert launcher.poll() is None, "training stopped before the signal"
+            time.sleep(0.2)
+        [torchrun] = map(
+            int, Path(f"/proc/{launcher.pid}/task/{launcher.pid}/children").read_text().split()
+        )
+        launcher.send_signal(signal.SIGINT)
+        code = launcher.wait(timeout=60)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert code != 0
+    with pytest.raises(ProcessLookupError):
+        os.killpg(torchrun, 0)
+    assert _processes_mentioning(str(run_dir / "config.yaml")) == []

@@ -132,6 +132,7 @@ def render_sbatch(cfg: RecipeConfig, run_dir: Path, config_path: Path) -> str:
         value = getattr(c, field)
         if value:
             optional.append(f"#SBATCH --{field}={_directive(f'cluster.{field}', value)}")
+    _directive("run.dir", str(run_dir))  # name the run dir itself if it cannot be used
     # SLURM expands %j (job id) in the output path; a literal % is written %%.
     log_pattern = str(Path(run_dir) / "logs").replace("%", "%%") + "/slurm-%j.out"
     node_script = 'trap "" USR1; exec ' + " ".join(

@@ -45,13 +45,11 @@ def slurm_cluster() -> Iterator[None]:
         pytest.skip(
             f"{', '.join(missing)} not installed (slurm/local-cluster/start.sh installs them)"
         )
-    state_dir = Path(
-        os.environ.get(
-            "PRETRAIN_SLURM_DIR", Path(os.environ.get("TMPDIR", "/tmp")) / "pretrain-slurm"
-        )
-    )
-    conf = str(state_dir / "slurm.conf")
-    os.environ["SLURM_CONF"] = conf
+    # start.sh's default state dir, so that a cluster started by hand or by CI is reused.
+    default_dir = Path(os.environ.get("TMPDIR", "/tmp")) / "pretrain-slurm"
+    state_dir = Path(os.environ.get("PRETRAIN_SLURM_DIR", default_dir))
+    previous_conf = os.environ.get("SLURM_CONF")
+    os.environ["SLURM_CONF"] = str(state_dir / "slurm.conf")
     already_up = (state_dir / "slurm.conf").exists() and _controller_answers()
     subprocess.run([CLUSTER_SCRIPTS / "start.sh", state_dir], check=True, timeout=300)
     try:
@@ -59,7 +57,10 @@ def slurm_cluster() -> Iterator[None]:
     finally:
         if not already_up:
             subprocess.run([CLUSTER_SCRIPTS / "stop.sh", state_dir], check=False, timeout=60)
-        del os.environ["SLURM_CONF"]
+        if previous_conf is None:
+            del os.environ["SLURM_CONF"]
+        else:
+            os.environ["SLURM_CONF"] = previous_conf
 
 
 def cpu_recipe(run_dir: Path, steps: int) -> RecipeConfig:

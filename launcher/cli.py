@@ -48,12 +48,16 @@ def execute(cfg: RecipeConfig) -> None:
     """Validate, plan and carry out `cfg.action` for one composed recipe."""
     from launcher.plan import make_plan, plan_to_dict
     from launcher.render import render_plan
-    from launcher.validate import RecipeError, validate
+    from launcher.validate import RecipeError, check_runnable, validate
 
     try:
-        validate(cfg, for_launch=cfg.action != "plan")
+        validate(cfg, for_launch=cfg.action == "run")
     except RecipeError as err:
         _fail(f"Recipe '{cfg.name}' is not valid:\n{err}")
+    if cfg.action == "script":
+        # A script may be written for a layout this trainer cannot run yet; say so loudly.
+        for problem in check_runnable(cfg):
+            print(f"warning: {problem}", file=sys.stderr)
 
     plan = make_plan(cfg)
     if cfg.action == "plan":

@@ -23,7 +23,7 @@ BASE_OVERRIDES = (
     "model.ffn_dim=192",
     "model.n_layers=4",
     "data.max_bytes=400000",
-    "train.steps=6",
+    "train.steps=8",
     "train.seq_len=64",
     "train.micro_batch=2",
     "train.global_batch=8",
@@ -58,9 +58,10 @@ def run_pretrain(run_dir: Path, overrides: list[str], nproc: int, timeout: float
     env = dict(os.environ, OMP_NUM_THREADS="1")
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     if result.returncode != 0:
+        log = run_dir.parent / f"{run_dir.name}.log"
+        log.write_text(result.stdout + result.stderr)
         raise AssertionError(
-            f"pretrain failed ({result.returncode}):\n{result.stdout[-4000:]}\n"
-            f"{result.stderr[-4000:]}"
+            f"pretrain failed ({result.returncode}), full output in {log}:\n{result.stderr[-3000:]}"
         )
     return read_curve(run_dir / "metrics.jsonl")
 

@@ -1,7 +1,8 @@
 """Every data-parallel layout and recompute policy reproduces the single-process loss curve.
 
 FP32 on CPU: the per-step loss must match the one-process reference within a relative
-1e-5 (what reordered FP32 sums leave); BF16 within 2e-2 of the BF16 reference.
+1e-5 (what reordered FP32 sums leave); BF16 within 1e-3 of the BF16 reference (FSDP's
+mixed-precision policy casts the weights, autocast the matmuls, so they round differently).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from tests.distributed.harness import max_relative_difference, run_pretrain
 pytestmark = pytest.mark.distributed
 
 FP32_TOLERANCE = 1e-5
-BF16_TOLERANCE = 2e-2
+BF16_TOLERANCE = 1e-3
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +30,7 @@ def reference(workdir: Path):
 
 
 def test_reference_loss_falls(reference) -> None:
-    assert reference.loss[-1] < reference.loss[0] - 0.5
+    assert reference.loss[-1] < reference.loss[0] - 0.3
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,165 @@
+"""The `pretrain` command as a user drives it: compose, override, plan, script, run."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.distributed.harness import BASE_OVERRIDES, read_curve
+
+pytestmark = pytest.mark.e2e
+
+REPO = Path(__file__).resolve().parents[2]
+RECIPES = sorted(p.stem for p in (REPO / "recipes").glob("*.yaml") if p.stem != "base")
+
+
+def pretrain(*args: str, cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "launcher", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
+
+
+def test_every_shipped_recipe_composes_validates_and_plans(tmp_path: Path) -> None:
+    assert {"tiny", "gpt2_124m", "llama3_1b", "llama3_8b", "llama3_70b"} <= set(RECIPES)
+    for recipe in RECIPES:
+        result = pretrain("--config-name", recipe, "action=plan", "plan.format=json", cwd=tmp_path)
+        assert result.returncode == 0, f"{recipe}: {result.stderr}"
+        plan = json.loads(result.stdout)
+        assert plan["params_total"] > 0 and plan["memory_gib"] > 0
+
+
+def test_plan_writes_nothing(tmp_path: Path) -> None:
+    result = pretrain("action=plan", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "tiny" in result.stdout
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_llama3_70b_json_plan_has_layout_params_flops_and_memory(tmp_path: Path) -> None:
+    result = pretrain(
+        "--config-name",
+        "llama3_70b",
+        "cluster.nodes=8",
+        "action=plan",
+        "plan.format=json",
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr
+    plan = json.loads(result.stdout)
+    assert abs(plan["params_total"] / 70.6e9 - 1) < 0.01
+    assert plan["degrees"]["tp"] == 8 and plan["degrees"]["world"] == 64
+    assert plan["rank_groups"]["tp"][0] == list(range(8))
+    # 6 FLOPs per parameter and token, plus attention scores at 8192 tokens.
+    assert plan["flops_per_token_train"] > 6 * plan["params_non_embedding"]
+    assert 0 < plan["memory_gib"] < plan["gpu_memory_gib"]
+
+
+def test_script_writes_config_and_sbatch_without_running(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    result = pretrain(
+        "--config-name",
+        "llama3_70b",
+        "cluster=slurm",
+        "cluster.nodes=8",
+        "action=script",
+        f"run.dir={run_dir}",
+        "cluster.partition=gpu",
+        "cluster.account=proj",
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr
+    config = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert config["parallel"]["tp"] == 8 and config["cluster"]["nodes"] == 8
+    script = (run_dir / "job.sbatch").read_text()
+    assert "#SBATCH --nodes=8" in script
+    assert '#SBATCH --partition="gpu"' in script
+    assert str(run_dir / "job.sbatch") in result.stdout
+    assert not (run_dir / "metrics.jsonl").exists()
+
+
+def test_config_is_fully_resolved_for_the_ranks(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    result = pretrain("action=script", f"run.dir={run_dir}", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    text = (run_dir / "config.yaml").read_text()
+    assert "${" not in text
+    assert yaml.safe_load(text)["run"]["dir"] == str(run_dir)
+
+
+def test_cfg_job_prints_the_composed_recipe(tmp_path: Path) -> None:
+    result = pretrain("--cfg", "job", "model.dim=256", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert yaml.safe_load(result.stdout)["model"]["dim"] == 256
+
+
+def test_unknown_key_fails_at_compose_time(tmp_path: Path) -> None:
+    result = pretrain("action=plan", "model.hidden=3", cwd=tmp_path)
+    assert result.returncode != 0
+    assert "hidden" in result.stderr
+
+
+def test_wrong_type_fails_at_compose_time(tmp_path: Path) -> None:
+    result = pretrain("action=plan", "train.steps=many", cwd=tmp_path)
+    assert result.returncode != 0
+    assert "train.steps" in result.stderr and "many" in result.stderr
+
+
+def test_all_validation_problems_reported_before_anything_is_written(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    result = pretrain(
+        "parallel.dp_shard=3",
+        "model.n_layers=0",
+        "optim.lr=-1",
+        f"run.dir={run_dir}",
+        cwd=tmp_path,
+    )
+    assert result.returncode == 2
+    for field in ("parallel.dp_shard=3", "model.n_layers=0", "optim.lr=-1"):
+        assert field in result.stderr
+    assert not run_dir.exists()
+
+
+def test_multirun_writes_one_run_dir_per_point(tmp_path: Path) -> None:
+    result = pretrain("-m", "action=script", "seed=1,2", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    dirs = sorted(p.name for p in (tmp_path / "runs" / "tiny").iterdir() if p.is_dir())
+    assert dirs == ["seed=1", "seed=2"]
+    seeds = [
+        yaml.safe_load((tmp_path / "runs/tiny" / d / "config.yaml").read_text())["seed"]
+        for d in dirs
+    ]
+    assert seeds == [1, 2]
+
+
+def test_default_recipe_trains_end_to_end_on_two_ranks(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    overrides = [o for o in BASE_OVERRIDES if not o.startswith(("train.steps", "logging."))]
+    result = pretrain(
+        *overrides,
+        "train.steps=30",
+        "logging.log_every=10",
+        "logging.wandb=offline",
+        f"run.dir={run_dir}",
+        cwd=tmp_path,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [10, 20, 30]
+    for key in ("loss", "lr", "grad_norm", "tokens_per_s", "tflops_per_device", "mfu"):
+        assert key in rows[0]
+    assert rows[-1]["loss"] < rows[0]["loss"]
+    assert read_curve(run_dir / "metrics.jsonl").loss == [r["loss"] for r in rows]
+    assert (run_dir / "wandb_run_id").exists()
+    assert list((run_dir / "wandb").glob("offline-run-*"))

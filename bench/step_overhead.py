@@ -4,7 +4,7 @@ Both run in this one process on the same micro-batches, interleaved in blocks of
 that machine noise hits both alike; the medians of their per-step times are compared.
 A ratio (trainer throughput / plain-loop throughput) of 1.00 means no overhead.
 
-    python bench/step_overhead.py [--recipe tiny] [--blocks 7] [--steps-per-block 10] [key=value ...]
+    python bench/step_overhead.py [--recipe tiny] [--blocks 7] [key=value ...]
 """
 
 from __future__ import annotations

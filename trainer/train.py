@@ -148,5 +148,7 @@ def main(config_path: str) -> None:
     rank = init_distributed(cfg.cluster)
     try:
         run(cfg, rank)
+        # No rank tears down its connections while a peer still has work in flight.
+        dist.barrier()
     finally:
         dist.destroy_process_group()

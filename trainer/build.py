@@ -33,14 +33,20 @@ class TrainState:
     scheduler: torch.optim.lr_scheduler.LRScheduler
 
 
+def parallelize(plain: nn.Module, cfg: RecipeConfig, mesh: JobMesh, degrees: Degrees) -> None:
+    """Apply the layout to the plain meta-device model, in place, in the design's order:
+    pipeline split -> tensor/sequence -> expert -> recompute -> compile -> FSDP."""
+    apply_recompute(plain, cfg.recompute)
+    if uses_fsdp(cfg.parallel, degrees):
+        apply_fsdp(plain, mesh, degrees, cfg.parallel, cfg.precision)
+
+
 def build_model(
     cfg: RecipeConfig, mesh: JobMesh, degrees: Degrees, device: torch.device
 ) -> tuple[nn.Module, nn.Module]:
     """The model wrapped for the layout, and the plain module it wraps."""
     plain = models.build(cfg.model)
-    apply_recompute(plain, cfg.recompute)
-    if uses_fsdp(cfg.parallel, degrees):
-        apply_fsdp(plain, mesh, degrees, cfg.parallel, cfg.precision)
+    parallelize(plain, cfg, mesh, degrees)
     materialize(plain, cfg.model, cfg.seed, device)
     if degrees.dp > 1 and not uses_fsdp(cfg.parallel, degrees):
         return apply_ddp(plain, mesh), plain

@@ -41,6 +41,7 @@ def test_reference_loss_falls(reference) -> None:
         ("zero2_dp2", ["parallel.zero=2"], 2),
         ("zero3_dp2", ["parallel.zero=3"], 2),
         ("hsdp_dp4", ["parallel.zero=3", "parallel.dp_replicate=2"], 4),
+        ("hybrid_zero1_dp4", ["parallel.zero=1", "parallel.dp_replicate=2"], 4),
         ("full_recompute_zero3_dp2", ["parallel.zero=3", "recompute=full"], 2),
         ("selective_recompute_dp1", ["recompute=selective"], 1),
         ("full_recompute_every2_dp2", ["recompute=full", "recompute.every=2"], 2),

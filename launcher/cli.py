@@ -51,7 +51,8 @@ def execute(cfg: RecipeConfig) -> None:
     from launcher.validate import RecipeError, check_runnable, validate
 
     try:
-        validate(cfg, for_launch=cfg.action == "run")
+        # A job that would run out of memory is refused before it is written or submitted.
+        validate(cfg, for_launch=cfg.action == "run", check_memory=cfg.action != "plan")
     except RecipeError as err:
         _fail(f"Recipe '{cfg.name}' is not valid:\n{err}")
     if cfg.action == "script":

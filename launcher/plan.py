@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from launcher import hardware
 from launcher.layout import Degrees, grad_accum_steps, rank_groups, resolve_degrees
+from launcher.memory import MemoryBreakdown, memory_breakdown
 from launcher.schema import OptimConfig, RecipeConfig
 from models.flops import count_params, flops_per_token
 
@@ -70,6 +71,8 @@ class Plan:
     peak_tflops: float | None
     step_time_s: float | None
     tokens_per_s: float | None
+    memory: MemoryBreakdown | None = None
+    """Peak bytes per rank by category as this trainer allocates them (launcher/memory.py)."""
     assumptions: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
 
@@ -129,10 +132,12 @@ def make_plan(cfg: RecipeConfig) -> Plan:
         step_time_s=step_time,
         tokens_per_s=tokens / step_time if step_time else None,
     )
+    plan.memory = memory_breakdown(cfg, degrees, micro)
     plan.assumptions = _assumptions(cfg)
-    if memory and plan.memory_gib > memory:
+    if memory and max(plan.memory_gib, plan.memory.total_gib) > memory:
+        peak = max(plan.memory_gib, plan.memory.total_gib)
         plan.warnings.append(
-            f"estimated {plan.memory_gib:.1f} GiB per rank exceeds the {memory:g} GiB of "
+            f"estimated {peak:.1f} GiB per rank exceeds the {memory:g} GiB of "
             f"{spec.name}: raise parallel.zero, tp or pp, lower train.micro_batch, or recompute"
         )
     return plan
@@ -256,4 +261,6 @@ def plan_to_dict(plan: Plan) -> dict:
         for z, states in plan.model_states_by_zero.items()
     }
     data["memory_gib"] = plan.memory_gib
+    if plan.memory is not None:
+        data["memory"]["total"] = plan.memory.total
     return data

@@ -68,7 +68,9 @@ def render_plan(plan: Plan) -> str:
             ("pipeline bubble", f"{plan.bubble_fraction:.1%}"),
         ],
     )
-    memory = Table(title="Memory per rank", title_justify="left", min_width=60)
+    if plan.memory is not None:
+        console.print(_breakdown_table(plan))
+    memory = Table(title="Memory per rank (ZeRO paper)", title_justify="left", min_width=60)
     for column in ("ZeRO", "params", "grads", "optimizer", "model states", "+ activations"):
         memory.add_column(column, justify="right")
     for zero, states in plan.model_states_by_zero.items():
@@ -97,6 +99,34 @@ def render_plan(plan: Plan) -> str:
     for line in plan.assumptions:
         console.print(f"assumed: {line}")
     return console.export_text()
+
+
+BAR_WIDTH = 24
+
+
+def _breakdown_table(plan: Plan):
+    """Peak memory per rank by category, each with a bar scaled to the device (or the peak)."""
+    from rich.table import Table
+
+    breakdown = plan.memory
+    scale = (plan.gpu_memory_gib or 0) * GIB or breakdown.total or 1
+    where = f"of {plan.gpu_memory_gib:g} GiB" if plan.gpu_memory_gib else "of the peak"
+    table = Table(
+        title=f"Memory per rank, this trainer (peak at the {breakdown.peak_phase}; bars {where})",
+        title_justify="left",
+        min_width=60,
+    )
+    for column, justify in (("category", "left"), ("size", "right"), ("", "left"), ("how", "left")):
+        table.add_column(column, justify=justify, overflow="fold")
+    for name, size, how in breakdown.rows():
+        table.add_row(name, _bytes(size), _bar(size / scale), how)
+    table.add_row("total", _bytes(breakdown.total), _bar(breakdown.total / scale), "")
+    return table
+
+
+def _bar(fraction: float) -> str:
+    cells = min(BAR_WIDTH, round(max(fraction, 0.0) * BAR_WIDTH))
+    return "█" * cells + "·" * (BAR_WIDTH - cells)
 
 
 def _groups(groups: list[list[int]], count: int) -> str:

@@ -86,10 +86,11 @@ class _Checks:
         return False
 
 
-def validate(cfg: RecipeConfig, for_launch: bool = False) -> None:
+def validate(cfg: RecipeConfig, for_launch: bool = False, check_memory: bool = False) -> None:
     """Raise RecipeError listing every problem of `cfg`; return None if there is none.
 
-    With `for_launch`, layouts this version's trainer cannot execute are problems too.
+    With `for_launch`, layouts this version's trainer cannot execute are problems too; with
+    `check_memory`, a predicted peak memory per rank above the device's.
     """
     c = _Checks()
     c.choice("action", cfg.action, ("run", "plan", "script"))
@@ -112,8 +113,29 @@ def validate(cfg: RecipeConfig, for_launch: bool = False) -> None:
     c.at_least("hardware.peak_tflops", cfg.hardware.peak_tflops, 0)
     if for_launch:
         c.problems.extend(check_runnable(cfg))
+    if check_memory and not c.problems:
+        _check_memory(c, cfg)
     if c.problems:
         raise RecipeError(c.problems)
+
+
+def _check_memory(c: _Checks, cfg: RecipeConfig) -> None:
+    from launcher.fit import describe, device_memory_gib, fitting_changes, predict
+
+    limit = device_memory_gib(cfg)
+    breakdown = predict(cfg)
+    if limit and breakdown.total_gib > limit:
+        fixes = fitting_changes(cfg, limit)
+        c.add(
+            "parallel",
+            f"tp={cfg.parallel.tp},pp={cfg.parallel.pp},zero={cfg.parallel.zero}",
+            f"predicted peak {breakdown.total_gib:.1f} GiB per rank exceeds the {limit:g} GiB "
+            f"of {cfg.cluster.gpu_type} ({describe(breakdown)})",
+            "try " + or_list(fixes)
+            if fixes
+            else "raise ZeRO, tp or pp, recompute, or lower "
+            "train.micro_batch (no single change fits)",
+        )
 
 
 def check_runnable(cfg: RecipeConfig) -> list[Problem]:

@@ -1,0 +1,81 @@
+"""Refuse a recipe whose predicted peak memory per rank exceeds the device's, with fixes.
+
+The prediction is `launcher.memory`'s breakdown; each suggestion is a one-field change of
+the recipe that the same model predicts to fit, so the user gets options that work.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+from launcher import hardware
+from launcher.layout import grad_accum_steps, resolve_degrees
+from launcher.memory import GIB, MemoryBreakdown, memory_breakdown
+from launcher.schema import RecipeConfig
+
+
+def device_memory_gib(cfg: RecipeConfig) -> float | None:
+    """Memory of one device in GiB; None on CPU, where nothing is compared."""
+    if cfg.cluster.device != "cuda":
+        return None
+    return cfg.cluster.gpu_memory_gib or hardware.gpu_spec(cfg.cluster.gpu_type).memory_gib
+
+
+def predict(cfg: RecipeConfig) -> MemoryBreakdown:
+    """The peak breakdown per rank of a recipe whose layout resolves."""
+    micro = cfg.parallel.pp_microbatches or grad_accum_steps(cfg)
+    return memory_breakdown(cfg, resolve_degrees(cfg), micro)
+
+
+def _variants(cfg: RecipeConfig) -> list[tuple[str, Callable[[RecipeConfig], None]]]:
+    p, t = cfg.parallel, cfg.train
+    options: list[tuple[str, Callable[[RecipeConfig], None]]] = []
+    for zero in range(p.zero + 1, 4):
+        options.append((f"parallel.zero={zero}", lambda c, z=zero: setattr(c.parallel, "zero", z)))
+    tp = p.tp * 2
+    while tp <= cfg.cluster.gpus_per_node:
+        options.append((f"parallel.tp={tp}", lambda c, v=tp: setattr(c.parallel, "tp", v)))
+        tp *= 2
+    options.append((f"parallel.pp={p.pp * 2}", lambda c: setattr(c.parallel, "pp", p.pp * 2)))
+    if p.tp > 1 and not p.sp:
+        options.append(("parallel.sp=true", lambda c: setattr(c.parallel, "sp", True)))
+    for policy in ("selective", "full"):
+        if cfg.recompute.policy != policy and not (
+            policy == "selective" and cfg.recompute.policy == "full"
+        ):
+            options.append(
+                (f"recompute={policy}", lambda c, v=policy: setattr(c.recompute, "policy", v))
+            )
+    if t.micro_batch > 1:
+        options.append(
+            (
+                f"train.micro_batch={t.micro_batch // 2}",
+                lambda c: setattr(c.train, "micro_batch", t.micro_batch // 2),
+            )
+        )
+    return options
+
+
+def fitting_changes(cfg: RecipeConfig, limit_gib: float) -> list[str]:
+    """One-field changes predicted to fit `limit_gib`, each with its predicted peak."""
+    from launcher.validate import RecipeError, validate
+
+    found = []
+    for label, change in _variants(cfg):
+        candidate = copy.deepcopy(cfg)
+        change(candidate)
+        try:
+            validate(candidate, check_memory=False)
+            peak = predict(candidate).total_gib
+        except RecipeError:
+            continue
+        if peak <= limit_gib:
+            found.append(f"{label} ({peak:.1f} GiB)")
+    return found
+
+
+def describe(breakdown: MemoryBreakdown) -> str:
+    """The breakdown on one line: 'params 3.7 + grads 7.5 + ... GiB'."""
+    parts = [f"{name} {size / GIB:.1f}" for name, size, _ in breakdown.rows() if size]
+    return " + ".join(parts) + " GiB"

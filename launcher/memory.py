@@ -1,0 +1,300 @@
+"""Memory per rank, by category, as this trainer actually allocates it.
+
+Pure arithmetic on a recipe (no torch). The peak of a step is the larger of two moments:
+
+- the end of the last micro-batch's forward: parameters, gradients held across accumulation,
+  optimizer states, saved activations of the micro-batches in flight, the transient
+  unsharded or cast parameter copies, and the logits with the loss buffers;
+- the optimizer step: parameters, gradients, optimizer states and the step's temporaries.
+
+The trainer's bookkeeping (stated, because it differs from the ZeRO paper's):
+
+- ZeRO-0 (DDP): FP32 parameters and FP32 gradients, plus DDP's FP32 bucket buffers (as large
+  as the gradients: `gradient_as_bucket_view` is off). BF16 runs under autocast, which keeps
+  a BF16 copy of every weight it casts from the forward until that layer's backward.
+- ZeRO-1: the same, with optimizer states sharded over dp_shard (ZeroRedundancyOptimizer).
+- ZeRO-2/3 (FSDP2): FP32 parameters, gradients and optimizer states sharded over the dp
+  ranks; unsharded parameters in the compute dtype exist transiently (ZeRO-2 keeps every
+  block unsharded from its forward to its backward, ZeRO-3 one block plus the prefetched
+  next; the root's embedding, final norm and head stay unsharded through the step).
+  Gradient accumulation without sync keeps FP32 unsharded gradients between micro-batches.
+
+`textbook_model_states` keeps the ZeRO paper's figures (2 + 2 + K bytes per parameter) as
+the reference the unit tests cross-check; `korthikanti_layer_activations` the per-layer
+activation formula of Korthikanti et al. 2022 for a GPT block.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from launcher.layout import Degrees
+from launcher.schema import RecipeConfig
+from models.config import ModelConfig
+from models.flops import count_params
+
+GIB = 2**30
+CUDA_FIXED_GIB = 1.5
+"""CUDA context, cuBLAS workspaces and NCCL buffers per GPU (typical, H100, NCCL 2.2x)."""
+FRAGMENTATION = 0.05
+"""Caching-allocator fragmentation, as a share of the tensors' peak (CUDA only)."""
+COMPUTE_BYTES = {"fp32": 4, "bf16": 2, "fp8": 2}
+"""Bytes of an activation in the compute dtype (FP8 runs keep BF16 activations)."""
+MOMENTS = {"adamw": 2, "lion": 1, "sgd": 1}
+"""FP32 state tensors per parameter (SGD without momentum keeps none)."""
+CATEGORIES = ("params", "grads", "optimizer", "activations", "transients", "logits", "framework")
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Bytes per rank at the step's peak, by category; `notes` say how each was counted."""
+
+    params: float
+    """Parameters resident on the rank (FP32 masters; sharded under ZeRO-3)."""
+    grads: float
+    """Gradients held at the peak, with DDP's bucket buffers."""
+    optimizer: float
+    """Optimizer states, plus the optimizer step's temporaries when the step is the peak."""
+    activations: float
+    """Saved activations of the micro-batches in flight, plus one block's recomputation."""
+    transients: float
+    """Transient parameter- or gradient-sized buffers: FSDP's unsharded parameters, autocast's
+    casts, DDP's extra gradient buffer in a backward after no-sync accumulation."""
+    logits: float
+    """Logits, their FP32 copy, the log-softmax saved for backward and its gradient."""
+    framework: float
+    """Allowance: CUDA context, NCCL and allocator fragmentation (0 on CPU)."""
+    peak_phase: str
+    """'forward' or 'optimizer step': the moment the categories describe."""
+    notes: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def total(self) -> float:
+        return sum(getattr(self, name) for name in CATEGORIES)
+
+    @property
+    def total_gib(self) -> float:
+        return self.total / GIB
+
+    def rows(self) -> list[tuple[str, float, str]]:
+        """(category, bytes, how it was counted) in display order."""
+        return [(name, getattr(self, name), self.notes.get(name, "")) for name in CATEGORIES]
+
+
+def textbook_model_states(params: int, optim: str, zero: int, dp: int) -> tuple[float, ...]:
+    """ZeRO paper (Rajbhandari et al. 2020) mixed-precision bytes: (params, grads, optimizer).
+
+    2 B BF16 params + 2 B BF16 grads + K B of FP32 master weights and moments (AdamW K = 12);
+    stage 1 shards the K bytes over dp, stage 2 the grads too, stage 3 the params too.
+    """
+    k = 4 + 4 * MOMENTS[optim]
+    return (
+        2 * params / (dp if zero >= 3 else 1),
+        2 * params / (dp if zero >= 2 else 1),
+        k * params / (dp if zero >= 1 else 1),
+    )
+
+
+def korthikanti_layer_activations(
+    s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False, selective: bool = False
+) -> float:
+    """Bytes one GPT layer saves (16-bit, with dropout; Korthikanti et al. 2022, Table 2).
+
+    sbh(10 + 24/t + 5as/(ht)) with TP; (sbh/t)(34 + 5as/h) with SP; selective recompute
+    drops the 5as/h attention-core term.
+    """
+    core = 0.0 if selective else 5 * a * s / h
+    if sp:
+        return s * b * h / t * (34 + core)
+    return s * b * h * (10 + (24 + core) / t)
+
+
+def llama_block_activations(
+    m: ModelConfig, s: int, b: int, compute: int, residual: int, t: int, sp: bool, policy: str
+) -> float:
+    """Bytes one Llama block of models/llama.py saves for backward, per micro-batch.
+
+    `compute` is the bytes of matmul outputs, `residual` of the residual stream (FP32 under
+    autocast, whose additions promote). Head- and FFN-wide tensors split over tp; the norms'
+    tensors split over tp only with sp. Column-parallel linears save their (gathered) input
+    whole, as DTensor's sequence parallelism does.
+    """
+    h, q, kv, f = m.dim, m.n_heads * m.head_dim, m.kv_heads * m.head_dim, m.ffn_dim
+    seq = t if sp else 1
+    if policy == "selective":
+        # Only the checkpoint's input and the outputs of the matmuls are kept.
+        kept = residual * h / seq + compute * ((q + 2 * kv + 2 * f) / t + 2 * h / seq)
+        return s * b * kept
+    # Each RMSNorm keeps its FP32 input, its inverse RMS and its normalized output (in the
+    # residual dtype); the linears after it keep their input, one cast copy per linear under
+    # autocast. Rotary embedding multiplies by constants and keeps nothing of q and k.
+    casts = compute < 4 and residual == 4
+    norms = 2 * ((4 + residual) * h + 4) / seq
+    linear_inputs = compute * h * ((3 + 2) if casts else 2)
+    attention = (
+        compute * (2 * q + 2 * kv)  # rotated q, k and v, and the output, as SDPA keeps them
+        + 4 * m.n_heads  # SDPA's log-sum-exp per head; wo's input is a view of the output
+    ) / t
+    mlp = compute * 4 * f / t  # w1 and w3 outputs, silu output, w2's input
+    return s * b * (norms + linear_inputs + attention + mlp)
+
+
+def head_activations(
+    m: ModelConfig, s: int, b: int, compute: int, residual: int, t: int, sp: bool
+) -> float:
+    """Bytes the final norm and the LM head's input keep (the logits are counted apart)."""
+    casts = compute < 4 and residual == 4
+    norm = ((4 + residual) * m.dim + 4) / (t if sp else 1)
+    return s * b * (norm + m.dim * (compute if casts else residual))
+
+
+def in_flight(schedule: str, pp: int, microbatches: int, vpp: int = 1) -> float:
+    """Micro-batches whose activations the first pipeline stage holds at its peak.
+
+    1F1B: p - s on stage s, so p on the first; GPipe: all m; interleaved 1F1B: p + (p-1)/v
+    stage-sized micro-batches (each chunk holds 1/v of the stage's layers).
+    """
+    if pp == 1:
+        return 1.0
+    if schedule == "gpipe":
+        return float(microbatches)
+    if schedule == "interleaved_1f1b":
+        return pp + (pp - 1) / vpp
+    return float(min(microbatches, pp))
+
+
+def stage_params(cfg: RecipeConfig) -> tuple[int, int, int]:
+    """(blocks' params, root params, blocks) of the first pipeline stage (embedding side).
+
+    The root holds the embedding, and on a single stage the final norm and head too.
+    """
+    counts = count_params(cfg.model)
+    blocks = cfg.model.n_layers // cfg.parallel.pp
+    root = counts.embedding + (counts.final_norm + counts.lm_head if cfg.parallel.pp == 1 else 0)
+    return counts.per_layer * blocks, root, blocks
+
+
+def memory_breakdown(cfg: RecipeConfig, degrees: Degrees, microbatches: int) -> MemoryBreakdown:
+    """Peak bytes per rank of the first pipeline stage under `cfg`, by category."""
+    t, n = degrees.tp, degrees.dp
+    dtype = cfg.precision.dtype
+    compute = COMPUTE_BYTES[dtype]
+    fsdp = cfg.parallel.zero >= 2 and n > 1
+    ddp = not fsdp and n > 1
+    accum = microbatches if degrees.pp == 1 else 1
+    block_params, root_params, blocks = stage_params(cfg)
+    local = (block_params + root_params) / t
+    per_block = block_params / blocks / t if blocks else 0.0
+    moments = MOMENTS[cfg.optim.name] if cfg.optim.name != "sgd" or cfg.optim.momentum else 0
+    notes: dict[str, str] = {}
+
+    shard = n if fsdp else 1
+    m = cfg.model
+    rope = 2 * m.max_seq_len * (m.head_dim // 2) * 4
+    params = 4 * local / shard + rope
+    notes["params"] = f"FP32 {'sharded over dp' if fsdp else 'replicated'}, + rotary tables"
+    opt_shard = n if fsdp else (degrees.dp_shard if cfg.parallel.zero == 1 else 1)
+    optimizer = 4 * moments * local / opt_shard
+    notes["optimizer"] = f"{moments} FP32 moment(s)/param" + (
+        f", sharded over {opt_shard}" if opt_shard > 1 else ""
+    )
+    # FSDP's no-sync accumulation holds FP32 unsharded gradients between micro-batches.
+    grads_held = 4 * local if accum > 1 else 0.0
+    buckets = 4 * local if ddp else 0.0
+    # Measured on CPU: DDP's synced backward after no-sync micro-batches holds one more
+    # FP32 gradient-sized buffer.
+    ddp_extra = 4 * local if ddp and accum > 1 else 0.0
+    notes["grads"] = (
+        "FP32"
+        + (", + DDP buckets" if ddp else "")
+        + (", held unsharded across micro-batches" if fsdp and accum > 1 else "")
+    )
+
+    # Parameter copies alive at the end of forward.
+    if fsdp and cfg.parallel.zero == 2:
+        transients = compute * local
+        notes["transients"] = "every block and the root unsharded (ZeRO-2)"
+    elif fsdp:
+        # At the start of backward only the root is unsharded; a block's all-gather (and the
+        # prefetched next) comes once the logits' buffers are freed, and is smaller.
+        transients = compute * root_params / t
+        notes["transients"] = "the root unsharded (ZeRO-3)"
+    elif dtype != "fp32":
+        transients = compute * local
+        notes["transients"] = "autocast's BF16 weight casts"
+    else:
+        transients = 0.0
+    if ddp_extra:
+        transients += ddp_extra
+        notes["transients"] = notes.get("transients", "") + " + DDP's accumulation buffer"
+
+    s, b, v = cfg.train.seq_len, cfg.train.micro_batch, cfg.model.vocab_size
+    # At the start of backward: the logits, the FP32 log-softmax kept for backward, its
+    # gradient and the gradient of the logits (in FP32 before the cast back).
+    logits = s * b * v / t * (compute + 12) if degrees.pp == 1 else 0.0
+    notes["logits"] = "logits, log-softmax, 2 FP32 gradients" if logits else "on the last stage"
+    activations, recomputed_block, act_note = _activations(
+        cfg, degrees, microbatches, compute, fsdp
+    )
+    # A block recomputed in backward materializes its activations after the logits' buffers
+    # are gone: the peak holds the larger of the two.
+    # A block recomputed in backward materializes its activations after the logits' buffers
+    # are gone (under ZeRO-3 with that block and the prefetched next unsharded, and the
+    # block's unsharded FP32 gradients): the peak holds the larger of the two moments.
+    block_work = 2 * compute * per_block + 4 * per_block if fsdp and cfg.parallel.zero == 3 else 0
+    if recomputed_block and recomputed_block + block_work > logits:
+        activations += recomputed_block + block_work - logits
+        act_note += ", + one block recomputing in backward"
+    notes["activations"] = act_note
+
+    forward = (params, grads_held + buckets, optimizer, activations, transients, logits)
+    # The optimizer step: FP32 gradients (sharded under FSDP) and one parameter-sized
+    # temporary of the foreach update.
+    step_grads = 4 * local / shard + (4 * local if ddp else 0.0)
+    step_temp = 4 * local / opt_shard if moments else 0.0
+    step = (params, step_grads, optimizer + step_temp, 0.0, 0.0, 0.0)
+    phase, chosen = ("forward", forward) if sum(forward) >= sum(step) else ("optimizer step", step)
+    framework = 0.0
+    if cfg.cluster.device == "cuda":
+        framework = CUDA_FIXED_GIB * GIB + FRAGMENTATION * sum(chosen)
+        notes["framework"] = f"{CUDA_FIXED_GIB:g} GiB + {FRAGMENTATION:.0%} fragmentation"
+    else:
+        notes["framework"] = "none counted on CPU"
+    return MemoryBreakdown(*chosen, framework=framework, peak_phase=phase, notes=notes)
+
+
+def _activations(
+    cfg: RecipeConfig, degrees: Degrees, microbatches: int, compute: int, fsdp: bool
+) -> tuple[float, float, str]:
+    """Saved activations on the first stage at the end of forward, one recomputed block's
+    activations (0 without recompute), and how they were counted."""
+    m, t, sp = cfg.model, degrees.tp, cfg.parallel.sp
+    s, b = cfg.train.seq_len, cfg.train.micro_batch
+    # Autocast leaves the residual stream in FP32; FSDP's BF16 parameters keep it BF16.
+    residual = 4 if cfg.precision.dtype == "fp32" or not fsdp else compute
+    blocks = m.n_layers // degrees.pp
+    policy, every = cfg.recompute.policy, cfg.recompute.every
+    whole = llama_block_activations(m, s, b, compute, residual, t, sp, "none")
+    if policy == "selective":
+        kept = llama_block_activations(m, s, b, compute, residual, t, sp, "selective")
+        stage = blocks * kept
+        note = "selective: matmul outputs kept"
+    elif policy == "full":
+        recomputed = blocks // every
+        kept_input = s * b * m.dim * residual / (t if sp else 1)
+        stage = recomputed * kept_input + (blocks - recomputed) * whole
+        note = f"full on {recomputed}/{blocks} blocks: inputs kept"
+    else:
+        stage = blocks * whole
+        note = "every block's saved tensors"
+    flight = in_flight(cfg.parallel.pp_schedule, degrees.pp, microbatches, cfg.parallel.vpp)
+    if degrees.pp == 1:
+        stage += head_activations(m, s, b, compute, residual, t, sp)
+    if flight != 1:
+        note += f", x{flight:g} micro-batches in flight"
+    return stage * flight, whole if policy != "none" else 0.0, note
+
+
+def fits(breakdown: MemoryBreakdown, device_gib: float | None) -> bool:
+    """Whether the peak fits the device memory (no limit when there is none, e.g. on CPU)."""
+    return not device_gib or breakdown.total_gib <= device_gib

@@ -1,0 +1,118 @@
+"""The memory model: textbook cross-checks, the trainer's bookkeeping, and fit checks."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from launcher.fit import predict
+from launcher.memory import korthikanti_layer_activations, textbook_model_states
+from launcher.schema import RecipeConfig
+from launcher.validate import RecipeError, validate
+from models.config import ModelConfig
+from models.flops import count_params
+
+LLAMA2_7B_SHAPE = ModelConfig(
+    vocab_size=32000, dim=4096, n_layers=32, n_heads=32, ffn_dim=11008, max_seq_len=4096
+)
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_mixed_precision_adamw_under_ddp_is_16_bytes_per_parameter_112_gb_for_7b():
+    states = textbook_model_states(7_000_000_000, "adamw", zero=0, dp=4)
+    assert sum(states) / 7e9 == 16
+    assert sum(states) / 1e9 == pytest.approx(112)
+
+
+@pytest.mark.parametrize(("zero", "ratio"), [(1, 0.44), (2, 0.34), (3, 0.25)])
+def test_zero_stages_on_4_gpus_bring_model_states_to_the_papers_fractions(zero, ratio):
+    base = sum(textbook_model_states(7_000_000_000, "adamw", zero=0, dp=4))
+    assert sum(textbook_model_states(7_000_000_000, "adamw", zero, dp=4)) / base == pytest.approx(
+        ratio, abs=0.01
+    )
+
+
+def test_korthikanti_layer_formula_with_and_without_sequence_parallelism():
+    s, b, h, a, t = 2048, 1, 4096, 32, 8
+    sbh = s * b * h
+    assert korthikanti_layer_activations(s, b, h, a) == sbh * (34 + 5 * a * s / h)
+    assert korthikanti_layer_activations(s, b, h, a, t) == sbh * (10 + 24 / t + 5 * a * s / (h * t))
+    assert korthikanti_layer_activations(s, b, h, a, t, sp=True) == sbh / t * (34 + 5 * a * s / h)
+    # SP removes the replicated 10*sbh term that TP alone leaves.
+    gap = korthikanti_layer_activations(s, b, h, a, t) - korthikanti_layer_activations(
+        s, b, h, a, t, sp=True
+    )
+    assert gap == pytest.approx(sbh * 10 * (1 - 1 / t))
+
+
+def recipe(zero: int, gpus: int = 8, **train) -> RecipeConfig:
+    cfg = RecipeConfig(name="test", model=LLAMA2_7B_SHAPE)
+    cfg.precision.dtype = "bf16"
+    cfg.cluster.gpus_per_node = gpus
+    cfg.parallel.zero = zero
+    cfg.train.seq_len, cfg.train.micro_batch, cfg.train.global_batch = 4096, 1, 64
+    for key, value in train.items():
+        setattr(cfg.train, key, value)
+    return cfg
+
+
+def test_the_trainer_keeps_fp32_params_and_grads_with_ddp_buckets_under_zero_0_and_1():
+    params = count_params(LLAMA2_7B_SHAPE).total
+    for zero, optimizer_shard in ((0, 1), (1, 8)):
+        breakdown = predict(recipe(zero))
+        assert breakdown.optimizer == pytest.approx(8 * params / optimizer_shard)
+        # FP32 grads held across accumulation + DDP's FP32 buckets.
+        assert breakdown.grads == pytest.approx(8 * params)
+
+
+def test_fsdp_shards_fp32_states_and_zero2_keeps_the_bf16_model_unsharded():
+    params = count_params(LLAMA2_7B_SHAPE).total
+    zero2, zero3 = predict(recipe(2)), predict(recipe(3))
+    assert zero2.optimizer == zero3.optimizer == pytest.approx(8 * params / 8)
+    assert zero2.transients == pytest.approx(2 * params)
+    assert zero3.transients < zero2.transients / 10
+    assert zero3.total < zero2.total
+
+
+def test_recompute_lowers_activations_in_order_none_selective_full():
+    sizes = []
+    for policy in ("none", "selective", "full"):
+        cfg = recipe(3)
+        cfg.recompute.policy = policy
+        sizes.append(predict(cfg).activations)
+    assert sizes[0] > sizes[1] > sizes[2]
+
+
+def test_a_recipe_over_device_memory_is_refused_with_breakdown_and_fixes_that_fit():
+    cfg = recipe(0)
+    validate(cfg)  # sound, only too big: action=plan still shows it
+    with pytest.raises(RecipeError) as error:
+        validate(cfg, check_memory=True)
+    message = str(error.value)
+    assert "exceeds the 80 GiB of h100_sxm" in message
+    assert "optimizer" in message and "activations" in message
+    assert "parallel.zero=1 " not in message  # ZeRO-1 keeps FP32 params, grads, buckets
+    assert "try parallel.zero=2" in message and "parallel.zero=3" in message
+    fixed = recipe(3)
+    validate(fixed, check_memory=True)  # the suggested change does fit
+
+
+def test_cpu_ranks_have_no_memory_limit():
+    cfg = recipe(0)
+    cfg.cluster.device, cfg.cluster.gpu_type = "cpu", "cpu"
+    validate(cfg, check_memory=True)
+
+
+@pytest.mark.parametrize(
+    "name", sorted(p.stem for p in (REPO / "recipes").glob("*.yaml") if p.stem != "base")
+)
+def test_every_shipped_recipe_plans_a_breakdown_that_fits_its_preset(name):
+    out = subprocess.run(
+        [sys.executable, "-m", "launcher", "--config-name", name, "action=plan"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "Memory per rank, this trainer" in out.stdout and "warning" not in out.stdout

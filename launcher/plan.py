@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from launcher import hardware
 from launcher.layout import Degrees, grad_accum_steps, rank_groups, resolve_degrees
 from launcher.schema import OptimConfig, RecipeConfig
+from launcher.tp_comm import TPComm, tp_communication
 from models.flops import count_params, flops_per_token
 
 MFU_ASSUMPTION = 0.40
@@ -72,6 +73,8 @@ class Plan:
     tokens_per_s: float | None
     assumptions: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    tp_comm: TPComm | None = None
+    """One layer's tensor-parallel collectives per step and rank (None without TP)."""
 
     @property
     def memory_gib(self) -> float:
@@ -130,6 +133,7 @@ def make_plan(cfg: RecipeConfig) -> Plan:
         tokens_per_s=tokens / step_time if step_time else None,
     )
     plan.assumptions = _assumptions(cfg)
+    plan.tp_comm = tp_communication(cfg, degrees)
     if memory and plan.memory_gib > memory:
         plan.warnings.append(
             f"estimated {plan.memory_gib:.1f} GiB per rank exceeds the {memory:g} GiB of "
@@ -242,6 +246,11 @@ def _assumptions(cfg: RecipeConfig) -> list[str]:
         "activations: Korthikanti et al. 2022 per-layer formula (16-bit, doubled for fp32) on the "
         "first stage, plus one micro-batch of fp32 logits; no allocator overhead or buffers",
     ]
+    if cfg.parallel.tp > 1:
+        notes.append(
+            "TP communication: bytes sent per rank on a ring; recompute repeats the forward "
+            "collectives of recomputed layers, not counted"
+        )
     if cfg.parallel.pp > 1 and cfg.parallel.pp_schedule == "zero_bubble":
         notes.append("bubble: zero_bubble reported at the 1F1B value, an upper bound")
     return notes

@@ -111,7 +111,8 @@ def run(cfg: RecipeConfig, rank: RankInfo) -> None:
             params = count_params(cfg.model).total
             print(
                 f"[trainer] {cfg.name}: {params / 1e6:.2f}M parameters, world {rank.world_size} "
-                f"(dp {degrees.dp}, zero {cfg.parallel.zero}), "
+                f"(dp {degrees.dp}, zero {cfg.parallel.zero}, tp {degrees.tp}"
+                f"{' with sp' if cfg.parallel.sp else ''}), "
                 f"grad accum {grad_accum_steps(cfg)}, {len(dataset)} sequences; "
                 f"peak {peak.tflops} TFLOP/s ({peak.source})",
                 flush=True,

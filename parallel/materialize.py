@@ -14,6 +14,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from models.config import ModelConfig
 from models.init import initial_value
+from parallel.tensor import VOCAB_PARAMS
 
 
 @torch.no_grad()
@@ -35,7 +36,7 @@ def materialize(model: nn.Module, cfg: ModelConfig, seed: int, device: torch.dev
 
 def _initial_value(cfg: ModelConfig, name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
     """The full initial tensor; padded vocabulary rows are zeros after the real ones."""
-    if name not in ("tok_embeddings.weight", "output.weight") or shape[0] <= cfg.vocab_size:
+    if name not in VOCAB_PARAMS or shape[0] <= cfg.vocab_size:
         return initial_value(cfg, name, shape, seed)
     real = initial_value(cfg, name, (cfg.vocab_size, *shape[1:]), seed)
     return torch.cat([real, real.new_zeros(shape[0] - cfg.vocab_size, *shape[1:])])

@@ -15,6 +15,7 @@ from launcher import hardware
 from launcher.layout import Degrees, grad_accum_steps, rank_groups, resolve_degrees
 from launcher.memory import MemoryBreakdown, memory_breakdown
 from launcher.schema import OptimConfig, RecipeConfig
+from launcher.tp_comm import TPComm, tp_communication
 from models.flops import count_params, flops_per_token
 
 MFU_ASSUMPTION = 0.40
@@ -75,6 +76,8 @@ class Plan:
     """Peak bytes per rank by category as this trainer allocates them (launcher/memory.py)."""
     assumptions: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    tp_comm: TPComm | None = None
+    """One layer's tensor-parallel collectives per step and rank (None without TP)."""
 
     @property
     def memory_gib(self) -> float:
@@ -134,6 +137,7 @@ def make_plan(cfg: RecipeConfig) -> Plan:
     )
     plan.memory = memory_breakdown(cfg, degrees, micro)
     plan.assumptions = _assumptions(cfg)
+    plan.tp_comm = tp_communication(cfg, degrees)
     if memory and max(plan.memory_gib, plan.memory.total_gib) > memory:
         peak = max(plan.memory_gib, plan.memory.total_gib)
         plan.warnings.append(
@@ -247,6 +251,11 @@ def _assumptions(cfg: RecipeConfig) -> list[str]:
         "activations: Korthikanti et al. 2022 per-layer formula (16-bit, doubled for fp32) on the "
         "first stage, plus one micro-batch of fp32 logits; no allocator overhead or buffers",
     ]
+    if cfg.parallel.tp > 1:
+        notes.append(
+            "TP communication: bytes sent per rank on a ring; recompute repeats the forward "
+            "collectives of recomputed layers, not counted"
+        )
     if cfg.parallel.pp > 1 and cfg.parallel.pp_schedule == "zero_bubble":
         notes.append("bubble: zero_bubble reported at the 1F1B value, an upper bound")
     return notes

@@ -68,6 +68,17 @@ def render_plan(plan: Plan) -> str:
             ("pipeline bubble", f"{plan.bubble_fraction:.1%}"),
         ],
     )
+    if plan.tp_comm is not None:
+        tp = plan.tp_comm
+        kinds = " + ".join(f"{n} {kind.replace('_', '-')}" for kind, n in tp.collectives.items())
+        section(
+            "TP communication per layer per step (one rank)",
+            [
+                ("collectives per micro-batch", kinds),
+                ("activations they carry", _bytes(tp.message_bytes)),
+                ("bytes sent (ring)", _bytes(tp.sent_bytes)),
+            ],
+        )
     if plan.memory is not None:
         console.print(_breakdown_table(plan))
     memory = Table(title="Memory per rank (ZeRO paper)", title_justify="left", min_width=60)

@@ -18,6 +18,7 @@ from launcher.layout import (
     nearby_multiples,
     or_list,
     resolve_degrees,
+    world_size,
 )
 from launcher.schema import RecipeConfig
 
@@ -141,11 +142,17 @@ def _check_memory(c: _Checks, cfg: RecipeConfig) -> None:
 def check_runnable(cfg: RecipeConfig) -> list[Problem]:
     """Layouts the trainer of this version cannot execute yet (they can still be planned)."""
     p = cfg.parallel
+    replicas = world_size(cfg) > p.tp * p.pp
     unsupported = [
-        ("parallel.tp", p.tp, p.tp > 1, "tensor parallelism", "parallel.tp=1"),
+        (
+            "parallel.zero",
+            p.zero,
+            p.tp > 1 and p.zero < 2 and replicas,
+            "tensor parallelism with DDP or ZeRO-1 data parallelism",
+            "parallel.zero=2 or 3 (FSDP2 composes with TP)",
+        ),
         ("parallel.pp", p.pp, p.pp > 1, "pipeline parallelism", "parallel.pp=1"),
         ("parallel.ep", p.ep, p.ep > 1, "expert parallelism", "parallel.ep=1"),
-        ("parallel.sp", p.sp, p.sp, "sequence parallelism", "parallel.sp=false"),
     ]
     return [
         Problem(

@@ -11,7 +11,7 @@ from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate
 
 
 def _local_squared_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -28,7 +28,9 @@ def _dtensor_squared_norm(grads: list[DTensor]) -> torch.Tensor:
         placements = tuple(resolved)
     total = _local_squared_norm([g.to_local() for g in grads])
     for dim, placement in enumerate(placements):
-        if isinstance(placement, Shard):
+        # Anything but Replicate splits the tensor over this dim: Shard, and also the strided
+        # shard FSDP2 lays over a tensor-parallel shard on a 2-D (dp, tp) mesh.
+        if not placement.is_replicate():
             dist.all_reduce(total, group=mesh.get_group(dim))
     return total
 

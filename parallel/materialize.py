@@ -2,7 +2,8 @@
 
 Every parameter's full value comes from `models.init.initial_value(name, seed)`; a sharded
 (DTensor) parameter keeps only its own slice of it, so DP, ZeRO and TP runs all start from
-the weights of the single-device run.
+the weights of the single-device run. Vocabulary rows that tensor parallelism adds for
+padding are zeros after the real ones, which keep their unpadded values.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from models.config import ModelConfig
 from models.init import initial_value
+from parallel.tensor import VOCAB_PARAMS
 
 
 @torch.no_grad()
@@ -20,7 +22,7 @@ def materialize(model: nn.Module, cfg: ModelConfig, seed: int, device: torch.dev
     """Allocate storage on `device` and fill parameters and buffers deterministically."""
     model.to_empty(device=device)
     for name, param in model.named_parameters():
-        full = initial_value(cfg, name, tuple(param.shape), seed).to(device)
+        full = _initial_value(cfg, name, tuple(param.shape), seed).to(device)
         if isinstance(param, DTensor):
             # Every rank computed the same full tensor: slice locally, no communication.
             local = distribute_tensor(
@@ -30,3 +32,11 @@ def materialize(model: nn.Module, cfg: ModelConfig, seed: int, device: torch.dev
         else:
             param.copy_(full)
     model.init_buffers(device)
+
+
+def _initial_value(cfg: ModelConfig, name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    """The full initial tensor; padded vocabulary rows are zeros after the real ones."""
+    if name not in VOCAB_PARAMS or shape[0] <= cfg.vocab_size:
+        return initial_value(cfg, name, shape, seed)
+    real = initial_value(cfg, name, (cfg.vocab_size, *shape[1:]), seed)
+    return torch.cat([real, real.new_zeros(shape[0] - cfg.vocab_size, *shape[1:])])

@@ -1,8 +1,8 @@
 """Build the parallelized, initialized model and its optimizer for one rank.
 
-The order follows the design: plain model on meta -> recompute -> FSDP -> materialize and
-initialize (same weights for any layout) -> DDP; then the optimizer (ZeRO-1 sharded when
-asked) and the LR schedule.
+The order follows the design: plain model on meta -> tensor/sequence -> recompute -> FSDP ->
+materialize and initialize (same weights for any layout) -> DDP; then the optimizer (ZeRO-1
+sharded when asked) and the LR schedule.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from parallel.data import apply_ddp, apply_fsdp, build_zero1_optimizer, uses_fsd
 from parallel.materialize import materialize
 from parallel.mesh import JobMesh
 from parallel.recompute import apply_recompute
+from parallel.tensor import apply_tensor_parallel
 from trainer.optim import build_optimizer, optimizer_spec, param_groups, scaled_lr
 from trainer.schedule import build_lr_scheduler
 
@@ -36,6 +37,7 @@ class TrainState:
 def parallelize(plain: nn.Module, cfg: RecipeConfig, mesh: JobMesh, degrees: Degrees) -> None:
     """Apply the layout to the plain meta-device model, in place, in the design's order:
     pipeline split -> tensor/sequence -> expert -> recompute -> compile -> FSDP."""
+    apply_tensor_parallel(plain, mesh, cfg.parallel)
     apply_recompute(plain, cfg.recompute)
     if uses_fsdp(cfg.parallel, degrees):
         apply_fsdp(plain, mesh, degrees, cfg.parallel, cfg.precision)

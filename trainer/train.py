@@ -16,6 +16,7 @@ from parallel.clip import clip_grad_norm_
 from parallel.data import gradient_sync, uses_fsdp
 from parallel.mesh import build_mesh
 from parallel.recompute import recomputed_blocks
+from parallel.tensor import local_value, vocab_parallel_loss
 from trainer.build import TrainState, build_train_state
 from trainer.data import DataLoader, GlobalBatchSampler, prepare_dataset
 from trainer.dist import RankInfo, init_distributed
@@ -47,9 +48,11 @@ def train_step(
         with gradient_sync(state.model, enabled=i == accum - 1):
             with _autocast(cfg, degrees, device):
                 logits = state.model(inputs)
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
-            (loss / accum).backward()
-        loss_sum += loss.detach()
+            with vocab_parallel_loss(enabled=degrees.tp > 1):
+                loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+                (loss / accum).backward()
+        # Every TP rank holds the same (replicated) loss.
+        loss_sum += local_value(loss.detach())
     norm = clip_grad_norm_(state.plain.parameters(), cfg.optim.grad_clip)
     state.optimizer.step()
     state.scheduler.step()
@@ -108,7 +111,8 @@ def run(cfg: RecipeConfig, rank: RankInfo) -> None:
             params = count_params(cfg.model).total
             print(
                 f"[trainer] {cfg.name}: {params / 1e6:.2f}M parameters, world {rank.world_size} "
-                f"(dp {degrees.dp}, zero {cfg.parallel.zero}), "
+                f"(dp {degrees.dp}, zero {cfg.parallel.zero}, tp {degrees.tp}"
+                f"{' with sp' if cfg.parallel.sp else ''}), "
                 f"grad accum {grad_accum_steps(cfg)}, {len(dataset)} sequences; "
                 f"peak {peak.tflops} TFLOP/s ({peak.source})",
                 flush=True,

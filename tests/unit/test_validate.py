@@ -234,10 +234,8 @@ def test_valid_hybrid_sharding_interleaved_pipeline_and_tp_layout_passes():
 @pytest.mark.parametrize(
     ("overrides", "field", "what"),
     [
-        ({"parallel.tp": 2}, "parallel.tp", "tensor parallelism"),
         ({"parallel.pp": 2}, "parallel.pp", "pipeline parallelism"),
         ({"parallel.ep": 2}, "parallel.ep", "expert parallelism"),
-        ({"parallel.tp": 2, "parallel.sp": True}, "parallel.sp", "sequence parallelism"),
     ],
 )
 def test_layouts_the_trainer_cannot_run_fail_only_for_launch(overrides, field, what):

@@ -1,0 +1,135 @@
+"""Tensor and sequence parallelism: a plan over DTensor for the plain Llama model.
+
+Within each block, Q/K/V and the SwiGLU gate/up projections are split column-wise (each TP
+rank holds whole heads, and whole KV heads: validation requires both head counts divisible
+by tp, so GQA with fewer KV heads than tp is refused rather than replicated); the attention
+output and the down projection are split row-wise, so each half-block ends in one reduction.
+The token embedding is split row-wise over the vocabulary and the LM head column-wise, and
+the loss is computed vocab-parallel (`loss_parallel`), so full logits never sit on one rank.
+
+With sequence parallelism the norms and residuals run on sequence-sharded activations: the
+reduction after attention and after the MLP becomes a reduce-scatter over the sequence, and
+each column-wise projection all-gathers its input, for the same communication volume.
+
+Vocabulary padding: a vocabulary that tp does not divide is padded to the next multiple of
+tp. The padded rows start at zero and their logits are masked to -inf before the softmax,
+so they never receive a gradient and the loss is exactly that of the unpadded model. The
+padded size therefore depends on tp while the training run does not.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    loss_parallel,
+    parallelize_module,
+)
+
+from launcher.schema import ParallelConfig
+from parallel.mesh import JobMesh
+
+VOCAB_PARAMS = ("tok_embeddings.weight", "output.weight")
+"""Parameters whose first dim is the (possibly padded) vocabulary."""
+
+
+def padded_vocab(vocab_size: int, tp: int) -> int:
+    """The vocabulary rounded up to a multiple of tp, so every rank holds an equal slice."""
+    return -(-vocab_size // tp) * tp
+
+
+def apply_tensor_parallel(model: nn.Module, mesh: JobMesh, parallel: ParallelConfig) -> None:
+    """Shard the meta-device model over the mesh's `tp` dim, in place (no-op at tp=1)."""
+    if parallel.tp == 1:
+        return
+    tp_mesh = mesh.world["tp"]
+    _pad_vocab(model, parallel.tp)
+    sp = parallel.sp
+    # Between blocks the residual stream is sequence-sharded with SP, replicated without.
+    residual = Shard(1) if sp else Replicate()
+    for block in model.layers.values():
+        plan = {
+            "attention": PrepareModuleInput(
+                input_layouts=(residual, None, None),
+                desired_input_layouts=(Replicate(), None, None),
+            ),
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=residual),
+            "feed_forward": PrepareModuleInput(
+                input_layouts=(residual,), desired_input_layouts=(Replicate(),)
+            ),
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w3": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=residual),
+        }
+        if sp:
+            plan["attention_norm"] = SequenceParallel()
+            plan["ffn_norm"] = SequenceParallel()
+        parallelize_module(block, tp_mesh, plan)
+    root_plan = {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=residual),
+        # Logits stay a vocab-sharded DTensor for the vocab-parallel loss.
+        "output": ColwiseParallel(
+            input_layouts=residual, output_layouts=Shard(-1), use_local_output=False
+        ),
+    }
+    if sp:
+        root_plan["norm"] = SequenceParallel()
+    parallelize_module(model, tp_mesh, root_plan)
+    if model.cfg.tie_embeddings:
+        # Each style distributed its own copy; the embedding's and head's shards coincide
+        # (both Shard(0) over the vocabulary), so the head can share the embedding's.
+        model.output.weight = model.tok_embeddings.weight
+    if padded_vocab(model.cfg.vocab_size, parallel.tp) != model.cfg.vocab_size:
+        model.output.register_forward_hook(_VocabMask(model.cfg.vocab_size, tp_mesh))
+
+
+def _pad_vocab(model: nn.Module, tp: int) -> None:
+    vocab = padded_vocab(model.cfg.vocab_size, tp)
+    if vocab == model.cfg.vocab_size:
+        return
+    device = model.tok_embeddings.weight.device
+    model.tok_embeddings = nn.Embedding(vocab, model.cfg.dim, device=device)
+    model.output = nn.Linear(model.cfg.dim, vocab, bias=False, device=device)
+
+
+class _VocabMask:
+    """Forward hook on the LM head: padded vocabulary entries get -inf logits."""
+
+    def __init__(self, vocab_size: int, tp_mesh: DeviceMesh) -> None:
+        self.vocab_size = vocab_size
+        self.tp_mesh = tp_mesh
+        self.mask: DTensor | None = None
+
+    def __call__(self, module: nn.Module, inputs: tuple, logits: DTensor) -> DTensor:
+        if self.mask is None or self.mask.device != logits.device:
+            full = torch.zeros(logits.shape[-1], device=logits.device, dtype=logits.dtype)
+            full[self.vocab_size :] = float("-inf")
+            self.mask = distribute_tensor(full, self.tp_mesh, [Shard(0)], src_data_rank=None)
+        return logits + self.mask.to(logits.dtype)
+
+
+@contextlib.contextmanager
+def vocab_parallel_loss(enabled: bool) -> Iterator[None]:
+    """Cross-entropy over vocab-sharded logits; forward and backward must both run inside."""
+    if not enabled:
+        yield
+        return
+    with loss_parallel():
+        yield
+
+
+def local_value(tensor: torch.Tensor) -> torch.Tensor:
+    """A plain tensor of `tensor`'s value (a replicated DTensor's local copy)."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor

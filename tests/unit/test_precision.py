@@ -136,3 +136,22 @@ def test_gradients_are_unscaled_before_the_norm_is_clipped():
         build_state(fp32), batch(fp32, 0), fp32, ONE_RANK, torch.device("cpu")
     )
     assert norms[1] == pytest.approx(reference.item(), rel=2e-2)
+
+
+def test_an_fp8_run_names_the_fp8_peak_in_every_sink():
+    from launcher.hardware import gpu_spec
+    from trainer.loggers import console_line, wandb_key
+    from trainer.metrics import ThroughputMeter, table_peak_flops
+
+    peak = table_peak_flops("NVIDIA H100 80GB HBM3", "fp8")
+    assert (peak.tflops, peak.dtype) == (gpu_spec("h100_sxm").peak_tflops["fp8"], "fp8")
+    meter = ThroughputMeter(
+        tokens_per_step=1000, model_flops_per_token=1e9, hardware_flops_per_token=1e9,
+        devices=1, peak=peak,
+    )  # fmt: skip
+    metrics = meter.measure(steps=1, elapsed_s=1.0)
+    assert (metrics["peak_dtype"], metrics["peak_source"]) == ("fp8", "table: h100_sxm fp8")
+    assert metrics["mfu"] == pytest.approx(1e12 / (peak.tflops * 1e12))
+    assert f"MFU {100 * metrics['mfu']:.1f}% of fp8 peak" in console_line(1, 1, metrics)
+    assert wandb_key("peak_dtype") == "perf/peak_dtype"
+    assert wandb_key("skipped_steps") == "train/skipped_steps"

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from launcher import hardware
 from launcher.layout import Degrees, grad_accum_steps, rank_groups, resolve_degrees
 from launcher.memory import MemoryBreakdown, memory_breakdown
+from launcher.precision import peak_dtype
 from launcher.schema import OptimConfig, RecipeConfig
 from launcher.tp_comm import TPComm, tp_communication
 from models.flops import count_params, flops_per_token
@@ -98,7 +99,7 @@ def make_plan(cfg: RecipeConfig) -> Plan:
     fraction = recomputed_layers(cfg.model.n_layers, cfg.recompute.every) / cfg.model.n_layers
     on_gpu = cfg.cluster.device == "cuda"
     spec = hardware.gpu_spec(cfg.cluster.gpu_type if on_gpu else "cpu")
-    peak = cfg.hardware.peak_tflops or spec.peak_tflops.get(cfg.precision.dtype)
+    peak = cfg.hardware.peak_tflops or spec.peak_tflops.get(peak_dtype(cfg.precision))
     tokens = cfg.train.global_batch * cfg.train.seq_len
     step_time = (
         tokens * fpt.train / (degrees.world * peak * 1e12 * MFU_ASSUMPTION) if peak else None
@@ -190,7 +191,7 @@ def model_states(
     the optimizer states over dp_shard, ZeRO-2 the gradients too, ZeRO-3 the parameters too.
     """
     moments = {"adamw": 2, "lion": 1, "sgd": 1 if optim.momentum else 0}[optim.name]
-    mixed = dtype == "bf16"
+    mixed = dtype in ("bf16", "fp16", "fp8")  # fp8: bf16 weights, FP8 only inside the matmuls
     param_bytes, grad_bytes = (2, 2) if mixed else (4, 4)
     optimizer_bytes = 4 * moments + (4 if mixed else 0)
     shard = [1, 1, 1]
@@ -241,10 +242,10 @@ def in_flight(schedule: str, pp: int, microbatches: int, vpp: int = 1) -> float:
 
 def _assumptions(cfg: RecipeConfig) -> list[str]:
     one = model_states(1, cfg.precision.dtype, cfg.optim, 0, 1)
-    master = "fp32 master weights and " if cfg.precision.dtype == "bf16" else ""
+    master = "fp32 master weights and " if cfg.precision.dtype != "fp32" else ""
     notes = [
         f"step time: model FLOPs at {MFU_ASSUMPTION:.0%} MFU of the dense "
-        f"{cfg.precision.dtype} peak",
+        f"{peak_dtype(cfg.precision)} peak",
         f"model states: {one.params:g} B params + {one.grads:g} B grads + {one.optimizer:g} B "
         f"of {master}{cfg.optim.name} states per parameter (ZeRO paper bookkeeping), "
         "sharded over tp and pp always and over dp_shard by the ZeRO stage",

@@ -47,7 +47,31 @@ class PrecisionConfig:
     """Numeric precision of compute, parameters and gradient reduction."""
 
     dtype: str = "fp32"
-    """Compute dtype: fp32, or bf16 (FP32 master weights and FP32 gradient reduction)."""
+    """Compute dtype: fp32; bf16 (FP32 master weights and FP32 gradient reduction); fp16 (the
+    same with dynamic loss scaling); fp8 (the blocks' linear layers in FP8, the rest in bf16)."""
+    fp8_backend: str = "torchao"
+    """FP8 implementation: torchao (float8 training; composes with FSDP2 and DTensor) or te
+    (NVIDIA Transformer Engine, the `te` extra; CUDA only)."""
+    fp8_recipe: str = "current"
+    """FP8 scaling: current (per-tensor scales from this step's amax), rowwise (torchao: a scale
+    per row), delayed (te: scales from an amax history) or mxfp8 (te: 32-element blocks)."""
+    fp8_amax_history: int = 1024
+    """fp8_recipe=delayed: steps of amax history the scale is computed from."""
+    fp8_margin: int = 0
+    """fp8_recipe=delayed: the scale leaves 2**margin of headroom below the FP8 maximum."""
+    fp8_all_gather: bool = False
+    """torchao with FSDP2 (ZeRO-2/3): all-gather weights in FP8 (half the bytes of bf16)."""
+    fp8_emulate: bool = False
+    """torchao only: emulate the FP8 matmuls in high precision, so the FP8 code path runs where
+    no FP8 tensor cores are (CPU tests). Numerics of FP8, speed of neither."""
+    loss_scale_init: float = 65536.0
+    """fp16: initial loss scale."""
+    loss_scale_growth: float = 2.0
+    """fp16: factor the scale grows by after `loss_scale_interval` steps without overflow."""
+    loss_scale_backoff: float = 0.5
+    """fp16: factor the scale shrinks by when a step's gradients overflow (the step is skipped)."""
+    loss_scale_interval: int = 2000
+    """fp16: overflow-free steps between two growths of the loss scale."""
 
 
 @dataclass

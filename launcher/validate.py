@@ -20,6 +20,7 @@ from launcher.layout import (
     resolve_degrees,
     world_size,
 )
+from launcher.precision import precision_problems
 from launcher.schema import RecipeConfig
 
 SAFE_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
@@ -374,26 +375,8 @@ def _check_model_split(c: _Checks, cfg: RecipeConfig, max_tp: int | None) -> Non
 
 
 def _check_precision(c: _Checks, cfg: RecipeConfig) -> None:
-    dtype = cfg.precision.dtype
-    if dtype in ("fp16", "fp8"):
-        c.add("precision.dtype", dtype, f"{dtype} is not available in this version", "use bf16")
-        return
-    if not c.choice("precision.dtype", dtype, ("fp32", "bf16")):
-        return
-    gpu = hardware.GPUS.get(cfg.cluster.gpu_type)
-    major, minor = gpu.compute_capability if gpu else (0, 0)
-    if (
-        dtype == "bf16"
-        and cfg.cluster.device == "cuda"
-        and gpu is not None
-        and not gpu.supports_bf16
-    ):
-        c.add(
-            "precision.dtype",
-            dtype,
-            f"{gpu.name} has no bf16 (compute capability {major}.{minor} < 8.0)",
-            "use fp32 on this GPU, or a GPU with compute capability >= 8.0",
-        )
+    for field, value, reason, fix in precision_problems(cfg):
+        c.add(field, value, reason, fix)
 
 
 def _check_optim(c: _Checks, cfg: RecipeConfig, train_ok: bool) -> None:

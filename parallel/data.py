@@ -5,7 +5,8 @@
   each replica group holds its own sharded copy: hybrid ZeRO-1).
 - ZeRO-2/3: FSDP2 `fully_shard` per transformer block and on the root, over the (replicate,
   shard) mesh; ZeRO-3 reshards parameters after forward, ZeRO-2 keeps them unsharded until
-  backward. BF16 uses a MixedPrecisionPolicy with FP32 master weights and FP32 reduction.
+  backward. BF16, FP16 and FP8 (bf16 outside its FP8 matmuls) use a MixedPrecisionPolicy
+  with FP32 master weights and FP32 reduction.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from torch.nn.parallel import DistributedDataParallel
 from launcher.layout import Degrees
 from launcher.schema import ParallelConfig, PrecisionConfig
 from parallel.mesh import JobMesh, data_parallel_mesh
+from parallel.precision import compute_dtype
 
 
 def uses_fsdp(parallel: ParallelConfig, degrees: Degrees) -> bool:
@@ -38,8 +40,10 @@ def apply_fsdp(
 ) -> None:
     """Shard each block and the root with FSDP2 (works on a meta-device model)."""
     mp_policy = MixedPrecisionPolicy()
-    if precision.dtype == "bf16":
-        mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if compute_dtype(precision) is not None:
+        mp_policy = MixedPrecisionPolicy(
+            param_dtype=compute_dtype(precision), reduce_dtype=torch.float32
+        )
     dp_mesh = data_parallel_mesh(mesh.world, degrees)
     reshard = parallel.zero == 3
     for block in model.layers.values():

@@ -18,6 +18,7 @@ from launcher.schema import RecipeConfig
 from parallel.data import apply_ddp, apply_fsdp, build_zero1_optimizer, uses_fsdp
 from parallel.materialize import materialize
 from parallel.mesh import JobMesh
+from parallel.precision import LossScaler, apply_precision
 from parallel.recompute import apply_recompute
 from parallel.tensor import apply_tensor_parallel
 from trainer.optim import build_optimizer, optimizer_spec, param_groups, scaled_lr
@@ -32,11 +33,14 @@ class TrainState:
     plain: nn.Module
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
+    scaler: LossScaler
 
 
 def parallelize(plain: nn.Module, cfg: RecipeConfig, mesh: JobMesh, degrees: Degrees) -> None:
     """Apply the layout to the plain meta-device model, in place, in the design's order:
-    pipeline split -> tensor/sequence -> expert -> recompute -> compile -> FSDP."""
+    FP8 module swap -> pipeline split -> tensor/sequence -> expert -> recompute -> compile ->
+    FSDP."""
+    apply_precision(plain, cfg.precision)  # swaps modules, so before anything wraps them
     apply_tensor_parallel(plain, mesh, cfg.parallel)
     apply_recompute(plain, cfg.recompute)
     if uses_fsdp(cfg.parallel, degrees):
@@ -73,4 +77,10 @@ def build_train_state(
             plain, cfg.optim, global_batch=cfg.train.global_batch, device=device
         )
     scheduler = build_lr_scheduler(optimizer, cfg.optim, cfg.schedule, cfg.train.steps)
-    return TrainState(model=model, plain=plain, optimizer=optimizer, scheduler=scheduler)
+    return TrainState(
+        model=model,
+        plain=plain,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        scaler=LossScaler(cfg.precision),
+    )

@@ -30,6 +30,11 @@ WANDB_KEYS = {
     "tflops_per_device": "perf/tflops_per_device",
     "mfu": "perf/mfu",
     "hfu": "perf/hfu",
+    "peak_tflops": "perf/peak_tflops",
+    "peak_dtype": "perf/peak_dtype",
+    "peak_source": "perf/peak_source",
+    "loss_scale": "train/loss_scale",
+    "skipped_steps": "train/skipped_steps",
     "step_time_s": "perf/step_time_s",
     "data_wait_s": "perf/data_wait_s",
     "mem_peak_gib": "mem/peak_gib",
@@ -120,9 +125,16 @@ def console_line(step: int, total_steps: int, metrics: dict[str, Any]) -> str:
         parts.append(f"{metrics['tokens_per_s']:,.0f} tok/s")
     if has("tflops_per_device"):
         parts.append(f"{metrics['tflops_per_device']:.3g} TFLOP/s/device")
-    parts.append(f"MFU {100 * metrics['mfu']:.1f}%" if has("mfu") else "MFU n/a")
+    if has("mfu"):
+        # Name the peak MFU divides by: an FP8 run is measured against the FP8 peak.
+        of = f" of {metrics['peak_dtype']} peak" if has("peak_dtype") else ""
+        parts.append(f"MFU {100 * metrics['mfu']:.1f}%{of}")
+    else:
+        parts.append("MFU n/a")
     if has("mem_peak_gib"):
         parts.append(f"mem {metrics['mem_peak_gib']:.2f} GiB")
+    if has("loss_scale"):
+        parts.append(f"loss scale {metrics['loss_scale']:g} ({metrics['skipped_steps']} skipped)")
     return " | ".join(parts)
 
 

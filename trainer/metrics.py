@@ -15,7 +15,7 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -28,11 +28,13 @@ GIB = 1024**3
 class PeakFlops:
     """Peak dense TFLOP/s of one device for the compute dtype, and where the figure came from.
 
-    `tflops` is None when no trustworthy figure exists; `source` then says why.
+    `tflops` is None when no trustworthy figure exists; `source` then says why. `dtype` names
+    the precision the figure is for (fp8 for FP8 runs; fp32 for a measured CPU matmul).
     """
 
     tflops: float | None
     source: str
+    dtype: str = field(default="", compare=False)
 
 
 def table_peak_flops(device_name: str, dtype: str) -> PeakFlops:
@@ -45,7 +47,7 @@ def table_peak_flops(device_name: str, dtype: str) -> PeakFlops:
     tflops = gpu_spec(key).peak_tflops.get(dtype)
     if tflops is None:
         return PeakFlops(None, f"no {dtype} peak for {key} in the table; set hardware.peak_tflops")
-    return PeakFlops(tflops, f"table: {key} {dtype}")
+    return PeakFlops(tflops, f"table: {key} {dtype}", dtype)
 
 
 def measure_cpu_matmul_tflops(size: int = 512, budget_s: float = 0.2) -> float:
@@ -66,11 +68,12 @@ def measure_cpu_matmul_tflops(size: int = 512, budget_s: float = 0.2) -> float:
 def resolve_peak_flops(device: torch.device, dtype: str, hardware: HardwareConfig) -> PeakFlops:
     """Peak TFLOP/s of one device: recipe value > GPU table (CUDA) > measured matmul (CPU)."""
     if hardware.peak_tflops > 0:
-        return PeakFlops(hardware.peak_tflops, "recipe")
+        return PeakFlops(hardware.peak_tflops, "recipe", dtype)
     if device.type == "cuda":
         return table_peak_flops(torch.cuda.get_device_name(device), dtype)
     if device.type == "cpu":
-        return PeakFlops(measure_cpu_matmul_tflops(), "measured CPU matmul")
+        # Whatever the run's dtype: the CPU figure is what fp32 matmuls reach here.
+        return PeakFlops(measure_cpu_matmul_tflops(), "measured CPU matmul", "fp32")
     return PeakFlops(None, f"unknown device {device.type}; set hardware.peak_tflops")
 
 
@@ -94,7 +97,8 @@ class ThroughputMeter:
         self, steps: int, elapsed_s: float, data_wait_s: float = 0.0
     ) -> dict[str, float | None]:
         """Metrics of `steps` steps that took `elapsed_s` (of which `data_wait_s` waiting for
-        data) in total; times are reported per step, mfu and hfu are None without a peak."""
+        data) in total; times are reported per step, mfu and hfu are None without a peak, and
+        the peak they divide by is named (`peak_tflops`, `peak_dtype`, `peak_source`)."""
         step_time_s = elapsed_s / steps
         tokens_per_s = self.tokens_per_step / step_time_s
         per_device = tokens_per_s / self.devices
@@ -110,6 +114,9 @@ class ThroughputMeter:
             "tflops_per_device": model_flops / 1e12,
             "mfu": None if peak is None else model_flops / peak,
             "hfu": None if peak is None else hardware_flops / peak,
+            "peak_tflops": self.peak.tflops,
+            "peak_dtype": self.peak.dtype or None,
+            "peak_source": self.peak.source,
         }
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -10,11 +11,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from launcher.layout import Degrees, grad_accum_steps, resolve_degrees
+from launcher.precision import peak_dtype
 from launcher.schema import RecipeConfig, load_config
 from models.flops import count_params, flops_per_token
 from parallel.clip import clip_grad_norm_
 from parallel.data import gradient_sync, uses_fsdp
 from parallel.mesh import build_mesh
+from parallel.precision import after_optimizer_step, forward_context
 from parallel.recompute import recomputed_blocks
 from parallel.tensor import local_value, vocab_parallel_loss
 from trainer.build import TrainState, build_train_state
@@ -25,9 +28,8 @@ from trainer.metrics import ThroughputMeter, peak_memory_gib, resolve_peak_flops
 
 
 def _autocast(cfg: RecipeConfig, degrees: Degrees, device: torch.device):
-    """BF16 autocast where FSDP's mixed-precision policy does not already cast."""
-    enabled = cfg.precision.dtype == "bf16" and not uses_fsdp(cfg.parallel, degrees)
-    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=enabled)
+    """Autocast where FSDP's mixed-precision policy does not already cast (and TE's FP8)."""
+    return forward_context(cfg.precision, device, weights_cast=uses_fsdp(cfg.parallel, degrees))
 
 
 def train_step(
@@ -39,7 +41,8 @@ def train_step(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One optimizer step over this rank's accumulation micro-batches.
 
-    Returns this rank's mean loss and the global gradient norm (before clipping).
+    Returns this rank's mean loss and the global gradient norm (before clipping); under fp16
+    a step whose gradients overflowed leaves the weights as they were.
     """
     accum = len(micro_batches)
     loss_sum = torch.zeros((), device=device)
@@ -50,12 +53,18 @@ def train_step(
                 logits = state.model(inputs)
             with vocab_parallel_loss(enabled=degrees.tp > 1):
                 loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
-                (loss / accum).backward()
+                state.scaler.scale_loss(loss / accum).backward()
         # Every TP rank holds the same (replicated) loss.
         loss_sum += local_value(loss.detach())
+    state.scaler.unscale_(state.plain.parameters())
     norm = clip_grad_norm_(state.plain.parameters(), cfg.optim.grad_clip)
-    state.optimizer.step()
-    state.scheduler.step()
+    if state.scaler.update(norm):
+        state.optimizer.step()
+        after_optimizer_step(state.plain, cfg.precision)
+    with warnings.catch_warnings():
+        # A skipped fp16 step still advances the schedule, which torch warns about.
+        warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step", UserWarning)
+        state.scheduler.step()
     state.optimizer.zero_grad(set_to_none=True)
     return loss_sum / accum, norm
 
@@ -88,7 +97,7 @@ def run(cfg: RecipeConfig, rank: RankInfo) -> None:
     )
 
     model_flops = flops_per_token(cfg.model, cfg.train.seq_len).train
-    peak = resolve_peak_flops(rank.device, cfg.precision.dtype, cfg.hardware)
+    peak = resolve_peak_flops(rank.device, peak_dtype(cfg.precision), cfg.hardware)
     meter = ThroughputMeter(
         tokens_per_step=cfg.train.global_batch * cfg.train.seq_len,
         model_flops_per_token=model_flops,
@@ -114,7 +123,7 @@ def run(cfg: RecipeConfig, rank: RankInfo) -> None:
                 f"(dp {degrees.dp}, zero {cfg.parallel.zero}, tp {degrees.tp}"
                 f"{' with sp' if cfg.parallel.sp else ''}), "
                 f"grad accum {grad_accum_steps(cfg)}, {len(dataset)} sequences; "
-                f"peak {peak.tflops} TFLOP/s ({peak.source})",
+                f"{peak.dtype} peak {peak.tflops} TFLOP/s ({peak.source})",
                 flush=True,
             )
         window_start = time.perf_counter()
@@ -136,11 +145,13 @@ def run(cfg: RecipeConfig, rank: RankInfo) -> None:
             metrics = {
                 "loss": loss_value,
                 "lr": lr,
-                "grad_norm": norm.item(),
+                # An overflowed fp16 step has no norm; None keeps metrics.jsonl strict JSON.
+                "grad_norm": norm.item() if torch.isfinite(norm) else None,
                 **meter.measure(
                     steps=window_steps, elapsed_s=elapsed, data_wait_s=window_data_wait
                 ),
                 "mem_peak_gib": peak_memory_gib(rank.device),
+                **state.scaler.metrics(),
             }
             logger.log(step + 1, metrics)
             window_start, window_data_wait, window_steps = time.perf_counter(), 0.0, 0

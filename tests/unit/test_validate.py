@@ -106,11 +106,8 @@ CASES = [
     ({"parallel.dp_replicate": 2}, "parallel.dp_replicate", "hybrid sharding) need ZeRO >= 1",
      "parallel.zero to 1, 2 or 3"),
     # precision and hardware
-    ({"precision.dtype": "fp16"}, "precision.dtype", "fp16 is not available in this version",
-     "use bf16"),
-    ({"precision.dtype": "fp8"}, "precision.dtype", "fp8 is not available in this version",
-     "use bf16"),
-    ({"precision.dtype": "bfloat16"}, "precision.dtype", "unknown value", "use fp32 or bf16"),
+    ({"precision.dtype": "bfloat16"}, "precision.dtype", "unknown value",
+     "use fp32, bf16, fp16 or fp8"),
     ({"precision.dtype": "bf16", "cluster.gpu_type": "v100_sxm_32gb"}, "precision.dtype",
      "v100_sxm_32gb has no bf16 (compute capability 7.0 < 8.0)", "use fp32"),
     ({"cluster.gpu_type": "h100"}, "cluster.gpu_type", "unknown value 'h100'", "h100_sxm"),
@@ -195,7 +192,7 @@ def test_each_rule_reports_field_reason_and_fix(overrides, field, reason, fix):
 
 
 def test_several_bad_fields_are_all_reported_in_one_error():
-    cfg = configure({"parallel.tp": 3, "precision.dtype": "fp16", "optim.lr": -1.0, "name": "a b"})
+    cfg = configure({"parallel.tp": 3, "precision.dtype": "fp4", "optim.lr": -1.0, "name": "a b"})
     fields = {p.field for p in problems(cfg)}
     assert {"parallel.tp", "precision.dtype", "optim.lr", "name"} <= fields
 

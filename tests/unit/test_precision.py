@@ -1,0 +1,157 @@
+"""FP8 module swap and FP16 dynamic loss scaling, in one process on CPU."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import models
+from launcher.layout import Degrees
+from launcher.schema import PrecisionConfig, RecipeConfig
+from models.config import ModelConfig
+from parallel.materialize import materialize
+from parallel.precision import LossScaler, apply_precision
+from trainer.build import TrainState
+from trainer.optim import build_optimizer
+from trainer.schedule import build_lr_scheduler
+from trainer.train import train_step
+
+ONE_RANK = Degrees(pp=1, dp_replicate=1, dp_shard=1, tp=1, ep=1, world=1)
+BLOCK_LINEARS = (
+    "attention.wq", "attention.wk", "attention.wv", "attention.wo",
+    "feed_forward.w1", "feed_forward.w2", "feed_forward.w3",
+)  # fmt: skip
+
+
+def recipe(**precision) -> RecipeConfig:
+    cfg = RecipeConfig()
+    cfg.model = ModelConfig(
+        vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, max_seq_len=64
+    )
+    cfg.precision = PrecisionConfig(**precision)
+    cfg.train.seq_len, cfg.train.micro_batch, cfg.train.global_batch = 32, 2, 2
+    cfg.schedule.warmup_steps = 0
+    cfg.cluster.device = "cpu"
+    return cfg
+
+
+def test_fp8_swaps_exactly_the_block_linears_and_keeps_the_rest_in_high_precision():
+    pytest.importorskip("torchao")
+    from torchao.float8.float8_linear import Float8Linear
+
+    cfg = recipe(dtype="fp8", fp8_emulate=True)
+    model = models.build(cfg.model)
+    names_before = [name for name, _ in model.named_parameters()]
+    converted = apply_precision(model, cfg.precision)
+
+    expected = [f"layers.{i}.{name}" for i in range(cfg.model.n_layers) for name in BLOCK_LINEARS]
+    assert sorted(converted) == sorted(expected)
+    fp8 = sorted(n for n, m in model.named_modules() if isinstance(m, Float8Linear))
+    assert fp8 == sorted(expected)
+    assert type(model.output) is nn.Linear  # the LM head
+    assert type(model.tok_embeddings) is nn.Embedding
+    norms = [m for n, m in model.named_modules() if n.endswith("norm")]
+    assert len(norms) == 2 * cfg.model.n_layers + 1
+    assert all(type(m).__name__ == "RMSNorm" for m in norms)
+    assert [name for name, _ in model.named_parameters()] == names_before
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
+def test_other_precisions_swap_nothing(dtype):
+    model = models.build(recipe().model)
+    kinds = [type(m) for m in model.modules()]
+    assert apply_precision(model, PrecisionConfig(dtype=dtype)) == []
+    assert [type(m) for m in model.modules()] == kinds
+
+
+def test_scale_grows_after_interval_clean_steps_and_backs_off_on_overflow():
+    scaler = LossScaler(
+        PrecisionConfig(dtype="fp16", loss_scale_init=1024.0, loss_scale_interval=2)
+    )
+    finite, inf, nan = torch.tensor(1.0), torch.tensor(math.inf), torch.tensor(math.nan)
+    taken = [scaler.update(norm) for norm in (finite, finite, finite, inf, nan, finite)]
+    assert taken == [True, True, True, False, False, True]
+    # 1024 doubles after two clean steps; each overflow halves it and restarts the count.
+    assert scaler.metrics() == {"loss_scale": 2048.0 * 0.5 * 0.5, "skipped_steps": 2}
+    assert scaler.clean_steps == 1
+
+
+def test_disabled_scaler_is_the_identity():
+    scaler = LossScaler(PrecisionConfig(dtype="bf16"))
+    loss = torch.tensor(2.5)
+    assert scaler.scale_loss(loss) is loss
+    assert scaler.update(torch.tensor(math.inf)) and scaler.metrics() == {}
+
+
+def build_state(cfg: RecipeConfig) -> TrainState:
+    plain = models.build(cfg.model)
+    materialize(plain, cfg.model, cfg.seed, torch.device("cpu"))
+    optimizer = build_optimizer(plain, cfg.optim, global_batch=1, device=torch.device("cpu"))
+    scheduler = build_lr_scheduler(optimizer, cfg.optim, cfg.schedule, cfg.train.steps)
+    return TrainState(plain, plain, optimizer, scheduler, LossScaler(cfg.precision))
+
+
+def batch(cfg: RecipeConfig, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, cfg.model.vocab_size, (2, cfg.train.seq_len + 1), generator=g)
+    return [(tokens[:, :-1], tokens[:, 1:])]
+
+
+def test_an_overflowing_fp16_step_is_skipped_and_the_next_one_trains():
+    # 2**40 times the loss: the gradient of one logit alone is about 2**40 / 64 tokens, far
+    # beyond float16's largest value 65504, so the first backward must overflow.
+    cfg = recipe(dtype="fp16", loss_scale_init=2.0**40, loss_scale_backoff=2.0**-30)
+    state = build_state(cfg)
+    before = copy.deepcopy(state.plain.state_dict())
+
+    _, norm = train_step(state, batch(cfg, 0), cfg, ONE_RANK, torch.device("cpu"))
+    assert not torch.isfinite(norm)
+    assert state.scaler.metrics() == {"loss_scale": 2.0**10, "skipped_steps": 1}
+    after = state.plain.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert state.optimizer.state == {}  # AdamW's moments and step count were not touched
+    assert all(p.grad is None for p in state.plain.parameters())
+
+    _, norm = train_step(state, batch(cfg, 1), cfg, ONE_RANK, torch.device("cpu"))
+    assert torch.isfinite(norm) and state.scaler.skipped_steps == 1
+    assert any(not torch.equal(before[k], v) for k, v in state.plain.state_dict().items())
+
+
+def test_gradients_are_unscaled_before_the_norm_is_clipped():
+    # Powers of two scale float16 exactly, so once unscaled the norm does not depend on the
+    # scale (up to gradients that underflow at the smaller one).
+    norms = []
+    for scale in (2.0**4, 2.0**12):
+        cfg = recipe(dtype="fp16", loss_scale_init=scale)
+        cfg.optim.grad_clip = 1e-3  # clipping on: it must see the unscaled norm
+        _, norm = train_step(build_state(cfg), batch(cfg, 0), cfg, ONE_RANK, torch.device("cpu"))
+        norms.append(norm.item())
+    assert norms[0] == pytest.approx(norms[1], rel=1e-3)
+    fp32 = recipe(dtype="fp32")
+    _, reference = train_step(
+        build_state(fp32), batch(fp32, 0), fp32, ONE_RANK, torch.device("cpu")
+    )
+    assert norms[1] == pytest.approx(reference.item(), rel=2e-2)
+
+
+def test_an_fp8_run_names_the_fp8_peak_in_every_sink():
+    from launcher.hardware import gpu_spec
+    from trainer.loggers import console_line, wandb_key
+    from trainer.metrics import ThroughputMeter, table_peak_flops
+
+    peak = table_peak_flops("NVIDIA H100 80GB HBM3", "fp8")
+    assert (peak.tflops, peak.dtype) == (gpu_spec("h100_sxm").peak_tflops["fp8"], "fp8")
+    meter = ThroughputMeter(
+        tokens_per_step=1000, model_flops_per_token=1e9, hardware_flops_per_token=1e9,
+        devices=1, peak=peak,
+    )  # fmt: skip
+    metrics = meter.measure(steps=1, elapsed_s=1.0)
+    assert (metrics["peak_dtype"], metrics["peak_source"]) == ("fp8", "table: h100_sxm fp8")
+    assert metrics["mfu"] == pytest.approx(1e12 / (peak.tflops * 1e12))
+    assert f"MFU {100 * metrics['mfu']:.1f}% of fp8 peak" in console_line(1, 1, metrics)
+    assert wandb_key("peak_dtype") == "perf/peak_dtype"
+    assert wandb_key("skipped_steps") == "train/skipped_steps"

@@ -4,7 +4,8 @@
 
 `action=run` (default) writes the run dir and launches (torchrun here, or sbatch);
 `action=plan` prints the plan and writes nothing; `action=script` writes the run dir and
-the job script and launches nothing. Nothing here imports torch, so the command starts fast.
+the job script and launches nothing; `action=suggest` lists the fastest layouts that fit.
+Nothing here imports torch, so the command starts fast.
 """
 
 from __future__ import annotations
@@ -50,6 +51,15 @@ def execute(cfg: RecipeConfig) -> None:
     from launcher.render import render_plan
     from launcher.validate import RecipeError, check_runnable, validate
 
+    if cfg.action == "suggest":
+        # The search chooses the layout: only problems that no layout fixes are refused.
+        from launcher.suggest import report
+
+        try:
+            print(report(cfg))
+        except RecipeError as err:
+            _fail(f"Recipe '{cfg.name}' cannot be searched:\n{err}")
+        return
     try:
         # A job that would run out of memory is refused before it is written or submitted.
         validate(cfg, for_launch=cfg.action == "run", check_memory=cfg.action != "plan")

@@ -114,3 +114,37 @@ def match_device_name(cuda_device_name: str) -> str | None:
 def peak_tflops(name: str, dtype: str) -> float | None:
     """Dense peak TFLOP/s of `name` for `dtype`, or None where the table has no figure."""
     return gpu_spec(name).peak_tflops.get(dtype)
+
+
+@dataclass(frozen=True)
+class Links:
+    """Per-GPU link bandwidths the layout search's cost model uses, in GB/s per direction."""
+
+    intra_node_gbs: float
+    """NVLink (or PCIe where a node has no NVLink switch) from one GPU to its node's peers."""
+    inter_node_gbs: float
+    """InfiniBand from one GPU to other nodes: the reference system's NICs divided by its GPUs."""
+
+
+# NVLink: the datasheets' total NVLink bandwidth per GPU is bidirectional; half of it flows
+# each way (H100/H200 SXM 900 GB/s, A100 SXM 600, B200 1800, V100 SXM2 300). PCIe cards
+# without an NVLink switch talk over PCIe x16 (Gen5 64 GB/s, Gen4 32 GB/s each way).
+# InfiniBand: DGX H100/H200 and DGX B200 have one 400 Gb/s ConnectX-7 per GPU (50 GB/s),
+# DGX A100 one 200 Gb/s HDR per GPU (25 GB/s), DGX-2 (V100) one 100 Gb/s EDR per GPU;
+# PCIe servers are assumed to have one 200 Gb/s NIC per GPU.
+LINKS: dict[str, Links] = {
+    "h100_sxm": Links(450.0, 50.0),
+    "h100_pcie": Links(64.0, 25.0),
+    "h200_sxm": Links(450.0, 50.0),
+    "a100_sxm_80gb": Links(300.0, 25.0),
+    "a100_sxm_40gb": Links(300.0, 25.0),
+    "a100_pcie_80gb": Links(32.0, 25.0),
+    "b200": Links(900.0, 50.0),
+    "l40s": Links(32.0, 25.0),
+    "v100_sxm_32gb": Links(150.0, 12.5),
+}
+
+
+def links(name: str) -> Links | None:
+    """Link bandwidths of GPU `name`, or None where the table has none (e.g. `cpu`)."""
+    return LINKS.get(name)

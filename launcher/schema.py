@@ -237,6 +237,14 @@ class PlanConfig:
 
 
 @dataclass
+class SuggestConfig:
+    """How action=suggest reports."""
+
+    top: int = 5
+    """Layouts listed, fastest first."""
+
+
+@dataclass
 class RecipeConfig:
     """A whole recipe: what to train, how to lay it out, and where to run it."""
 
@@ -244,7 +252,8 @@ class RecipeConfig:
     """Recipe name; names the run dir and the W&B run."""
     action: str = "run"
     """run (plan, write the run dir, launch or submit), plan (print only) or script
-    (write the run dir and job script, launch nothing)."""
+    (write the run dir and job script, launch nothing) or suggest (list the fastest layouts
+    of the model on the cluster that fit; launcher/suggest.py)."""
     seed: int = 1234
     """Seed for weights and data order; the same seed gives the same run in every layout."""
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -260,6 +269,7 @@ class RecipeConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     run: RunConfig = field(default_factory=RunConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
+    suggest: SuggestConfig = field(default_factory=SuggestConfig)
 
 
 def to_recipe(node: Any) -> RecipeConfig:

@@ -95,7 +95,7 @@ def validate(cfg: RecipeConfig, for_launch: bool = False, check_memory: bool = F
     `check_memory`, a predicted peak memory per rank above the device's.
     """
     c = _Checks()
-    c.choice("action", cfg.action, ("run", "plan", "script"))
+    c.choice("action", cfg.action, ("run", "plan", "script", "suggest"))
     if not SAFE_NAME.match(cfg.name):
         safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", cfg.name).strip("_") or "run"
         c.add("name", cfg.name, "may hold only letters, digits, '_', '.' and '-'", f"use {safe}")
@@ -110,6 +110,7 @@ def validate(cfg: RecipeConfig, for_launch: bool = False, check_memory: bool = F
     c.at_least("logging.log_every", cfg.logging.log_every, 1)
     c.choice("logging.wandb", cfg.logging.wandb, ("auto", "online", "offline", "disabled"))
     c.choice("plan.format", cfg.plan.format, ("table", "json"))
+    c.at_least("suggest.top", cfg.suggest.top, 1)
     c.choice("data.format", cfg.data.format, ("auto", "text", "jsonl", "parquet"))
     c.at_least("data.max_bytes", cfg.data.max_bytes, 0)
     c.at_least("hardware.peak_tflops", cfg.hardware.peak_tflops, 0)

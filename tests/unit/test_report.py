@@ -1,0 +1,83 @@
+"""`pretrain-report`: metrics.jsonl with a resume and null MFU drawn into a real PNG."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+from launcher.report import load_metrics
+
+REPO = Path(__file__).resolve().parents[2]
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def write_run(run_dir: Path) -> None:
+    """A run logged to step 30, killed, resumed from its step-20 checkpoint and run to 40;
+    MFU was not measured for the first 5 steps."""
+
+    def record(step: int, attempt: int) -> dict:
+        return {
+            "step": step,
+            "time": 1.7e9 + step,
+            "loss": 8.0 * math.exp(-step / 15) + 2.0 + 0.01 * attempt,
+            "lr": 3e-4 * min(1.0, step / 10),
+            "grad_norm": 1.0,
+            "tokens_per_s": 40_000.0 + 100 * step,
+            "mfu": None if step <= 5 else 0.35 + 0.001 * step,
+        }
+
+    run_dir.mkdir()
+    lines = [record(s, 0) for s in range(1, 31)] + [record(s, 1) for s in range(21, 41)]
+    text = "\n".join(json.dumps(r) for r in lines) + "\n" + '{"step": 41, "lo'
+    (run_dir / "metrics.jsonl").write_text(text)
+
+
+def test_the_last_record_of_each_step_wins_and_the_resume_is_found(tmp_path):
+    write_run(tmp_path / "run")
+    metrics = load_metrics(tmp_path / "run" / "metrics.jsonl")
+    steps, losses = metrics.series("loss")
+    assert steps == list(range(1, 41))
+    assert losses[24] == 8.0 * math.exp(-25 / 15) + 2.0 + 0.01  # the resumed run's step 25
+    assert losses[9] == 8.0 * math.exp(-10 / 15) + 2.0  # before the resume point
+    assert metrics.resumed_at == [21]
+    assert metrics.skipped_lines == 1  # the cut-off last line
+    _, mfu = metrics.series("mfu", 100.0)
+    assert all(math.isnan(v) for v in mfu[:5]) and mfu[5] == 100 * (0.35 + 0.006)
+
+
+def test_pretrain_report_writes_a_png_into_the_run_dir_and_prints_its_path(tmp_path):
+    run_dir = tmp_path / "run"
+    write_run(run_dir)
+    result = subprocess.run(
+        [sys.executable, "-m", "launcher.report", str(run_dir)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+    )
+    assert result.returncode == 0, result.stderr
+    png = run_dir / "report.png"
+    assert result.stdout.strip() == str(png)
+    data = png.read_bytes()
+    assert data[:8] == PNG_SIGNATURE and data[12:16] == b"IHDR"
+    width, height = struct.unpack(">II", data[16:24])
+    assert (width, height) == (11 * 110, 7 * 110)  # figsize x dpi
+    assert len(data) > 20_000  # four drawn panels, not a blank canvas
+
+
+def test_a_dir_without_metrics_is_refused_with_a_message(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "launcher.report", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+    )
+    assert result.returncode == 2
+    assert "no " in result.stderr and "metrics.jsonl" in result.stderr
+    assert not (tmp_path / "report.png").exists()

@@ -38,8 +38,9 @@ CUDA_FIXED_GIB = 1.5
 """CUDA context, cuBLAS workspaces and NCCL buffers per GPU (typical, H100, NCCL 2.2x)."""
 FRAGMENTATION = 0.05
 """Caching-allocator fragmentation, as a share of the tensors' peak (CUDA only)."""
-COMPUTE_BYTES = {"fp32": 4, "bf16": 2, "fp8": 2}
+COMPUTE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 2}
 """Bytes of an activation in the compute dtype (FP8 runs keep BF16 activations)."""
+# Every precision.dtype the schema accepts must have an entry (tests/unit/test_memory.py).
 MOMENTS = {"adamw": 2, "lion": 1, "sgd": 1}
 """FP32 state tensors per parameter (SGD without momentum keeps none)."""
 CATEGORIES = ("params", "grads", "optimizer", "activations", "transients", "logits", "framework")

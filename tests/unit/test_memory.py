@@ -7,7 +7,12 @@ from pathlib import Path
 import pytest
 
 from launcher.fit import predict
-from launcher.memory import korthikanti_layer_activations, textbook_model_states
+from launcher.layout import resolve_degrees
+from launcher.memory import (
+    korthikanti_layer_activations,
+    memory_breakdown,
+    textbook_model_states,
+)
 from launcher.schema import RecipeConfig
 from launcher.validate import RecipeError, validate
 from models.config import ModelConfig
@@ -116,3 +121,12 @@ def test_every_shipped_recipe_plans_a_breakdown_that_fits_its_preset(name):
     )
     assert out.returncode == 0, out.stderr
     assert "Memory per rank, this trainer" in out.stdout and "warning" not in out.stdout
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16", "fp8"])
+def test_every_compute_dtype_the_schema_accepts_has_a_breakdown(dtype):
+    cfg = RecipeConfig()
+    cfg.precision.dtype = dtype
+    cfg.cluster.device, cfg.cluster.gpu_type, cfg.cluster.gpus_per_node = "cpu", "cpu", 2
+    breakdown = memory_breakdown(cfg, resolve_degrees(cfg), 1)
+    assert breakdown.activations > 0

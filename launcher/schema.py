@@ -197,6 +197,32 @@ class LoggingConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    """Sharded checkpoints under RUN_DIR/checkpoints; a run dir that has one resumes from it."""
+
+    every: int = 100
+    """Save every this many steps (0: only at the end and when the job is asked to stop)."""
+    keep: int = 2
+    """Complete checkpoints to keep; older ones are deleted once a newer one is complete."""
+    async_mode: str = "none"
+    """none (training waits for the save), thread or process (shards are written in the
+    background while training continues; marked complete when written)."""
+
+
+@dataclass
+class FaultConfig:
+    """How the trainer reacts to bad steps, hangs and slow ranks."""
+
+    max_bad_steps: int = 5
+    """Stop after this many consecutive steps with a non-finite loss or gradient norm (each
+    is skipped: no optimizer update)."""
+    collective_timeout_s: float = 600.0
+    """A collective that waits longer than this fails with an error instead of hanging."""
+    straggler_lag: float = 0.25
+    """Name the slowest rank when its step time exceeds the median by this fraction."""
+
+
+@dataclass
 class RunConfig:
     """The run directory."""
 
@@ -234,6 +260,8 @@ class RecipeConfig:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     hardware: HardwareConfig = field(default_factory=HardwareConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    faults: FaultConfig = field(default_factory=FaultConfig)
     run: RunConfig = field(default_factory=RunConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
 

@@ -210,10 +210,10 @@ def test_local_run_script_is_the_torchrun_command_with_the_environment(tmp_path:
 
 def test_a_different_config_in_an_existing_run_dir_is_refused_and_kept(tmp_path: Path) -> None:
     cfg = slurm_recipe(device="cpu")
-    first = write_run_dir(cfg, tmp_path / "run", "train:\n  steps: 3\n")
-    with pytest.raises(JobError, match=r"holds a different config.*run\.dir=.*remove"):
-        write_run_dir(cfg, tmp_path / "run", "train:\n  steps: 4\n")
-    assert first.config_path.read_text() == "train:\n  steps: 3\n"
+    first = write_run_dir(cfg, tmp_path / "run", "seed: 3\n")
+    with pytest.raises(JobError, match=r"holds a different config.*not seed.*run\.dir=.*remove"):
+        write_run_dir(cfg, tmp_path / "run", "seed: 4\n")
+    assert first.config_path.read_text() == "seed: 3\n"
 
 
 def test_the_same_config_again_is_a_resubmission_and_accepted(tmp_path: Path) -> None:

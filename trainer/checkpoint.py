@@ -246,7 +246,9 @@ class Checkpointer:
             model_sd = get_model_state_dict(state.model)
             optim_sd = _zero1_optim_state(state.optimizer, state.plain)
             # Only this rank's optimizer states: the shares of other ranks stay on disk.
-            dcp.load({"model": model_sd, "optim": {"state": optim_sd["state"]}}, str(path))
+            dcp.load(
+                {"model": model_sd, "optim": {"state": optim_sd["state"]}}, checkpoint_id=str(path)
+            )
             set_model_state_dict(state.model, model_sd)
         else:
             model_sd, optim_sd = get_state_dict(state.model, state.optimizer)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from string import Template
 
-from launcher.resume import frozen_changes
+from launcher.resume import PREEMPTED_MARKER, frozen_changes
 from launcher.schema import RecipeConfig
 
 SBATCH_TEMPLATE = Path(__file__).resolve().parent.parent / "slurm" / "sbatch.template"
@@ -152,6 +152,7 @@ def render_sbatch(cfg: RecipeConfig, run_dir: Path, config_path: Path) -> str:
         "master_port": str(c.master_port),
         "config_path": shlex.quote(str(config_path)),
         "node_command": shlex.quote(node_script),
+        "preempted_path": shlex.quote(str(Path(run_dir) / PREEMPTED_MARKER)),
     }
     template = _ScriptTemplate(SBATCH_TEMPLATE.read_text())
     found = {m["named"] or m["braced"] for m in template.pattern.finditer(template.template)}

@@ -19,8 +19,8 @@ from types import FrameType
 import torch
 import torch.distributed as dist
 
-PREEMPTED_MARKER = "preempted"
-"""File in the run dir that tells the job script the trainer stopped to be requeued."""
+from launcher.resume import PREEMPTED_MARKER
+
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 

@@ -64,6 +64,8 @@ def torchrun_args(cfg: RecipeConfig, config_path: Path) -> list[str]:
     """
     c = cfg.cluster
     per_node = ["--nproc-per-node", str(c.gpus_per_node)]
+    if c.max_restarts:
+        per_node += ["--max-restarts", str(c.max_restarts)]
     program = ["-m", "trainer", str(config_path)]
     if c.nodes == 1:
         return ["torchrun", "--standalone", *per_node, *program]

@@ -170,6 +170,9 @@ class ClusterConfig:
     """OMP_NUM_THREADS for every rank."""
     env: dict[str, str] = field(default_factory=dict)
     """Extra environment variables for the ranks (e.g. NCCL settings)."""
+    max_restarts: int = 0
+    """torchrun restarts the whole group this many times when a rank dies; the restarted
+    ranks resume from the last complete checkpoint."""
 
 
 @dataclass

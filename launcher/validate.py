@@ -416,6 +416,7 @@ def _check_checkpoint(c: _Checks, cfg: RecipeConfig) -> None:
     c.at_least("checkpoint.every", cfg.checkpoint.every, 0)
     c.at_least("checkpoint.keep", cfg.checkpoint.keep, 1)
     c.choice("checkpoint.async_mode", cfg.checkpoint.async_mode, ("none", "thread", "process"))
+    c.at_least("cluster.max_restarts", cfg.cluster.max_restarts, 0)
     c.at_least("faults.max_bad_steps", cfg.faults.max_bad_steps, 1)
     c.positive("faults.collective_timeout_s", cfg.faults.collective_timeout_s)
     c.positive("faults.straggler_lag", cfg.faults.straggler_lag)

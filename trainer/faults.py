@@ -4,6 +4,8 @@ to stop (preemption, time limit), stragglers, and test-only fault injection.
 Fault injection (for tests and drills) comes from environment variables of the ranks:
 - PRETRAIN_FAULT_NAN_STEPS=5,6: rank 0's loss is NaN at those steps (1-based), so its
   gradients and the global gradient norm are too;
+- PRETRAIN_FAULT_KILL=RANK:STEP: that rank kills itself (SIGKILL) after that step, in the
+  first attempt only (TORCHELASTIC_RESTART_COUNT=0), so a restarted group runs through;
 - PRETRAIN_FAULT_CRASH_IN_SAVE=6: rank 0 dies after writing the checkpoint of step 6 but
   before marking it complete (see trainer/checkpoint.py).
 """
@@ -32,6 +34,15 @@ def nan_steps() -> frozenset[int]:
     """Steps whose loss is poisoned with NaN on rank 0 (PRETRAIN_FAULT_NAN_STEPS)."""
     raw = os.environ.get("PRETRAIN_FAULT_NAN_STEPS", "")
     return frozenset(int(s) for s in raw.split(",") if s.strip())
+
+
+def maybe_kill_self(rank: int, step: int) -> None:
+    """SIGKILL this process if PRETRAIN_FAULT_KILL names this rank and step (first attempt)."""
+    target = os.environ.get("PRETRAIN_FAULT_KILL", "")
+    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    if first_attempt and target == f"{rank}:{step}":
+        print(f"[fault] rank {rank} kills itself after step {step}", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 class StepGuard:

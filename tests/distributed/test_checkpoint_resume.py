@@ -150,3 +150,14 @@ def test_consecutive_nan_steps_stop_the_run_without_saving_them(workdir) -> None
     assert result.returncode != 0
     assert "step 4: 2 consecutive steps with a non-finite loss" in result.stdout + result.stderr
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_00000002"]
+
+
+def test_a_killed_rank_restarts_the_group_from_the_last_checkpoint(workdir, uninterrupted) -> None:
+    run_dir = workdir / "killed_rank"
+    overrides = ["parallel.zero=3", "cluster.max_restarts=1"]
+    result = launch(run_dir, overrides, 2, {"PRETRAIN_FAULT_KILL": "1:5"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    output = result.stdout + result.stderr
+    assert "rank 1 kills itself after step 5" in output
+    assert "resumed from the checkpoint of step 4" in output
+    assert losses(run_dir) == uninterrupted

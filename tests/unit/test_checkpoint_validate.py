@@ -14,6 +14,7 @@ from launcher.validate import RecipeError, validate
         ("checkpoint", "every", -1, r"checkpoint\.every=-1: must be >= 0"),
         ("checkpoint", "keep", 0, r"checkpoint\.keep=0: must be >= 1"),
         ("checkpoint", "async_mode", "fork", r"checkpoint\.async_mode=fork: unknown value.*"),
+        ("cluster", "max_restarts", -1, r"cluster\.max_restarts=-1: must be >= 0"),
         ("faults", "max_bad_steps", 0, r"faults\.max_bad_steps=0: must be >= 1"),
         ("faults", "collective_timeout_s", 0.0, r"faults\.collective_timeout_s=0\.0: must be > 0"),
         ("faults", "straggler_lag", -0.5, r"faults\.straggler_lag=-0\.5: must be > 0"),

@@ -6,6 +6,8 @@ Fault injection (for tests and drills) comes from environment variables of the r
   gradients and the global gradient norm are too;
 - PRETRAIN_FAULT_KILL=RANK:STEP: that rank kills itself (SIGKILL) after that step, in the
   first attempt only (TORCHELASTIC_RESTART_COUNT=0), so a restarted group runs through;
+- PRETRAIN_FAULT_HANG=RANK:STEP: that rank stops responding after that step, so the others
+  wait in a collective until faults.collective_timeout_s;
 - PRETRAIN_FAULT_CRASH_IN_SAVE=6: rank 0 dies after writing the checkpoint of step 6 but
   before marking it complete (see trainer/checkpoint.py).
 """
@@ -15,6 +17,7 @@ from __future__ import annotations
 import os
 import signal
 import statistics
+import time
 from pathlib import Path
 from types import FrameType
 
@@ -36,13 +39,19 @@ def nan_steps() -> frozenset[int]:
     return frozenset(int(s) for s in raw.split(",") if s.strip())
 
 
-def maybe_kill_self(rank: int, step: int) -> None:
-    """SIGKILL this process if PRETRAIN_FAULT_KILL names this rank and step (first attempt)."""
-    target = os.environ.get("PRETRAIN_FAULT_KILL", "")
+def inject_rank_faults(rank: int, step: int) -> None:
+    """Kill (PRETRAIN_FAULT_KILL, first attempt only) or hang (PRETRAIN_FAULT_HANG) this rank
+    if the variable names this rank and step."""
+    here = f"{rank}:{step}"
     first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-    if first_attempt and target == f"{rank}:{step}":
+    if first_attempt and os.environ.get("PRETRAIN_FAULT_KILL") == here:
         print(f"[fault] rank {rank} kills itself after step {step}", flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
+    if os.environ.get("PRETRAIN_FAULT_HANG") == here:
+        print(f"[fault] rank {rank} hangs after step {step}", flush=True)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # torchrun can still end it
+        while True:
+            time.sleep(3600)
 
 
 class StepGuard:

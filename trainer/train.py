@@ -24,8 +24,8 @@ from trainer.faults import (
     StepGuard,
     clear_preempted,
     gather_step_times,
+    inject_rank_faults,
     mark_preempted,
-    maybe_kill_self,
     nan_steps,
     slowest_rank,
 )
@@ -154,7 +154,7 @@ def run(cfg: RecipeConfig, rank: RankInfo) -> None:
                 state, micro_batches, cfg, degrees, rank.device, guard, poison
             )
             guard.record(step + 1, bad)
-            maybe_kill_self(rank.rank, step + 1)
+            inject_rank_faults(rank.rank, step + 1)
             window_steps += 1
             checkpointer.poll()
             if checkpointer.due(step + 1) or stop:

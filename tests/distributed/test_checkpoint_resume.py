@@ -161,3 +161,13 @@ def test_a_killed_rank_restarts_the_group_from_the_last_checkpoint(workdir, unin
     assert "rank 1 kills itself after step 5" in output
     assert "resumed from the checkpoint of step 4" in output
     assert losses(run_dir) == uninterrupted
+
+
+def test_a_hung_rank_ends_the_run_at_the_collective_timeout(workdir) -> None:
+    run_dir = workdir / "hung_rank"
+    overrides = ["parallel.zero=3", "faults.collective_timeout_s=5"]
+    result = launch(run_dir, overrides, 2, {"PRETRAIN_FAULT_HANG": "1:3"})
+    assert result.returncode != 0
+    output = result.stdout + result.stderr
+    assert "rank 1 hangs after step 3" in output
+    assert "[rank0]: RuntimeError" in output and "Timed out waiting 5000ms" in output

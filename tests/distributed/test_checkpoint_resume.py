@@ -115,7 +115,7 @@ def test_zero3_dp2_checkpoint_resumes_on_one_rank(workdir, uninterrupted, crashe
 @pytest.mark.parametrize(
     ("label", "saved_under", "resumed_under"),
     [
-        ("ddp_to_zero1", ["parallel.zero=0"], ["parallel.zero=1"]),
+        ("ddp_to_zero3", ["parallel.zero=0"], ["parallel.zero=3"]),
         (
             "zero1_to_zero3_async",
             ["parallel.zero=1"],
@@ -129,6 +129,15 @@ def test_checkpoint_resumes_under_another_data_parallel_layout(
     run_dir = workdir / label
     crash_during_save(run_dir, saved_under, nproc=2)
     after = train(run_dir, resumed_under, nproc=2)
+    assert max_relative(after, uninterrupted) <= FP32_TOLERANCE
+
+
+def test_zero3_checkpoint_loads_into_zero1_owned_shares(
+    workdir, uninterrupted, crashed_zero3
+) -> None:
+    resumed = workdir / "zero3_to_zero1"
+    shutil.copytree(crashed_zero3, resumed)
+    after = train(resumed, ["parallel.zero=1"], nproc=2)
     assert max_relative(after, uninterrupted) <= FP32_TOLERANCE
 
 

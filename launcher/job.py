@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from string import Template
 
+from launcher.resume import PREEMPTED_MARKER, frozen_changes
 from launcher.schema import RecipeConfig
 
 SBATCH_TEMPLATE = Path(__file__).resolve().parent.parent / "slurm" / "sbatch.template"
@@ -63,6 +64,8 @@ def torchrun_args(cfg: RecipeConfig, config_path: Path) -> list[str]:
     """
     c = cfg.cluster
     per_node = ["--nproc-per-node", str(c.gpus_per_node)]
+    if c.max_restarts:
+        per_node += ["--max-restarts", str(c.max_restarts)]
     program = ["-m", "trainer", str(config_path)]
     if c.nodes == 1:
         return ["torchrun", "--standalone", *per_node, *program]
@@ -151,6 +154,7 @@ def render_sbatch(cfg: RecipeConfig, run_dir: Path, config_path: Path) -> str:
         "master_port": str(c.master_port),
         "config_path": shlex.quote(str(config_path)),
         "node_command": shlex.quote(node_script),
+        "preempted_path": shlex.quote(str(Path(run_dir) / PREEMPTED_MARKER)),
     }
     template = _ScriptTemplate(SBATCH_TEMPLATE.read_text())
     found = {m["named"] or m["braced"] for m in template.pattern.finditer(template.template)}
@@ -194,8 +198,9 @@ def _write_atomic(path: Path, text: str, mode: int) -> None:
 def write_run_dir(cfg: RecipeConfig, run_dir: Path, config_yaml: str) -> JobFiles:
     """Create the run dir with its frozen config.yaml and job script (run.sh or job.sbatch).
 
-    A run dir belongs to one config: if it already holds a different config.yaml, nothing is
-    written and a JobError says so; the same config again (a resubmission) is fine.
+    A run dir belongs to one config: if it already holds a config.yaml that differs in what
+    is trained (see launcher/resume.py), nothing is written and a JobError says so. A change
+    of layout or length replaces it, the old one kept as config.N.yaml.
     """
     backend = cfg.cluster.backend
     if backend not in ("local", "slurm"):
@@ -214,13 +219,21 @@ def write_run_dir(cfg: RecipeConfig, run_dir: Path, config_yaml: str) -> JobFile
     else:
         script = render_sbatch(cfg, run_dir, config_path)
 
-    if config_path.exists() and config_path.read_text() != config_yaml:
-        raise JobError(
-            f"{config_path} holds a different config: a run dir belongs to one recipe (resuming "
-            f"needs the same config). Pick a new run.dir=... or remove {run_dir} to start over."
-        )
+    old_yaml = config_path.read_text() if config_path.exists() else None
+    if old_yaml is not None and old_yaml != config_yaml:
+        frozen = frozen_changes(old_yaml, config_yaml)
+        if frozen:
+            raise JobError(
+                f"{config_path} holds a different config: a run dir belongs to one recipe; a "
+                f"resumed run may change its layout and train.steps, not {', '.join(frozen)}. "
+                f"Pick a new run.dir=... or remove {run_dir} to start over."
+            )
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    if not config_path.exists():
+    if old_yaml is not None and old_yaml != config_yaml:
+        # Keep every config the run dir was trained under: config.1.yaml, config.2.yaml, ...
+        n = 1 + sum(1 for _ in run_dir.glob("config.*.yaml"))
+        _write_atomic(run_dir / f"config.{n}.yaml", old_yaml, 0o644)
+    if old_yaml != config_yaml:
         _write_atomic(config_path, config_yaml, 0o644)
     _write_atomic(script_path, script, 0o755)
     return JobFiles(run_dir=run_dir, config_path=config_path, script_path=script_path)

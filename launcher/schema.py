@@ -194,6 +194,9 @@ class ClusterConfig:
     """OMP_NUM_THREADS for every rank."""
     env: dict[str, str] = field(default_factory=dict)
     """Extra environment variables for the ranks (e.g. NCCL settings)."""
+    max_restarts: int = 0
+    """torchrun restarts the whole group this many times when a rank dies; the restarted
+    ranks resume from the last complete checkpoint."""
 
 
 @dataclass
@@ -218,6 +221,32 @@ class LoggingConfig:
     """W&B project."""
     wandb_entity: str = ""
     """W&B entity (empty: the default of the API key)."""
+
+
+@dataclass
+class CheckpointConfig:
+    """Sharded checkpoints under RUN_DIR/checkpoints; a run dir that has one resumes from it."""
+
+    every: int = 100
+    """Save every this many steps (0: only at the end and when the job is asked to stop)."""
+    keep: int = 2
+    """Complete checkpoints to keep; older ones are deleted once a newer one is complete."""
+    async_mode: str = "none"
+    """none (training waits for the save), thread or process (shards are written in the
+    background while training continues; marked complete when written)."""
+
+
+@dataclass
+class FaultConfig:
+    """How the trainer reacts to bad steps, hangs and slow ranks."""
+
+    max_bad_steps: int = 5
+    """Stop after this many consecutive steps with a non-finite loss or gradient norm (each
+    is skipped: no optimizer update)."""
+    collective_timeout_s: float = 600.0
+    """A collective that waits longer than this fails with an error instead of hanging."""
+    straggler_lag: float = 0.25
+    """Name the slowest rank when its step time exceeds the median by this fraction."""
 
 
 @dataclass
@@ -267,6 +296,8 @@ class RecipeConfig:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     hardware: HardwareConfig = field(default_factory=HardwareConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    faults: FaultConfig = field(default_factory=FaultConfig)
     run: RunConfig = field(default_factory=RunConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
     suggest: SuggestConfig = field(default_factory=SuggestConfig)

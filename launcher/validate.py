@@ -114,6 +114,7 @@ def validate(cfg: RecipeConfig, for_launch: bool = False, check_memory: bool = F
     c.choice("data.format", cfg.data.format, ("auto", "text", "jsonl", "parquet"))
     c.at_least("data.max_bytes", cfg.data.max_bytes, 0)
     c.at_least("hardware.peak_tflops", cfg.hardware.peak_tflops, 0)
+    _check_checkpoint(c, cfg)
     if for_launch:
         c.problems.extend(check_runnable(cfg))
     if check_memory and not c.problems:
@@ -421,3 +422,14 @@ def _check_optim(c: _Checks, cfg: RecipeConfig, train_ok: bool) -> None:
             f"warmup_steps + decay_steps = {s.warmup_steps + s.decay_steps} > train.steps={steps}",
             f"use at most {steps - s.warmup_steps}, or 0 to decay until the end",
         )
+
+
+def _check_checkpoint(c: _Checks, cfg: RecipeConfig) -> None:
+    """Checkpoint cadence and the fault limits."""
+    c.at_least("checkpoint.every", cfg.checkpoint.every, 0)
+    c.at_least("checkpoint.keep", cfg.checkpoint.keep, 1)
+    c.choice("checkpoint.async_mode", cfg.checkpoint.async_mode, ("none", "thread", "process"))
+    c.at_least("cluster.max_restarts", cfg.cluster.max_restarts, 0)
+    c.at_least("faults.max_bad_steps", cfg.faults.max_bad_steps, 1)
+    c.positive("faults.collective_timeout_s", cfg.faults.collective_timeout_s)
+    c.positive("faults.straggler_lag", cfg.faults.straggler_lag)

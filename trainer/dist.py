@@ -46,7 +46,23 @@ def init_distributed(cluster: ClusterConfig, timeout_s: float = 600.0) -> RankIn
         device = torch.device("cpu")
         backend = "gloo"
     timeout = timedelta(seconds=timeout_s)
-    if "WORLD_SIZE" in os.environ:
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    if "WORLD_SIZE" in os.environ and agent_store and attempt != "0":
+        # After a restart, torchrun's store still holds the dead group's addresses under the
+        # same keys; a prefix per attempt keeps the new group from dialing them.
+        store = dist.TCPStore(
+            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+            timeout=timeout,
+        )  # fmt: skip
+        dist.init_process_group(
+            backend=backend,
+            store=dist.PrefixStore(f"attempt_{attempt}/", store),
+            rank=int(os.environ["RANK"]),
+            world_size=int(os.environ["WORLD_SIZE"]),
+            timeout=timeout,
+        )
+    elif "WORLD_SIZE" in os.environ:
         dist.init_process_group(backend=backend, timeout=timeout)
     else:
         # Started without torchrun: a one-rank group on an in-memory store needs no port.

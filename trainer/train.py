@@ -21,8 +21,18 @@ from parallel.precision import after_optimizer_step, forward_context
 from parallel.recompute import recomputed_blocks
 from parallel.tensor import local_value, vocab_parallel_loss
 from trainer.build import TrainState, build_train_state
+from trainer.checkpoint import Checkpointer
 from trainer.data import DataLoader, GlobalBatchSampler, prepare_dataset
 from trainer.dist import RankInfo, init_distributed
+from trainer.faults import (
+    StepGuard,
+    clear_preempted,
+    gather_step_times,
+    inject_rank_faults,
+    mark_preempted,
+    nan_steps,
+    slowest_rank,
+)
 from trainer.loggers import MetricsLogger
 from trainer.metrics import ThroughputMeter, peak_memory_gib, resolve_peak_flops
 
@@ -38,11 +48,14 @@ def train_step(
     cfg: RecipeConfig,
     degrees: Degrees,
     device: torch.device,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    guard: StepGuard,
+    poison: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, bool, bool]:
     """One optimizer step over this rank's accumulation micro-batches.
 
-    Returns this rank's mean loss and the global gradient norm (before clipping); under fp16
-    a step whose gradients overflowed leaves the weights as they were.
+    Returns this rank's mean loss, the global gradient norm (before clipping) and what all
+    ranks agreed: (bad, stop). A bad step (non-finite loss or norm) applies no update, and
+    under fp16 neither does a step whose gradients overflowed (the scale backs off).
     """
     accum = len(micro_batches)
     loss_sum = torch.zeros((), device=device)
@@ -53,20 +66,25 @@ def train_step(
                 logits = state.model(inputs)
             with vocab_parallel_loss(enabled=degrees.tp > 1):
                 loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+                if poison:
+                    loss = loss * float("nan")
                 state.scaler.scale_loss(loss / accum).backward()
         # Every TP rank holds the same (replicated) loss.
         loss_sum += local_value(loss.detach())
     state.scaler.unscale_(state.plain.parameters())
     norm = clip_grad_norm_(state.plain.parameters(), cfg.optim.grad_clip)
-    if state.scaler.update(norm):
+    # An fp16 overflow is the loss scaler's to handle (back off and retry), not a fault.
+    scaled_ok = state.scaler.update(norm)
+    bad, stop = guard.agree(loss_sum, norm if scaled_ok else torch.zeros_like(norm))
+    if scaled_ok and not bad:
         state.optimizer.step()
         after_optimizer_step(state.plain, cfg.precision)
+    # A skipped step still consumes its data and its place in the LR schedule.
     with warnings.catch_warnings():
-        # A skipped fp16 step still advances the schedule, which torch warns about.
         warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step", UserWarning)
         state.scheduler.step()
     state.optimizer.zero_grad(set_to_none=True)
-    return loss_sum / accum, norm
+    return loss_sum / accum, norm, bad, stop
 
 
 def _hfu_flops_per_token(cfg: RecipeConfig) -> int:
@@ -95,6 +113,15 @@ def run(cfg: RecipeConfig, rank: RankInfo) -> None:
     loader = DataLoader(
         dataset, sampler, dp_rank=dp_rank, dp_size=degrees.dp, micro_batch=cfg.train.micro_batch
     )
+
+    checkpointer = Checkpointer(run_dir, cfg.checkpoint, rank=rank.rank, world_size=rank.world_size)
+    start = checkpointer.restore(state, loader)
+    guard = StepGuard(cfg.faults.max_bad_steps, rank.device)
+    poisoned = nan_steps()
+    if rank.is_main:
+        clear_preempted(run_dir)
+        if start:
+            print(f"[trainer] resumed from the checkpoint of step {start}", flush=True)
 
     model_flops = flops_per_token(cfg.model, cfg.train.seq_len).train
     peak = resolve_peak_flops(rank.device, peak_dtype(cfg.precision), cfg.hardware)
@@ -129,19 +156,30 @@ def run(cfg: RecipeConfig, rank: RankInfo) -> None:
         window_start = time.perf_counter()
         window_data_wait = 0.0
         window_steps = 0
-        for step in range(cfg.train.steps):
+        saved = start
+        for step in range(start, cfg.train.steps):
             wait_start = time.perf_counter()
             micro_batches = loader.next_step()
             window_data_wait += time.perf_counter() - wait_start
             lr = state.scheduler.get_last_lr()[0]
-            loss, norm = train_step(state, micro_batches, cfg, degrees, rank.device)
+            poison = rank.is_main and step + 1 in poisoned
+            loss, norm, bad, stop = train_step(
+                state, micro_batches, cfg, degrees, rank.device, guard, poison
+            )
+            guard.record(step + 1, bad)
+            inject_rank_faults(rank.rank, step + 1)
             window_steps += 1
+            checkpointer.poll()
+            if checkpointer.due(step + 1) or stop:
+                checkpointer.save(step + 1, state, loader)
+                saved = step + 1
             last = step == cfg.train.steps - 1
-            if (step + 1) % cfg.logging.log_every and not last:
+            if (step + 1) % cfg.logging.log_every and not last and not stop:
                 continue
             dist.all_reduce(loss, group=dp_group)
             loss_value = loss.item() / degrees.dp
             elapsed = time.perf_counter() - window_start
+            _report_straggler(cfg, rank, step + 1, elapsed / window_steps)
             metrics = {
                 "loss": loss_value,
                 "lr": lr,
@@ -152,15 +190,37 @@ def run(cfg: RecipeConfig, rank: RankInfo) -> None:
                 ),
                 "mem_peak_gib": peak_memory_gib(rank.device),
                 **state.scaler.metrics(),
+                "skipped_steps": guard.skipped + state.scaler.skipped_steps,
             }
             logger.log(step + 1, metrics)
             window_start, window_data_wait, window_steps = time.perf_counter(), 0.0, 0
+            if stop:
+                checkpointer.wait()
+                if rank.is_main:
+                    mark_preempted(run_dir, step + 1)
+                    print(f"[trainer] stopped by a signal after step {step + 1}; saved", flush=True)
+                return
+        if saved != cfg.train.steps:
+            checkpointer.save(cfg.train.steps, state, loader)
+        checkpointer.wait()
+
+
+def _report_straggler(cfg: RecipeConfig, rank: RankInfo, step: int, mean_step_s: float) -> None:
+    """Name the slowest rank when it lags the median step time by more than the threshold."""
+    times = gather_step_times(mean_step_s, rank.device)
+    slow = slowest_rank(times, cfg.faults.straggler_lag)
+    if rank.is_main and slow is not None:
+        print(
+            f"[trainer] step {step}: rank {slow[0]} is a straggler: {times[slow[0]]:.3f} s/step, "
+            f"{100 * slow[1]:.0f}% over the median",
+            flush=True,
+        )
 
 
 def main(config_path: str) -> None:
     """Run one rank of the job described by the run dir's config.yaml."""
     cfg = load_config(config_path)
-    rank = init_distributed(cfg.cluster)
+    rank = init_distributed(cfg.cluster, cfg.faults.collective_timeout_s)
     try:
         run(cfg, rank)
         # No rank tears down its connections while a peer still has work in flight.

@@ -40,6 +40,12 @@ def directives(script: str) -> list[str]:
     ]
 
 
+def srun_line_of(script: str) -> str:
+    """The job script's one srun line."""
+    [line] = [line for line in script.splitlines() if line.startswith("srun ")]
+    return line
+
+
 def words_bash_passes(command_line: str, env: dict[str, str] | None = None) -> list[str]:
     """The arguments bash hands to the command on this line: its first word is swapped for a
     printf of them, so bash's own expansion is what gets checked."""
@@ -114,7 +120,7 @@ def test_cpu_job_requests_no_gpus_and_unset_fields_are_left_out(tmp_path: Path) 
 def test_the_job_ends_with_srun_of_torchrun_in_a_task_that_ignores_sigusr1(tmp_path: Path) -> None:
     cfg = slurm_recipe(nodes=2, gpus_per_node=4)
     config = tmp_path / "config.yaml"
-    srun_line = render_sbatch(cfg, tmp_path, config).rstrip().splitlines()[-1]
+    srun_line = srun_line_of(render_sbatch(cfg, tmp_path, config))
     srun = words_bash_passes(srun_line)
     assert srun[:3] == ["--ntasks-per-node=1", "--kill-on-bad-exit=1", "bash"]
     assert srun[3] == "-c"
@@ -148,7 +154,7 @@ def test_recipe_strings_reach_the_shell_as_literals_and_never_run(
     ).stdout  # fmt: skip
     assert env == value
     # The node command: bash expands it to torchrun's argv with the literal config path.
-    srun = words_bash_passes(script.rstrip().splitlines()[-1])
+    srun = words_bash_passes(srun_line_of(script))
     torchrun = words_bash_passes(srun[4].split("; ", 1)[1])
     assert torchrun == torchrun_args(cfg, files.config_path)
     # sbatch's quoting keeps the value whole (its parser reads "..." with \" escapes).
@@ -210,10 +216,10 @@ def test_local_run_script_is_the_torchrun_command_with_the_environment(tmp_path:
 
 def test_a_different_config_in_an_existing_run_dir_is_refused_and_kept(tmp_path: Path) -> None:
     cfg = slurm_recipe(device="cpu")
-    first = write_run_dir(cfg, tmp_path / "run", "train:\n  steps: 3\n")
-    with pytest.raises(JobError, match=r"holds a different config.*run\.dir=.*remove"):
-        write_run_dir(cfg, tmp_path / "run", "train:\n  steps: 4\n")
-    assert first.config_path.read_text() == "train:\n  steps: 3\n"
+    first = write_run_dir(cfg, tmp_path / "run", "seed: 3\n")
+    with pytest.raises(JobError, match=r"holds a different config.*not seed.*run\.dir=.*remove"):
+        write_run_dir(cfg, tmp_path / "run", "seed: 4\n")
+    assert first.config_path.read_text() == "seed: 3\n"
 
 
 def test_the_same_config_again_is_a_resubmission_and_accepted(tmp_path: Path) -> None:

@@ -1,0 +1,182 @@
+"""Checkpoints resume exactly, survive a crash during a save, and reshard across layouts.
+
+Interrupted runs are made with a crash injected while the checkpoint of step 6 is being
+written (PRETRAIN_FAULT_CRASH_IN_SAVE): steps 5-6 were trained, step 6's checkpoint is left
+incomplete, so the resumed run must start from step 4 and replay 5-8. Under the same layout
+the FP32 losses must equal the uninterrupted run's bit for bit; under another layout they
+must match within the parity tolerance.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.distributed.harness import BASE_OVERRIDES
+
+pytestmark = pytest.mark.distributed
+
+FP32_TOLERANCE = 1e-5
+STEPS = 8
+CRASH_STEP = 6
+CHECKPOINTING = ["checkpoint.every=2", "checkpoint.keep=3"]
+
+
+def launch(
+    run_dir: Path, overrides: list[str], nproc: int, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    """The pretrain CLI on `nproc` CPU ranks; the result, whether it failed or not."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "launcher",
+        "--config-name",
+        "tiny",
+        *BASE_OVERRIDES,
+        *CHECKPOINTING,
+        f"cluster.gpus_per_node={nproc}",
+        f"run.dir={run_dir}",
+        *overrides,
+    ]
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=full_env)
+    (run_dir.parent / f"{run_dir.name}.log").write_text(result.stdout + result.stderr)
+    return result
+
+
+def train(run_dir: Path, overrides: list[str], nproc: int) -> dict[int, float]:
+    result = launch(run_dir, overrides, nproc)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return losses(run_dir)
+
+
+def crash_during_save(run_dir: Path, overrides: list[str], nproc: int) -> None:
+    result = launch(run_dir, overrides, nproc, {"PRETRAIN_FAULT_CRASH_IN_SAVE": str(CRASH_STEP)})
+    assert result.returncode != 0
+    names = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    assert names == ["step_00000002", "step_00000004", f"step_{CRASH_STEP:08d}.tmp"]
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    """Loss per step from metrics.jsonl; a step logged again after a resume counts last."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {row["step"]: row["loss"] for row in rows}
+
+
+def max_relative(a: dict[int, float], b: dict[int, float]) -> float:
+    assert a.keys() == b.keys() == set(range(1, STEPS + 1))
+    return max(abs(a[s] - b[s]) / abs(b[s]) for s in a)
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("checkpoint")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(workdir: Path) -> dict[int, float]:
+    return train(workdir / "uninterrupted", ["parallel.zero=3"], nproc=2)
+
+
+@pytest.fixture(scope="module")
+def crashed_zero3(workdir: Path) -> Path:
+    run_dir = workdir / "crashed_zero3"
+    crash_during_save(run_dir, ["parallel.zero=3"], nproc=2)
+    return run_dir
+
+
+def test_resume_after_a_crash_during_a_save_is_bit_exact(
+    workdir, uninterrupted, crashed_zero3
+) -> None:
+    resumed = workdir / "resumed_zero3"
+    shutil.copytree(crashed_zero3, resumed)
+    after = train(resumed, ["parallel.zero=3"], nproc=2)
+    assert "resumed from the checkpoint of step 4" in (workdir / "resumed_zero3.log").read_text()
+    assert after == uninterrupted
+    complete = sorted(p.name for p in (resumed / "checkpoints").iterdir())
+    assert complete == ["step_00000004", "step_00000006", "step_00000008"]
+
+
+def test_zero3_dp2_checkpoint_resumes_on_one_rank(workdir, uninterrupted, crashed_zero3) -> None:
+    resumed = workdir / "zero3_to_dp1"
+    shutil.copytree(crashed_zero3, resumed)
+    after = train(resumed, ["parallel.zero=3"], nproc=1)
+    assert max_relative(after, uninterrupted) <= FP32_TOLERANCE
+    assert (resumed / "config.1.yaml").exists()  # the config it was first trained under
+
+
+@pytest.mark.parametrize(
+    ("label", "saved_under", "resumed_under"),
+    [
+        ("ddp_to_zero3", ["parallel.zero=0"], ["parallel.zero=3"]),
+        (
+            "zero1_to_zero3_async",
+            ["parallel.zero=1"],
+            ["parallel.zero=3", "checkpoint.async_mode=thread"],
+        ),
+    ],
+)
+def test_checkpoint_resumes_under_another_data_parallel_layout(
+    workdir, uninterrupted, label, saved_under, resumed_under
+) -> None:
+    run_dir = workdir / label
+    crash_during_save(run_dir, saved_under, nproc=2)
+    after = train(run_dir, resumed_under, nproc=2)
+    assert max_relative(after, uninterrupted) <= FP32_TOLERANCE
+
+
+def test_zero3_checkpoint_loads_into_zero1_owned_shares(
+    workdir, uninterrupted, crashed_zero3
+) -> None:
+    resumed = workdir / "zero3_to_zero1"
+    shutil.copytree(crashed_zero3, resumed)
+    after = train(resumed, ["parallel.zero=1"], nproc=2)
+    assert max_relative(after, uninterrupted) <= FP32_TOLERANCE
+
+
+def test_a_nan_step_is_skipped_on_every_rank_and_counted(workdir) -> None:
+    run_dir = workdir / "nan_once"
+    result = launch(run_dir, ["parallel.zero=0"], 2, {"PRETRAIN_FAULT_NAN_STEPS": "3"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["skipped_steps"] for r in rows] == [0, 0, 1, 1, 1, 1, 1, 1]
+    assert math.isnan(rows[2]["loss"]) and math.isnan(rows[2]["grad_norm"])
+    assert all(math.isfinite(r["loss"]) for r in rows[3:])
+    assert "step 3: non-finite loss or gradient norm; skipped" in result.stdout
+
+
+def test_consecutive_nan_steps_stop_the_run_without_saving_them(workdir) -> None:
+    run_dir = workdir / "nan_twice"
+    env = {"PRETRAIN_FAULT_NAN_STEPS": "3,4"}
+    result = launch(run_dir, ["parallel.zero=3", "faults.max_bad_steps=2"], 2, env)
+    assert result.returncode != 0
+    assert "step 4: 2 consecutive steps with a non-finite loss" in result.stdout + result.stderr
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_00000002"]
+
+
+def test_a_killed_rank_restarts_the_group_from_the_last_checkpoint(workdir, uninterrupted) -> None:
+    run_dir = workdir / "killed_rank"
+    overrides = ["parallel.zero=3", "cluster.max_restarts=1"]
+    result = launch(run_dir, overrides, 2, {"PRETRAIN_FAULT_KILL": "1:5"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    output = result.stdout + result.stderr
+    assert "rank 1 kills itself after step 5" in output
+    assert "resumed from the checkpoint of step 4" in output
+    assert losses(run_dir) == uninterrupted
+
+
+def test_a_hung_rank_ends_the_run_at_the_collective_timeout(workdir) -> None:
+    run_dir = workdir / "hung_rank"
+    overrides = ["parallel.zero=3", "faults.collective_timeout_s=5"]
+    result = launch(run_dir, overrides, 2, {"PRETRAIN_FAULT_HANG": "1:3"})
+    assert result.returncode != 0
+    output = result.stdout + result.stderr
+    assert "rank 1 hangs after step 3" in output
+    assert "[rank0]: RuntimeError" in output and "Timed out waiting 5000ms" in output

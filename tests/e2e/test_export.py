@@ -1,0 +1,71 @@
+"""`pretrain-export` writes a Hugging Face Llama directory that transformers loads into a
+model giving the same logits as ours, with the run's tokenizer."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.distributed.harness import run_pretrain
+from trainer.export import load_model
+from trainer.tokenizer import load_tokenizer
+
+transformers = pytest.importorskip("transformers")
+
+pytestmark = pytest.mark.e2e
+
+TEXT = "def main() -> int:\n    return sum(range(10))\n"
+
+
+def export_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "trainer.export", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A one-rank run with checkpoints at steps 2 and 4."""
+    path = tmp_path_factory.mktemp("export") / "run"
+    run_pretrain(path, ["train.steps=4", "checkpoint.every=2"], nproc=1)
+    return path
+
+
+def test_exported_model_gives_our_logits_in_transformers(run_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "hf"
+    result = export_cli(run_dir, out, "--step", "2")
+    assert result.returncode == 0, result.stderr
+    ours, cfg, step = load_model(run_dir, step=2)
+    assert step == 2
+    hf = transformers.LlamaForCausalLM.from_pretrained(out).eval()
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    ids = hf_tokenizer(TEXT)["input_ids"]
+    assert ids == load_tokenizer(cfg.data, cfg.model.vocab_size).encode(TEXT).ids
+    tokens = torch.tensor([ids])
+    with torch.no_grad():
+        expected, actual = ours(tokens), hf(tokens).logits
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_the_newest_checkpoint_is_exported_by_default(run_dir: Path, tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    assert export_cli(run_dir, tmp_path / "hf").returncode == 0
+    newest, _, step = load_model(run_dir)
+    assert step == 4
+    weights = load_file(tmp_path / "hf" / "model.safetensors")
+    assert torch.equal(weights["lm_head.weight"], newest.output.weight)
+
+
+def test_a_missing_step_is_a_clear_error(run_dir: Path, tmp_path: Path) -> None:
+    result = export_cli(run_dir, tmp_path / "hf", "--step", "3")
+    assert result.returncode != 0
+    assert "no complete checkpoint of step 3 in" in result.stderr
+    assert not (tmp_path / "hf").exists()

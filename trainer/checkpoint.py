@@ -1,0 +1,276 @@
+"""Sharded, atomic, resumable checkpoints under RUN_DIR/checkpoints.
+
+A checkpoint of step N is the folder `step_N` (zero-padded). It is written as `step_N.tmp`
+and renamed by rank 0 once every rank's shards, the DCP metadata, each rank's RNG state and
+`meta.json` are on disk, so a crash during a save leaves only a `.tmp` folder that resume
+never picks. Inside:
+
+- DCP shards of `{"model": ..., "optim": ...}` keyed by the plain model's parameter names, so
+  `torch.distributed.checkpoint` reshards them on load under any layout;
+- `meta.json`: step, the data loader's position (layout-independent: stored once), the LR
+  scheduler's state, the W&B run id and the layout it was saved under;
+- `rng/rank_R.pt`: the RNG states of rank R (restored only under the same world size).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+from torch.distributed.optim import ZeroRedundancyOptimizer
+
+from launcher.schema import CheckpointConfig
+from trainer.build import TrainState
+from trainer.data import DataLoader
+from trainer.loggers import WANDB_ID_FILE
+
+CHECKPOINTS = "checkpoints"
+META = "meta.json"
+DCP_METADATA = ".metadata"
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+def step_dir(root: Path, step: int) -> Path:
+    """Where the complete checkpoint of `step` lives."""
+    return root / f"step_{step:08d}"
+
+
+def complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
+    """Complete checkpoints under `root`, oldest first; `.tmp` folders never count."""
+    if not root.is_dir():
+        return []
+    found = []
+    for path in root.iterdir():
+        match = _STEP_DIR.match(path.name)
+        if match and (path / META).is_file() and (path / DCP_METADATA).is_file():
+            found.append((int(match.group(1)), path))
+    return sorted(found)
+
+
+def find_checkpoint(root: Path, step: int | None = None) -> Path | None:
+    """The newest complete checkpoint (or the one of `step`), None if there is none."""
+    found = complete_checkpoints(root)
+    if step is not None:
+        found = [(s, p) for s, p in found if s == step]
+    return found[-1][1] if found else None
+
+
+def read_meta(path: Path) -> dict[str, Any]:
+    """The meta.json of a complete checkpoint."""
+    return json.loads((path / META).read_text())
+
+
+def _rng_state() -> dict[str, Any]:
+    state = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _names(plain: nn.Module) -> dict[int, str]:
+    return {id(p): name for name, p in plain.named_parameters()}
+
+
+def _zero1_optim_state(optimizer: ZeroRedundancyOptimizer, plain: nn.Module) -> dict[str, Any]:
+    """This rank's share of a ZeRO-1 optimizer, in the layout `get_state_dict` uses.
+
+    Each rank holds the states of the parameters it owns; keyed by parameter name, the
+    shares of all ranks are disjoint and together make the full optimizer state, which any
+    layout can load (and a ZeRO-1 rank loads only the names it owns).
+    """
+    names = _names(plain)
+    local = optimizer.optim
+    state = {
+        names[id(p)]: local.state[p]
+        for group in local.param_groups
+        for p in group["params"]
+        if p in local.state
+    }
+    groups = []
+    for global_group, local_group in zip(optimizer.param_groups, local.param_groups, strict=True):
+        hyper = {k: v for k, v in local_group.items() if k != "params"}
+        hyper.update((k, v) for k, v in global_group.items() if k != "params")
+        groups.append({**hyper, "params": [names[id(p)] for p in global_group["params"]]})
+    return {"state": state, "param_groups": groups}
+
+
+@torch.no_grad()
+def _init_zero1_state(optimizer: ZeroRedundancyOptimizer) -> None:
+    """Allocate this rank's optimizer states (a step with zero gradients and lr 0) so that
+    DCP has tensors to load into; the loaded values replace them."""
+    local = optimizer.optim
+    if local.state:
+        return
+    lrs = [group["lr"] for group in local.param_groups]
+    for group in local.param_groups:
+        group["lr"] = 0.0
+        for p in group["params"]:
+            p.grad = torch.zeros_like(p)
+    local.step()
+    for group, lr in zip(local.param_groups, lrs, strict=True):
+        group["lr"] = lr
+    local.zero_grad(set_to_none=True)
+
+
+def _state_dicts(state: TrainState) -> dict[str, Any]:
+    if isinstance(state.optimizer, ZeroRedundancyOptimizer):
+        return {
+            "model": get_model_state_dict(state.model),
+            "optim": _zero1_optim_state(state.optimizer, state.plain),
+        }
+    model_sd, optim_sd = get_state_dict(state.model, state.optimizer)
+    return {"model": model_sd, "optim": optim_sd}
+
+
+@dataclass
+class _Pending:
+    """A save whose shards may still be in flight (async) and that rank 0 will finalize."""
+
+    step: int
+    tmp: Path
+    meta: dict[str, Any]
+    future: Future | None
+
+
+class Checkpointer:
+    """Saves and restores one run's checkpoints; every rank makes the same calls."""
+
+    def __init__(self, run_dir: Path, cfg: CheckpointConfig, *, rank: int, world_size: int):
+        self.root = Path(run_dir) / CHECKPOINTS
+        self.cfg = cfg
+        self.rank = rank
+        self.world_size = world_size
+        self._pending: _Pending | None = None
+        # Background saves run collectives while training runs its own: give them a group.
+        self._group = dist.new_group(backend="gloo") if cfg.async_mode != "none" else None
+
+    def due(self, step: int) -> bool:
+        """Whether `step` (optimizer steps done) is a periodic save point."""
+        return self.cfg.every > 0 and step % self.cfg.every == 0
+
+    def save(self, step: int, state: TrainState, loader: DataLoader) -> None:
+        """Write the checkpoint of `step` (asynchronously if configured); collective."""
+        self.wait()
+        tmp = step_dir(self.root, step).with_name(step_dir(self.root, step).name + ".tmp")
+        if self.rank == 0:
+            # A previous attempt at this step that crashed mid-save: ours to clear.
+            shutil.rmtree(tmp, ignore_errors=True)
+            (tmp / "rng").mkdir(parents=True)
+        dist.barrier()
+        torch.save(_rng_state(), tmp / "rng" / f"rank_{self.rank}.pt")
+        wandb_id = self.root.parent / WANDB_ID_FILE
+        full_meta = {
+            "step": step,
+            "wandb_run_id": wandb_id.read_text().strip() if wandb_id.is_file() else None,
+            "world_size": self.world_size,
+            "data": loader.state_dict(),
+            "scheduler": state.scheduler.state_dict(),
+            "loss_scaler": state.scaler.state_dict(),
+        }
+        state_dict = _state_dicts(state)
+        future = None
+        if self.cfg.async_mode == "none":
+            dcp.save(state_dict, checkpoint_id=str(tmp))
+        else:
+            kind = AsyncCheckpointerType(self.cfg.async_mode)
+            future = dcp.async_save(
+                state_dict,
+                checkpoint_id=str(tmp),
+                process_group=self._group,
+                async_checkpointer_type=kind,
+            )
+        self._pending = _Pending(step, tmp, full_meta, future)
+        if future is None:
+            self.wait()
+
+    def poll(self) -> None:
+        """Finalize a background save that has finished; cheap, not collective."""
+        if self._pending is not None and (
+            self._pending.future is None or self._pending.future.done()
+        ):
+            self.wait()
+
+    def wait(self) -> None:
+        """Block until the pending save is on disk; rank 0 then marks it complete."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        if pending.future is not None:
+            pending.future.result()
+        if self.rank != 0:
+            return
+        # The DCP metadata is written only after every rank's shards: all data is on disk.
+        (pending.tmp / META).write_text(json.dumps(pending.meta, indent=1) + "\n")
+        if os.environ.get("PRETRAIN_FAULT_CRASH_IN_SAVE") == str(pending.step):
+            print(f"[fault] crashing during the save of step {pending.step}", flush=True)
+            os._exit(13)
+        final = step_dir(self.root, pending.step)
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(pending.tmp, final)
+        for _, old in complete_checkpoints(self.root)[: -self.cfg.keep]:
+            shutil.rmtree(old, ignore_errors=True)
+
+    def restore(self, state: TrainState, loader: DataLoader, step: int | None = None) -> int:
+        """Load the newest complete checkpoint (or that of `step`) into `state` and `loader`
+        and return its step; 0 (nothing loaded) when there is none. Collective."""
+        path = find_checkpoint(self.root, step)
+        if path is None:
+            if step is not None:
+                raise FileNotFoundError(f"no complete checkpoint of step {step} in {self.root}")
+            return 0
+        meta = read_meta(path)
+        if isinstance(state.optimizer, ZeroRedundancyOptimizer):
+            _init_zero1_state(state.optimizer)
+            model_sd = get_model_state_dict(state.model)
+            optim_sd = _zero1_optim_state(state.optimizer, state.plain)
+            # Only this rank's optimizer states: the shares of other ranks stay on disk.
+            dcp.load(
+                {"model": model_sd, "optim": {"state": optim_sd["state"]}}, checkpoint_id=str(path)
+            )
+            set_model_state_dict(state.model, model_sd)
+        else:
+            model_sd, optim_sd = get_state_dict(state.model, state.optimizer)
+            dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path))
+            set_state_dict(
+                state.model, state.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd
+            )
+        state.scheduler.load_state_dict(meta["scheduler"])
+        # LambdaLR sets the groups' lr only when it steps: apply the restored one now.
+        for group, lr in zip(
+            state.optimizer.param_groups, state.scheduler.get_last_lr(), strict=True
+        ):
+            group["lr"] = lr
+        loader.load_state_dict(meta["data"])
+        if "loss_scaler" in meta:
+            state.scaler.load_state_dict(meta["loss_scaler"])
+        wandb_id = self.root.parent / WANDB_ID_FILE
+        if self.rank == 0 and meta.get("wandb_run_id") and not wandb_id.exists():
+            # Continue the same W&B run even if the run dir lost the id file.
+            wandb_id.write_text(meta["wandb_run_id"] + "\n")
+        rng = path / "rng" / f"rank_{self.rank}.pt"
+        if meta["world_size"] == self.world_size and rng.is_file():
+            _set_rng_state(torch.load(rng, weights_only=False))
+        return int(meta["step"])

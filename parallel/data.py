@@ -6,6 +6,10 @@
 - ZeRO-2/3: FSDP2 `fully_shard` per transformer block and on the root, over the (replicate,
   shard) mesh; ZeRO-3 reshards parameters after forward, ZeRO-2 keeps them unsharded until
   backward. BF16 uses a MixedPrecisionPolicy with FP32 master weights and FP32 reduction.
+
+Overlap: FSDP2 issues the all-gathers of the next `parallel.fsdp_prefetch` blocks ahead
+(forward and backward); DDP reduces buckets of `parallel.ddp_bucket_mb` while backward
+continues. `precision.reduce_dtype=bf16` halves the reduction traffic under both.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from collections.abc import Iterator
 
 import torch
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
@@ -22,6 +27,8 @@ from torch.nn.parallel import DistributedDataParallel
 from launcher.layout import Degrees
 from launcher.schema import ParallelConfig, PrecisionConfig
 from parallel.mesh import JobMesh, data_parallel_mesh
+
+REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def uses_fsdp(parallel: ParallelConfig, degrees: Degrees) -> bool:
@@ -37,21 +44,47 @@ def apply_fsdp(
     precision: PrecisionConfig,
 ) -> None:
     """Shard each block and the root with FSDP2 (works on a meta-device model)."""
-    mp_policy = MixedPrecisionPolicy()
-    if precision.dtype == "bf16":
-        mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    mp_policy = MixedPrecisionPolicy(
+        param_dtype=torch.bfloat16 if precision.dtype == "bf16" else None,
+        reduce_dtype=REDUCE_DTYPES[precision.reduce_dtype],
+    )
     dp_mesh = data_parallel_mesh(mesh.world, degrees)
     reshard = parallel.zero == 3
-    for block in model.layers.values():
+    blocks = [model.layers[key] for key in sorted(model.layers.keys(), key=int)]
+    for block in blocks:
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp_policy)
     # The root's parameters (embedding, final norm, head) are needed again right at the
     # start of backward, so resharding them after forward would only add an all-gather.
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=False, mp_policy=mp_policy)
+    set_fsdp_prefetch(blocks, parallel.fsdp_prefetch)
 
 
-def apply_ddp(model: nn.Module, mesh: JobMesh) -> nn.Module:
-    """Wrap a materialized model in DDP over the flattened dp group."""
-    return DistributedDataParallel(model, process_group=mesh.dp.get_group())
+def set_fsdp_prefetch(blocks: list[nn.Module], depth: int) -> None:
+    """Each sharded block all-gathers the next `depth` blocks' parameters when its own forward
+    (or, in reverse order, backward) starts; 0 keeps FSDP2's implicit one-block prefetch."""
+    if depth == 0:
+        return
+    for i, block in enumerate(blocks):
+        ahead = blocks[i + 1 : i + 1 + depth]
+        behind = blocks[max(0, i - depth) : i][::-1]
+        if ahead:
+            block.set_modules_to_forward_prefetch(ahead)
+        if behind:
+            block.set_modules_to_backward_prefetch(behind)
+
+
+def apply_ddp(
+    model: nn.Module, mesh: JobMesh, parallel: ParallelConfig, precision: PrecisionConfig
+) -> nn.Module:
+    """Wrap a materialized model in DDP over the flattened dp group, with the recipe's bucket
+    size and reduction dtype."""
+    ddp = DistributedDataParallel(
+        model, process_group=mesh.dp.get_group(), bucket_cap_mb=parallel.ddp_bucket_mb
+    )
+    if precision.reduce_dtype == "bf16":
+        # Casts each bucket to bf16 for the all-reduce and back to the gradient dtype after.
+        ddp.register_comm_hook(mesh.dp.get_group(), bf16_compress_hook)
+    return ddp
 
 
 def build_zero1_optimizer(

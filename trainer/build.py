@@ -1,26 +1,34 @@
 """Build the parallelized, initialized model and its optimizer for one rank.
 
-The order follows the design: plain model on meta -> recompute -> FSDP -> materialize and
-initialize (same weights for any layout) -> DDP; then the optimizer (ZeRO-1 sharded when
-asked) and the LR schedule.
+The order follows the design: plain model on meta -> recompute -> compile -> FSDP ->
+materialize and initialize (same weights for any layout) -> DDP; then the optimizer (ZeRO-1
+sharded when asked), the LR schedule and the (compiled) loss.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import models
 from launcher.layout import Degrees
 from launcher.schema import RecipeConfig
+from parallel.compile import apply_compile, compile_loss
 from parallel.data import apply_ddp, apply_fsdp, build_zero1_optimizer, uses_fsdp
 from parallel.materialize import materialize
 from parallel.mesh import JobMesh
 from parallel.recompute import apply_recompute
 from trainer.optim import build_optimizer, optimizer_spec, param_groups, scaled_lr
 from trainer.schedule import build_lr_scheduler
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy of logits [b, s, vocab] against targets [b, s], in FP32."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
 @dataclass
@@ -31,12 +39,14 @@ class TrainState:
     plain: nn.Module
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = lm_loss
 
 
 def parallelize(plain: nn.Module, cfg: RecipeConfig, mesh: JobMesh, degrees: Degrees) -> None:
     """Apply the layout to the plain meta-device model, in place, in the design's order:
     pipeline split -> tensor/sequence -> expert -> recompute -> compile -> FSDP."""
     apply_recompute(plain, cfg.recompute)
+    apply_compile(plain, cfg.compile)
     if uses_fsdp(cfg.parallel, degrees):
         apply_fsdp(plain, mesh, degrees, cfg.parallel, cfg.precision)
 
@@ -49,7 +59,7 @@ def build_model(
     parallelize(plain, cfg, mesh, degrees)
     materialize(plain, cfg.model, cfg.seed, device)
     if degrees.dp > 1 and not uses_fsdp(cfg.parallel, degrees):
-        return apply_ddp(plain, mesh), plain
+        return apply_ddp(plain, mesh, cfg.parallel, cfg.precision), plain
     return plain, plain
 
 
@@ -71,4 +81,10 @@ def build_train_state(
             plain, cfg.optim, global_batch=cfg.train.global_batch, device=device
         )
     scheduler = build_lr_scheduler(optimizer, cfg.optim, cfg.schedule, cfg.train.steps)
-    return TrainState(model=model, plain=plain, optimizer=optimizer, scheduler=scheduler)
+    return TrainState(
+        model=model,
+        plain=plain,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        loss_fn=compile_loss(lm_loss, cfg.compile),
+    )

@@ -7,7 +7,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from launcher.layout import Degrees, grad_accum_steps, resolve_degrees
 from launcher.schema import RecipeConfig, load_config
@@ -19,8 +18,10 @@ from parallel.recompute import recomputed_blocks
 from trainer.build import TrainState, build_train_state
 from trainer.data import DataLoader, GlobalBatchSampler, prepare_dataset
 from trainer.dist import RankInfo, init_distributed
+from trainer.kernels import kernels_line
 from trainer.loggers import MetricsLogger
 from trainer.metrics import ThroughputMeter, peak_memory_gib, resolve_peak_flops
+from trainer.prefetch import PrefetchingLoader
 
 
 def _autocast(cfg: RecipeConfig, degrees: Degrees, device: torch.device):
@@ -43,11 +44,13 @@ def train_step(
     accum = len(micro_batches)
     loss_sum = torch.zeros((), device=device)
     for i, (inputs, targets) in enumerate(micro_batches):
-        inputs, targets = inputs.to(device), targets.to(device)
+        # Asynchronous from pinned memory (the prefetching loader pins on CUDA).
+        inputs = inputs.to(device, non_blocking=True)
+        targets = targets.to(device, non_blocking=True)
         with gradient_sync(state.model, enabled=i == accum - 1):
             with _autocast(cfg, degrees, device):
                 logits = state.model(inputs)
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+            loss = state.loss_fn(logits, targets)
             (loss / accum).backward()
         loss_sum += loss.detach()
     norm = clip_grad_norm_(state.plain.parameters(), cfg.optim.grad_clip)
@@ -83,6 +86,10 @@ def run(cfg: RecipeConfig, rank: RankInfo) -> None:
     loader = DataLoader(
         dataset, sampler, dp_rank=dp_rank, dp_size=degrees.dp, micro_batch=cfg.train.micro_batch
     )
+    if cfg.data.prefetch:
+        loader = PrefetchingLoader(
+            loader, depth=cfg.data.prefetch, pin_memory=rank.device.type == "cuda"
+        )
 
     model_flops = flops_per_token(cfg.model, cfg.train.seq_len).train
     peak = resolve_peak_flops(rank.device, cfg.precision.dtype, cfg.hardware)
@@ -113,6 +120,7 @@ def run(cfg: RecipeConfig, rank: RankInfo) -> None:
                 f"peak {peak.tflops} TFLOP/s ({peak.source})",
                 flush=True,
             )
+            print(kernels_line(cfg, state, rank.device), flush=True)
         window_start = time.perf_counter()
         window_data_wait = 0.0
         window_steps = 0

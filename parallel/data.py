@@ -18,8 +18,8 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
+import torch.distributed as dist
 from torch import nn
-from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
@@ -82,9 +82,28 @@ def apply_ddp(
         model, process_group=mesh.dp.get_group(), bucket_cap_mb=parallel.ddp_bucket_mb
     )
     if precision.reduce_dtype == "bf16":
-        # Casts each bucket to bf16 for the all-reduce and back to the gradient dtype after.
-        ddp.register_comm_hook(mesh.dp.get_group(), bf16_compress_hook)
+        ddp.register_comm_hook(mesh.dp.get_group(), bf16_reduce_hook)
     return ddp
+
+
+# `bucket` and the return value are left unannotated: DDP compares the annotations with the
+# real classes, and postponed (string) annotations would fail that check.
+def bf16_reduce_hook(group: dist.ProcessGroup, bucket):
+    """DDP comm hook: average a gradient bucket in bf16, then copy it back in its own dtype
+    (returns the future of that bucket).
+
+    PyTorch's own bf16 hook is NCCL-only; this one runs on any backend with bf16 all-reduce
+    (gloo included).
+    """
+    buffer = bucket.buffer()
+    compressed = buffer.to(torch.bfloat16).div_(group.size())
+    work = dist.all_reduce(compressed, group=group, async_op=True)
+
+    def decompress(future: torch.futures.Future) -> torch.Tensor:
+        buffer.copy_(future.value()[0])
+        return buffer
+
+    return work.get_future().then(decompress)
 
 
 def build_zero1_optimizer(

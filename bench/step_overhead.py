@@ -1,17 +1,21 @@
 """The trainer's step against a plain PyTorch loop: same model, batch and optimizer.
 
-Both run in this one process on the same micro-batches, interleaved in blocks of steps so
-that machine noise hits both alike; the medians of their per-step times are compared.
-A ratio (trainer throughput / plain-loop throughput) of 1.00 means no overhead.
+In this one process: (a) a plain eager loop written here, (b) the trainer's step with compile
+off and (c) with compile on (per block and the loss), on the same micro-batches, interleaved
+in blocks of steps (the order rotates each round) so that machine noise hits all alike; the
+medians of their per-step times are compared as throughput ratios against (a). Then the data
+loader alone: sequences per second it delivers versus what the trainer consumes.
 
-    python bench/step_overhead.py [--recipe tiny] [--blocks 7] [key=value ...]
+    python bench/step_overhead.py [--recipe tiny] [--rounds 7] [key=value ...]
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -27,6 +31,7 @@ from parallel.mesh import build_mesh
 from trainer.build import build_train_state
 from trainer.data import DataLoader, GlobalBatchSampler, prepare_dataset
 from trainer.dist import init_distributed
+from trainer.prefetch import PrefetchingLoader
 from trainer.train import train_step
 
 RECIPES = str(Path(__file__).resolve().parent.parent / "recipes")
@@ -53,30 +58,12 @@ def plain_loop_step(model, optimizer, micro_batches, grad_clip: float) -> None:
     optimizer.zero_grad(set_to_none=True)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--recipe", default="tiny")
-    parser.add_argument("--blocks", type=int, default=7)
-    parser.add_argument("--steps-per-block", type=int, default=10)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("overrides", nargs="*")
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-
-    cfg = load_recipe(args.recipe, args.overrides)
-    rank = init_distributed(cfg.cluster)
-    degrees = resolve_degrees(cfg)
-    mesh = build_mesh(degrees, rank.device.type)
-    state = build_train_state(cfg, mesh, degrees, rank.device)
-    dataset = prepare_dataset(cfg.data, vocab_size=cfg.model.vocab_size, seq_len=cfg.train.seq_len)
-    sampler = GlobalBatchSampler(len(dataset), cfg.train.global_batch, cfg.seed)
-    loader = DataLoader(dataset, sampler, dp_rank=0, dp_size=1, micro_batch=cfg.train.micro_batch)
-
-    plain = build(cfg.model)
-    init_weights(plain, cfg.seed)
-    decay = [p for n, p in plain.named_parameters() if p.ndim >= 2 and "tok_embeddings" not in n]
-    no_decay = [p for n, p in plain.named_parameters() if p.ndim < 2 or "tok_embeddings" in n]
-    optimizer = torch.optim.AdamW(
+def plain_optimizer(model: torch.nn.Module, cfg: RecipeConfig) -> torch.optim.Optimizer:
+    """AdamW (foreach) with the usual decay split, as a hand-written loop sets it up."""
+    named = list(model.named_parameters())
+    decay = [p for n, p in named if p.ndim >= 2 and "tok_embeddings" not in n]
+    no_decay = [p for n, p in named if p.ndim < 2 or "tok_embeddings" in n]
+    return torch.optim.AdamW(
         [
             {"params": decay, "weight_decay": cfg.optim.weight_decay},
             {"params": no_decay, "weight_decay": 0.0},
@@ -86,36 +73,113 @@ def main() -> None:
         eps=cfg.optim.eps,
         foreach=True,
     )
-    plain_batches = DataLoader(
-        dataset, sampler, dp_rank=0, dp_size=1, micro_batch=cfg.train.micro_batch
-    )
 
-    def trainer_block() -> float:
-        start = time.perf_counter()
-        for _ in range(args.steps_per_block):
-            train_step(state, loader.next_step(), cfg, degrees, rank.device)
-        return (time.perf_counter() - start) / args.steps_per_block
 
-    def plain_block() -> float:
-        batches = [plain_batches.next_step() for _ in range(args.steps_per_block)]
+def loader_rate(dataset, sampler, cfg: RecipeConfig, steps: int) -> float:
+    """Sequences per second the loader delivers on its own (read, stack, split)."""
+    loader = DataLoader(dataset, sampler, dp_rank=0, dp_size=1, micro_batch=cfg.train.micro_batch)
+    start = time.perf_counter()
+    for _ in range(steps):
+        loader.next_step()
+    return steps * cfg.train.global_batch / (time.perf_counter() - start)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--recipe", default="tiny")
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--steps-per-block", type=int, default=10)
+    parser.add_argument("--warmup-steps", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    cfg = load_recipe(args.recipe, args.overrides)
+    compiled_cfg = copy.deepcopy(cfg)
+    compiled_cfg.compile.enabled = True
+    rank = init_distributed(cfg.cluster)
+    degrees = resolve_degrees(cfg)
+    mesh = build_mesh(degrees, rank.device.type)
+    dataset = prepare_dataset(cfg.data, vocab_size=cfg.model.vocab_size, seq_len=cfg.train.seq_len)
+    sampler = GlobalBatchSampler(len(dataset), cfg.train.global_batch, cfg.seed)
+
+    def new_loader():
+        loader = DataLoader(
+            dataset, sampler, dp_rank=0, dp_size=1, micro_batch=cfg.train.micro_batch
+        )
+        if cfg.data.prefetch:
+            return PrefetchingLoader(loader, depth=cfg.data.prefetch)
+        return loader
+
+    plain = build(cfg.model)
+    init_weights(plain, cfg.seed)
+    optimizer = plain_optimizer(plain, cfg)
+    plain_batches = new_loader()
+
+    def plain_block(steps: int) -> float:
+        batches = [plain_batches.next_step() for _ in range(steps)]
         start = time.perf_counter()
         for micro_batches in batches:
             plain_loop_step(plain, optimizer, micro_batches, cfg.optim.grad_clip)
-        return (time.perf_counter() - start) / args.steps_per_block
+        return (time.perf_counter() - start) / steps
 
-    trainer_block(), plain_block()  # warm-up: allocator, thread pools, first-touch pages
-    trainer_times, plain_times = [], []
-    for _ in range(args.blocks):
-        trainer_times.append(trainer_block())
-        plain_times.append(plain_block())
-    trainer_s, plain_s = statistics.median(trainer_times), statistics.median(plain_times)
+    def trainer_runner(recipe: RecipeConfig) -> Callable[[int], float]:
+        state = build_train_state(recipe, mesh, degrees, rank.device)
+        loader = new_loader()
+
+        def block(steps: int) -> float:
+            # The loader is inside the timed region, as in the trainer's loop.
+            start = time.perf_counter()
+            for _ in range(steps):
+                train_step(state, loader.next_step(), recipe, degrees, rank.device)
+            return (time.perf_counter() - start) / steps
+
+        return block
+
+    runners = {
+        "a": plain_block,
+        "b": trainer_runner(cfg),
+        "c": trainer_runner(compiled_cfg),
+    }
+    start = time.perf_counter()
+    runners["c"](1)  # compiles the blocks and the loss (forward and backward)
+    compile_s = time.perf_counter() - start
+    for run in runners.values():  # warm-up: allocator, thread pools, first-touch pages
+        run(args.warmup_steps)
+    times: dict[str, list[float]] = {key: [] for key in runners}
+    order = list(runners)
+    for round_index in range(args.rounds):
+        rotated = order[round_index % len(order) :] + order[: round_index % len(order)]
+        for key in rotated:
+            times[key].append(runners[key](args.steps_per_block))
+    median = {key: statistics.median(values) for key, values in times.items()}
+    spread = {key: (max(v) - min(v)) / statistics.median(v) for key, v in times.items()}
+
+    consumed = cfg.train.global_batch / median["b"]
+    delivered = loader_rate(dataset, sampler, cfg, steps=200)
+
     print(
         f"recipe {cfg.name}: {cfg.train.global_batch} x {cfg.train.seq_len} tokens per step, "
-        f"torch {torch.__version__}, {args.threads} threads"
+        f"torch {torch.__version__}, {args.threads} threads, {args.rounds} rounds of "
+        f"{args.steps_per_block} steps; first compiled step {compile_s:.1f} s"
     )
-    print(f"plain PyTorch loop: {plain_s * 1e3:8.2f} ms/step (median of {args.blocks} blocks)")
-    print(f"trainer step:       {trainer_s * 1e3:8.2f} ms/step")
-    print(f"trainer / plain throughput ratio: {plain_s / trainer_s:.3f}")
+    labels = {
+        "a": "(a) plain PyTorch loop",
+        "b": "(b) trainer, compile off",
+        "c": "(c) trainer, compile on",
+    }
+    for key, label in labels.items():
+        print(
+            f"{label:26s} {median[key] * 1e3:8.2f} ms/step (median; spread "
+            f"{spread[key] * 100:4.1f}%)"
+        )
+    print(f"(b)/(a) throughput ratio: {median['a'] / median['b']:.3f}")
+    print(f"(c)/(a) throughput ratio: {median['a'] / median['c']:.3f}")
+    print(
+        f"data loader alone: {delivered:,.0f} sequences/s; trainer consumes {consumed:,.0f} "
+        f"sequences/s; ratio {delivered / consumed:,.0f}x"
+    )
 
 
 if __name__ == "__main__":

@@ -40,6 +40,11 @@ class ParallelConfig:
     """Expert-parallel degree (MoE models), carved from the data-parallel ranks."""
     allow_tp_across_nodes: bool = False
     """Permit tp larger than one node's GPUs (slow: TP traffic leaves NVLink)."""
+    fsdp_prefetch: int = 1
+    """FSDP2: blocks whose all-gathers are issued ahead, in forward and in backward (0 leaves
+    FSDP2's implicit prefetching)."""
+    ddp_bucket_mb: float = 25.0
+    """DDP: gradient bucket size in MiB; a bucket's all-reduce overlaps the rest of backward."""
 
 
 @dataclass
@@ -47,7 +52,7 @@ class PrecisionConfig:
     """Numeric precision of compute, parameters and gradient reduction."""
 
     dtype: str = "fp32"
-    """Compute dtype: fp32; bf16 (FP32 master weights and FP32 gradient reduction); fp16 (the
+    """Compute dtype: fp32; bf16 (FP32 master weights, reduction in reduce_dtype); fp16 (the
     same with dynamic loss scaling); fp8 (the blocks' linear layers in FP8, the rest in bf16)."""
     fp8_backend: str = "torchao"
     """FP8 implementation: torchao (float8 training; composes with FSDP2 and DTensor) or te
@@ -72,6 +77,25 @@ class PrecisionConfig:
     """fp16: factor the scale shrinks by when a step's gradients overflow (the step is skipped)."""
     loss_scale_interval: int = 2000
     """fp16: overflow-free steps between two growths of the loss scale."""
+    reduce_dtype: str = "fp32"
+    """Dtype of the data-parallel gradient reduction: fp32, or bf16 (half the traffic; FSDP2's
+    reduce_dtype, a bf16 compression hook under DDP)."""
+
+
+@dataclass
+class CompileConfig:
+    """torch.compile, applied per transformer block and to the loss."""
+
+    enabled: bool = False
+    """Compile at all; blocks and loss choose what."""
+    blocks: bool = True
+    """Compile each transformer block's forward (one graph shared by identical blocks)."""
+    loss: bool = True
+    """Compile the loss (cross-entropy over the logits)."""
+    backend: str = "inductor"
+    """torch.compile backend: inductor, aot_eager or eager (the last two for debugging)."""
+    fallback: bool = False
+    """If a block or the loss fails to compile, run it eagerly (and log it) instead of stopping."""
 
 
 @dataclass
@@ -158,6 +182,9 @@ class DataConfig:
     """Read at most this many bytes of text from the source (0 = all)."""
     cache_dir: str = "~/.cache/pretrain"
     """Where tokenized corpora and trained tokenizers are cached (shared by runs)."""
+    prefetch: int = 2
+    """Steps of micro-batches a background thread reads ahead (pinned on CUDA); 0 reads in
+    the loop."""
 
 
 @dataclass
@@ -289,6 +316,7 @@ class RecipeConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     recompute: RecomputeConfig = field(default_factory=RecomputeConfig)
+    compile: CompileConfig = field(default_factory=CompileConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     train: TrainConfig = field(default_factory=TrainConfig)

@@ -115,6 +115,7 @@ def validate(cfg: RecipeConfig, for_launch: bool = False, check_memory: bool = F
     c.at_least("data.max_bytes", cfg.data.max_bytes, 0)
     c.at_least("hardware.peak_tflops", cfg.hardware.peak_tflops, 0)
     _check_checkpoint(c, cfg)
+    _check_speed(c, cfg)
     if for_launch:
         c.problems.extend(check_runnable(cfg))
     if check_memory and not c.problems:
@@ -433,3 +434,20 @@ def _check_checkpoint(c: _Checks, cfg: RecipeConfig) -> None:
     c.at_least("faults.max_bad_steps", cfg.faults.max_bad_steps, 1)
     c.positive("faults.collective_timeout_s", cfg.faults.collective_timeout_s)
     c.positive("faults.straggler_lag", cfg.faults.straggler_lag)
+
+
+def _check_speed(c: _Checks, cfg: RecipeConfig) -> None:
+    """Compile, overlap and prefetch settings."""
+    k = cfg.compile
+    c.choice("compile.backend", k.backend, ("inductor", "aot_eager", "eager"))
+    if k.enabled and not (k.blocks or k.loss):
+        c.add(
+            "compile.enabled",
+            k.enabled,
+            "compile.blocks and compile.loss are both false, so nothing would be compiled",
+            "set compile.blocks=true and/or compile.loss=true, or compile.enabled=false",
+        )
+    c.choice("precision.reduce_dtype", cfg.precision.reduce_dtype, ("fp32", "bf16"))
+    c.at_least("parallel.fsdp_prefetch", cfg.parallel.fsdp_prefetch, 0)
+    c.positive("parallel.ddp_bucket_mb", cfg.parallel.ddp_bucket_mb)
+    c.at_least("data.prefetch", cfg.data.prefetch, 0)

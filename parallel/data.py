@@ -7,6 +7,10 @@
   shard) mesh; ZeRO-3 reshards parameters after forward, ZeRO-2 keeps them unsharded until
   backward. BF16, FP16 and FP8 (bf16 outside its FP8 matmuls) use a MixedPrecisionPolicy
   with FP32 master weights and FP32 reduction.
+
+Overlap: FSDP2 issues the all-gathers of the next `parallel.fsdp_prefetch` blocks ahead
+(forward and backward); DDP reduces buckets of `parallel.ddp_bucket_mb` while backward
+continues. `precision.reduce_dtype=bf16` halves the reduction traffic under both.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -24,6 +29,8 @@ from launcher.layout import Degrees
 from launcher.schema import ParallelConfig, PrecisionConfig
 from parallel.mesh import JobMesh, data_parallel_mesh
 from parallel.precision import compute_dtype
+
+REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def uses_fsdp(parallel: ParallelConfig, degrees: Degrees) -> bool:
@@ -39,23 +46,66 @@ def apply_fsdp(
     precision: PrecisionConfig,
 ) -> None:
     """Shard each block and the root with FSDP2 (works on a meta-device model)."""
-    mp_policy = MixedPrecisionPolicy()
-    if compute_dtype(precision) is not None:
-        mp_policy = MixedPrecisionPolicy(
-            param_dtype=compute_dtype(precision), reduce_dtype=torch.float32
-        )
+    mp_policy = MixedPrecisionPolicy(
+        param_dtype=compute_dtype(precision),
+        reduce_dtype=REDUCE_DTYPES[precision.reduce_dtype],
+    )
     dp_mesh = data_parallel_mesh(mesh.world, degrees)
     reshard = parallel.zero == 3
-    for block in model.layers.values():
+    blocks = [model.layers[key] for key in sorted(model.layers.keys(), key=int)]
+    for block in blocks:
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp_policy)
     # The root's parameters (embedding, final norm, head) are needed again right at the
     # start of backward, so resharding them after forward would only add an all-gather.
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=False, mp_policy=mp_policy)
+    set_fsdp_prefetch(blocks, parallel.fsdp_prefetch)
 
 
-def apply_ddp(model: nn.Module, mesh: JobMesh) -> nn.Module:
-    """Wrap a materialized model in DDP over the flattened dp group."""
-    return DistributedDataParallel(model, process_group=mesh.dp.get_group())
+def set_fsdp_prefetch(blocks: list[nn.Module], depth: int) -> None:
+    """Each sharded block all-gathers the next `depth` blocks' parameters when its own forward
+    (or, in reverse order, backward) starts; 0 keeps FSDP2's implicit one-block prefetch."""
+    if depth == 0:
+        return
+    for i, block in enumerate(blocks):
+        ahead = blocks[i + 1 : i + 1 + depth]
+        behind = blocks[max(0, i - depth) : i][::-1]
+        if ahead:
+            block.set_modules_to_forward_prefetch(ahead)
+        if behind:
+            block.set_modules_to_backward_prefetch(behind)
+
+
+def apply_ddp(
+    model: nn.Module, mesh: JobMesh, parallel: ParallelConfig, precision: PrecisionConfig
+) -> nn.Module:
+    """Wrap a materialized model in DDP over the flattened dp group, with the recipe's bucket
+    size and reduction dtype."""
+    ddp = DistributedDataParallel(
+        model, process_group=mesh.dp.get_group(), bucket_cap_mb=parallel.ddp_bucket_mb
+    )
+    if precision.reduce_dtype == "bf16":
+        ddp.register_comm_hook(mesh.dp.get_group(), bf16_reduce_hook)
+    return ddp
+
+
+# `bucket` and the return value are left unannotated: DDP compares the annotations with the
+# real classes, and postponed (string) annotations would fail that check.
+def bf16_reduce_hook(group: dist.ProcessGroup, bucket):
+    """DDP comm hook: average a gradient bucket in bf16, then copy it back in its own dtype
+    (returns the future of that bucket).
+
+    PyTorch's own bf16 hook is NCCL-only; this one runs on any backend with bf16 all-reduce
+    (gloo included).
+    """
+    buffer = bucket.buffer()
+    compressed = buffer.to(torch.bfloat16).div_(group.size())
+    work = dist.all_reduce(compressed, group=group, async_op=True)
+
+    def decompress(future: torch.futures.Future) -> torch.Tensor:
+        buffer.copy_(future.value()[0])
+        return buffer
+
+    return work.get_future().then(decompress)
 
 
 def build_zero1_optimizer(

@@ -1,20 +1,23 @@
 """Build the parallelized, initialized model and its optimizer for one rank.
 
-The order follows the design: plain model on meta -> tensor/sequence -> recompute -> FSDP ->
-materialize and initialize (same weights for any layout) -> DDP; then the optimizer (ZeRO-1
-sharded when asked) and the LR schedule.
+The order follows the design: plain model on meta -> tensor/sequence -> recompute -> compile
+-> FSDP -> materialize and initialize (same weights for any layout) -> DDP; then the optimizer
+(ZeRO-1 sharded when asked), the LR schedule and the (compiled) loss.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import models
 from launcher.layout import Degrees
 from launcher.schema import RecipeConfig
+from parallel.compile import apply_compile, compile_loss
 from parallel.data import apply_ddp, apply_fsdp, build_zero1_optimizer, uses_fsdp
 from parallel.materialize import materialize
 from parallel.mesh import JobMesh
@@ -23,6 +26,11 @@ from parallel.recompute import apply_recompute
 from parallel.tensor import apply_tensor_parallel
 from trainer.optim import build_optimizer, optimizer_spec, param_groups, scaled_lr
 from trainer.schedule import build_lr_scheduler
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy of logits [b, s, vocab] against targets [b, s], in FP32."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
 @dataclass
@@ -34,6 +42,7 @@ class TrainState:
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     scaler: LossScaler
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = lm_loss
 
 
 def parallelize(plain: nn.Module, cfg: RecipeConfig, mesh: JobMesh, degrees: Degrees) -> None:
@@ -43,6 +52,7 @@ def parallelize(plain: nn.Module, cfg: RecipeConfig, mesh: JobMesh, degrees: Deg
     apply_precision(plain, cfg.precision)  # swaps modules, so before anything wraps them
     apply_tensor_parallel(plain, mesh, cfg.parallel)
     apply_recompute(plain, cfg.recompute)
+    apply_compile(plain, cfg.compile)
     if uses_fsdp(cfg.parallel, degrees):
         apply_fsdp(plain, mesh, degrees, cfg.parallel, cfg.precision)
 
@@ -55,7 +65,7 @@ def build_model(
     parallelize(plain, cfg, mesh, degrees)
     materialize(plain, cfg.model, cfg.seed, device)
     if degrees.dp > 1 and not uses_fsdp(cfg.parallel, degrees):
-        return apply_ddp(plain, mesh), plain
+        return apply_ddp(plain, mesh, cfg.parallel, cfg.precision), plain
     return plain, plain
 
 
@@ -83,4 +93,6 @@ def build_train_state(
         optimizer=optimizer,
         scheduler=scheduler,
         scaler=LossScaler(cfg.precision),
+        # The vocab-parallel loss works on DTensor logits under loss_parallel: left eager.
+        loss_fn=compile_loss(lm_loss, cfg.compile) if degrees.tp == 1 else lm_loss,
     )

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from launcher.layout import Degrees, grad_accum_steps, resolve_degrees
 from launcher.precision import peak_dtype
@@ -33,8 +32,10 @@ from trainer.faults import (
     nan_steps,
     slowest_rank,
 )
+from trainer.kernels import kernels_line
 from trainer.loggers import MetricsLogger
 from trainer.metrics import ThroughputMeter, peak_memory_gib, resolve_peak_flops
+from trainer.prefetch import PrefetchingLoader
 
 
 def _autocast(cfg: RecipeConfig, degrees: Degrees, device: torch.device):
@@ -60,12 +61,14 @@ def train_step(
     accum = len(micro_batches)
     loss_sum = torch.zeros((), device=device)
     for i, (inputs, targets) in enumerate(micro_batches):
-        inputs, targets = inputs.to(device), targets.to(device)
+        # Asynchronous from pinned memory (the prefetching loader pins on CUDA).
+        inputs = inputs.to(device, non_blocking=True)
+        targets = targets.to(device, non_blocking=True)
         with gradient_sync(state.model, enabled=i == accum - 1):
             with _autocast(cfg, degrees, device):
                 logits = state.model(inputs)
             with vocab_parallel_loss(enabled=degrees.tp > 1):
-                loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+                loss = state.loss_fn(logits, targets)
                 if poison:
                     loss = loss * float("nan")
                 state.scaler.scale_loss(loss / accum).backward()
@@ -113,6 +116,10 @@ def run(cfg: RecipeConfig, rank: RankInfo) -> None:
     loader = DataLoader(
         dataset, sampler, dp_rank=dp_rank, dp_size=degrees.dp, micro_batch=cfg.train.micro_batch
     )
+    if cfg.data.prefetch:
+        loader = PrefetchingLoader(
+            loader, depth=cfg.data.prefetch, pin_memory=rank.device.type == "cuda"
+        )
 
     checkpointer = Checkpointer(run_dir, cfg.checkpoint, rank=rank.rank, world_size=rank.world_size)
     start = checkpointer.restore(state, loader)
@@ -153,6 +160,7 @@ def run(cfg: RecipeConfig, rank: RankInfo) -> None:
                 f"{peak.dtype} peak {peak.tflops} TFLOP/s ({peak.source})",
                 flush=True,
             )
+            print(kernels_line(cfg, state, rank.device), flush=True)
         window_start = time.perf_counter()
         window_data_wait = 0.0
         window_steps = 0

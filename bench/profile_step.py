@@ -1,0 +1,49 @@
+"""Where a trainer step's time goes: torch.profiler over a few steps, top ops by CPU time.
+
+python bench/profile_step.py [--compile] [--steps 10] [key=value ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from bench.step_overhead import load_recipe
+from launcher.layout import resolve_degrees
+from parallel.mesh import build_mesh
+from trainer.build import build_train_state
+from trainer.data import DataLoader, GlobalBatchSampler, prepare_dataset
+from trainer.dist import init_distributed
+from trainer.train import train_step
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--recipe", default="tiny")
+    parser.add_argument("--compile", action="store_true")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rows", type=int, default=25)
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    compile_override = f"compile.enabled={str(args.compile).lower()}"
+    cfg = load_recipe(args.recipe, [compile_override, *args.overrides])
+    rank = init_distributed(cfg.cluster)
+    degrees = resolve_degrees(cfg)
+    state = build_train_state(cfg, build_mesh(degrees, rank.device.type), degrees, rank.device)
+    dataset = prepare_dataset(cfg.data, vocab_size=cfg.model.vocab_size, seq_len=cfg.train.seq_len)
+    sampler = GlobalBatchSampler(len(dataset), cfg.train.global_batch, cfg.seed)
+    loader = DataLoader(dataset, sampler, dp_rank=0, dp_size=1, micro_batch=cfg.train.micro_batch)
+    for _ in range(3):  # compile and warm up outside the profile
+        train_step(state, loader.next_step(), cfg, degrees, rank.device)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(args.steps):
+            train_step(state, loader.next_step(), cfg, degrees, rank.device)
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows))
+
+
+if __name__ == "__main__":
+    main()

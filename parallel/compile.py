@@ -1,0 +1,85 @@
+"""torch.compile per transformer block and for the loss (regional compilation).
+
+Each block's `forward` is replaced on the instance by its compiled version, so parameter
+names stay those of the plain model (checkpoints do not depend on compile), recompute (which
+wraps `forward` the same way, earlier) ends up inside the compiled region, and FSDP's hooks,
+which run around `forward` in `Module.__call__`, stay outside it. The blocks share one code
+object, so dynamo compiles their forward once per distinct guard set, not once per layer.
+
+Compilation is lazy: dynamo traces and the backend compiles at the first call. That first
+call is guarded; a compile failure names the block (or the loss) and either stops the run
+or, with `compile.fallback=true`, runs that region eagerly from then on and says so.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch._dynamo.exc import TorchDynamoException
+
+from launcher.schema import CompileConfig
+
+
+class CompileError(RuntimeError):
+    """A region that failed to compile, in a recipe that does not allow the eager fallback."""
+
+
+class GuardedCompile:
+    """A compiled function whose first call checks that compilation succeeded.
+
+    After the first call it dispatches straight to the compiled function, or to the eager
+    one when compilation failed and the fallback is allowed.
+    """
+
+    def __init__(self, name: str, eager: Callable, cfg: CompileConfig) -> None:
+        """Compile `eager` (lazily) with the recipe's backend; `name` is used in messages."""
+        self.name = name
+        self.eager = eager
+        self.compiled = torch.compile(eager, backend=cfg.backend, fullgraph=True)
+        self.fallback = cfg.fallback
+        self.fell_back = False
+        self._call: Callable | None = None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self._call is not None:
+            return self._call(*args, **kwargs)
+        try:
+            out = self.compiled(*args, **kwargs)
+        except TorchDynamoException as error:
+            summary = f"{type(error).__name__}: {str(error).strip().splitlines()[0]}"
+            if not self.fallback:
+                raise CompileError(
+                    f"torch.compile failed for {self.name} ({summary}); set "
+                    "compile.fallback=true to run it eagerly, or compile.enabled=false"
+                ) from error
+            print(
+                f"[compile] {self.name} failed to compile ({summary}); running it eagerly "
+                "because compile.fallback=true",
+                file=sys.stderr,
+                flush=True,
+            )
+            self.fell_back = True
+            self._call = self.eager
+            # Blocks have no side effects, so the failed attempt leaves nothing to undo.
+            return self.eager(*args, **kwargs)
+        self._call = self.compiled
+        return out
+
+
+def apply_compile(model: nn.Module, cfg: CompileConfig) -> None:
+    """Compile each transformer block's forward in place, if the recipe asks for it."""
+    if not (cfg.enabled and cfg.blocks):
+        return
+    for key, block in model.layers.items():
+        block.forward = GuardedCompile(f"block layers.{key}", block.forward, cfg)
+
+
+def compile_loss(loss_fn: Callable, cfg: CompileConfig) -> Callable:
+    """`loss_fn` compiled if the recipe asks for it, else `loss_fn` itself."""
+    if not (cfg.enabled and cfg.loss):
+        return loss_fn
+    return GuardedCompile("the loss", loss_fn, cfg)

@@ -1,0 +1,83 @@
+"""Compile per block and the loss: names stay, numerics stay, failures are named."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._dynamo import register_backend
+
+import models
+from launcher.schema import CompileConfig, RecomputeConfig
+from models.config import ModelConfig
+from parallel.compile import CompileError, GuardedCompile, apply_compile, compile_loss
+from parallel.materialize import materialize
+from parallel.recompute import apply_recompute
+from trainer.build import lm_loss
+
+MODEL = ModelConfig(
+    vocab_size=128, dim=32, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=32
+)
+
+
+@register_backend(name="fails_for_tests")
+def _failing_backend(graph_module, example_inputs):
+    raise RuntimeError("this backend refuses every graph")
+
+
+def built(compile_cfg: CompileConfig | None = None, recompute: str = "none") -> torch.nn.Module:
+    model = models.build(MODEL)
+    apply_recompute(model, RecomputeConfig(policy=recompute))
+    if compile_cfg is not None:
+        apply_compile(model, compile_cfg)
+    materialize(model, MODEL, seed=3, device=torch.device("cpu"))
+    return model
+
+
+def loss_and_grads(model: torch.nn.Module, loss_fn=lm_loss) -> tuple[float, dict]:
+    tokens = torch.randint(0, MODEL.vocab_size, (2, 17), generator=torch.Generator().manual_seed(0))
+    loss = loss_fn(model(tokens[:, :-1]), tokens[:, 1:])
+    loss.backward()
+    return loss.item(), {name: p.grad for name, p in model.named_parameters()}
+
+
+def test_compiled_blocks_keep_the_plain_parameter_names():
+    plain = built()
+    compiled = built(CompileConfig(enabled=True, backend="aot_eager"))
+    assert list(compiled.state_dict()) == list(plain.state_dict())
+    assert all(isinstance(b.forward, GuardedCompile) for b in compiled.layers.values())
+
+
+@pytest.mark.parametrize("recompute", ["none", "selective"])
+def test_compiled_blocks_and_loss_match_eager_in_fp32(recompute):
+    cfg = CompileConfig(enabled=True, backend="aot_eager")
+    eager_loss, eager_grads = loss_and_grads(built(recompute=recompute))
+    loss, grads = loss_and_grads(built(cfg, recompute=recompute), compile_loss(lm_loss, cfg))
+    assert loss == pytest.approx(eager_loss, rel=1e-6)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, eager_grads[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_compile_off_or_nothing_selected_leaves_forward_and_loss_alone():
+    model = built(CompileConfig(enabled=False))
+    assert all(not isinstance(b.forward, GuardedCompile) for b in model.layers.values())
+    assert compile_loss(lm_loss, CompileConfig(enabled=False)) is lm_loss
+    assert compile_loss(lm_loss, CompileConfig(enabled=True, loss=False)) is lm_loss
+
+
+def test_a_block_that_fails_to_compile_is_named_and_stops_the_run():
+    model = built(CompileConfig(enabled=True, backend="fails_for_tests"))
+    with pytest.raises(CompileError, match=r"block layers\.0 .*compile\.fallback=true"):
+        loss_and_grads(model)
+
+
+def test_with_fallback_a_failed_block_runs_eagerly_and_says_so(capfd):
+    eager_loss, _ = loss_and_grads(built())
+    cfg = CompileConfig(enabled=True, backend="fails_for_tests", fallback=True)
+    model = built(cfg)
+    loss, _ = loss_and_grads(model, compile_loss(lm_loss, cfg))
+    assert loss == eager_loss
+    log = capfd.readouterr().err
+    for name in ("block layers.0", "block layers.1", "block layers.2", "the loss"):
+        assert f"[compile] {name} failed to compile" in log
+    assert "running it eagerly because compile.fallback=true" in log
+    assert all(b.forward.fell_back for b in model.layers.values())

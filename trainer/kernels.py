@@ -1,0 +1,85 @@
+"""Which kernels the step runs: the attention backend SDPA picks and the optimizer path.
+
+Reported once at start, so a run on a GPU says whether attention took the flash or the
+memory-efficient kernel (or fell back to the slow math path) before anyone reads its MFU.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from models.config import ModelConfig
+
+if TYPE_CHECKING:
+    from launcher.schema import RecipeConfig
+    from trainer.build import TrainState
+
+# The aten op SDPA dispatches to, by backend.
+SDPA_BACKENDS = {
+    "_scaled_dot_product_flash_attention": "flash",
+    "_scaled_dot_product_flash_attention_for_cpu": "flash (CPU)",
+    "_scaled_dot_product_efficient_attention": "memory-efficient",
+    "_scaled_dot_product_cudnn_attention": "cuDNN",
+    "_scaled_dot_product_fused_attention_overrideable": "fused (device-specific)",
+}
+
+
+class _RecordOps(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func._schema.name.split("::")[-1])
+        return func(*args, **(kwargs or {}))
+
+
+def sdpa_backend(model: ModelConfig, seq_len: int, device: torch.device, dtype: torch.dtype) -> str:
+    """The SDPA backend that runs the model's causal GQA attention at these shapes.
+
+    One attention call on a single sequence of random tensors, with gradients on as in
+    training; the aten op it dispatches to names the backend ("math" when none of the fused
+    ones accepted the inputs).
+    """
+
+    def tensor(heads: int) -> torch.Tensor:
+        return torch.randn(
+            1, heads, seq_len, model.head_dim, device=device, dtype=dtype, requires_grad=True
+        )
+
+    q, k, v = tensor(model.n_heads), tensor(model.kv_heads), tensor(model.kv_heads)
+    with _RecordOps() as record:
+        F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    for op in record.ops:
+        if op in SDPA_BACKENDS:
+            return SDPA_BACKENDS[op]
+    return "math"
+
+
+def optimizer_path(optimizer: torch.optim.Optimizer) -> str:
+    """fused, foreach or for-loop: how the optimizer's step is implemented."""
+    defaults = getattr(optimizer, "defaults", {})
+    if defaults.get("fused"):
+        return "fused"
+    if defaults.get("foreach"):
+        return "foreach"
+    return "for-loop"
+
+
+def kernels_line(cfg: RecipeConfig, state: TrainState, device: torch.device) -> str:
+    """One start-up line: attention backend, optimizer path, compile, data prefetch."""
+    dtype = torch.bfloat16 if cfg.precision.dtype == "bf16" else torch.float32
+    attention = sdpa_backend(cfg.model, cfg.train.seq_len, device, dtype)
+    k = cfg.compile
+    compiled = [name for name, on in (("blocks", k.blocks), ("loss", k.loss)) if on]
+    compile_text = f"{'+'.join(compiled)} ({k.backend})" if k.enabled else "off"
+    prefetch = f"{cfg.data.prefetch} steps ahead" if cfg.data.prefetch else "off"
+    return (
+        f"[trainer] kernels: attention {attention}, optimizer {optimizer_path(state.optimizer)}, "
+        f"compile {compile_text}, data prefetch {prefetch}, "
+        f"gradient reduction {cfg.precision.reduce_dtype}"
+    )

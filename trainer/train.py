@@ -56,8 +56,19 @@ def train_step(
                 state.scaler.scale_loss(loss / accum).backward()
         # Every TP rank holds the same (replicated) loss.
         loss_sum += local_value(loss.detach())
+    return loss_sum / accum, apply_gradients(state, cfg)
+
+
+def apply_gradients(
+    state: TrainState, cfg: RecipeConfig, extra_group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
+    """Unscale, clip and apply the accumulated gradients, then advance the LR schedule.
+
+    Returns the global gradient norm before clipping (`extra_group` sums it over pipeline
+    stages); under fp16 a step whose gradients overflowed leaves the weights as they were.
+    """
     state.scaler.unscale_(state.plain.parameters())
-    norm = clip_grad_norm_(state.plain.parameters(), cfg.optim.grad_clip)
+    norm = clip_grad_norm_(state.plain.parameters(), cfg.optim.grad_clip, extra_group)
     if state.scaler.update(norm):
         state.optimizer.step()
         after_optimizer_step(state.plain, cfg.precision)
@@ -66,7 +77,7 @@ def train_step(
         warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step", UserWarning)
         state.scheduler.step()
     state.optimizer.zero_grad(set_to_none=True)
-    return loss_sum / accum, norm
+    return norm
 
 
 def _hfu_flops_per_token(cfg: RecipeConfig) -> int:
@@ -90,6 +101,11 @@ def run(cfg: RecipeConfig, rank: RankInfo) -> None:
     run_dir = Path(cfg.run.dir)
 
     state = build_train_state(cfg, mesh, degrees, rank.device)
+    pipeline = None
+    if degrees.pp > 1:
+        from trainer.pipeline_step import PipelineStep
+
+        pipeline = PipelineStep(state, cfg, degrees, mesh, rank.device)
     dataset = prepare_dataset(cfg.data, vocab_size=cfg.model.vocab_size, seq_len=cfg.train.seq_len)
     sampler = GlobalBatchSampler(len(dataset), cfg.train.global_batch, cfg.seed)
     loader = DataLoader(
@@ -120,7 +136,7 @@ def run(cfg: RecipeConfig, rank: RankInfo) -> None:
             params = count_params(cfg.model).total
             print(
                 f"[trainer] {cfg.name}: {params / 1e6:.2f}M parameters, world {rank.world_size} "
-                f"(dp {degrees.dp}, zero {cfg.parallel.zero}, tp {degrees.tp}"
+                f"(dp {degrees.dp}, zero {cfg.parallel.zero}, tp {degrees.tp}, pp {degrees.pp}"
                 f"{' with sp' if cfg.parallel.sp else ''}), "
                 f"grad accum {grad_accum_steps(cfg)}, {len(dataset)} sequences; "
                 f"{peak.dtype} peak {peak.tflops} TFLOP/s ({peak.source})",
@@ -134,7 +150,10 @@ def run(cfg: RecipeConfig, rank: RankInfo) -> None:
             micro_batches = loader.next_step()
             window_data_wait += time.perf_counter() - wait_start
             lr = state.scheduler.get_last_lr()[0]
-            loss, norm = train_step(state, micro_batches, cfg, degrees, rank.device)
+            if pipeline is not None:
+                loss, norm = pipeline.step(micro_batches)
+            else:
+                loss, norm = train_step(state, micro_batches, cfg, degrees, rank.device)
             window_steps += 1
             last = step == cfg.train.steps - 1
             if (step + 1) % cfg.logging.log_every and not last:

@@ -341,6 +341,13 @@ def _check_parallel(
                 else f"raise train.global_batch to {p.pp * per_pass} ({p.pp} micro-batches per "
                 "dp rank), or set parallel.pp_microbatches",
             )
+        elif p.vpp > 1 and micro % p.pp:
+            c.add(
+                "parallel.pp_microbatches",
+                p.pp_microbatches,
+                f"interleaving needs a multiple of pp={p.pp}; {micro} micro-batches{source} is not",
+                f"use {or_list(nearby_multiples(micro, p.pp))}",
+            )
         elif p.pp_microbatches and (cfg.train.micro_batch * accum) % micro:
             c.add(
                 "parallel.pp_microbatches",
@@ -348,13 +355,6 @@ def _check_parallel(
                 f"each dp rank's {cfg.train.micro_batch * accum} sequences per step "
                 f"(micro_batch*accumulation) do not split into {micro} equal micro-batches",
                 f"use a divisor of {cfg.train.micro_batch * accum} that is >= {p.pp}, or 0",
-            )
-        elif p.vpp > 1 and micro % p.pp:
-            c.add(
-                "parallel.pp_microbatches",
-                p.pp_microbatches,
-                f"interleaving needs a multiple of pp={p.pp}; {micro} micro-batches{source} is not",
-                f"use {or_list(nearby_multiples(micro, p.pp))}",
             )
 
 

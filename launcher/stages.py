@@ -32,3 +32,11 @@ def stage_layers(
 def rank_stages(pp_rank: int, pp: int, vpp: int = 1) -> list[int]:
     """Stage indices that pipeline rank `pp_rank` runs, in model order (looped placement)."""
     return [chunk * pp + pp_rank for chunk in range(vpp)]
+
+
+def rank_layer_count(
+    n_layers: int, pp: int, vpp: int = 1, pp_layers: list[int] | None = None, pp_rank: int = 0
+) -> int:
+    """Layers pipeline rank `pp_rank` holds over all its chunks."""
+    stages = stage_layers(n_layers, pp, vpp, pp_layers)
+    return sum(len(stages[k]) for k in rank_stages(pp_rank, pp, vpp))

@@ -2,7 +2,8 @@
 
 import pytest
 
-from launcher.layout import grad_accum_steps
+from launcher.layout import grad_accum_steps, resolve_degrees
+from launcher.memory import memory_breakdown
 from launcher.stages import rank_stages, stage_layers
 from launcher.validate import check_runnable, validate
 from tests.unit.test_validate import configure, problems
@@ -73,3 +74,12 @@ def test_stage_layers_are_contiguous_and_ranks_hold_looped_chunks():
     assert stage_layers(8, 2, 1, [3, 5]) == [[0, 1, 2], [3, 4, 5, 6, 7]]
     assert rank_stages(0, 2, 2) == [0, 2]
     assert rank_stages(1, 2, 2) == [1, 3]
+
+
+def test_memory_model_counts_the_first_ranks_layers_of_an_uneven_split():
+    even = configure({"parallel.pp": 2})
+    light_first = configure({"parallel.pp": 2, "parallel.pp_layers": [2, 6]})
+    degrees = resolve_degrees(even)
+    assert (
+        memory_breakdown(light_first, degrees, 8).total < memory_breakdown(even, degrees, 8).total
+    )

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 from launcher.layout import Degrees
 from launcher.schema import RecipeConfig
+from launcher.stages import rank_layer_count
 from models.config import ModelConfig
 from models.flops import count_params
 
@@ -170,7 +171,8 @@ def stage_params(cfg: RecipeConfig) -> tuple[int, int, int]:
     The root holds the embedding, and on a single stage the final norm and head too.
     """
     counts = count_params(cfg.model)
-    blocks = cfg.model.n_layers // cfg.parallel.pp
+    p = cfg.parallel
+    blocks = rank_layer_count(cfg.model.n_layers, p.pp, p.vpp, p.pp_layers)
     root = counts.embedding + (counts.final_norm + counts.lm_head if cfg.parallel.pp == 1 else 0)
     return counts.per_layer * blocks, root, blocks
 
@@ -273,7 +275,8 @@ def _activations(
     s, b = cfg.train.seq_len, cfg.train.micro_batch
     # Autocast leaves the residual stream in FP32; FSDP's BF16 parameters keep it BF16.
     residual = 4 if cfg.precision.dtype == "fp32" or not fsdp else compute
-    blocks = m.n_layers // degrees.pp
+    p = cfg.parallel
+    blocks = rank_layer_count(m.n_layers, p.pp, p.vpp, p.pp_layers)
     policy, every = cfg.recompute.policy, cfg.recompute.every
     whole = llama_block_activations(m, s, b, compute, residual, t, sp, "none")
     if policy == "selective":

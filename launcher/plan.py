@@ -11,7 +11,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from launcher import hardware
+from launcher import hardware, pipeline_chart
 from launcher.layout import Degrees, grad_accum_steps, rank_groups, resolve_degrees
 from launcher.memory import MemoryBreakdown, memory_breakdown
 from launcher.precision import peak_dtype
@@ -79,6 +79,8 @@ class Plan:
     warnings: list[str] = field(default_factory=list)
     tp_comm: TPComm | None = None
     """One layer's tensor-parallel collectives per step and rank (None without TP)."""
+    pipeline: dict | None = None
+    """The simulated schedule: chart, bubble, in-flight per stage (None without PP)."""
 
     @property
     def memory_gib(self) -> float:
@@ -139,6 +141,10 @@ def make_plan(cfg: RecipeConfig) -> Plan:
     plan.memory = memory_breakdown(cfg, degrees, micro)
     plan.assumptions = _assumptions(cfg)
     plan.tp_comm = tp_communication(cfg, degrees)
+    if degrees.pp > 1:
+        plan.pipeline = pipeline_chart.summary(
+            cfg.parallel.pp_schedule, degrees.pp, micro, cfg.parallel.vpp
+        )
     if memory and max(plan.memory_gib, plan.memory.total_gib) > memory:
         peak = max(plan.memory_gib, plan.memory.total_gib)
         plan.warnings.append(

@@ -68,6 +68,8 @@ def render_plan(plan: Plan) -> str:
             ("pipeline bubble", f"{plan.bubble_fraction:.1%}"),
         ],
     )
+    if plan.pipeline is not None:
+        _pipeline_section(console, plan.pipeline)
     if plan.tp_comm is not None:
         tp = plan.tp_comm
         kinds = " + ".join(f"{n} {kind.replace('_', '-')}" for kind, n in tp.collectives.items())
@@ -113,6 +115,28 @@ def render_plan(plan: Plan) -> str:
 
 
 BAR_WIDTH = 24
+
+
+def _pipeline_section(console, pipeline: dict) -> None:
+    """The simulated schedule: its figures, then the chart unwrapped (it may be wider)."""
+    m, shown = pipeline["microbatches"], pipeline["charted_microbatches"]
+    per_stage = "  ".join(
+        f"{idle:.1%}/{held:g}"
+        for idle, held in zip(
+            pipeline["idle_fraction_per_stage"], pipeline["peak_in_flight_per_stage"], strict=True
+        )
+    )
+    console.print(f"Pipeline schedule: {pipeline['schedule']}, {m} micro-batches")
+    console.print(f"  bubble (simulated): {pipeline['bubble_fraction']:.1%}")
+    console.print(f"  per stage, idle / peak micro-batches in flight: {per_stage}")
+    console.print(f"  costs: {pipeline['costs']}")
+    more = (
+        f" for {shown} of the {m} micro-batches (bubble {pipeline['charted_bubble_fraction']:.1%})"
+        if shown < m
+        else ""
+    )
+    console.print(f"  chart{more}; F/B/W + micro-batch (+ chunk), . idle:")
+    console.print(pipeline["chart"], soft_wrap=True, highlight=False)
 
 
 def _breakdown_table(plan: Plan):

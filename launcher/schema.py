@@ -26,9 +26,15 @@ class ParallelConfig:
     vpp: int = 1
     """Virtual pipeline stages per rank (model chunks) for interleaved schedules."""
     pp_schedule: str = "1f1b"
-    """Pipeline schedule: gpipe, 1f1b, interleaved_1f1b or zero_bubble."""
+    """Pipeline schedule: gpipe (all forwards, then all backwards), 1f1b (PipeDream-Flush),
+    interleaved_1f1b (over vpp chunks per rank) or zero_bubble (backward split into input and
+    weight gradients, the latter filling the bubbles; any vpp)."""
     pp_microbatches: int = 0
-    """Micro-batches per pipeline step; 0 means the gradient-accumulation count."""
+    """Micro-batches per pipeline step; 0 means the gradient-accumulation count. Otherwise it
+    splits each dp rank's micro_batch x accumulation sequences into this many equal parts."""
+    pp_layers: list[int] = field(default_factory=list)
+    """Layers of each of the pp * vpp stages in model order, for uneven splits (the first and
+    last stages also hold the embedding and the head); empty splits the layers evenly."""
     dp_replicate: int = 1
     """Data-parallel replicas (the outer, replicated dim of hybrid sharding)."""
     dp_shard: int = -1

@@ -155,7 +155,6 @@ def check_runnable(cfg: RecipeConfig) -> list[Problem]:
             "tensor parallelism with DDP or ZeRO-1 data parallelism",
             "parallel.zero=2 or 3 (FSDP2 composes with TP)",
         ),
-        ("parallel.pp", p.pp, p.pp > 1, "pipeline parallelism", "parallel.pp=1"),
         ("parallel.ep", p.ep, p.ep > 1, "expert parallelism", "parallel.ep=1"),
     ]
     return [
@@ -276,12 +275,19 @@ def _check_parallel(
             "sequence parallelism works inside tensor parallelism",
             "set tp > 1 or sp=false",
         )
-    if p.vpp > 1 and (p.pp == 1 or p.pp_schedule != "interleaved_1f1b"):
+    if p.vpp > 1 and (p.pp == 1 or p.pp_schedule not in ("interleaved_1f1b", "zero_bubble")):
         c.add(
             "parallel.vpp",
             p.vpp,
             f"virtual stages need pp > 1 and an interleaved schedule (pp={p.pp}, {p.pp_schedule})",
-            "set parallel.pp_schedule=interleaved_1f1b with pp > 1, or vpp=1",
+            "set parallel.pp_schedule=interleaved_1f1b or zero_bubble with pp > 1, or vpp=1",
+        )
+    if p.pp > 1 and cfg.model.tie_embeddings:
+        c.add(
+            "model.tie_embeddings",
+            True,
+            "a tied LM head would sit on the last pipeline stage and its embedding on the first",
+            "set model.tie_embeddings=false, or parallel.pp=1",
         )
     if not degrees_ok:
         return
@@ -344,6 +350,14 @@ def _check_parallel(
                 f"interleaving needs a multiple of pp={p.pp}; {micro} micro-batches{source} is not",
                 f"use {or_list(nearby_multiples(micro, p.pp))}",
             )
+        elif p.pp_microbatches and (cfg.train.micro_batch * accum) % micro:
+            c.add(
+                "parallel.pp_microbatches",
+                p.pp_microbatches,
+                f"each dp rank's {cfg.train.micro_batch * accum} sequences per step "
+                f"(micro_batch*accumulation) do not split into {micro} equal micro-batches",
+                f"use a divisor of {cfg.train.micro_batch * accum} that is >= {p.pp}, or 0",
+            )
 
 
 def _check_model_split(c: _Checks, cfg: RecipeConfig, max_tp: int | None) -> None:
@@ -363,7 +377,9 @@ def _check_model_split(c: _Checks, cfg: RecipeConfig, max_tp: int | None) -> Non
             f"use {or_list(options)}",
         )
     stages = p.pp * p.vpp
-    if m.n_layers % stages:
+    if p.pp_layers:
+        _check_pp_layers(c, cfg)
+    elif m.n_layers % stages:
         pps = divisors(m.n_layers // p.vpp) if m.n_layers % p.vpp == 0 else []
         pps = [d for d in pps if p.vpp == 1 or d > 1][:8]
         c.add(
@@ -371,10 +387,34 @@ def _check_model_split(c: _Checks, cfg: RecipeConfig, max_tp: int | None) -> Non
             p.pp,
             f"{m.n_layers} layers are not divisible by pp*vpp = {p.pp}*{p.vpp} = {stages} "
             "(every stage holds the same whole layers)",
-            f"use pp in {or_list(pps)}" + (" or set vpp=1" if p.vpp > 1 else "")
-            if pps
-            else "set vpp=1",
+            (
+                f"use pp in {or_list(pps)}" + (" or set vpp=1" if p.vpp > 1 else "")
+                if pps
+                else "set vpp=1"
+            )
+            + ", or list each stage's layers in parallel.pp_layers",
         )
+
+
+def _check_pp_layers(c: _Checks, cfg: RecipeConfig) -> None:
+    """An explicit split: one positive count per stage, summing to the model's layers."""
+    p, n_layers = cfg.parallel, cfg.model.n_layers
+    stages = p.pp * p.vpp
+    if len(p.pp_layers) != stages or min(p.pp_layers) < 1 or sum(p.pp_layers) != n_layers:
+        c.add(
+            "parallel.pp_layers",
+            p.pp_layers,
+            f"needs pp*vpp = {stages} positive layer counts summing to model.n_layers={n_layers}",
+            f"e.g. {_even_split(n_layers, stages)}, or [] for an even split",
+        )
+
+
+def _even_split(n_layers: int, stages: int) -> list[int]:
+    """The most even split of n_layers over stages, the remainder on the middle stages."""
+    counts = [n_layers // stages] * stages
+    for i in range(n_layers % stages):
+        counts[(stages - n_layers % stages) // 2 + i] += 1
+    return counts
 
 
 def _check_precision(c: _Checks, cfg: RecipeConfig) -> None:

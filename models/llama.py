@@ -113,6 +113,10 @@ class TransformerBlock(nn.Module):
 class Transformer(nn.Module):
     """The decoder: token embedding, `cfg.n_layers` blocks, final norm and LM head."""
 
+    sequence_shards: int = 1
+    """Parts the input's sequence arrives split into: a pipeline stage after the first under
+    sequence parallelism receives 1/tp of each sequence's hidden states."""
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
@@ -158,7 +162,7 @@ class Transformer(nn.Module):
         one without `output` returns hidden states.
         """
         # The input's length, not the embedding's: sequence parallelism may shard the latter.
-        seq_len = tokens.shape[1]
+        seq_len = tokens.shape[1] * self.sequence_shards
         if seq_len > self.rope_cos.shape[0]:
             raise ValueError(
                 f"sequence of {seq_len} tokens exceeds max_seq_len {self.cfg.max_seq_len}"

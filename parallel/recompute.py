@@ -60,7 +60,8 @@ def apply_recompute(model: nn.Module, cfg: RecomputeConfig) -> None:
         if cfg.policy == "selective"
         else None
     )
-    keys = sorted(model.layers.keys(), key=int)
-    for index in recomputed_blocks(cfg, len(keys)):
-        block = model.layers[keys[index]]
-        block.forward = _checkpointed(block.forward, context_fn)
+    # Global layer indices: a pipeline stage recomputes the blocks the full model would.
+    for index in recomputed_blocks(cfg, model.cfg.n_layers):
+        if str(index) in model.layers:
+            block = model.layers[str(index)]
+            block.forward = _checkpointed(block.forward, context_fn)

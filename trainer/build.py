@@ -1,8 +1,9 @@
 """Build the parallelized, initialized model and its optimizer for one rank.
 
-The order follows the design: plain model on meta -> tensor/sequence -> recompute -> compile
--> FSDP -> materialize and initialize (same weights for any layout) -> DDP; then the optimizer
-(ZeRO-1 sharded when asked), the LR schedule and the (compiled) loss.
+The order follows the design: plain model on meta -> pipeline split (this rank's stages) ->
+tensor/sequence -> recompute -> compile -> FSDP -> materialize and initialize (same weights
+for any layout) -> DDP; then the optimizer (ZeRO-1 sharded when asked), the LR schedule and
+the (compiled) loss.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from parallel.compile import apply_compile, compile_loss
 from parallel.data import apply_ddp, apply_fsdp, build_zero1_optimizer, uses_fsdp
 from parallel.materialize import materialize
 from parallel.mesh import JobMesh
+from parallel.pipeline import StageView, split_stage, stage_indices
 from parallel.precision import LossScaler, apply_precision
 from parallel.recompute import apply_recompute
 from parallel.tensor import apply_tensor_parallel
@@ -60,8 +62,27 @@ def parallelize(plain: nn.Module, cfg: RecipeConfig, mesh: JobMesh, degrees: Deg
 def build_model(
     cfg: RecipeConfig, mesh: JobMesh, degrees: Degrees, device: torch.device
 ) -> tuple[nn.Module, nn.Module]:
-    """The model wrapped for the layout, and the plain module it wraps."""
+    """The model wrapped for the layout, and the plain module it wraps.
+
+    With pp > 1: a ModuleList of this rank's wrapped stage chunks, and a `StageView` of
+    them that carries the full model's parameter names.
+    """
+    if degrees.pp > 1:
+        pp_rank = mesh.world["pp"].get_local_rank()
+        built = [
+            _build_one(cfg, mesh, degrees, device, stage)
+            for stage in stage_indices(pp_rank, cfg.parallel)
+        ]
+        return nn.ModuleList(m for m, _ in built), StageView([p for _, p in built])
+    return _build_one(cfg, mesh, degrees, device)
+
+
+def _build_one(
+    cfg: RecipeConfig, mesh: JobMesh, degrees: Degrees, device: torch.device, stage: int = -1
+) -> tuple[nn.Module, nn.Module]:
     plain = models.build(cfg.model)
+    if stage >= 0:
+        split_stage(plain, stage, cfg.parallel)
     parallelize(plain, cfg, mesh, degrees)
     materialize(plain, cfg.model, cfg.seed, device)
     if degrees.dp > 1 and not uses_fsdp(cfg.parallel, degrees):

@@ -74,11 +74,28 @@ def train_step(
                 state.scaler.scale_loss(loss / accum).backward()
         # Every TP rank holds the same (replicated) loss.
         loss_sum += local_value(loss.detach())
+    loss = loss_sum / accum
+    return (loss, *apply_gradients(state, cfg, guard, loss))
+
+
+def apply_gradients(
+    state: TrainState,
+    cfg: RecipeConfig,
+    guard: StepGuard,
+    loss: torch.Tensor,
+    extra_group: dist.ProcessGroup | None = None,
+) -> tuple[torch.Tensor, bool, bool]:
+    """Unscale, clip and apply the accumulated gradients, then advance the LR schedule.
+
+    Returns the global gradient norm before clipping (`extra_group` sums it over pipeline
+    stages) and what all ranks agreed: (bad, stop). A bad step (non-finite loss or norm)
+    applies no update, and under fp16 neither does a step whose gradients overflowed.
+    """
     state.scaler.unscale_(state.plain.parameters())
-    norm = clip_grad_norm_(state.plain.parameters(), cfg.optim.grad_clip)
+    norm = clip_grad_norm_(state.plain.parameters(), cfg.optim.grad_clip, extra_group)
     # An fp16 overflow is the loss scaler's to handle (back off and retry), not a fault.
     scaled_ok = state.scaler.update(norm)
-    bad, stop = guard.agree(loss_sum, norm if scaled_ok else torch.zeros_like(norm))
+    bad, stop = guard.agree(loss, norm if scaled_ok else torch.zeros_like(norm))
     if scaled_ok and not bad:
         state.optimizer.step()
         after_optimizer_step(state.plain, cfg.precision)
@@ -87,7 +104,7 @@ def train_step(
         warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step", UserWarning)
         state.scheduler.step()
     state.optimizer.zero_grad(set_to_none=True)
-    return loss_sum / accum, norm, bad, stop
+    return norm, bad, stop
 
 
 def _hfu_flops_per_token(cfg: RecipeConfig) -> int:
@@ -111,6 +128,11 @@ def run(cfg: RecipeConfig, rank: RankInfo) -> None:
     run_dir = Path(cfg.run.dir)
 
     state = build_train_state(cfg, mesh, degrees, rank.device)
+    pipeline = None
+    if degrees.pp > 1:
+        from trainer.pipeline_step import PipelineStep
+
+        pipeline = PipelineStep(state, cfg, degrees, mesh, rank.device)
     dataset = prepare_dataset(cfg.data, vocab_size=cfg.model.vocab_size, seq_len=cfg.train.seq_len)
     sampler = GlobalBatchSampler(len(dataset), cfg.train.global_batch, cfg.seed)
     loader = DataLoader(
@@ -154,7 +176,7 @@ def run(cfg: RecipeConfig, rank: RankInfo) -> None:
             params = count_params(cfg.model).total
             print(
                 f"[trainer] {cfg.name}: {params / 1e6:.2f}M parameters, world {rank.world_size} "
-                f"(dp {degrees.dp}, zero {cfg.parallel.zero}, tp {degrees.tp}"
+                f"(dp {degrees.dp}, zero {cfg.parallel.zero}, tp {degrees.tp}, pp {degrees.pp}"
                 f"{' with sp' if cfg.parallel.sp else ''}), "
                 f"grad accum {grad_accum_steps(cfg)}, {len(dataset)} sequences; "
                 f"{peak.dtype} peak {peak.tflops} TFLOP/s ({peak.source})",
@@ -170,10 +192,13 @@ def run(cfg: RecipeConfig, rank: RankInfo) -> None:
             micro_batches = loader.next_step()
             window_data_wait += time.perf_counter() - wait_start
             lr = state.scheduler.get_last_lr()[0]
-            poison = rank.is_main and step + 1 in poisoned
-            loss, norm, bad, stop = train_step(
-                state, micro_batches, cfg, degrees, rank.device, guard, poison
-            )
+            if pipeline is not None:
+                loss, norm, bad, stop = pipeline.step(micro_batches, guard)
+            else:
+                poison = rank.is_main and step + 1 in poisoned
+                loss, norm, bad, stop = train_step(
+                    state, micro_batches, cfg, degrees, rank.device, guard, poison
+                )
             guard.record(step + 1, bad)
             inject_rank_faults(rank.rank, step + 1)
             window_steps += 1

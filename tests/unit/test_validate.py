@@ -231,7 +231,6 @@ def test_valid_hybrid_sharding_interleaved_pipeline_and_tp_layout_passes():
 @pytest.mark.parametrize(
     ("overrides", "field", "what"),
     [
-        ({"parallel.pp": 2}, "parallel.pp", "pipeline parallelism"),
         ({"parallel.ep": 2}, "parallel.ep", "expert parallelism"),
     ],
 )

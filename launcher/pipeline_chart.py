@@ -1,0 +1,235 @@
+"""The pipeline schedule as data: per-stage timelines, bubble and in-flight micro-batches.
+
+Pure Python (no torch), so `action=plan` can print it. A schedule is a program per pipeline
+rank (the order of its forward and backward ops); `simulate` runs the programs against their
+dependencies with given op costs and returns when each op runs:
+
+- F(stage k, mb) waits for F(k-1, mb); B(k, mb) waits for B(k+1, mb) and F(k, mb).
+- gpipe: all forwards, then all backwards. 1f1b (PipeDream-Flush): rank r runs p-1-r
+  forwards, then alternates one forward and one backward, then drains the backwards.
+- interleaved_1f1b (Megatron): rank r holds chunks r, r+p, ... of the p*v stages; forwards
+  go in groups of p micro-batches per chunk, chunk 0 first, backwards the chunks reversed;
+  the warm-up is 2(p-1-r) + (v-1)p forwards.
+- zero_bubble: the 1F1B (or interleaved) order with each backward split into B (input
+  gradients, on the critical path) and W (weight gradients); a W runs whenever the next op
+  is not ready yet, filling the bubbles, or before a forward that would hold more
+  micro-batches than 1F1B does, so memory stays that of 1F1B (ZB-H1 of Qi et al. 2023).
+
+Costs are per op of one chunk (a chunk holds 1/v of a rank's layers); an unsplit backward
+costs b + w. In-flight counts the micro-batches whose activations a rank holds (from the
+start of F to the end of the backward, W included), in units of a whole stage (chunks count
+1/v).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
+IDLE = "."
+
+
+@dataclass(frozen=True)
+class Op:
+    """One unit of work on a rank: kind F, B (whole backward, or input grads) or W."""
+
+    kind: str
+    microbatch: int
+    chunk: int = 0
+
+
+@dataclass(frozen=True)
+class Slot:
+    """An op placed in time on its rank."""
+
+    op: Op
+    start: float
+    end: float
+
+
+@dataclass
+class Timeline:
+    """When every op of a (schedule, p, m, v) runs, per pipeline rank."""
+
+    schedule: str
+    pp: int
+    microbatches: int
+    vpp: int
+    rows: list[list[Slot]] = field(default_factory=list)
+
+    @property
+    def makespan(self) -> float:
+        """Time from the first op to the last, over all ranks."""
+        return max(s.end for row in self.rows for s in row)
+
+    def busy(self, rank: int) -> float:
+        """Time rank `rank` spends running ops."""
+        return sum(s.end - s.start for s in self.rows[rank])
+
+    def idle_fraction(self, rank: int) -> float:
+        """Share of the makespan rank `rank` sits idle."""
+        return 1 - self.busy(rank) / self.makespan
+
+    @property
+    def bubble_fraction(self) -> float:
+        """Idle share of all ranks' time over the step."""
+        return 1 - sum(self.busy(r) for r in range(self.pp)) / (self.pp * self.makespan)
+
+    def peak_in_flight(self, rank: int) -> float:
+        """Most micro-batches whose activations rank `rank` holds at once (whole stages)."""
+        events: list[tuple[float, int]] = []
+        last_use: dict[tuple[int, int], float] = {}
+        for slot in self.rows[rank]:
+            key = (slot.op.microbatch, slot.op.chunk)
+            if slot.op.kind == "F":
+                events.append((slot.start, 1))
+            else:
+                last_use[key] = max(last_use.get(key, 0.0), slot.end)
+        events += [(end, -1) for end in last_use.values()]
+        held = peak = 0
+        for _, delta in sorted(events):  # at equal times releases (-1) sort first
+            held += delta
+            peak = max(peak, held)
+        return peak / self.vpp
+
+    def chart(self) -> str:
+        """Rows = pipeline ranks, columns = unit time slots; each cell the op (kind,
+        micro-batch, chunk letter when vpp > 1) that runs then, `.` when idle."""
+        width = max(len(_label(s.op, self.vpp)) for row in self.rows for s in row)
+        slots = round(self.makespan)
+        lines = []
+        for rank, row in enumerate(self.rows):
+            cells = [IDLE.center(width)] * slots
+            for slot in row:
+                for t in range(round(slot.start), round(slot.end)):
+                    cells[t] = _label(slot.op, self.vpp).ljust(width)
+            lines.append(f"stage {rank:>2} | " + " ".join(cells))
+        return "\n".join(lines)
+
+
+def _label(op: Op, vpp: int) -> str:
+    return f"{op.kind}{op.microbatch}" + (chr(ord("a") + op.chunk) if vpp > 1 else "")
+
+
+def warmup(schedule: str, pp: int, microbatches: int, rank: int, vpp: int = 1) -> int:
+    """Forwards rank `rank` runs before its first backward (all of them under gpipe)."""
+    if schedule == "gpipe":
+        return microbatches
+    if vpp == 1:
+        return min(pp - 1 - rank, microbatches)
+    return min(2 * (pp - 1 - rank) + (vpp - 1) * pp, microbatches * vpp)
+
+
+def program(schedule: str, pp: int, microbatches: int, rank: int, vpp: int = 1) -> list[Op]:
+    """The order of F and B ops of rank `rank` (W ops of zero_bubble are added by simulate)."""
+    m = microbatches
+    if schedule == "gpipe":
+        return [Op("F", i) for i in range(m)] + [Op("B", i) for i in range(m)]
+    warm = warmup(schedule, pp, m, rank, vpp)
+    if vpp == 1:
+        ops = [Op("F", i) for i in range(warm)]
+        for i in range(m - warm):
+            ops += [Op("F", warm + i), Op("B", i)]
+        return ops + [Op("B", i) for i in range(m - warm, m)]
+    # Interleaved: the k-th forward of a rank is micro-batch (k // pv) p + k % p of chunk
+    # (k // p) % v; backwards mirror it with the chunks reversed.
+    total = m * vpp
+
+    def nth(k: int, backward: bool) -> Op:
+        chunk = (k // pp) % vpp
+        mb = (k // (pp * vpp)) * pp + k % pp
+        return Op("B", mb, vpp - 1 - chunk) if backward else Op("F", mb, chunk)
+
+    ops = [nth(k, False) for k in range(warm)]
+    for i in range(total - warm):
+        ops += [nth(warm + i, False), nth(i, True)]
+    return ops + [nth(k, True) for k in range(total - warm, total)]
+
+
+def simulate(
+    schedule: str,
+    pp: int,
+    microbatches: int,
+    vpp: int = 1,
+    f: float = 1.0,
+    b: float = 1.0,
+    w: float = 1.0,
+) -> Timeline:
+    """Run every rank's program with op costs f (forward), b (input grads), w (weight
+    grads); an unsplit backward costs b + w. Ops start as soon as their rank is free and
+    their inputs have arrived (no communication time)."""
+    split = schedule == "zero_bubble" and w > 0
+    last_stage = pp * vpp - 1
+    programs = [program(schedule, pp, microbatches, r, vpp) for r in range(pp)]
+    position = [0] * pp
+    free = [0.0] * pp
+    pending_w: list[list[Op]] = [[] for _ in range(pp)]
+    # Chunk-micro-batches whose activations each rank holds, and 1F1B's most of them.
+    held = [0] * pp
+    limit = [warmup(schedule, pp, microbatches, r, vpp) + 1 for r in range(pp)]
+    done: dict[tuple[str, int, int], float] = {}  # (kind, stage, mb) -> end time
+    rows: list[list[Slot]] = [[] for _ in range(pp)]
+
+    def stage_of(rank: int, op: Op) -> int:
+        return op.chunk * pp + rank
+
+    def ready_time(rank: int, op: Op) -> float | None:
+        stage = stage_of(rank, op)
+        if op.kind == "F":
+            deps = [("F", stage - 1, op.microbatch)] if stage > 0 else []
+        else:
+            deps = [("F", stage, op.microbatch)]
+            if stage < last_stage:
+                deps.append(("B", stage + 1, op.microbatch))
+        if any(d not in done for d in deps):
+            return None
+        return max([done[d] for d in deps], default=0.0)
+
+    while any(position[r] < len(programs[r]) or pending_w[r] for r in range(pp)):
+        best: tuple[float, int, int] | None = None  # (start, W last, rank)
+        for r in range(pp):
+            start, full = None, False
+            if position[r] < len(programs[r]):
+                op = programs[r][position[r]]
+                full = op.kind == "F" and held[r] >= limit[r] and bool(pending_w[r])
+                ready = ready_time(r, op)
+                start = None if ready is None or full else max(free[r], ready)
+            if start is not None and (best is None or (start, 0, r) < best):
+                best = (start, 0, r)
+            fill = pending_w[r] and (full or start is None or start > free[r])
+            if fill and (best is None or (free[r], 1, r) < best):
+                best = (free[r], 1, r)
+        assert best is not None, "the schedule deadlocks"
+        start, is_w, r = best
+        if is_w:
+            op, cost = pending_w[r].pop(0), w
+        else:
+            op = programs[r][position[r]]
+            position[r] += 1
+            cost = f if op.kind == "F" else (b if split else b + w)
+        rows[r].append(Slot(op, start, start + cost))
+        held[r] += 1 if op.kind == "F" else -1 if op.kind == ("W" if split else "B") else 0
+        free[r] = start + cost
+        done[(op.kind, stage_of(r, op), op.microbatch)] = start + cost
+        if split and op.kind == "B":
+            pending_w[r].append(Op("W", op.microbatch, op.chunk))
+    return Timeline(schedule, pp, microbatches, vpp, rows)
+
+
+def summary(schedule: str, pp: int, microbatches: int, vpp: int = 1) -> dict:
+    """What the plan reports: bubble, idle share and peak in-flight per stage at the real
+    micro-batch count, and the chart for at most 2p micro-batches (a multiple of p)."""
+    full = simulate(schedule, pp, microbatches, vpp)
+    charted = min(microbatches, 2 * pp)
+    shown = full if charted == microbatches else simulate(schedule, pp, charted, vpp)
+    return {
+        "schedule": schedule,
+        "microbatches": microbatches,
+        "charted_microbatches": charted,
+        "costs": "F=1 B=1 W=1 per chunk (an unsplit backward is B+W=2), no communication time",
+        "bubble_fraction": full.bubble_fraction,
+        "idle_fraction_per_stage": [full.idle_fraction(r) for r in range(pp)],
+        "peak_in_flight_per_stage": [full.peak_in_flight(r) for r in range(pp)],
+        "charted_bubble_fraction": shown.bubble_fraction,
+        "chart": shown.chart(),
+    }

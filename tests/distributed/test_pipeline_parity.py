@@ -1,0 +1,54 @@
+"""Every pipeline layout reproduces the single-process loss and grad-norm curves.
+
+FP32 on CPU, the harness's 4-layer model (pp=2 x vpp=2 gives one layer per stage): the
+global batch, data order and initial weights are those of the reference, so the curves must
+agree within the same relative 1e-5 as the data-parallel layouts.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.distributed.harness import max_relative_difference, run_pretrain
+
+pytestmark = pytest.mark.distributed
+
+FP32_TOLERANCE = 1e-5
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("pipeline_parity")
+
+
+@pytest.fixture(scope="module")
+def reference(workdir: Path):
+    return run_pretrain(workdir / "reference", [], nproc=1)
+
+
+@pytest.mark.parametrize(
+    ("label", "overrides", "nproc"),
+    [
+        ("gpipe_pp2", ["parallel.pp=2", "parallel.pp_schedule=gpipe"], 2),
+        ("1f1b_pp2", ["parallel.pp=2", "parallel.pp_schedule=1f1b"], 2),
+        (
+            "interleaved_pp2_vpp2",
+            ["parallel.pp=2", "parallel.vpp=2", "parallel.pp_schedule=interleaved_1f1b"],
+            2,
+        ),
+        ("zero_bubble_pp2", ["parallel.pp=2", "parallel.pp_schedule=zero_bubble"], 2),
+        (
+            "uneven_1f1b_pp2_recompute",
+            ["parallel.pp=2", "parallel.pp_layers=[1,3]", "recompute=full", "recompute.every=2"],
+            2,
+        ),
+        ("1f1b_pp2_tp2_sp", ["parallel.pp=2", "parallel.tp=2", "parallel.sp=true"], 4),
+        ("1f1b_pp2_zero3_dp2", ["parallel.pp=2", "parallel.zero=3"], 4),
+    ],
+)
+def test_pipeline_layout_matches_reference(workdir, reference, label, overrides, nproc) -> None:
+    curve = run_pretrain(workdir / label, overrides, nproc=nproc)
+    assert max_relative_difference(curve.loss, reference.loss) <= FP32_TOLERANCE
+    assert max_relative_difference(curve.grad_norm, reference.grad_norm) <= FP32_TOLERANCE

@@ -1,0 +1,108 @@
+"""The simulated pipeline schedules reproduce the known results of the literature."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from launcher.pipeline_chart import IDLE, simulate, summary
+from launcher.plan import bubble_fraction, in_flight
+
+P, M = 4, 8
+
+
+def unit(schedule: str, vpp: int = 1):
+    """Unit forward and backward times: an unsplit backward costs b + w = 1."""
+    return simulate(schedule, P, M, vpp, f=1, b=1, w=0)
+
+
+def test_gpipe_and_1f1b_idle_equally_on_every_stage() -> None:
+    gpipe, one_f_one_b = unit("gpipe"), unit("1f1b")
+    for rank in range(P):
+        idle_gpipe = gpipe.makespan - gpipe.busy(rank)
+        idle_1f1b = one_f_one_b.makespan - one_f_one_b.busy(rank)
+        assert idle_gpipe == idle_1f1b == 2 * (P - 1)
+
+
+def test_1f1b_stage0_holds_p_microbatches_where_gpipe_holds_m() -> None:
+    assert unit("1f1b").peak_in_flight(0) == P
+    assert unit("gpipe").peak_in_flight(0) == M
+
+
+def test_1f1b_stage_s_holds_p_minus_s() -> None:
+    timeline = unit("1f1b")
+    assert [timeline.peak_in_flight(r) for r in range(P)] == [P - r for r in range(P)]
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("m", [1, 4, 8, 32])
+def test_bubble_is_p_minus_1_over_m_plus_p_minus_1(schedule: str, m: int) -> None:
+    for f, b in ((1, 1), (1, 2)):  # independent of the backward/forward ratio
+        timeline = simulate(schedule, P, m, f=f, b=b, w=0)
+        assert timeline.bubble_fraction == pytest.approx((P - 1) / (m + P - 1))
+        assert timeline.bubble_fraction == pytest.approx(bubble_fraction(schedule, P, m))
+
+
+@pytest.mark.parametrize("vpp", [2, 4])
+def test_interleaving_divides_the_bubble_by_about_v(vpp: int) -> None:
+    plain, interleaved = unit("1f1b").bubble_fraction, unit("interleaved_1f1b", vpp)
+    # Exactly (p-1)/v idle chunks' time over m + (p-1)/v: the plan's formula divides by v.
+    assert interleaved.bubble_fraction == pytest.approx((P - 1) / vpp / (M + (P - 1) / vpp))
+    assert plain / vpp < interleaved.bubble_fraction < plain / vpp * 1.5
+
+
+@pytest.mark.parametrize("vpp", [2, 4])
+def test_interleaved_stage0_holds_what_the_memory_model_assumes(vpp: int) -> None:
+    timeline = unit("interleaved_1f1b", vpp)
+    assert timeline.peak_in_flight(0) == pytest.approx(in_flight("interleaved_1f1b", P, M, vpp))
+
+
+def test_zero_bubble_fills_bubbles_with_weight_gradients_at_1f1b_memory() -> None:
+    split = simulate("zero_bubble", P, M, f=1, b=1, w=1)
+    unsplit = simulate("1f1b", P, M, f=1, b=1, w=1)
+    assert split.bubble_fraction < unsplit.bubble_fraction
+    assert [split.peak_in_flight(r) for r in range(P)] == [
+        unsplit.peak_in_flight(r) for r in range(P)
+    ]
+    # The last stage never waits once its first forward has run.
+    last = split.rows[-1]
+    assert all(a.end == b.start for a, b in itertools.pairwise(last))
+
+
+@pytest.mark.parametrize(
+    ("schedule", "vpp"), [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zero_bubble", 2)]
+)
+def test_every_op_runs_once_and_after_its_inputs(schedule: str, vpp: int) -> None:
+    timeline = simulate(schedule, P, M, vpp)
+    ends: dict[tuple[str, int, int], float] = {}
+    for rank, row in enumerate(timeline.rows):
+        for slot in row:
+            key = (slot.op.kind, slot.op.chunk * P + rank, slot.op.microbatch)
+            assert key not in ends
+            ends[key] = slot.end
+    kinds = 3 if schedule == "zero_bubble" else 2
+    assert len(ends) == kinds * P * vpp * M
+    for rank, row in enumerate(timeline.rows):
+        for slot in row:
+            stage, mb = slot.op.chunk * P + rank, slot.op.microbatch
+            if slot.op.kind == "F" and stage > 0:
+                assert ends[("F", stage - 1, mb)] <= slot.start
+            if slot.op.kind == "B" and stage < P * vpp - 1:
+                assert ends[("B", stage + 1, mb)] <= slot.start
+
+
+def test_chart_has_a_row_per_stage_and_a_cell_per_time_slot() -> None:
+    timeline = simulate("1f1b", P, M)
+    rows = timeline.chart().splitlines()
+    assert len(rows) == P
+    cells = rows[0].split("| ")[1].split(" ")
+    assert len([c for c in cells if c]) == timeline.makespan
+    assert rows[0].split("| ")[1].startswith("F0 F1 F2 F3 " + IDLE)
+
+
+def test_summary_charts_at_most_2p_microbatches_but_measures_all() -> None:
+    report = summary("1f1b", P, 128)
+    assert report["charted_microbatches"] == 2 * P
+    assert report["chart"] == simulate("1f1b", P, 2 * P).chart()
+    assert report["bubble_fraction"] == pytest.approx((P - 1) / (128 + P - 1))

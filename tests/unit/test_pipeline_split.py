@@ -1,0 +1,62 @@
+"""Splitting the plain model into pipeline stages keeps names, weights and recompute choices."""
+
+from __future__ import annotations
+
+import torch
+
+import models
+from launcher.schema import ParallelConfig, RecomputeConfig
+from models.config import ModelConfig
+from parallel.materialize import materialize
+from parallel.pipeline import StageView, split_stage
+from parallel.recompute import apply_recompute
+
+CFG = ModelConfig(vocab_size=64, dim=32, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=64)
+
+
+def stages(parallel: ParallelConfig) -> list[torch.nn.Module]:
+    count = parallel.pp * parallel.vpp
+    return [split_stage(models.build(CFG), k, parallel) for k in range(count)]
+
+
+def test_stages_hold_the_full_models_parameters_under_their_names_and_values() -> None:
+    full = models.build(CFG)
+    materialize(full, CFG, seed=7, device=torch.device("cpu"))
+    parts = stages(ParallelConfig(pp=2, vpp=2, pp_layers=[1, 1, 1, 1]))
+    names: list[str] = []
+    for part in parts:
+        materialize(part, CFG, seed=7, device=torch.device("cpu"))
+        names += [name for name, _ in part.named_parameters()]
+    assert sorted(names) == sorted(name for name, _ in full.named_parameters())
+    reference = dict(full.named_parameters())
+    for part in parts:
+        for name, param in part.named_parameters():
+            assert torch.equal(param, reference[name]), name
+
+
+def test_embedding_on_the_first_stage_and_head_on_the_last() -> None:
+    first, middle, last = stages(ParallelConfig(pp=3, pp_layers=[1, 2, 1]))
+    assert first.tok_embeddings is not None and first.output is None
+    assert middle.tok_embeddings is None and middle.norm is None and middle.output is None
+    assert last.tok_embeddings is None and last.output is not None
+    assert list(middle.layers) == ["1", "2"]
+
+
+def test_a_rank_view_of_its_chunks_keeps_full_model_names() -> None:
+    parallel = ParallelConfig(pp=2, vpp=2)
+    parts = stages(parallel)
+    view = StageView([parts[0], parts[2]])  # rank 0 runs stages 0 and 2
+    assert list(view.layers) == ["0", "2"]
+    assert "tok_embeddings.weight" in dict(view.named_parameters())
+    assert not any(name.startswith("output") for name, _ in view.named_parameters())
+
+
+def test_a_stage_recomputes_the_blocks_the_full_model_would() -> None:
+    recompute = RecomputeConfig(policy="full", every=2)  # blocks 1 and 3 of 0..3
+    stage = stages(ParallelConfig(pp=2, pp_layers=[1, 3]))[1]  # layers 1, 2, 3
+    plain_forward = type(stage.layers["1"]).forward
+    apply_recompute(stage, recompute)
+    wrapped = {key for key, block in stage.layers.items() if "forward" in vars(block)}
+    assert wrapped == {"1", "3"}
+    assert "forward" not in vars(stage.layers["2"])
+    assert type(stage.layers["2"]).forward is plain_forward

@@ -1,0 +1,85 @@
+"""Which pipeline layouts the trainer runs, and the messages for the ones it refuses."""
+
+import pytest
+
+from launcher.layout import grad_accum_steps, resolve_degrees
+from launcher.memory import memory_breakdown
+from launcher.stages import rank_stages, stage_layers
+from launcher.validate import check_runnable, validate
+from tests.unit.test_validate import configure, problems
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"parallel.pp": 2, "parallel.pp_schedule": "gpipe"},
+        {"parallel.pp": 2, "parallel.vpp": 2, "parallel.pp_schedule": "interleaved_1f1b"},
+        {"parallel.pp": 2, "parallel.vpp": 2, "parallel.pp_schedule": "zero_bubble"},
+        {"parallel.pp": 2, "parallel.tp": 2, "parallel.sp": True, "parallel.zero": 3},
+        {"parallel.pp": 2, "parallel.pp_layers": [3, 5]},
+    ],
+)
+def test_pipeline_layouts_are_runnable(overrides):
+    cfg = configure(overrides)
+    validate(cfg, for_launch=True)
+    assert check_runnable(cfg) == []
+
+
+@pytest.mark.parametrize(
+    ("pp_layers", "vpp"), [([4, 4, 1], 1), ([0, 8], 1), ([3, 4], 1), ([2, 2, 2, 1], 2)]
+)
+def test_pp_layers_must_give_every_stage_layers_summing_to_the_model(pp_layers, vpp):
+    schedule = "interleaved_1f1b" if vpp > 1 else "1f1b"
+    cfg = configure(
+        {
+            "parallel.pp": 2,
+            "parallel.vpp": vpp,
+            "parallel.pp_schedule": schedule,
+            "parallel.pp_layers": pp_layers,
+        }
+    )
+    [problem] = [p for p in problems(cfg) if p.field == "parallel.pp_layers"]
+    stages = 2 * vpp
+    assert f"needs pp*vpp = {stages} positive layer counts summing to model.n_layers=8" in (
+        problem.reason
+    )
+    assert f"e.g. {[8 // stages] * stages}" in problem.fix
+
+
+def test_uneven_layers_without_pp_layers_point_to_it():
+    [problem] = [p for p in problems(configure({"parallel.pp": 3})) if p.field == "parallel.pp"]
+    assert "parallel.pp_layers" in problem.fix
+
+
+def test_tied_embeddings_are_refused_across_stages():
+    cfg = configure({"parallel.pp": 2, "model.tie_embeddings": True})
+    [problem] = problems(cfg)
+    assert problem.field == "model.tie_embeddings"
+    assert "last pipeline stage" in problem.reason
+    assert "model.tie_embeddings=false" in problem.fix
+
+
+def test_pp_microbatches_must_split_the_rank_batch_evenly():
+    cfg = configure({"parallel.pp": 2})
+    sequences = cfg.train.micro_batch * grad_accum_steps(cfg)
+    odd = next(n for n in range(2, sequences) if sequences % n)
+    cfg = configure({"parallel.pp": 2, "parallel.pp_microbatches": odd})
+    [problem] = problems(cfg)
+    assert problem.field == "parallel.pp_microbatches"
+    assert f"do not split into {odd} equal micro-batches" in problem.reason
+
+
+def test_stage_layers_are_contiguous_and_ranks_hold_looped_chunks():
+    assert stage_layers(8, 2, 2) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert stage_layers(8, 2, 1, [3, 5]) == [[0, 1, 2], [3, 4, 5, 6, 7]]
+    assert rank_stages(0, 2, 2) == [0, 2]
+    assert rank_stages(1, 2, 2) == [1, 3]
+
+
+def test_memory_model_counts_the_first_ranks_layers_of_an_uneven_split():
+    even = configure({"parallel.pp": 2})
+    light_first = configure({"parallel.pp": 2, "parallel.pp_layers": [2, 6]})
+    degrees = resolve_degrees(even)
+    assert (
+        memory_breakdown(light_first, degrees, 8).total < memory_breakdown(even, degrees, 8).total
+    )

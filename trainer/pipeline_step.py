@@ -1,0 +1,88 @@
+"""The optimizer step of a pipelined run: the schedule over the accumulation micro-batches.
+
+The global batch and data order are those of the non-pipelined run: this rank's
+accumulation micro-batches (every stage of one pipeline shares a dp rank, so they agree on
+them) are concatenated and the schedule splits them into `parallel.pp_microbatches` equal
+parts (by default the accumulation count, so the micro-batches are the same). The loss runs
+on the last stage, divided by the micro-batch count as accumulation does; the mean loss is
+summed over the pipeline group so every stage, rank 0 included, reports the last stage's.
+Gradient norms are summed over stages. MFU needs nothing special: model FLOPs per token
+are the same, and the bubble is in the measured step time, so it never counts as work.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from launcher.layout import Degrees, grad_accum_steps
+from launcher.schema import RecipeConfig
+from parallel.data import uses_fsdp
+from parallel.mesh import JobMesh
+from parallel.pipeline import build_schedule, in_context, stage_indices
+from parallel.precision import forward_context
+from parallel.tensor import local_value, vocab_parallel_loss
+from trainer.build import TrainState
+from trainer.faults import StepGuard
+
+
+class PipelineStep:
+    """Runs one optimizer step of a pipeline-parallel layout on this rank."""
+
+    def __init__(
+        self,
+        state: TrainState,
+        cfg: RecipeConfig,
+        degrees: Degrees,
+        mesh: JobMesh,
+        device: torch.device,
+    ) -> None:
+        self.state, self.cfg, self.degrees, self.device = state, cfg, degrees, device
+        pp_mesh = mesh.world["pp"]
+        self.group = pp_mesh.get_group()
+        stages = stage_indices(pp_mesh.get_local_rank(), cfg.parallel)
+        self.has_first = 0 in stages
+        self.has_last = degrees.pp * cfg.parallel.vpp - 1 in stages
+        self.n_microbatches = cfg.parallel.pp_microbatches or grad_accum_steps(cfg)
+        self.losses: list[torch.Tensor] = []
+        weights_cast = uses_fsdp(cfg.parallel, degrees)
+        for chunk in state.model:
+            inner = getattr(chunk, "module", chunk)  # inside DDP, which calls it
+            in_context(inner, lambda: forward_context(cfg.precision, device, weights_cast))
+        self.schedule = build_schedule(
+            list(state.model),
+            stages,
+            cfg.parallel,
+            self.n_microbatches,
+            self._loss,
+            self.group,
+            device,
+        )
+
+    def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        # Every TP rank holds the same (replicated) loss.
+        self.losses.append(local_value(loss.detach()))
+        return self.state.scaler.scale_loss(loss / self.n_microbatches)
+
+    def step(
+        self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], guard: StepGuard
+    ) -> tuple[torch.Tensor, torch.Tensor, bool, bool]:
+        """Forward and backward of this rank's micro-batches through the pipeline, then the
+        optimizer; returns the step's mean loss (on every stage), the global grad norm and
+        what all ranks agreed (bad, stop), as `train_step` does."""
+        from trainer.train import apply_gradients  # the loop imports this module lazily
+
+        inputs = torch.cat([x for x, _ in micro_batches]).to(self.device)
+        targets = torch.cat([y for _, y in micro_batches]).to(self.device)
+        args = (inputs,) if self.has_first else ()
+        self.losses = []
+        with vocab_parallel_loss(enabled=self.degrees.tp > 1):
+            self.schedule.step(*args, target=targets if self.has_last else None)
+        loss = torch.zeros((), device=self.device)
+        if self.has_last:
+            # The first step's shape inference calls the loss function once more, first.
+            loss += torch.stack(self.losses[-self.n_microbatches :]).sum() / self.n_microbatches
+        dist.all_reduce(loss, group=self.group)
+        return (loss, *apply_gradients(self.state, self.cfg, guard, loss, self.group))

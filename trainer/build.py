@@ -16,6 +16,7 @@ import models
 from launcher.layout import Degrees
 from launcher.schema import RecipeConfig
 from parallel.data import apply_ddp, apply_fsdp, build_zero1_optimizer, uses_fsdp
+from parallel.expert import apply_expert_parallel
 from parallel.materialize import materialize
 from parallel.mesh import JobMesh
 from parallel.precision import LossScaler, apply_precision
@@ -42,6 +43,7 @@ def parallelize(plain: nn.Module, cfg: RecipeConfig, mesh: JobMesh, degrees: Deg
     FSDP."""
     apply_precision(plain, cfg.precision)  # swaps modules, so before anything wraps them
     apply_tensor_parallel(plain, mesh, cfg.parallel)
+    apply_expert_parallel(plain, mesh, cfg.parallel)
     apply_recompute(plain, cfg.recompute)
     if uses_fsdp(cfg.parallel, degrees):
         apply_fsdp(plain, mesh, degrees, cfg.parallel, cfg.precision)

@@ -22,8 +22,11 @@ def moe_layers_problem(policy: str, n_layers: int) -> str | None:
     return None
 
 
-def moe_problems(cfg: RecipeConfig) -> list[tuple[str, object, str, str]]:
-    """(field, value, reason, fix) for every MoE or expert-parallel rule `cfg` breaks."""
+def moe_problems(cfg: RecipeConfig, for_launch: bool) -> list[tuple[str, object, str, str]]:
+    """(field, value, reason, fix) for every MoE or expert-parallel rule `cfg` breaks.
+
+    ep > 1 on a dense model can be planned (the EP groups are shown) but not launched.
+    """
     m, ep = cfg.model, cfg.parallel.ep
     problems = []
 
@@ -34,7 +37,7 @@ def moe_problems(cfg: RecipeConfig) -> list[tuple[str, object, str, str]]:
         add("moe_experts", m.moe_experts, "must be >= 0", "use 0 (dense) or the number of experts")
         return problems
     if m.moe_experts == 0:
-        if ep > 1:
+        if ep > 1 and for_launch:
             add(
                 "parallel.ep",
                 ep,

@@ -105,7 +105,7 @@ def validate(cfg: RecipeConfig, for_launch: bool = False, check_memory: bool = F
     cluster_ok = _check_cluster(c, cfg)
     _check_parallel(c, cfg, model_ok, train_ok, cluster_ok)
     _check_precision(c, cfg)
-    for problem in moe_problems(cfg):
+    for problem in moe_problems(cfg, for_launch):
         c.add(*problem)
     _check_optim(c, cfg, train_ok)
     c.choice("recompute.policy", cfg.recompute.policy, ("none", "full", "selective"))

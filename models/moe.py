@@ -48,7 +48,8 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """x [sum(counts), h]: counts[e] rows for each expert this module holds, in order."""
-        w1, w2, w3 = _local(self.w1), _local(self.w2), _local(self.w3)
+        # Cast like the rest of the block: FSDP's policy does not cover EP-sharded experts.
+        w1, w2, w3 = (_local(w).to(x.dtype) for w in (self.w1, self.w2, self.w3))
         if len(counts) != w1.shape[0]:
             raise ValueError(f"{len(counts)} token counts for {w1.shape[0]} local experts")
         # A loop of matmuls: every expert (even one without tokens) stays in the graph, so

@@ -232,7 +232,6 @@ def test_valid_hybrid_sharding_interleaved_pipeline_and_tp_layout_passes():
     ("overrides", "field", "what"),
     [
         ({"parallel.pp": 2}, "parallel.pp", "pipeline parallelism"),
-        ({"parallel.ep": 2}, "parallel.ep", "expert parallelism"),
     ],
 )
 def test_layouts_the_trainer_cannot_run_fail_only_for_launch(overrides, field, what):

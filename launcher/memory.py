@@ -121,11 +121,11 @@ def llama_block_activations(
     tensors split over tp only with sp. Column-parallel linears save their (gathered) input
     whole, as DTensor's sequence parallelism does.
     """
-    h, q, kv, f = m.dim, m.n_heads * m.head_dim, m.kv_heads * m.head_dim, m.ffn_dim
+    h, q, kv = m.dim, m.n_heads * m.head_dim, m.kv_heads * m.head_dim
     seq = t if sp else 1
     if policy == "selective":
         # Only the checkpoint's input and the outputs of the matmuls are kept.
-        kept = residual * h / seq + compute * ((q + 2 * kv + 2 * f) / t + 2 * h / seq)
+        kept = residual * h / seq + compute * ((q + 2 * kv + 2 * mlp_width(m)) / t + 2 * h / seq)
         return s * b * kept
     # Each RMSNorm keeps its FP32 input, its inverse RMS and its normalized output (in the
     # residual dtype); the linears after it keep their input, one cast copy per linear under
@@ -137,8 +137,20 @@ def llama_block_activations(
         compute * (2 * q + 2 * kv)  # rotated q, k and v, and the output, as SDPA keeps them
         + 4 * m.n_heads  # SDPA's log-sum-exp per head; wo's input is a view of the output
     ) / t
-    mlp = compute * 4 * f / t  # w1 and w3 outputs, silu output, w2's input
+    mlp = compute * 4 * mlp_width(m) / t  # w1 and w3 outputs, silu output, w2's input
     return s * b * (norms + linear_inputs + attention + mlp)
+
+
+def mlp_width(m: ModelConfig) -> float:
+    """The MLP's hidden width per token, averaged over the layers.
+
+    A MoE layer runs k routed and the shared experts, and its dispatch keeps about five
+    h-wide copies of each of the k assignments (gathered, sent, received, expert output,
+    weighted), counted here as 5kh/4 of width.
+    """
+    moe = (m.moe_top_k + m.moe_shared_experts) * m.expert_ffn_dim + 5 * m.moe_top_k * m.dim / 4
+    layers = m.n_moe_layers
+    return ((m.n_layers - layers) * m.ffn_dim + layers * moe) / m.n_layers
 
 
 def head_activations(
@@ -174,7 +186,8 @@ def stage_params(cfg: RecipeConfig) -> tuple[int, int, int]:
     p = cfg.parallel
     blocks = rank_layer_count(cfg.model.n_layers, p.pp, p.vpp, p.pp_layers)
     root = counts.embedding + (counts.final_norm + counts.lm_head if cfg.parallel.pp == 1 else 0)
-    return counts.per_layer * blocks, root, blocks
+    # MoE layers are spread evenly over the stages (exact with one stage).
+    return counts.layers * blocks // cfg.model.n_layers, root, blocks
 
 
 def memory_breakdown(cfg: RecipeConfig, degrees: Degrees, microbatches: int) -> MemoryBreakdown:
@@ -186,6 +199,10 @@ def memory_breakdown(cfg: RecipeConfig, degrees: Degrees, microbatches: int) -> 
     ddp = not fsdp and n > 1
     accum = microbatches if degrees.pp == 1 else 1
     block_params, root_params, blocks = stage_params(cfg)
+    # Routed experts: split over ep, not over tp, and outside ZeRO (parallel/expert.py).
+    experts = count_params(cfg.model).experts * blocks // cfg.model.n_layers if blocks else 0
+    block_params -= experts
+    expert_local = experts / degrees.ep
     local = (block_params + root_params) / t
     per_block = block_params / blocks / t if blocks else 0.0
     moments = MOMENTS[cfg.optim.name] if cfg.optim.name != "sgd" or cfg.optim.momentum else 0
@@ -250,11 +267,17 @@ def memory_breakdown(cfg: RecipeConfig, degrees: Degrees, microbatches: int) -> 
         act_note += ", + one block recomputing in backward"
     notes["activations"] = act_note
 
+    if expert_local:
+        params += 4 * expert_local
+        optimizer += 4 * moments * expert_local
+        grads_held += 4 * expert_local if accum > 1 else 0.0
+        transients += compute * expert_local if dtype != "fp32" else 0.0
+        notes["params"] += f", experts split over ep={degrees.ep}"
     forward = (params, grads_held + buckets, optimizer, activations, transients, logits)
     # The optimizer step: FP32 gradients (sharded under FSDP) and one parameter-sized
     # temporary of the foreach update.
-    step_grads = 4 * local / shard + (4 * local if ddp else 0.0)
-    step_temp = 4 * local / opt_shard if moments else 0.0
+    step_grads = 4 * local / shard + (4 * local if ddp else 0.0) + 4 * expert_local
+    step_temp = (4 * local / opt_shard + 4 * expert_local) if moments else 0.0
     step = (params, step_grads, optimizer + step_temp, 0.0, 0.0, 0.0)
     phase, chosen = ("forward", forward) if sum(forward) >= sum(step) else ("optimizer step", step)
     framework = 0.0

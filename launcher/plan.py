@@ -50,6 +50,8 @@ class Plan:
     rank_group_counts: dict[str, int]
     params_total: int
     params_non_embedding: int
+    params_active: int
+    """Parameters one token runs through (all of them for a dense model)."""
     params_first_stage: int
     params_last_stage: int
     params_per_rank: int
@@ -96,7 +98,9 @@ def make_plan(cfg: RecipeConfig) -> Plan:
     groups = rank_groups(degrees)
     counts = count_params(cfg.model)
     first, last = stage_params(cfg)
-    per_rank = math.ceil(max(first, last) / degrees.tp)
+    # Routed experts are split over ep rather than tp (parallel/expert.py).
+    experts = counts.experts // degrees.pp
+    per_rank = math.ceil((max(first, last) - experts) / degrees.tp + experts / degrees.ep)
     fpt = flops_per_token(cfg.model, cfg.train.seq_len)
     fraction = recomputed_layers(cfg.model.n_layers, cfg.recompute.every) / cfg.model.n_layers
     on_gpu = cfg.cluster.device == "cuda"
@@ -114,6 +118,7 @@ def make_plan(cfg: RecipeConfig) -> Plan:
         rank_group_counts={dim: len(g) for dim, g in groups.items()},
         params_total=counts.total,
         params_non_embedding=counts.non_embedding,
+        params_active=counts.active,
         params_first_stage=first,
         params_last_stage=last,
         params_per_rank=per_rank,
@@ -162,7 +167,7 @@ def stage_params(cfg: RecipeConfig) -> tuple[int, int]:
     """
     counts = count_params(cfg.model)
     pp = cfg.parallel.pp
-    layers = counts.per_layer * (cfg.model.n_layers // pp)
+    layers = counts.layers * (cfg.model.n_layers // pp) // cfg.model.n_layers
     head = counts.lm_head or (counts.embedding if pp > 1 else 0)
     if pp == 1:
         return (counts.total,) * 2

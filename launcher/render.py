@@ -48,6 +48,7 @@ def render_plan(plan: Plan) -> str:
         "Model",
         [
             ("parameters", _count(plan.params_total)),
+            ("active per token", _count(plan.params_active)),
             ("non-embedding", _count(plan.params_non_embedding)),
             (
                 "first / last stage",

@@ -20,6 +20,7 @@ from launcher.layout import (
     resolve_degrees,
     world_size,
 )
+from launcher.moe import moe_problems
 from launcher.precision import precision_problems
 from launcher.schema import RecipeConfig
 
@@ -104,6 +105,8 @@ def validate(cfg: RecipeConfig, for_launch: bool = False, check_memory: bool = F
     cluster_ok = _check_cluster(c, cfg)
     _check_parallel(c, cfg, model_ok, train_ok, cluster_ok)
     _check_precision(c, cfg)
+    for problem in moe_problems(cfg, for_launch):
+        c.add(*problem)
     _check_optim(c, cfg, train_ok)
     c.choice("recompute.policy", cfg.recompute.policy, ("none", "full", "selective"))
     c.at_least("recompute.every", cfg.recompute.every, 1)
@@ -155,7 +158,20 @@ def check_runnable(cfg: RecipeConfig) -> list[Problem]:
             "tensor parallelism with DDP or ZeRO-1 data parallelism",
             "parallel.zero=2 or 3 (FSDP2 composes with TP)",
         ),
-        ("parallel.ep", p.ep, p.ep > 1, "expert parallelism", "parallel.ep=1"),
+        (
+            "parallel.zero",
+            p.zero,
+            p.ep > 1 and p.zero == 1,
+            "expert parallelism with ZeRO-1",
+            "parallel.zero=0, 2 or 3",
+        ),
+        (
+            "parallel.pp",
+            p.pp,
+            p.pp > 1 and cfg.model.moe_experts > 0,
+            "pipeline parallelism of a mixture-of-experts model",
+            "parallel.pp=1",
+        ),
     ]
     return [
         Problem(

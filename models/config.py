@@ -33,11 +33,54 @@ class ModelConfig:
     """Share the token embedding matrix with the LM head."""
     init_std: float = 0.02
     """Standard deviation of the normal init; output projections are scaled by 1/sqrt(2L)."""
+    moe_experts: int = 0
+    """Routed experts N per mixture-of-experts layer; 0 makes every layer a dense SwiGLU MLP."""
+    moe_top_k: int = 2
+    """Routed experts each token runs through (k of N)."""
+    moe_shared_experts: int = 0
+    """Shared experts every token runs through besides its k routed ones (DeepSeek style)."""
+    moe_ffn_dim: int = 0
+    """Hidden size of one expert's SwiGLU; 0 means ffn_dim."""
+    moe_layers: str = "all"
+    """Which layers are MoE: all, every:K (layers K-1, 2K-1, ...) or after:N (all but the
+    first N, which stay dense)."""
+    moe_router: str = "softmax"
+    """Router scores: softmax over the experts, or sigmoid per expert."""
+    moe_normalize_topk: bool = True
+    """Rescale the k selected scores of a token to sum to 1."""
+    moe_aux_loss_coef: float = 0.01
+    """Weight of the load-balancing loss N * sum_i f_i * P_i (per sequence, averaged)."""
+    moe_z_loss_coef: float = 0.0
+    """Weight of the router z-loss: mean over tokens of logsumexp(router logits)^2."""
+    moe_capacity_factor: float = 0.0
+    """Tokens an expert takes per sequence: ceil(factor * seq_len * k / N), later ones are
+    dropped (their expert output is 0, the residual carries them); 0 = dropless."""
 
     @property
     def kv_heads(self) -> int:
         """Effective number of key/value heads."""
         return self.n_kv_heads or self.n_heads
+
+    @property
+    def expert_ffn_dim(self) -> int:
+        """Hidden size of one routed or shared expert."""
+        return self.moe_ffn_dim or self.ffn_dim
+
+    def is_moe_layer(self, index: int) -> bool:
+        """Whether layer `index` (0-based) has a mixture-of-experts feed-forward."""
+        if self.moe_experts <= 0:
+            return False
+        policy, _, arg = self.moe_layers.partition(":")
+        if policy == "every":
+            return index % int(arg) == int(arg) - 1
+        if policy == "after":
+            return index >= int(arg)
+        return True
+
+    @property
+    def n_moe_layers(self) -> int:
+        """How many layers are mixture-of-experts."""
+        return sum(self.is_moe_layer(i) for i in range(self.n_layers))
 
     @property
     def head_dim(self) -> int:

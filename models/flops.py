@@ -8,6 +8,9 @@ Conventions (the same as `torch.utils.flop_counter.FlopCounterMode`):
 - Attention scores are counted over the full s x s square even though the mask is causal,
   as the math kernels compute it and as PaLM's MFU definition does.
 - Backward costs twice the forward (a gradient for the input and one for the weight).
+- A mixture-of-experts layer counts the router and the experts a token runs through (k routed
+  plus the shared ones): FLOPs and active parameters follow those, total parameters count all
+  N experts. Capacity dropping is not subtracted (MFU counts the model's nominal work).
 """
 
 from __future__ import annotations
@@ -23,17 +26,36 @@ class ParamCount:
 
     embedding: int
     per_layer: int
+    """Parameters of a dense layer."""
     final_norm: int
     lm_head: int
     n_layers: int
+    moe_layers: int = 0
+    """Layers whose MLP is a mixture of experts."""
+    moe_extra: int = 0
+    """Parameters a MoE layer has beyond a dense one (router and experts replace the MLP)."""
+    moe_active_extra: int = 0
+    """The same counting only the experts one token runs through (k routed + shared)."""
+    routed_experts_per_layer: int = 0
+    """Parameters of the N routed experts of one MoE layer."""
 
     @property
     def layers(self) -> int:
-        return self.per_layer * self.n_layers
+        return self.per_layer * self.n_layers + self.moe_layers * self.moe_extra
 
     @property
     def total(self) -> int:
         return self.embedding + self.layers + self.final_norm + self.lm_head
+
+    @property
+    def active(self) -> int:
+        """Parameters one token uses: the total less the routed experts it skips."""
+        return self.total - self.moe_layers * (self.moe_extra - self.moe_active_extra)
+
+    @property
+    def experts(self) -> int:
+        """Parameters of all routed experts (what expert parallelism shards)."""
+        return self.moe_layers * self.routed_experts_per_layer
 
     @property
     def non_embedding(self) -> int:
@@ -47,12 +69,21 @@ def count_params(cfg: ModelConfig) -> ParamCount:
     mlp = 3 * h * cfg.ffn_dim
     norms = 2 * h
     embedding = cfg.vocab_size * h
+    expert = 3 * h * cfg.expert_ffn_dim
+    router = h * cfg.moe_experts
+    shared = cfg.moe_shared_experts * expert
+    moe = router + cfg.moe_experts * expert + shared
+    moe_active = router + cfg.moe_top_k * expert + shared
     return ParamCount(
         embedding=embedding,
         per_layer=attention + mlp + norms,
         final_norm=h,
         lm_head=0 if cfg.tie_embeddings else cfg.vocab_size * h,
         n_layers=cfg.n_layers,
+        moe_layers=cfg.n_moe_layers,
+        moe_extra=moe - mlp,
+        moe_active_extra=moe_active - mlp,
+        routed_experts_per_layer=cfg.moe_experts * expert,
     )
 
 
@@ -96,9 +127,13 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> FlopsPerToken:
     # Q @ K^T and P @ V: each query meets seq_len keys in every head.
     scores = 2 * 2 * seq_len * q_width
     mlp = 3 * 2 * h * cfg.ffn_dim
+    # A MoE layer: the router's logits plus the k routed and the shared experts' SwiGLUs.
+    experts = cfg.moe_top_k + cfg.moe_shared_experts
+    moe_mlp = 2 * h * cfg.moe_experts + experts * 3 * 2 * h * cfg.expert_ffn_dim
+    moe_layers = cfg.n_moe_layers
     return FlopsPerToken(
         attention_projections=n_layers * projections,
         attention_scores=n_layers * scores,
-        mlp=n_layers * mlp,
+        mlp=(n_layers - moe_layers) * mlp + moe_layers * moe_mlp,
         lm_head=2 * h * cfg.vocab_size,
     )

@@ -18,13 +18,24 @@ from models.config import ModelConfig
 from models.llama import Transformer
 
 _NORM_SUFFIXES = ("attention_norm.weight", "ffn_norm.weight")
-_RESIDUAL_OUT_SUFFIXES = ("attention.wo.weight", "feed_forward.w2.weight")
+# Stacked expert weights are drawn whole ([N, ...]) and sliced by expert parallelism.
+_RESIDUAL_OUT_SUFFIXES = (
+    "attention.wo.weight",
+    "feed_forward.w2.weight",
+    "feed_forward.experts.w2",
+    "feed_forward.shared.w2.weight",
+)
 _LINEAR_SUFFIXES = (
     "attention.wq.weight",
     "attention.wk.weight",
     "attention.wv.weight",
     "feed_forward.w1.weight",
     "feed_forward.w3.weight",
+    "feed_forward.router.weight",
+    "feed_forward.experts.w1",
+    "feed_forward.experts.w3",
+    "feed_forward.shared.w1.weight",
+    "feed_forward.shared.w3.weight",
 )
 
 

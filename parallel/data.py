@@ -27,6 +27,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from launcher.layout import Degrees
 from launcher.schema import ParallelConfig, PrecisionConfig
+from parallel.expert import expert_parameter_names, expert_parameters
 from parallel.mesh import JobMesh, data_parallel_mesh
 from parallel.precision import compute_dtype
 
@@ -52,12 +53,26 @@ def apply_fsdp(
     )
     dp_mesh = data_parallel_mesh(mesh.world, degrees)
     reshard = parallel.zero == 3
+    # Expert-parallel weights are reduced over their own ranks (parallel/expert.py).
+    ignored = set(expert_parameters(model)) or None
     blocks = [model.layers[key] for key in sorted(model.layers.keys(), key=int)]
     for block in blocks:
-        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp_policy)
+        fully_shard(
+            block,
+            mesh=dp_mesh,
+            reshard_after_forward=reshard,
+            mp_policy=mp_policy,
+            ignored_params=ignored,
+        )
     # The root's parameters (embedding, final norm, head) are needed again right at the
     # start of backward, so resharding them after forward would only add an all-gather.
-    fully_shard(model, mesh=dp_mesh, reshard_after_forward=False, mp_policy=mp_policy)
+    fully_shard(
+        model,
+        mesh=dp_mesh,
+        reshard_after_forward=False,
+        mp_policy=mp_policy,
+        ignored_params=ignored,
+    )
     set_fsdp_prefetch(blocks, parallel.fsdp_prefetch)
 
 
@@ -79,7 +94,10 @@ def apply_ddp(
     model: nn.Module, mesh: JobMesh, parallel: ParallelConfig, precision: PrecisionConfig
 ) -> nn.Module:
     """Wrap a materialized model in DDP over the flattened dp group, with the recipe's bucket
-    size and reduction dtype."""
+    size and reduction dtype (less expert weights, reduced over their own ranks)."""
+    ignored = expert_parameter_names(model)
+    if ignored:
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignored)
     ddp = DistributedDataParallel(
         model, process_group=mesh.dp.get_group(), bucket_cap_mb=parallel.ddp_bucket_mb
     )

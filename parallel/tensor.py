@@ -29,6 +29,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
     loss_parallel,
@@ -36,6 +37,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from launcher.schema import ParallelConfig
+from models.moe import MoEFeedForward
 from parallel.mesh import JobMesh
 
 VOCAB_PARAMS = ("tok_embeddings.weight", "output.weight")
@@ -66,13 +68,24 @@ def apply_tensor_parallel(model: nn.Module, mesh: JobMesh, parallel: ParallelCon
             "attention.wk": ColwiseParallel(),
             "attention.wv": ColwiseParallel(),
             "attention.wo": RowwiseParallel(output_layouts=residual),
-            "feed_forward": PrepareModuleInput(
-                input_layouts=(residual,), desired_input_layouts=(Replicate(),)
-            ),
-            "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w3": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(output_layouts=residual),
         }
+        if isinstance(block.feed_forward, MoEFeedForward):
+            # Not split over tp: every TP rank routes the whole (gathered) sequence, so
+            # capacity counts per sequence as without TP (parallel/expert.py).
+            plan["feed_forward"] = PrepareModuleInputOutput(
+                input_layouts=(residual,),
+                desired_input_layouts=(Replicate(),),
+                use_local_input=True,
+                output_layouts=(Replicate(),),
+                desired_output_layouts=(residual,),
+            )
+        else:
+            plan["feed_forward"] = PrepareModuleInput(
+                input_layouts=(residual,), desired_input_layouts=(Replicate(),)
+            )
+            plan["feed_forward.w1"] = ColwiseParallel()
+            plan["feed_forward.w3"] = ColwiseParallel()
+            plan["feed_forward.w2"] = RowwiseParallel(output_layouts=residual)
         if sp:
             plan["attention_norm"] = SequenceParallel()
             plan["ffn_norm"] = SequenceParallel()

@@ -20,6 +20,7 @@ from launcher.layout import Degrees
 from launcher.schema import RecipeConfig
 from parallel.compile import apply_compile, compile_loss
 from parallel.data import apply_ddp, apply_fsdp, build_zero1_optimizer, uses_fsdp
+from parallel.expert import apply_expert_parallel
 from parallel.materialize import materialize
 from parallel.mesh import JobMesh
 from parallel.pipeline import StageView, split_stage, stage_indices
@@ -53,6 +54,7 @@ def parallelize(plain: nn.Module, cfg: RecipeConfig, mesh: JobMesh, degrees: Deg
     FSDP."""
     apply_precision(plain, cfg.precision)  # swaps modules, so before anything wraps them
     apply_tensor_parallel(plain, mesh, cfg.parallel)
+    apply_expert_parallel(plain, mesh, cfg.parallel)
     apply_recompute(plain, cfg.recompute)
     apply_compile(plain, cfg.compile)
     if uses_fsdp(cfg.parallel, degrees):

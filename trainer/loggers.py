@@ -38,6 +38,12 @@ WANDB_KEYS = {
     "step_time_s": "perf/step_time_s",
     "data_wait_s": "perf/data_wait_s",
     "mem_peak_gib": "mem/peak_gib",
+    "moe_tokens_per_expert_min": "moe/tokens_per_expert_min",
+    "moe_tokens_per_expert_max": "moe/tokens_per_expert_max",
+    "moe_tokens_per_expert_mean": "moe/tokens_per_expert_mean",
+    "moe_dropped_frac": "moe/dropped_frac",
+    "moe_aux_loss": "moe/aux_loss",
+    "moe_z_loss": "moe/z_loss",
 }
 """Flat metric name -> W&B key; names not listed go under train/."""
 WANDB_STEP = "train/step"
@@ -133,6 +139,13 @@ def console_line(step: int, total_steps: int, metrics: dict[str, Any]) -> str:
         parts.append("MFU n/a")
     if has("mem_peak_gib"):
         parts.append(f"mem {metrics['mem_peak_gib']:.2f} GiB")
+    if has("moe_tokens_per_expert_mean"):
+        parts.append(
+            f"experts load {metrics['moe_tokens_per_expert_min']:.0f}/"
+            f"{metrics['moe_tokens_per_expert_mean']:.0f}/{metrics['moe_tokens_per_expert_max']:.0f}"
+            f" min/mean/max, dropped {metrics['moe_dropped_frac']:.1%}, "
+            f"aux {metrics['moe_aux_loss']:.3f}"
+        )
     if has("loss_scale"):
         parts.append(f"loss scale {metrics['loss_scale']:g} ({metrics['skipped_steps']} skipped)")
     return " | ".join(parts)

@@ -15,6 +15,7 @@ from launcher.schema import RecipeConfig, load_config
 from models.flops import count_params, flops_per_token
 from parallel.clip import clip_grad_norm_
 from parallel.data import gradient_sync, uses_fsdp
+from parallel.expert import add_router_losses, reduce_expert_grads
 from parallel.mesh import build_mesh
 from parallel.precision import after_optimizer_step, forward_context
 from parallel.recompute import recomputed_blocks
@@ -35,6 +36,7 @@ from trainer.faults import (
 from trainer.kernels import kernels_line
 from trainer.loggers import MetricsLogger
 from trainer.metrics import ThroughputMeter, peak_memory_gib, resolve_peak_flops
+from trainer.moe_metrics import expert_load_metrics
 from trainer.prefetch import PrefetchingLoader
 
 
@@ -71,9 +73,11 @@ def train_step(
                 loss = state.loss_fn(logits, targets)
                 if poison:
                     loss = loss * float("nan")
-                state.scaler.scale_loss(loss / accum).backward()
+                objective = add_router_losses(loss, state.plain)
+                state.scaler.scale_loss(objective / accum).backward()
         # Every TP rank holds the same (replicated) loss.
         loss_sum += local_value(loss.detach())
+    reduce_expert_grads(state.plain)
     loss = loss_sum / accum
     return (loss, *apply_gradients(state, cfg, guard, loss))
 
@@ -173,11 +177,13 @@ def run(cfg: RecipeConfig, rank: RankInfo) -> None:
         total_steps=cfg.train.steps,
     ) as logger:
         if rank.is_main:
-            params = count_params(cfg.model).total
+            params = count_params(cfg.model)
+            active = f" ({params.active / 1e6:.2f}M active)" if params.moe_layers else ""
             print(
-                f"[trainer] {cfg.name}: {params / 1e6:.2f}M parameters, world {rank.world_size} "
+                f"[trainer] {cfg.name}: {params.total / 1e6:.2f}M parameters{active}, "
+                f"world {rank.world_size} "
                 f"(dp {degrees.dp}, zero {cfg.parallel.zero}, tp {degrees.tp}, pp {degrees.pp}"
-                f"{' with sp' if cfg.parallel.sp else ''}), "
+                f"{' with sp' if cfg.parallel.sp else ''}, ep {degrees.ep}), "
                 f"grad accum {grad_accum_steps(cfg)}, {len(dataset)} sequences; "
                 f"{peak.dtype} peak {peak.tflops} TFLOP/s ({peak.source})",
                 flush=True,
@@ -224,6 +230,7 @@ def run(cfg: RecipeConfig, rank: RankInfo) -> None:
                 "mem_peak_gib": peak_memory_gib(rank.device),
                 **state.scaler.metrics(),
                 "skipped_steps": guard.skipped + state.scaler.skipped_steps,
+                **expert_load_metrics(state.plain, dp_group, window_steps),
             }
             logger.log(step + 1, metrics)
             window_start, window_data_wait, window_steps = time.perf_counter(), 0.0, 0

@@ -42,14 +42,16 @@ class Curve:
     grad_norm: list[float]
 
 
-def run_pretrain(run_dir: Path, overrides: list[str], nproc: int, timeout: float = 300) -> Curve:
-    """Train through the CLI with `nproc` CPU ranks and return the logged curve."""
+def run_pretrain(
+    run_dir: Path, overrides: list[str], nproc: int, timeout: float = 300, recipe: str = "tiny"
+) -> Curve:
+    """Train `recipe` through the CLI with `nproc` CPU ranks and return the logged curve."""
     cmd = [
         sys.executable,
         "-m",
         "launcher",
         "--config-name",
-        "tiny",
+        recipe,
         *BASE_OVERRIDES,
         f"cluster.gpus_per_node={nproc}",
         f"run.dir={run_dir}",

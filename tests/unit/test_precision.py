@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 import models
@@ -16,6 +17,7 @@ from models.config import ModelConfig
 from parallel.materialize import materialize
 from parallel.precision import LossScaler, apply_precision
 from trainer.build import TrainState
+from trainer.faults import StepGuard
 from trainer.optim import build_optimizer
 from trainer.schedule import build_lr_scheduler
 from trainer.train import train_step
@@ -101,39 +103,50 @@ def batch(cfg: RecipeConfig, seed: int) -> list[tuple[torch.Tensor, torch.Tensor
     return [(tokens[:, :-1], tokens[:, 1:])]
 
 
-def test_an_overflowing_fp16_step_is_skipped_and_the_next_one_trains():
+@pytest.fixture
+def one_rank_group():
+    """A one-process gloo group: the step's fault guard agrees across ranks with a collective."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield StepGuard(max_bad_steps=3, device=torch.device("cpu"))
+    dist.destroy_process_group()
+
+
+def test_an_overflowing_fp16_step_is_skipped_and_the_next_one_trains(one_rank_group):
     # 2**40 times the loss: the gradient of one logit alone is about 2**40 / 64 tokens, far
     # beyond float16's largest value 65504, so the first backward must overflow.
     cfg = recipe(dtype="fp16", loss_scale_init=2.0**40, loss_scale_backoff=2.0**-30)
     state = build_state(cfg)
     before = copy.deepcopy(state.plain.state_dict())
 
-    _, norm = train_step(state, batch(cfg, 0), cfg, ONE_RANK, torch.device("cpu"))
-    assert not torch.isfinite(norm)
+    guard = one_rank_group
+    _, norm, bad, _ = train_step(state, batch(cfg, 0), cfg, ONE_RANK, torch.device("cpu"), guard)
+    assert not torch.isfinite(norm) and not bad  # an overflow is the scaler's, not a fault
     assert state.scaler.metrics() == {"loss_scale": 2.0**10, "skipped_steps": 1}
     after = state.plain.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
     assert state.optimizer.state == {}  # AdamW's moments and step count were not touched
     assert all(p.grad is None for p in state.plain.parameters())
 
-    _, norm = train_step(state, batch(cfg, 1), cfg, ONE_RANK, torch.device("cpu"))
+    _, norm, _, _ = train_step(state, batch(cfg, 1), cfg, ONE_RANK, torch.device("cpu"), guard)
     assert torch.isfinite(norm) and state.scaler.skipped_steps == 1
     assert any(not torch.equal(before[k], v) for k, v in state.plain.state_dict().items())
 
 
-def test_gradients_are_unscaled_before_the_norm_is_clipped():
+def test_gradients_are_unscaled_before_the_norm_is_clipped(one_rank_group):
     # Powers of two scale float16 exactly, so once unscaled the norm does not depend on the
     # scale (up to gradients that underflow at the smaller one).
     norms = []
     for scale in (2.0**4, 2.0**12):
         cfg = recipe(dtype="fp16", loss_scale_init=scale)
         cfg.optim.grad_clip = 1e-3  # clipping on: it must see the unscaled norm
-        _, norm = train_step(build_state(cfg), batch(cfg, 0), cfg, ONE_RANK, torch.device("cpu"))
+        _, norm, _, _ = train_step(
+            build_state(cfg), batch(cfg, 0), cfg, ONE_RANK, torch.device("cpu"), one_rank_group
+        )
         norms.append(norm.item())
     assert norms[0] == pytest.approx(norms[1], rel=1e-3)
     fp32 = recipe(dtype="fp32")
-    _, reference = train_step(
-        build_state(fp32), batch(fp32, 0), fp32, ONE_RANK, torch.device("cpu")
+    _, reference, _, _ = train_step(
+        build_state(fp32), batch(fp32, 0), fp32, ONE_RANK, torch.device("cpu"), one_rank_group
     )
     assert norms[1] == pytest.approx(reference.item(), rel=2e-2)
 

@@ -231,7 +231,16 @@ def test_valid_hybrid_sharding_interleaved_pipeline_and_tp_layout_passes():
 @pytest.mark.parametrize(
     ("overrides", "field", "what"),
     [
-        ({"parallel.ep": 2}, "parallel.ep", "expert parallelism"),
+        (
+            {"parallel.tp": 2, "parallel.zero": 0},
+            "parallel.zero",
+            "tensor parallelism with DDP or ZeRO-1 data parallelism",
+        ),
+        (
+            {"model.moe_experts": 4, "model.moe_top_k": 2, "parallel.pp": 2},
+            "parallel.pp",
+            "pipeline parallelism of a mixture-of-experts model",
+        ),
     ],
 )
 def test_layouts_the_trainer_cannot_run_fail_only_for_launch(overrides, field, what):

@@ -1,0 +1,82 @@
+"""Recipe rules for mixture-of-experts models and expert parallelism (no torch here)."""
+
+from __future__ import annotations
+
+from launcher.layout import divisors, or_list
+from launcher.schema import RecipeConfig
+
+MOE_ROUTERS = ("softmax", "sigmoid")
+
+
+def moe_layers_problem(policy: str, n_layers: int) -> str | None:
+    """Why `model.moe_layers` is not a policy for `n_layers` layers, or None when it is."""
+    name, sep, arg = policy.partition(":")
+    if name == "all" and not sep:
+        return None
+    if name not in ("every", "after") or not arg.isdigit():
+        return "not a layer policy"
+    if name == "every" and not 1 <= int(arg) <= n_layers:
+        return f"every:K needs 1 <= K <= n_layers={n_layers}"
+    if name == "after" and int(arg) >= n_layers:
+        return f"after:N leaves no MoE layer of {n_layers}"
+    return None
+
+
+def moe_problems(cfg: RecipeConfig, for_launch: bool) -> list[tuple[str, object, str, str]]:
+    """(field, value, reason, fix) for every MoE or expert-parallel rule `cfg` breaks.
+
+    ep > 1 on a dense model can be planned (the EP groups are shown) but not launched.
+    """
+    m, ep = cfg.model, cfg.parallel.ep
+    problems = []
+
+    def add(field: str, value: object, reason: str, fix: str) -> None:
+        problems.append((f"model.{field}" if "." not in field else field, value, reason, fix))
+
+    if m.moe_experts < 0:
+        add("moe_experts", m.moe_experts, "must be >= 0", "use 0 (dense) or the number of experts")
+        return problems
+    if m.moe_experts == 0:
+        if ep > 1 and for_launch:
+            add(
+                "parallel.ep",
+                ep,
+                "expert parallelism needs a mixture-of-experts model (model.moe_experts=0)",
+                "set parallel.ep=1, or model.moe_experts to a multiple of ep",
+            )
+        return problems
+    if m.moe_top_k < 1:
+        add("moe_top_k", m.moe_top_k, "every token needs at least one expert", "use k >= 1")
+    elif m.moe_top_k > m.moe_experts:
+        add(
+            "moe_top_k",
+            m.moe_top_k,
+            f"a token cannot pick more than the {m.moe_experts} experts there are",
+            f"use k <= {m.moe_experts}",
+        )
+    for f in ("moe_shared_experts", "moe_ffn_dim", "moe_aux_loss_coef", "moe_z_loss_coef"):
+        if getattr(m, f) < 0:
+            add(f, getattr(m, f), "must be >= 0", "use a value >= 0")
+    if m.moe_capacity_factor < 0:
+        add(
+            "moe_capacity_factor",
+            m.moe_capacity_factor,
+            "must be >= 0 (0 means dropless routing)",
+            "use 0 for dropless, or a factor such as 1.25",
+        )
+    if m.moe_router not in MOE_ROUTERS:
+        add(
+            "moe_router", m.moe_router, f"unknown router {m.moe_router!r}", "use softmax or sigmoid"
+        )
+    if m.n_layers >= 1:
+        reason = moe_layers_problem(m.moe_layers, m.n_layers)
+        if reason:
+            add("moe_layers", m.moe_layers, reason, "use all, every:K or after:N")
+    if ep >= 1 and m.moe_experts % ep:
+        add(
+            "parallel.ep",
+            ep,
+            f"{m.moe_experts} experts cannot be split evenly over {ep} ranks",
+            f"use a divisor of {m.moe_experts}: {or_list(divisors(m.moe_experts))}",
+        )
+    return problems

@@ -1,0 +1,51 @@
+"""Validation of mixture-of-experts fields and expert parallelism: each bad value, one message."""
+
+from __future__ import annotations
+
+import pytest
+
+from launcher.validate import validate
+from tests.unit.test_validate import configure, problems
+
+MOE = {"model.moe_experts": 8, "model.moe_top_k": 2, "cluster.gpus_per_node": 4}
+
+
+def test_a_moe_recipe_with_ep_dividing_experts_and_dp_is_valid_for_launch() -> None:
+    validate(configure({**MOE, "parallel.ep": 4}), for_launch=True)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "field", "message"),
+    [
+        (
+            {"parallel.ep": 3, "cluster.gpus_per_node": 6},
+            "parallel.ep",
+            "8 experts cannot be split evenly over 3",
+        ),
+        ({"parallel.ep": 8}, "parallel.ep", "dp=4 is not divisible by it"),
+        ({"model.moe_top_k": 9}, "model.moe_top_k", "cannot pick more than the 8 experts"),
+        ({"model.moe_top_k": 0}, "model.moe_top_k", "at least one expert"),
+        ({"model.moe_capacity_factor": -1.0}, "model.moe_capacity_factor", "0 means dropless"),
+        ({"model.moe_router": "relu"}, "model.moe_router", "unknown router"),
+        ({"model.moe_layers": "every:0"}, "model.moe_layers", "every:K needs 1 <= K"),
+        ({"model.moe_layers": "after:40"}, "model.moe_layers", "leaves no MoE layer"),
+        ({"model.moe_layers": "some"}, "model.moe_layers", "not a layer policy"),
+    ],
+)
+def test_bad_moe_value_is_refused_with_its_reason(overrides, field, message) -> None:
+    found = [p for p in problems(configure({**MOE, **overrides})) if p.field == field]
+    assert len(found) == 1
+    assert message in found[0].reason
+
+
+def test_expert_parallelism_of_a_dense_model_plans_but_does_not_launch() -> None:
+    cfg = configure({"parallel.ep": 2, "cluster.gpus_per_node": 2})
+    validate(cfg)
+    found = [p for p in problems(cfg, for_launch=True) if p.field == "parallel.ep"]
+    assert "needs a mixture-of-experts model" in found[0].reason
+
+
+def test_expert_parallelism_with_zero1_is_refused_for_launch() -> None:
+    cfg = configure({**MOE, "parallel.ep": 2, "parallel.zero": 1})
+    found = [p for p in problems(cfg, for_launch=True) if p.field == "parallel.zero"]
+    assert "expert parallelism with ZeRO-1" in found[0].reason

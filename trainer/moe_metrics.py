@@ -1,0 +1,47 @@
+"""Routing metrics of a mixture-of-experts model: expert load, dropped tokens, router losses.
+
+Counted since the last read, summed over the data-parallel ranks (every one routes its own
+tokens; tensor-parallel ranks route the same ones, so they are not summed), per step:
+
+- moe_tokens_per_expert_{min,max,mean}: assignments an expert received per step, over every
+  MoE layer's experts (mean = tokens x k / N; max / mean is the load imbalance);
+- moe_dropped_frac: the share of assignments dropped by the capacity limit;
+- moe_aux_loss, moe_z_loss: the unweighted load-balancing and z losses, averaged over MoE
+  layers and forwards (the balance loss is 1 when the load is even).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from models.moe import moe_modules
+
+
+def expert_load_metrics(
+    model: nn.Module, dp_group: dist.ProcessGroup | None, steps: int
+) -> dict[str, float]:
+    """The routing metrics of the last `steps` steps (empty for a dense model); resets them."""
+    layers = [m for m in moe_modules(model) if m.stats.totals is not None]
+    if not layers:
+        return {}
+    totals = torch.stack([m.stats.totals for m in layers])  # [layers, N + 3]
+    forwards = sum(m.stats.forwards for m in layers)
+    for m in layers:
+        m.stats.reset()
+    if dp_group is not None and dist.get_world_size(dp_group) > 1:
+        dist.all_reduce(totals, group=dp_group)
+        ranks = dist.get_world_size(dp_group)
+    else:
+        ranks = 1
+    routed = totals[:, :-3] / steps
+    assignments = totals[:, :-3].sum()
+    return {
+        "moe_tokens_per_expert_min": routed.min().item(),
+        "moe_tokens_per_expert_max": routed.max().item(),
+        "moe_tokens_per_expert_mean": routed.mean().item(),
+        "moe_dropped_frac": (totals[:, -3].sum() / assignments).item(),
+        "moe_aux_loss": (totals[:, -2].sum() / (forwards * ranks)).item(),
+        "moe_z_loss": (totals[:, -1].sum() / (forwards * ranks)).item(),
+    }

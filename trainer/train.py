@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 import warnings
 from pathlib import Path
@@ -51,14 +52,15 @@ def train_step(
     cfg: RecipeConfig,
     degrees: Degrees,
     device: torch.device,
-    guard: StepGuard,
+    guard: StepGuard | None = None,
     poison: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, bool, bool]:
     """One optimizer step over this rank's accumulation micro-batches.
 
     Returns this rank's mean loss, the global gradient norm (before clipping) and what all
     ranks agreed: (bad, stop). A bad step (non-finite loss or norm) applies no update, and
-    under fp16 neither does a step whose gradients overflowed (the scale backs off).
+    under fp16 neither does a step whose gradients overflowed (the scale backs off). Without
+    a `guard` (one-process tools and benchmarks) badness is decided locally and stop is False.
     """
     accum = len(micro_batches)
     loss_sum = torch.zeros((), device=device)
@@ -85,7 +87,7 @@ def train_step(
 def apply_gradients(
     state: TrainState,
     cfg: RecipeConfig,
-    guard: StepGuard,
+    guard: StepGuard | None,
     loss: torch.Tensor,
     extra_group: dist.ProcessGroup | None = None,
 ) -> tuple[torch.Tensor, bool, bool]:
@@ -99,7 +101,11 @@ def apply_gradients(
     norm = clip_grad_norm_(state.plain.parameters(), cfg.optim.grad_clip, extra_group)
     # An fp16 overflow is the loss scaler's to handle (back off and retry), not a fault.
     scaled_ok = state.scaler.update(norm)
-    bad, stop = guard.agree(loss, norm if scaled_ok else torch.zeros_like(norm))
+    checked = norm if scaled_ok else torch.zeros_like(norm)
+    if guard is None:
+        bad, stop = not bool(torch.isfinite(loss) and torch.isfinite(checked)), False
+    else:
+        bad, stop = guard.agree(loss, checked)
     if scaled_ok and not bad:
         state.optimizer.step()
         after_optimizer_step(state.plain, cfg.precision)
@@ -220,7 +226,8 @@ def run(cfg: RecipeConfig, rank: RankInfo) -> None:
             elapsed = time.perf_counter() - window_start
             _report_straggler(cfg, rank, step + 1, elapsed / window_steps)
             metrics = {
-                "loss": loss_value,
+                # Non-finite values are written as null: metrics.jsonl stays strict JSON.
+                "loss": loss_value if math.isfinite(loss_value) else None,
                 "lr": lr,
                 # An overflowed fp16 step has no norm; None keeps metrics.jsonl strict JSON.
                 "grad_norm": norm.item() if torch.isfinite(norm) else None,

@@ -165,13 +165,6 @@ def check_runnable(cfg: RecipeConfig) -> list[Problem]:
             "expert parallelism with ZeRO-1",
             "parallel.zero=0, 2 or 3",
         ),
-        (
-            "parallel.pp",
-            p.pp,
-            p.pp > 1 and cfg.model.moe_experts > 0,
-            "pipeline parallelism of a mixture-of-experts model",
-            "parallel.pp=1",
-        ),
     ]
     return [
         Problem(

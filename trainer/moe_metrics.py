@@ -1,7 +1,8 @@
 """Routing metrics of a mixture-of-experts model: expert load, dropped tokens, router losses.
 
 Counted since the last read, summed over the data-parallel ranks (every one routes its own
-tokens; tensor-parallel ranks route the same ones, so they are not summed), per step:
+tokens; tensor-parallel ranks route the same ones, so they are not summed) and gathered
+from the pipeline stages, per step:
 
 - moe_tokens_per_expert_{min,max,mean}: assignments an expert received per step, over every
   MoE layer's experts (mean = tokens x k / N; max / mean is the load imbalance);
@@ -20,16 +21,30 @@ from models.moe import moe_modules
 
 
 def expert_load_metrics(
-    model: nn.Module, dp_group: dist.ProcessGroup | None, steps: int
+    model: nn.Module,
+    dp_group: dist.ProcessGroup | None,
+    steps: int,
+    pp_group: dist.ProcessGroup | None = None,
 ) -> dict[str, float]:
-    """The routing metrics of the last `steps` steps (empty for a dense model); resets them."""
+    """The routing metrics of the last `steps` steps (empty for a dense model); resets them.
+
+    With `pp_group` (pipeline parallelism) each stage holds some of the layers, or none: the
+    stages' layers are gathered so every stage reports the whole model's, once.
+    """
     layers = [m for m in moe_modules(model) if m.stats.totals is not None]
-    if not layers:
-        return {}
-    totals = torch.stack([m.stats.totals for m in layers])  # [layers, N + 3]
+    rows = [m.stats.totals for m in layers]
     forwards = sum(m.stats.forwards for m in layers)
     for m in layers:
         m.stats.reset()
+    if pp_group is not None and dist.get_world_size(pp_group) > 1:
+        stages: list = [None] * dist.get_world_size(pp_group)
+        dist.all_gather_object(stages, ([r.cpu() for r in rows], forwards), group=pp_group)
+        device = next(model.parameters()).device
+        rows = [r.to(device) for stage_rows, _ in stages for r in stage_rows]
+        forwards = sum(count for _, count in stages)
+    if not rows:
+        return {}
+    totals = torch.stack(rows)  # [layers, N + 3]
     if dp_group is not None and dist.get_world_size(dp_group) > 1:
         dist.all_reduce(totals, group=dp_group)
         ranks = dist.get_world_size(dp_group)

@@ -6,8 +6,12 @@ them) are concatenated and the schedule splits them into `parallel.pp_microbatch
 parts (by default the accumulation count, so the micro-batches are the same). The loss runs
 on the last stage, divided by the micro-batch count as accumulation does; the mean loss is
 summed over the pipeline group so every stage, rank 0 included, reports the last stage's.
-Gradient norms are summed over stages. MFU needs nothing special: model FLOPs per token
-are the same, and the bubble is in the measured step time, so it never counts as work.
+Gradient norms are summed over stages. A mixture-of-experts stage attaches its router
+losses to its output (`parallel/pipeline_moe.py`), so they join the objective of the
+micro-batch that produced them; the reported loss is the LM loss alone, as in the plain
+step, and expert gradients are reduced over their data-parallel ranks before clipping.
+MFU needs nothing special: model FLOPs per token are the same, and the bubble is in the
+measured step time, so it never counts as work.
 """
 
 from __future__ import annotations
@@ -19,8 +23,10 @@ import torch.nn.functional as F
 from launcher.layout import Degrees, grad_accum_steps
 from launcher.schema import RecipeConfig
 from parallel.data import uses_fsdp
+from parallel.expert import reduce_expert_grads
 from parallel.mesh import JobMesh
 from parallel.pipeline import build_schedule, in_context, stage_indices
+from parallel.pipeline_moe import attach_router_losses
 from parallel.precision import forward_context
 from parallel.tensor import local_value, vocab_parallel_loss
 from trainer.build import TrainState
@@ -50,6 +56,7 @@ class PipelineStep:
         for chunk in state.model:
             inner = getattr(chunk, "module", chunk)  # inside DDP, which calls it
             in_context(inner, lambda: forward_context(cfg.precision, device, weights_cast))
+            attach_router_losses(inner, self._term_weight)
         self.schedule = build_schedule(
             list(state.model),
             stages,
@@ -59,6 +66,11 @@ class PipelineStep:
             self.group,
             device,
         )
+
+    def _term_weight(self) -> torch.Tensor:
+        # The gradient a term of one micro-batch's objective carries, as `_loss` scales it.
+        one = torch.ones((), device=self.device)
+        return self.state.scaler.scale_loss(one / self.n_microbatches)
 
     def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
@@ -80,6 +92,7 @@ class PipelineStep:
         self.losses = []
         with vocab_parallel_loss(enabled=self.degrees.tp > 1):
             self.schedule.step(*args, target=targets if self.has_last else None)
+        reduce_expert_grads(self.state.plain)
         loss = torch.zeros((), device=self.device)
         if self.has_last:
             # The first step's shape inference calls the loss function once more, first.

@@ -143,6 +143,7 @@ def run(cfg: RecipeConfig, rank: RankInfo) -> None:
         from trainer.pipeline_step import PipelineStep
 
         pipeline = PipelineStep(state, cfg, degrees, mesh, rank.device)
+    moe_pp_group = pipeline.group if pipeline is not None and cfg.model.moe_experts else None
     dataset = prepare_dataset(cfg.data, vocab_size=cfg.model.vocab_size, seq_len=cfg.train.seq_len)
     sampler = GlobalBatchSampler(len(dataset), cfg.train.global_batch, cfg.seed)
     loader = DataLoader(
@@ -237,7 +238,7 @@ def run(cfg: RecipeConfig, rank: RankInfo) -> None:
                 "mem_peak_gib": peak_memory_gib(rank.device),
                 **state.scaler.metrics(),
                 "skipped_steps": guard.skipped + state.scaler.skipped_steps,
-                **expert_load_metrics(state.plain, dp_group, window_steps),
+                **expert_load_metrics(state.plain, dp_group, window_steps, moe_pp_group),
             }
             logger.log(step + 1, metrics)
             window_start, window_data_wait, window_steps = time.perf_counter(), 0.0, 0

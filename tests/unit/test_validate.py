@@ -237,9 +237,9 @@ def test_valid_hybrid_sharding_interleaved_pipeline_and_tp_layout_passes():
             "tensor parallelism with DDP or ZeRO-1 data parallelism",
         ),
         (
-            {"model.moe_experts": 4, "model.moe_top_k": 2, "parallel.pp": 2},
-            "parallel.pp",
-            "pipeline parallelism of a mixture-of-experts model",
+            {"model.moe_experts": 4, "model.moe_top_k": 2, "parallel.ep": 2, "parallel.zero": 1},
+            "parallel.zero",
+            "expert parallelism with ZeRO-1",
         ),
     ],
 )
@@ -255,3 +255,11 @@ def test_layouts_the_trainer_cannot_run_fail_only_for_launch(overrides, field, w
 
 def test_plain_data_parallel_layout_is_runnable():
     assert check_runnable(configure({"parallel.zero": 3})) == []
+
+
+def test_pipelined_mixture_of_experts_with_expert_parallelism_is_runnable():
+    cfg = configure(
+        {"model.moe_experts": 4, "model.moe_top_k": 2, "parallel.pp": 2, "parallel.ep": 2}
+    )
+    validate(cfg)
+    assert check_runnable(cfg) == []

@@ -161,6 +161,14 @@ def check_runnable(cfg: RecipeConfig) -> list[Problem]:
         (
             "parallel.zero",
             p.zero,
+            # DDP's reducer asserts on the second step when a pipeline schedule drives it.
+            p.pp > 1 and p.zero < 2 and replicas,
+            "pipeline parallelism with DDP or ZeRO-1 data parallelism",
+            "parallel.zero=2 or 3 (FSDP2 composes with PP)",
+        ),
+        (
+            "parallel.zero",
+            p.zero,
             p.ep > 1 and p.zero == 1,
             "expert parallelism with ZeRO-1",
             "parallel.zero=0, 2 or 3",

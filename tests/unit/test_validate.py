@@ -237,6 +237,11 @@ def test_valid_hybrid_sharding_interleaved_pipeline_and_tp_layout_passes():
             "tensor parallelism with DDP or ZeRO-1 data parallelism",
         ),
         (
+            {"parallel.pp": 2, "parallel.zero": 1},
+            "parallel.zero",
+            "pipeline parallelism with DDP or ZeRO-1 data parallelism",
+        ),
+        (
             {"model.moe_experts": 4, "model.moe_top_k": 2, "parallel.ep": 2, "parallel.zero": 1},
             "parallel.zero",
             "expert parallelism with ZeRO-1",
@@ -259,7 +264,13 @@ def test_plain_data_parallel_layout_is_runnable():
 
 def test_pipelined_mixture_of_experts_with_expert_parallelism_is_runnable():
     cfg = configure(
-        {"model.moe_experts": 4, "model.moe_top_k": 2, "parallel.pp": 2, "parallel.ep": 2}
+        {
+            "model.moe_experts": 4,
+            "model.moe_top_k": 2,
+            "parallel.pp": 2,
+            "parallel.ep": 2,
+            "parallel.zero": 2,
+        }
     )
     validate(cfg)
     assert check_runnable(cfg) == []

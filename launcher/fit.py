@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 from launcher import hardware
 from launcher.layout import grad_accum_steps, resolve_degrees
-from launcher.memory import GIB, MemoryBreakdown, memory_breakdown
+from launcher.memory import GIB, MemoryBreakdown, peak_breakdown
 from launcher.schema import RecipeConfig
 
 
@@ -23,9 +23,10 @@ def device_memory_gib(cfg: RecipeConfig) -> float | None:
 
 
 def predict(cfg: RecipeConfig) -> MemoryBreakdown:
-    """The peak breakdown per rank of a recipe whose layout resolves."""
+    """The peak breakdown per rank of a recipe whose layout resolves (under pipeline
+    parallelism, of the pipeline rank with the largest peak)."""
     micro = cfg.parallel.pp_microbatches or grad_accum_steps(cfg)
-    return memory_breakdown(cfg, resolve_degrees(cfg), micro)
+    return peak_breakdown(cfg, resolve_degrees(cfg), micro)
 
 
 def _variants(cfg: RecipeConfig) -> list[tuple[str, Callable[[RecipeConfig], None]]]:

@@ -18,6 +18,13 @@ The trainer's bookkeeping (stated, because it differs from the ZeRO paper's):
   block unsharded from its forward to its backward, ZeRO-3 one block plus the prefetched
   next; the root's embedding, final norm and head stay unsharded through the step).
   Gradient accumulation without sync keeps FP32 unsharded gradients between micro-batches.
+- TP: RMSNorm weights stay replicated; column-wise projections keep their all-gathered
+  input under SP; the vocab-parallel loss keeps one more FP32 logits shard.
+- PP: each pipeline rank is modelled apart (its layers, the embedding on the first, the
+  head and the logits of every micro-batch in flight on the last, the stage's output kept
+  until its backward elsewhere); under 1F1B gradients exist from the first backward on, so
+  the steady state's peak holds them; GPipe's peak is its first backward, without them.
+  `peak_breakdown` is the largest rank's, which the plan and the fit check use.
 
 `textbook_model_states` keeps the ZeRO paper's figures (2 + 2 + K bytes per parameter) as
 the reference the unit tests cross-check; `korthikanti_layer_activations` the per-layer
@@ -29,6 +36,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from launcher.layout import Degrees
+from launcher.pipeline_chart import warmup
 from launcher.schema import RecipeConfig
 from launcher.stages import rank_layer_count
 from models.config import ModelConfig
@@ -162,48 +170,70 @@ def head_activations(
     return s * b * (norm + m.dim * (compute if casts else residual))
 
 
-def in_flight(schedule: str, pp: int, microbatches: int, vpp: int = 1) -> float:
-    """Micro-batches whose activations the first pipeline stage holds at its peak.
+def in_flight(schedule: str, pp: int, microbatches: int, vpp: int = 1, rank: int = 0) -> float:
+    """Micro-batches whose activations pipeline rank `rank` holds at its peak.
 
-    1F1B: p - s on stage s, so p on the first; GPipe: all m; interleaved 1F1B: p + (p-1)/v
-    stage-sized micro-batches (each chunk holds 1/v of the stage's layers).
+    The schedule's warm-up forwards plus the one before its first backward: 1F1B p - r on
+    rank r (p on the first); GPipe all m; interleaved 1F1B p + (p - 1 - 2r)/v stage-sized
+    micro-batches (each chunk holds 1/v of the rank's layers).
     """
     if pp == 1:
         return 1.0
     if schedule == "gpipe":
         return float(microbatches)
-    if schedule == "interleaved_1f1b":
-        return pp + (pp - 1) / vpp
-    return float(min(microbatches, pp))
+    chunks = vpp if schedule == "interleaved_1f1b" else 1
+    held = min(warmup(schedule, pp, microbatches, rank, chunks) + 1, microbatches * chunks)
+    return held / chunks
 
 
-def stage_params(cfg: RecipeConfig) -> tuple[int, int, int]:
-    """(blocks' params, root params, blocks) of the first pipeline stage (embedding side).
+def stage_params(cfg: RecipeConfig, pp_rank: int = 0) -> tuple[int, int, int]:
+    """(blocks' params, root params, blocks) of pipeline rank `pp_rank`.
 
-    The root holds the embedding, and on a single stage the final norm and head too.
+    The root holds the embedding on the first rank, the final norm and head on the last.
     """
     counts = count_params(cfg.model)
     p = cfg.parallel
-    blocks = rank_layer_count(cfg.model.n_layers, p.pp, p.vpp, p.pp_layers)
-    root = counts.embedding + (counts.final_norm + counts.lm_head if cfg.parallel.pp == 1 else 0)
+    blocks = rank_layer_count(cfg.model.n_layers, p.pp, p.vpp, p.pp_layers, pp_rank)
+    root = counts.embedding if pp_rank == 0 else 0
+    root += counts.final_norm + counts.lm_head if pp_rank == p.pp - 1 else 0
     # MoE layers are spread evenly over the stages (exact with one stage).
     return counts.layers * blocks // cfg.model.n_layers, root, blocks
 
 
-def memory_breakdown(cfg: RecipeConfig, degrees: Degrees, microbatches: int) -> MemoryBreakdown:
-    """Peak bytes per rank of the first pipeline stage under `cfg`, by category."""
+def peak_breakdown(cfg: RecipeConfig, degrees: Degrees, microbatches: int) -> MemoryBreakdown:
+    """The breakdown of the pipeline rank with the largest peak (the only one without PP)."""
+    ranks = [memory_breakdown(cfg, degrees, microbatches, r) for r in range(degrees.pp)]
+    return max(ranks, key=lambda b: b.total)
+
+
+def memory_breakdown(
+    cfg: RecipeConfig, degrees: Degrees, microbatches: int, pp_rank: int = 0
+) -> MemoryBreakdown:
+    """Peak bytes per rank of pipeline rank `pp_rank` under `cfg`, by category."""
     t, n = degrees.tp, degrees.dp
     dtype = cfg.precision.dtype
     compute = COMPUTE_BYTES[dtype]
     fsdp = cfg.parallel.zero >= 2 and n > 1
     ddp = not fsdp and n > 1
-    accum = microbatches if degrees.pp == 1 else 1
-    block_params, root_params, blocks = stage_params(cfg)
+    last = pp_rank == degrees.pp - 1
+    flight = in_flight(
+        cfg.parallel.pp_schedule, degrees.pp, microbatches, cfg.parallel.vpp, pp_rank
+    )
+    # Gradients live from a micro-batch's backward to the step: at the peak when accumulation
+    # runs micro-batches one after another, or when a pipeline's steady state runs a forward
+    # after its first backward (not under GPipe, whose first backward is its peak).
+    if degrees.pp == 1:
+        accum = microbatches
+    else:
+        accum = microbatches if cfg.parallel.pp_schedule != "gpipe" and microbatches > flight else 1
+    block_params, root_params, blocks = stage_params(cfg, pp_rank)
     # Routed experts: split over ep, not over tp, and outside ZeRO (parallel/expert.py).
     experts = count_params(cfg.model).experts * blocks // cfg.model.n_layers if blocks else 0
     block_params -= experts
     expert_local = experts / degrees.ep
-    local = (block_params + root_params) / t
+    # RMSNorm weights are replicated over tp; every other weight is split.
+    norms = 2 * cfg.model.dim * blocks + (cfg.model.dim if last else 0)
+    local = (block_params + root_params - norms) / t + norms
     per_block = block_params / blocks / t if blocks else 0.0
     moments = MOMENTS[cfg.optim.name] if cfg.optim.name != "sgd" or cfg.optim.momentum else 0
     notes: dict[str, str] = {}
@@ -213,6 +243,8 @@ def memory_breakdown(cfg: RecipeConfig, degrees: Degrees, microbatches: int) -> 
     rope = 2 * m.max_seq_len * (m.head_dim // 2) * 4
     params = 4 * local / shard + rope
     notes["params"] = f"FP32 {'sharded over dp' if fsdp else 'replicated'}, + rotary tables"
+    if degrees.pp > 1:
+        notes["params"] += f", pipeline rank {pp_rank} of {degrees.pp}"
     opt_shard = n if fsdp else (degrees.dp_shard if cfg.parallel.zero == 1 else 1)
     optimizer = 4 * moments * local / opt_shard
     notes["optimizer"] = f"{moments} FP32 moment(s)/param" + (
@@ -249,22 +281,28 @@ def memory_breakdown(cfg: RecipeConfig, degrees: Degrees, microbatches: int) -> 
         notes["transients"] = notes.get("transients", "") + " + DDP's accumulation buffer"
 
     s, b, v = cfg.train.seq_len, cfg.train.micro_batch, cfg.model.vocab_size
-    # At the start of backward: the logits, the FP32 log-softmax kept for backward, its
-    # gradient and the gradient of the logits (in FP32 before the cast back).
-    logits = s * b * v / t * (compute + 12) if degrees.pp == 1 else 0.0
-    notes["logits"] = "logits, log-softmax, 2 FP32 gradients" if logits else "on the last stage"
-    activations, recomputed_block, act_note = _activations(
-        cfg, degrees, microbatches, compute, fsdp
+    # Per micro-batch in flight the last stage keeps the logits and the FP32 log-softmax
+    # (the vocab-parallel loss one more FP32 shard); the start of backward adds its gradient
+    # and the gradient of the logits (in FP32 before the cast back).
+    kept_logits = s * b * v / t * (compute + 4 + (4 if t > 1 else 0)) if last else 0.0
+    logit_grads = s * b * v / t * 8 if last else 0.0
+    logits = flight * kept_logits + logit_grads
+    notes["logits"] = (
+        "logits, log-softmax, 2 FP32 gradients"
+        + (f", x{flight:g} in flight" if flight != 1 else "")
+        if last
+        else "on the last stage"
     )
-    # A block recomputed in backward materializes its activations after the logits' buffers
-    # are gone: the peak holds the larger of the two.
-    # A block recomputed in backward materializes its activations after the logits' buffers
-    # are gone (under ZeRO-3 with that block and the prefetched next unsharded, and the
-    # block's unsharded FP32 gradients): the peak holds the larger of the two moments.
+    activations, recomputed_block, act_note = _activations(cfg, degrees, flight, pp_rank, fsdp)
+    # Later in backward the logits' buffers are gone and a block's backward holds its
+    # gradient temporaries (and, recomputed, its activations again; under ZeRO-3 that block
+    # and the prefetched next unsharded, and the block's unsharded FP32 gradients): the
+    # peak holds the larger of the two moments.
     block_work = 2 * compute * per_block + 4 * per_block if fsdp and cfg.parallel.zero == 3 else 0
-    if recomputed_block and recomputed_block + block_work > logits:
-        activations += recomputed_block + block_work - logits
-        act_note += ", + one block recomputing in backward"
+    backward = recomputed_block + block_work + _block_backward(cfg, degrees, compute, fsdp)
+    if blocks and backward > kept_logits + logit_grads:
+        activations += backward - kept_logits - logit_grads
+        act_note += ", + one block's backward" + (" recomputing" if recomputed_block else "")
     notes["activations"] = act_note
 
     if expert_local:
@@ -289,17 +327,30 @@ def memory_breakdown(cfg: RecipeConfig, degrees: Degrees, microbatches: int) -> 
     return MemoryBreakdown(*chosen, framework=framework, peak_phase=phase, notes=notes)
 
 
+def _residual_bytes(cfg: RecipeConfig, fsdp: bool) -> int:
+    # Autocast leaves the residual stream in FP32; FSDP's BF16 parameters keep it BF16.
+    return 4 if cfg.precision.dtype == "fp32" or not fsdp else COMPUTE_BYTES[cfg.precision.dtype]
+
+
+def _block_backward(cfg: RecipeConfig, degrees: Degrees, compute: int, fsdp: bool) -> float:
+    """Gradient temporaries of a block's MLP backward: the incoming residual gradient and
+    three hidden-wide gradients (of w2's input and of the gate and up outputs)."""
+    t, sp = degrees.tp, cfg.parallel.sp
+    per_token = _residual_bytes(cfg, fsdp) * cfg.model.dim / (t if sp else 1)
+    per_token += 3 * compute * mlp_width(cfg.model) / t
+    return cfg.train.seq_len * cfg.train.micro_batch * per_token
+
+
 def _activations(
-    cfg: RecipeConfig, degrees: Degrees, microbatches: int, compute: int, fsdp: bool
+    cfg: RecipeConfig, degrees: Degrees, flight: float, pp_rank: int, fsdp: bool
 ) -> tuple[float, float, str]:
-    """Saved activations on the first stage at the end of forward, one recomputed block's
-    activations (0 without recompute), and how they were counted."""
+    """Saved activations of pipeline rank `pp_rank` with `flight` micro-batches in flight,
+    one recomputed block's activations (0 without recompute), and how they were counted."""
     m, t, sp = cfg.model, degrees.tp, cfg.parallel.sp
     s, b = cfg.train.seq_len, cfg.train.micro_batch
-    # Autocast leaves the residual stream in FP32; FSDP's BF16 parameters keep it BF16.
-    residual = 4 if cfg.precision.dtype == "fp32" or not fsdp else compute
+    compute, residual = COMPUTE_BYTES[cfg.precision.dtype], _residual_bytes(cfg, fsdp)
     p = cfg.parallel
-    blocks = rank_layer_count(m.n_layers, p.pp, p.vpp, p.pp_layers)
+    blocks = rank_layer_count(m.n_layers, p.pp, p.vpp, p.pp_layers, pp_rank)
     policy, every = cfg.recompute.policy, cfg.recompute.every
     whole = llama_block_activations(m, s, b, compute, residual, t, sp, "none")
     if policy == "selective":
@@ -314,9 +365,12 @@ def _activations(
     else:
         stage = blocks * whole
         note = "every block's saved tensors"
-    flight = in_flight(cfg.parallel.pp_schedule, degrees.pp, microbatches, cfg.parallel.vpp)
-    if degrees.pp == 1:
+    if pp_rank == degrees.pp - 1:
         stage += head_activations(m, s, b, compute, residual, t, sp)
+    else:
+        # The stage's output, kept by the schedule from its send until its backward.
+        stage += s * b * m.dim * residual / (t if sp else 1)
+        note += ", + the stage's output"
     if flight != 1:
         note += f", x{flight:g} micro-batches in flight"
     return stage * flight, whole if policy != "none" else 0.0, note

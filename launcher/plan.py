@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from launcher import hardware, pipeline_chart
 from launcher.layout import Degrees, grad_accum_steps, rank_groups, resolve_degrees
-from launcher.memory import MemoryBreakdown, memory_breakdown
+from launcher.memory import MemoryBreakdown, peak_breakdown
 from launcher.precision import peak_dtype
 from launcher.schema import OptimConfig, RecipeConfig
 from launcher.tp_comm import TPComm, tp_communication
@@ -143,7 +143,7 @@ def make_plan(cfg: RecipeConfig) -> Plan:
         step_time_s=step_time,
         tokens_per_s=tokens / step_time if step_time else None,
     )
-    plan.memory = memory_breakdown(cfg, degrees, micro)
+    plan.memory = peak_breakdown(cfg, degrees, micro)
     plan.assumptions = _assumptions(cfg)
     plan.tp_comm = tp_communication(cfg, degrees)
     if degrees.pp > 1:

@@ -26,7 +26,7 @@ from launcher import hardware
 from launcher.cost import StepCost, assumptions, step_cost
 from launcher.fit import device_memory_gib
 from launcher.layout import Degrees, divisors
-from launcher.memory import GIB, MemoryBreakdown, memory_breakdown
+from launcher.memory import GIB, MemoryBreakdown, peak_breakdown
 from launcher.schema import RecipeConfig
 from models.flops import flops_per_token
 
@@ -215,7 +215,7 @@ def search(cfg: RecipeConfig, top: int | None = None) -> Search:
         candidate = layout.apply(cfg)
         degrees = degrees_of(layout, cfg)
         micro_batches = cfg.train.global_batch // (layout.micro_batch * degrees.dp)
-        memory = memory_breakdown(candidate, degrees, micro_batches)
+        memory = peak_breakdown(candidate, degrees, micro_batches)
         if memory.total_gib > limit * (1 - HEADROOM):
             if smallest is None or memory.total_gib < smallest[0]:
                 smallest = (memory.total_gib, layout)

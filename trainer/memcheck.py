@@ -33,15 +33,16 @@ from trainer.train import train_step
 
 
 class _StepTracker(MemTracker):
-    """MemTracker that accepts the root module's forward once per accumulation micro-batch.
+    """MemTracker that accepts a root module's forward once per accumulation micro-batch.
 
     MemTracker's module statistics are per iteration and it refuses a second forward of
-    the root; only the device-wide peak is used here, so the module stats are reset.
+    a root; only the device-wide peak is used here, so the module stats are reset. Under
+    pipeline parallelism the roots are the rank's stage chunks, which the schedule calls.
     """
 
-    def __init__(self, root: nn.Module) -> None:
+    def __init__(self, roots: list[nn.Module]) -> None:
         super().__init__()
-        self._root = root
+        self._roots = roots
         self.peak_phase = ""
         self.peak_modules: list[str] = []
 
@@ -60,7 +61,8 @@ class _StepTracker(MemTracker):
         super()._update_peak_stats(peak_state)
 
     def _pre_fw_hook(self, module: nn.Module, inputs) -> None:
-        if module is self._root and module in self.memory_tracking and not self._mod_tracker.is_bw:
+        root = any(module is r for r in self._roots)
+        if root and module in self.memory_tracking and not self._mod_tracker.is_bw:
             self.reset_mod_stats()
         super()._pre_fw_hook(module, inputs)
 
@@ -91,23 +93,41 @@ def measure(cfg: RecipeConfig) -> dict:
             for _ in range(grad_accum_steps(cfg))
         ]
 
-    train_step(state, batches(), cfg, degrees, device)
-    tracked = state.model
-    tracker = _StepTracker(tracked)
-    tracker.track_external(tracked, state.optimizer)
+    if degrees.pp > 1:
+        # Each rank runs its stage's part of the schedule; the first step also infers shapes.
+        from trainer.pipeline_step import PipelineStep
+
+        pipeline = PipelineStep(state, cfg, degrees, mesh, device)
+
+        def step(micro_batches: list) -> None:
+            pipeline.step(micro_batches, None)
+
+        roots = list(state.model)
+    else:
+
+        def step(micro_batches: list) -> None:
+            train_step(state, micro_batches, cfg, degrees, device)
+
+        roots = [state.model]
+
+    step(batches())
+    tracker = _StepTracker(roots)
+    tracker.track_external(state.model, state.optimizer)
     inner = getattr(state.optimizer, "optim", None)  # ZeroRedundancyOptimizer's local one
     if inner is not None:
         tracker.track_external(inner)
     step_batches = batches()
     with tracker:
-        train_step(state, step_batches, cfg, degrees, device)
+        step(step_batches)
     peak = next(iter(tracker.get_tracker_snapshot("peak").values()))
     by_name = {str(getattr(key, "value", key)): value for key, value in peak.items()}
-    buckets = _ddp_bucket_bytes(state.model)
+    chunks = list(state.model) if degrees.pp > 1 else [state.model]
+    buckets = sum(_ddp_bucket_bytes(chunk) for chunk in chunks)
     # MemTracker counts FSDP's unsharded parameters as parameters too: "params" here is what
     # the rank keeps (its local shards and buffers), the unsharded copies go to "other".
-    resident = sum(_local(p).untyped_storage().nbytes() for p in state.plain.parameters())
-    resident += sum(b.untyped_storage().nbytes() for b in state.plain.buffers())
+    # From the wrapped model: under pipeline parallelism the stage view holds no buffers.
+    resident = sum(_local(p).untyped_storage().nbytes() for p in state.model.parameters())
+    resident += sum(b.untyped_storage().nbytes() for b in state.model.buffers())
     tracked = by_name.get("Parameter", 0) + by_name.get("Buffer", 0)
     other = sum(by_name.get(k, 0) for k in ("Activation", "Temp", "Other")) + tracked - resident
     return {
@@ -119,6 +139,8 @@ def measure(cfg: RecipeConfig) -> dict:
         "total": by_name["Total"] + buckets,
         "peak_phase": tracker.peak_phase,
         "peak_modules": tracker.peak_modules,
+        "pp_rank": mesh.world["pp"].get_local_rank(),
+        "tracked": by_name,
     }
 
 

@@ -91,7 +91,10 @@ class PipelineStep:
         args = (inputs,) if self.has_first else ()
         self.losses = []
         with vocab_parallel_loss(enabled=self.degrees.tp > 1):
-            self.schedule.step(*args, target=targets if self.has_last else None)
+            # The last stage's outputs (the logits) are not merged and kept to the step's end.
+            self.schedule.step(
+                *args, target=targets if self.has_last else None, return_outputs=False
+            )
         reduce_expert_grads(self.state.plain)
         loss = torch.zeros((), device=self.device)
         if self.has_last:

@@ -1,9 +1,33 @@
 """The planner's peak memory per rank against a measured training step of the tiny model.
 
 Each layout trains through `python -m trainer.memcheck` under torchrun (the trainer's own
-build and step, tracked by MemTracker); the prediction comes from launcher.memory. The
-total must be within 10%; the error per category is printed (pytest -s) for the record.
-New layouts (TP, PP, MoE) are one entry each in LAYOUTS.
+build and step, tracked by MemTracker; under pipeline parallelism each rank runs its stage's
+part of the schedule); the prediction comes from launcher.memory for the measuring rank's
+pipeline stage. The total must be within 10%; the error per category is printed in a table
+(pytest -s, and in the failure message). Measured on the 2-core CPU machine, torch 2.13
+(model minus measured, over measured; "other" is activations, transients and logits):
+
+| layout | rank | params | grads | optimizer | other | total |
+| --- | --- | --- | --- | --- | --- | --- |
+| ddp | 0 | +0.0% | +0.0% | -0.0% | -0.0% | -0.0% |
+| zero1 | 0 | +0.0% | +0.0% | -0.2% | -0.0% | -0.0% |
+| zero2 | 0 | +0.0% | +0.0% | -0.0% | -0.0% | -0.0% |
+| zero3 | 0 | +0.0% | +0.0% | -0.0% | -0.0% | -0.0% |
+| zero3_full_recompute | 0 | +0.0% | +10.3% | -0.0% | -0.1% | +2.0% |
+| ddp_selective_recompute | 0 | +0.0% | +0.0% | -0.0% | -0.1% | -0.0% |
+| tp2 | 0 | +0.0% | -11.1% | -0.0% | -0.5% | -1.6% |
+| tp2_sp | 0 | +0.0% | -11.1% | -0.0% | -0.6% | -1.7% |
+| pp2_1f1b | 0 | +0.0% | +0.0% | -0.0% | -0.3% | -0.2% |
+| pp2_1f1b | 1 | +0.0% | +0.0% | -0.0% | -5.2% | -2.8% |
+| pp2_gpipe | 0 | +0.0% | -100.0% | -0.0% | +1.5% | +0.5% |
+| pp2_gpipe | 1 | +0.0% | - | -0.0% | -0.1% | -0.1% |
+| moe_ep2 | 0 | +0.0% | +0.0% | -0.0% | +3.9% | +1.6% |
+
+Left unmodelled: under TP the peak (in the head's backward, accumulating) also holds that
+micro-batch's fresh LM-head gradient (the -11% of grads); GPipe's peak is in its first
+backward, with the last block's first weight gradients already there (measured 48 KiB,
+modelled as none); ZeRO-3 with full recompute holds fewer unsharded gradients at its peak
+than modelled; the 1F1B last stage holds ~0.1 MiB more than its counted tensors.
 """
 
 from __future__ import annotations
@@ -16,11 +40,23 @@ import sys
 import pytest
 
 from launcher.fit import predict
+from launcher.layout import grad_accum_steps, resolve_degrees
+from launcher.memory import memory_breakdown
 from launcher.schema import RecipeConfig, dump_config
 
 pytestmark = pytest.mark.distributed
 
 TOLERANCE = 0.10
+CATEGORIES = ("params", "grads", "optimizer", "other", "total")
+# The tiny_moe recipe's mixture (recipes/model/tiny_moe.yaml) on the tiny shape.
+MOE = {
+    "model.moe_experts": 8,
+    "model.moe_top_k": 2,
+    "model.moe_shared_experts": 1,
+    "model.moe_ffn_dim": 128,
+    "model.moe_layers": "after:1",
+    "model.moe_z_loss_coef": 0.001,
+}
 LAYOUTS = [
     ("ddp", {"parallel.zero": 0}),
     ("zero1", {"parallel.zero": 1}),
@@ -28,6 +64,11 @@ LAYOUTS = [
     ("zero3", {"parallel.zero": 3}),
     ("zero3_full_recompute", {"parallel.zero": 3, "recompute.policy": "full"}),
     ("ddp_selective_recompute", {"recompute.policy": "selective"}),
+    ("tp2", {"parallel.tp": 2}),
+    ("tp2_sp", {"parallel.tp": 2, "parallel.sp": True}),
+    ("pp2_1f1b", {"parallel.pp": 2, "parallel.pp_schedule": "1f1b"}),
+    ("pp2_gpipe", {"parallel.pp": 2, "parallel.pp_schedule": "gpipe"}),
+    ("moe_ep2", {**MOE, "parallel.ep": 2}),
 ]
 
 
@@ -43,6 +84,32 @@ def tiny_recipe(overrides: dict, nproc: int = 2) -> RecipeConfig:
     return cfg
 
 
+def predicted_by_stage(cfg: RecipeConfig) -> dict[int, dict[str, float]]:
+    """The model's categories for each pipeline rank, named as the measurement names them."""
+    degrees = resolve_degrees(cfg)
+    micro = cfg.parallel.pp_microbatches or grad_accum_steps(cfg)
+    stages = {}
+    for rank in range(degrees.pp):
+        b = memory_breakdown(cfg, degrees, micro, rank)
+        other = b.activations + b.transients + b.logits
+        stages[rank] = dict(
+            zip(CATEGORIES, (b.params, b.grads, b.optimizer, other, b.total), strict=True)
+        )
+    return stages
+
+
+def error_table(label: str, rows: dict[int, tuple[dict, dict]]) -> str:
+    """Markdown rows: model minus measured over measured, per category, per pipeline rank."""
+    lines = []
+    for rank, (predicted, measured) in sorted(rows.items()):
+        cells = [
+            f"{(predicted[k] - measured[k]) / measured[k]:+.1%}" if measured[k] else "-"
+            for k in CATEGORIES
+        ]
+        lines.append(f"| {label} | {rank} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 @pytest.mark.parametrize(("label", "overrides"), LAYOUTS, ids=[label for label, _ in LAYOUTS])
 def test_predicted_peak_is_within_10_percent_of_the_measured_step(tmp_path, label, overrides):
     cfg = tiny_recipe(overrides)
@@ -53,15 +120,16 @@ def test_predicted_peak_is_within_10_percent_of_the_measured_step(tmp_path, labe
     env = dict(os.environ, OMP_NUM_THREADS="1")
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
-    measured = max(json.loads(out.read_text()), key=lambda rank: rank["total"])
-    b = predict(cfg)
-    predicted = {
-        "params": b.params,
-        "grads": b.grads,
-        "optimizer": b.optimizer,
-        "other": b.activations + b.transients + b.logits,
-        "total": b.total,
-    }
-    errors = {k: (v - measured[k]) / measured[k] for k, v in predicted.items() if measured[k]}
-    print(f"{label}: " + ", ".join(f"{k} {e:+.1%}" for k, e in errors.items()))
-    assert abs(errors["total"]) <= TOLERANCE, (label, predicted, measured)
+    stages = predicted_by_stage(cfg)
+    rows = {}
+    for rank in json.loads(out.read_text()):
+        stage = rank["pp_rank"]
+        if stage not in rows or rank["total"] > rows[stage][1]["total"]:
+            rows[stage] = (stages[stage], rank)
+    table = error_table(label, rows)
+    print("\n" + table)
+    for predicted, measured in rows.values():
+        error = (predicted["total"] - measured["total"]) / measured["total"]
+        assert abs(error) <= TOLERANCE, f"{label}: total off by {error:+.1%}\n{table}"
+    # Without pipeline parallelism the plan's peak is this rank's.
+    assert predict(cfg).total == max(predicted["total"] for predicted, _ in rows.values())

@@ -12,11 +12,21 @@ from tests.unit.test_validate import configure, problems
 @pytest.mark.parametrize(
     "overrides",
     [
-        {"parallel.pp": 2, "parallel.pp_schedule": "gpipe"},
-        {"parallel.pp": 2, "parallel.vpp": 2, "parallel.pp_schedule": "interleaved_1f1b"},
-        {"parallel.pp": 2, "parallel.vpp": 2, "parallel.pp_schedule": "zero_bubble"},
+        {"parallel.pp": 2, "parallel.pp_schedule": "gpipe", "parallel.zero": 3},
+        {
+            "parallel.pp": 2,
+            "parallel.vpp": 2,
+            "parallel.pp_schedule": "interleaved_1f1b",
+            "parallel.zero": 2,
+        },
+        {
+            "parallel.pp": 2,
+            "parallel.vpp": 2,
+            "parallel.pp_schedule": "zero_bubble",
+            "parallel.zero": 3,
+        },
         {"parallel.pp": 2, "parallel.tp": 2, "parallel.sp": True, "parallel.zero": 3},
-        {"parallel.pp": 2, "parallel.pp_layers": [3, 5]},
+        {"parallel.pp": 2, "parallel.pp_layers": [3, 5], "parallel.zero": 2},
     ],
 )
 def test_pipeline_layouts_are_runnable(overrides):

@@ -181,3 +181,28 @@ def test_a_hung_rank_ends_the_run_at_the_collective_timeout(workdir) -> None:
     output = result.stdout + result.stderr
     assert "rank 1 hangs after step 3" in output
     assert "[rank0]: RuntimeError" in output and "Timed out waiting 5000ms" in output
+
+
+@pytest.mark.parametrize(
+    ("label", "saved_under", "nproc"),
+    [
+        # TP with replicas needs ZeRO >= 2; here tp fills the world, so dp is 1.
+        ("tp2_to_dp2", ["parallel.zero=3", "parallel.tp=2"], 2),
+        ("pp2_to_dp2", ["parallel.zero=3", "parallel.pp=2"], 2),
+    ],
+)
+def test_checkpoint_resumes_without_model_parallelism(
+    workdir, uninterrupted, label, saved_under, nproc
+) -> None:
+    run_dir = workdir / label
+    crash_during_save(run_dir, saved_under, nproc=nproc)
+    after = train(run_dir, ["parallel.zero=3"], nproc=2)
+    assert "resumed from the checkpoint of step 4" in (workdir / f"{label}.log").read_text()
+    assert max_relative(after, uninterrupted) <= FP32_TOLERANCE
+
+
+def test_dp2_checkpoint_resumes_into_pipeline_stages(workdir, uninterrupted, crashed_zero3) -> None:
+    resumed = workdir / "dp2_to_pp2"
+    shutil.copytree(crashed_zero3, resumed)
+    after = train(resumed, ["parallel.zero=3", "parallel.pp=2"], nproc=2)
+    assert max_relative(after, uninterrupted) <= FP32_TOLERANCE

@@ -5,8 +5,9 @@ and renamed by rank 0 once every rank's shards, the DCP metadata, each rank's RN
 `meta.json` are on disk, so a crash during a save leaves only a `.tmp` folder that resume
 never picks. Inside:
 
-- DCP shards of `{"model": ..., "optim": ...}` keyed by the plain model's parameter names, so
-  `torch.distributed.checkpoint` reshards them on load under any layout;
+- DCP shards of `{"model": ..., "optim": ...}` keyed by the plain model's parameter names
+  (pipeline stages included), so `torch.distributed.checkpoint` reshards them on load under
+  any layout; vocabulary rows padded for another tp are fitted (`trainer/vocab_resize.py`);
 - `meta.json`: step, the data loader's position (layout-independent: stored once), the LR
   scheduler's state, the W&B run id and the layout it was saved under;
 - `rng/rank_R.pt`: the RNG states of rank R (restored only under the same world size).

@@ -5,8 +5,9 @@ and renamed by rank 0 once every rank's shards, the DCP metadata, each rank's RN
 `meta.json` are on disk, so a crash during a save leaves only a `.tmp` folder that resume
 never picks. Inside:
 
-- DCP shards of `{"model": ..., "optim": ...}` keyed by the plain model's parameter names, so
-  `torch.distributed.checkpoint` reshards them on load under any layout;
+- DCP shards of `{"model": ..., "optim": ...}` keyed by the plain model's parameter names
+  (pipeline stages included), so `torch.distributed.checkpoint` reshards them on load under
+  any layout; vocabulary rows padded for another tp are fitted (`trainer/vocab_resize.py`);
 - `meta.json`: step, the data loader's position (layout-independent: stored once), the LR
   scheduler's state, the W&B run id and the layout it was saved under;
 - `rng/rank_R.pt`: the RNG states of rank R (restored only under the same world size).
@@ -40,6 +41,7 @@ from launcher.schema import CheckpointConfig
 from trainer.build import TrainState
 from trainer.data import DataLoader
 from trainer.loggers import WANDB_ID_FILE
+from trainer.vocab_resize import load_resizing_vocab
 
 CHECKPOINTS = "checkpoints"
 META = "meta.json"
@@ -135,14 +137,40 @@ def _init_zero1_state(optimizer: ZeroRedundancyOptimizer) -> None:
     local.zero_grad(set_to_none=True)
 
 
+def _named_model(state: TrainState) -> nn.Module:
+    """The module whose parameter names are the full model's: under pipeline parallelism
+    the stage view (the stage chunks' own names would start with their index)."""
+    return state.plain if isinstance(state.model, nn.ModuleList) else state.model
+
+
 def _state_dicts(state: TrainState) -> dict[str, Any]:
+    model = _named_model(state)
     if isinstance(state.optimizer, ZeroRedundancyOptimizer):
         return {
-            "model": get_model_state_dict(state.model),
+            "model": get_model_state_dict(model),
             "optim": _zero1_optim_state(state.optimizer, state.plain),
         }
-    model_sd, optim_sd = get_state_dict(state.model, state.optimizer)
+    model_sd, optim_sd = get_state_dict(model, state.optimizer)
     return {"model": model_sd, "optim": optim_sd}
+
+
+def _scheduler_state(saved: dict[str, Any], groups: int) -> dict[str, Any]:
+    """The LR scheduler's saved state for `groups` optimizer groups.
+
+    How parameters split into groups depends on the layout (by DeviceMesh, and a pipeline
+    stage holds only some parameters), while the schedule does not: every group has the
+    same peak lr, so a saved group's entries stand for any group.
+    """
+    per_group = ("base_lrs", "_last_lr", "lr_lambdas")
+    if len(saved["base_lrs"]) == groups:
+        return saved
+    for key in per_group:
+        if key in saved and any(v != saved[key][0] for v in saved[key]):
+            raise ValueError(
+                f"the checkpoint's LR schedule differs between its {len(saved['base_lrs'])} "
+                f"parameter groups ({key}={saved[key]}); it cannot be spread over {groups}"
+            )
+    return {**saved, **{k: [saved[k][0]] * groups for k in per_group if k in saved}}
 
 
 @dataclass
@@ -242,22 +270,24 @@ class Checkpointer:
                 raise FileNotFoundError(f"no complete checkpoint of step {step} in {self.root}")
             return 0
         meta = read_meta(path)
+        model = _named_model(state)
+        # The optimizer's states only: its groups (which depend on the layout) and their
+        # hyperparameters come from the recipe, and the lr from the restored schedule.
         if isinstance(state.optimizer, ZeroRedundancyOptimizer):
             _init_zero1_state(state.optimizer)
-            model_sd = get_model_state_dict(state.model)
+            model_sd = get_model_state_dict(model)
             optim_sd = _zero1_optim_state(state.optimizer, state.plain)
             # Only this rank's optimizer states: the shares of other ranks stay on disk.
-            dcp.load(
-                {"model": model_sd, "optim": {"state": optim_sd["state"]}}, checkpoint_id=str(path)
-            )
-            set_model_state_dict(state.model, model_sd)
+            load_resizing_vocab({"model": model_sd, "optim": {"state": optim_sd["state"]}}, path)
+            set_model_state_dict(model, model_sd)
         else:
-            model_sd, optim_sd = get_state_dict(state.model, state.optimizer)
-            dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path))
+            model_sd, optim_sd = get_state_dict(model, state.optimizer)
+            load_resizing_vocab({"model": model_sd, "optim": {"state": optim_sd["state"]}}, path)
             set_state_dict(
-                state.model, state.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd
+                model, state.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd
             )
-        state.scheduler.load_state_dict(meta["scheduler"])
+        groups = len(state.optimizer.param_groups)
+        state.scheduler.load_state_dict(_scheduler_state(meta["scheduler"], groups))
         # LambdaLR sets the groups' lr only when it steps: apply the restored one now.
         for group, lr in zip(
             state.optimizer.param_groups, state.scheduler.get_last_lr(), strict=True

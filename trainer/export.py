@@ -3,7 +3,8 @@
 Writes `model.safetensors`, `config.json` (LlamaForCausalLM), `generation_config.json` and
 the tokenizer (`tokenizer.json` + `tokenizer_config.json`). Our rotary embedding uses the
 half-split layout that Hugging Face's Llama uses, so the attention weights are copied
-unpermuted. Runs in one process without a process group (DCP reads any layout's shards).
+unpermuted. Runs in one process without a process group (DCP reads any layout's shards,
+pipeline stages included; vocabulary rows padded for tensor parallelism are dropped).
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ import sys
 from pathlib import Path
 
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
 from torch import nn
 
@@ -22,6 +22,7 @@ import models
 from launcher.schema import RecipeConfig, load_config
 from trainer.checkpoint import CHECKPOINTS, find_checkpoint
 from trainer.tokenizer import eos_id, load_tokenizer
+from trainer.vocab_resize import load_resizing_vocab
 
 # Our parameter names (after "layers.{i}.") -> Hugging Face Llama's (after "model.layers.{i}.").
 _BLOCK_NAMES = {
@@ -61,7 +62,8 @@ def load_model(run_dir: Path, step: int | None = None) -> tuple[nn.Module, Recip
     model = models.build(cfg.model).to_empty(device="cpu")
     model.init_buffers("cpu")
     state = model.state_dict()
-    dcp.load({"model": state}, checkpoint_id=str(path), no_dist=not dist.is_initialized())
+    # A checkpoint saved under TP may hold vocabulary rows padded to a multiple of tp: cut.
+    load_resizing_vocab({"model": state}, path, no_dist=not dist.is_initialized())
     model.load_state_dict(state)
     return model.eval(), cfg, int(path.name.split("_")[1])
 

@@ -18,8 +18,13 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file
+from torch import nn
 
 from tests.distributed.harness import BASE_OVERRIDES
+from trainer.build import lm_loss
+from trainer.export import export, load_model
 
 pytestmark = pytest.mark.distributed
 
@@ -181,3 +186,105 @@ def test_a_hung_rank_ends_the_run_at_the_collective_timeout(workdir) -> None:
     output = result.stdout + result.stderr
     assert "rank 1 hangs after step 3" in output
     assert "[rank0]: RuntimeError" in output and "Timed out waiting 5000ms" in output
+
+
+# Model parallelism fills the 2-rank world (dp 1; TP with DP replicas needs ZeRO >= 2).
+MODEL_PARALLEL = {
+    "tp2": ["parallel.zero=3", "parallel.tp=2"],
+    "pp2": ["parallel.zero=3", "parallel.pp=2"],
+}
+PADDED_VOCAB = "model.vocab_size=511"  # tp=2 pads it to 512 rows
+
+
+@pytest.fixture(scope="module")
+def crashed_model_parallel(workdir: Path) -> dict[str, Path]:
+    """Run dirs interrupted under each model-parallel layout: complete checkpoints 2 and 4."""
+    run_dirs = {}
+    for label, overrides in MODEL_PARALLEL.items():
+        run_dirs[label] = workdir / f"crashed_{label}"
+        crash_during_save(run_dirs[label], overrides, nproc=2)
+    return run_dirs
+
+
+@pytest.fixture(scope="module")
+def padded_uninterrupted(workdir: Path) -> dict[int, float]:
+    return train(workdir / "padded_uninterrupted", [PADDED_VOCAB, "parallel.zero=3"], nproc=2)
+
+
+@pytest.fixture(scope="module")
+def crashed_tp2_padded(workdir: Path) -> Path:
+    run_dir = workdir / "crashed_tp2_padded"
+    crash_during_save(run_dir, [PADDED_VOCAB, *MODEL_PARALLEL["tp2"]], nproc=2)
+    return run_dir
+
+
+@pytest.mark.parametrize("saved_under", MODEL_PARALLEL)
+def test_model_parallel_checkpoint_resumes_under_data_parallelism(
+    workdir, uninterrupted, crashed_model_parallel, saved_under
+) -> None:
+    resumed = workdir / f"{saved_under}_to_dp2"
+    shutil.copytree(crashed_model_parallel[saved_under], resumed)
+    after = train(resumed, ["parallel.zero=3"], nproc=2)
+    assert "resumed from the checkpoint of step 4" in (workdir / f"{resumed.name}.log").read_text()
+    assert max_relative(after, uninterrupted) <= FP32_TOLERANCE
+
+
+def test_dp2_checkpoint_resumes_into_pipeline_stages(workdir, uninterrupted, crashed_zero3) -> None:
+    resumed = workdir / "dp2_to_pp2"
+    shutil.copytree(crashed_zero3, resumed)
+    after = train(resumed, MODEL_PARALLEL["pp2"], nproc=2)
+    assert max_relative(after, uninterrupted) <= FP32_TOLERANCE
+
+
+def test_vocab_rows_padded_under_tp_are_dropped_without_it(
+    workdir, padded_uninterrupted, crashed_tp2_padded
+) -> None:
+    resumed = workdir / "tp2_padded_to_dp2"
+    shutil.copytree(crashed_tp2_padded, resumed)
+    after = train(resumed, [PADDED_VOCAB, "parallel.zero=3"], nproc=2)
+    assert "resumed from the checkpoint of step 4" in (workdir / f"{resumed.name}.log").read_text()
+    assert max_relative(after, padded_uninterrupted) <= FP32_TOLERANCE
+
+
+def test_vocab_rows_are_padded_when_resuming_under_tp(workdir, padded_uninterrupted) -> None:
+    resumed = workdir / "dp2_to_tp2_padded"
+    shutil.copytree(workdir / "padded_uninterrupted", resumed)
+    for step in (6, 8):  # leave step 4 the newest: the resumed run retrains 5-8
+        shutil.rmtree(resumed / "checkpoints" / f"step_{step:08d}")
+    after = train(resumed, [PADDED_VOCAB, *MODEL_PARALLEL["tp2"]], nproc=2)
+    assert "resumed from the checkpoint of step 4" in (workdir / f"{resumed.name}.log").read_text()
+    assert max_relative(after, padded_uninterrupted) <= FP32_TOLERANCE
+
+
+def assert_same_loss(actual: nn.Module, expected: nn.Module, vocab_size: int) -> None:
+    """Two plain models, trained to the same step under two layouts, give the same loss on
+    a batch within the parity tolerance (element-wise, Adam's normalized updates can move a
+    weight whose gradient is at rounding noise further than the tolerance)."""
+    assert actual.state_dict().keys() == expected.state_dict().keys()
+    tokens = torch.randint(vocab_size, (2, 65), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours, theirs = (lm_loss(m(tokens[:, :-1]), tokens[:, 1:]) for m in (actual, expected))
+    assert abs(ours - theirs) / theirs <= FP32_TOLERANCE
+
+
+@pytest.mark.parametrize("saved_under", MODEL_PARALLEL)
+def test_model_parallel_checkpoint_loads_into_the_plain_model(
+    workdir, uninterrupted, crashed_model_parallel, saved_under
+) -> None:
+    ours, _, _ = load_model(crashed_model_parallel[saved_under], step=4)
+    reference, cfg, _ = load_model(workdir / "uninterrupted", step=4)
+    assert_same_loss(ours, reference, cfg.model.vocab_size)
+
+
+def test_export_of_a_tp_checkpoint_drops_the_padded_vocab_rows(
+    workdir, padded_uninterrupted, crashed_tp2_padded, tmp_path
+) -> None:
+    out = export(crashed_tp2_padded, tmp_path / "hf", step=4)
+    reference, cfg, _ = load_model(workdir / "padded_uninterrupted", step=4)
+    weights = load_file(out / "model.safetensors")
+    vocab_rows = (cfg.model.vocab_size, cfg.model.dim)
+    assert weights["model.embed_tokens.weight"].shape == vocab_rows
+    assert weights["lm_head.weight"].shape == vocab_rows
+    assert json.loads((out / "config.json").read_text())["vocab_size"] == cfg.model.vocab_size
+    ours, _, _ = load_model(crashed_tp2_padded, step=4)
+    assert_same_loss(ours, reference, cfg.model.vocab_size)

@@ -4,14 +4,14 @@
 #
 #   slurm/local-cluster/start.sh [STATE_DIR]
 #
-# STATE_DIR (or $PRETRAIN_SLURM_DIR; default ${TMPDIR:-/tmp}/pretrain-slurm) holds the config,
+# STATE_DIR (or $PRETRAIN_SLURM_DIR; default /tmp/pretrain-slurm, whatever TMPDIR says) holds the config,
 # munge key and socket, spool, state, logs and PID files. Afterwards `source STATE_DIR/env`
 # exports SLURM_CONF for the client commands (sbatch, squeue, scontrol). Running it again while
 # the daemons are up changes nothing. Ports: $PRETRAIN_SLURM_PORT (slurmctld, default 6817) and
 # the next one (slurmd).
 set -euo pipefail
 
-state_dir=${1:-${PRETRAIN_SLURM_DIR:-${TMPDIR:-/tmp}/pretrain-slurm}}
+state_dir=${1:-${PRETRAIN_SLURM_DIR:-/tmp/pretrain-slurm}}
 ctld_port=${PRETRAIN_SLURM_PORT:-6817}
 slurmd_port=$((ctld_port + 1))
 

@@ -6,7 +6,7 @@
 # STATE_DIR as for start.sh. The state directory (config, logs) is kept for inspection.
 set -euo pipefail
 
-state_dir=${1:-${PRETRAIN_SLURM_DIR:-${TMPDIR:-/tmp}/pretrain-slurm}}
+state_dir=${1:-${PRETRAIN_SLURM_DIR:-/tmp/pretrain-slurm}}
 
 stop() { # stop NAME: terminate the process named by run/NAME.pid, if it is alive
     local pid_file="$state_dir/run/$1.pid" pid

@@ -45,9 +45,9 @@ def slurm_cluster() -> Iterator[None]:
         pytest.skip(
             f"{', '.join(missing)} not installed (slurm/local-cluster/start.sh installs them)"
         )
-    # start.sh's default state dir, so that a cluster started by hand or by CI is reused.
-    default_dir = Path(os.environ.get("TMPDIR", "/tmp")) / "pretrain-slurm"
-    state_dir = Path(os.environ.get("PRETRAIN_SLURM_DIR", default_dir))
+    # start.sh's default state dir (fixed, not under the TMPDIR the tests set), so that a
+    # cluster started by hand or by CI is reused rather than a second one fighting for ports.
+    state_dir = Path(os.environ.get("PRETRAIN_SLURM_DIR", "/tmp/pretrain-slurm"))
     previous_conf = os.environ.get("SLURM_CONF")
     os.environ["SLURM_CONF"] = str(state_dir / "slurm.conf")
     already_up = (state_dir / "slurm.conf").exists() and _controller_answers()

@@ -14,9 +14,11 @@ import json
 import os
 import sys
 import sysconfig
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from filelock import FileLock
 
 if TYPE_CHECKING:
     import datasets
@@ -200,3 +202,15 @@ def iter_document_batches(data: DataConfig, batch_size: int = 512) -> Iterator[l
             yield batch
         if budget == 0:
             return
+
+
+def build_once(done: Path, build: Callable[[], None]) -> None:
+    """Run `build` unless `done` exists. Concurrent callers (ranks starting together, on any
+    node sharing the cache) wait on a file lock beside `done` while the first one builds;
+    `build` must create `done` last and atomically, so a reader never sees half a cache."""
+    if done.exists():
+        return
+    done.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(done.parent / "build.lock")):
+        if not done.exists():
+            build()

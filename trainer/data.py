@@ -17,10 +17,15 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from filelock import FileLock
 from tokenizers import Tokenizer
 
-from trainer.corpus import cache_root, corpus_identity, identity_hash, iter_document_batches
+from trainer.corpus import (
+    build_once,
+    cache_root,
+    corpus_identity,
+    identity_hash,
+    iter_document_batches,
+)
 from trainer.tokenizer import eos_id, load_tokenizer, max_token_id, tokenizer_hash
 
 if TYPE_CHECKING:
@@ -84,18 +89,13 @@ def build_token_file(data: DataConfig, tokenizer: Tokenizer) -> Path:
     """The folder holding the corpus's token file, building it exactly once: concurrent callers
     wait on a file lock while the first one builds; the metadata, written last, marks it done."""
     folder = cache_root(data) / "tokens" / token_file_key(data, tokenizer)
-    meta_path = folder / META_NAME
-    if meta_path.exists():
-        return folder
-    folder.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(folder / "build.lock")):
-        if meta_path.exists():
-            return folder
+
+    def build() -> None:
         start = time.perf_counter()
         meta = _write_tokens(data, tokenizer, folder)
         tmp = folder / (META_NAME + ".tmp")
         tmp.write_text(json.dumps(meta, indent=2))
-        os.replace(tmp, meta_path)
+        os.replace(tmp, folder / META_NAME)
         size = meta["num_tokens"] * np.dtype(meta["dtype"]).itemsize
         print(
             f"data: tokenized {meta['num_documents']} documents ({meta['num_bytes'] / 1e6:.1f} MB)"
@@ -103,6 +103,8 @@ def build_token_file(data: DataConfig, tokenizer: Tokenizer) -> Path:
             f"{time.perf_counter() - start:.1f}s -> {folder}",
             flush=True,
         )
+
+    build_once(folder / META_NAME, build)
     return folder
 
 

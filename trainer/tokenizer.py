@@ -13,10 +13,15 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from filelock import FileLock
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from trainer.corpus import cache_root, corpus_identity, identity_hash, iter_document_batches
+from trainer.corpus import (
+    build_once,
+    cache_root,
+    corpus_identity,
+    identity_hash,
+    iter_document_batches,
+)
 
 if TYPE_CHECKING:
     from launcher.schema import DataConfig
@@ -77,12 +82,8 @@ def _trained_tokenizer_path(data: DataConfig, vocab_size: int) -> Path:
     )
     folder = cache_root(data) / "tokenizers" / key
     path = folder / "tokenizer.json"
-    if path.exists():
-        return path
-    folder.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(folder / "build.lock")):
-        if path.exists():
-            return path
+
+    def build() -> None:
         start = time.perf_counter()
         tokenizer = train_tokenizer(data, vocab_size)
         tmp = folder / "tokenizer.json.tmp"
@@ -93,6 +94,8 @@ def _trained_tokenizer_path(data: DataConfig, vocab_size: int) -> Path:
             f"{data.source!r} in {time.perf_counter() - start:.1f}s -> {path}",
             flush=True,
         )
+
+    build_once(path, build)
     return path
 
 

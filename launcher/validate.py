@@ -6,7 +6,9 @@ problem names the field path, the value, why it is wrong and a concrete fix.
 
 from __future__ import annotations
 
+import glob
 import math
+import os
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -117,6 +119,8 @@ def validate(cfg: RecipeConfig, for_launch: bool = False, check_memory: bool = F
     c.choice("data.format", cfg.data.format, ("auto", "text", "jsonl", "parquet"))
     c.at_least("data.max_bytes", cfg.data.max_bytes, 0)
     c.at_least("hardware.peak_tflops", cfg.hardware.peak_tflops, 0)
+    if for_launch and cfg.cluster.backend == "local":
+        _check_local_data(c, cfg)
     _check_checkpoint(c, cfg)
     _check_speed(c, cfg)
     if for_launch:
@@ -451,6 +455,9 @@ def _check_optim(c: _Checks, cfg: RecipeConfig, train_ok: bool) -> None:
             f"above the peak optim.lr={o.lr}",
             f"use optim.min_lr <= {o.lr}",
         )
+    c.positive("optim.eps", o.eps)
+    if not 0 <= o.momentum < 1:
+        c.add("optim.momentum", o.momentum, "must lie in [0, 1)", "use 0.9, or 0 for plain SGD")
     if len(o.betas) != 2 or not all(0 <= b < 1 for b in o.betas):
         c.add("optim.betas", o.betas, "need two values in [0, 1)", "use [0.9, 0.95]")
     scaling = c.choice("optim.lr_scaling", o.lr_scaling, ("none", "linear", "sqrt"))
@@ -479,6 +486,28 @@ def _check_optim(c: _Checks, cfg: RecipeConfig, train_ok: bool) -> None:
             s.decay_steps,
             f"warmup_steps + decay_steps = {s.warmup_steps + s.decay_steps} > train.steps={steps}",
             f"use at most {steps - s.warmup_steps}, or 0 to decay until the end",
+        )
+
+
+def _check_local_data(c: _Checks, cfg: RecipeConfig) -> None:
+    """Local corpus files and tokenizer paths exist (checked on this machine, so only for a
+    local launch: a SLURM login node need not see the compute nodes' file systems)."""
+    d = cfg.data
+    if d.source != "stdlib" and not d.source.startswith("hf:"):
+        source = os.path.expanduser(d.source)
+        if not (os.path.exists(source) or glob.glob(source, recursive=True)):
+            c.add(
+                "data.source",
+                d.source,
+                "no such file or directory, and no glob match",
+                "give a local file, directory or glob of text/JSONL/Parquet, stdlib or hf:NAME",
+            )
+    if d.tokenizer != "train" and not os.path.exists(os.path.expanduser(d.tokenizer)):
+        c.add(
+            "data.tokenizer",
+            d.tokenizer,
+            "no such tokenizer.json or tokenizer directory",
+            "give a tokenizer.json path or a Hugging Face tokenizer directory, or `train`",
         )
 
 

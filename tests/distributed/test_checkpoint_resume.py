@@ -22,13 +22,12 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from tests.distributed.harness import BASE_OVERRIDES
+from tests.distributed.harness import BASE_OVERRIDES, FP32_TOLERANCE
 from trainer.build import lm_loss
 from trainer.export import export, load_model
 
 pytestmark = pytest.mark.distributed
 
-FP32_TOLERANCE = 1e-5
 STEPS = 8
 CRASH_STEP = 6
 CHECKPOINTING = ["checkpoint.every=2", "checkpoint.keep=3"]
@@ -78,11 +77,6 @@ def losses(run_dir: Path) -> dict[int, float]:
 def max_relative(a: dict[int, float], b: dict[int, float]) -> float:
     assert a.keys() == b.keys() == set(range(1, STEPS + 1))
     return max(abs(a[s] - b[s]) / abs(b[s]) for s in a)
-
-
-@pytest.fixture(scope="module")
-def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("checkpoint")
 
 
 @pytest.fixture(scope="module")

@@ -14,18 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.distributed.harness import max_relative_difference, run_pretrain
+from tests.distributed.harness import FP32_TOLERANCE, max_relative_difference, run_pretrain
 
 pytestmark = pytest.mark.distributed
 
-FP32_TOLERANCE = 1e-5
 # bf16 keeps 8 bits of mantissa: each reduced gradient is rounded by up to 2**-8 relative.
 BF16_REDUCE_TOLERANCE = 1e-2
-
-
-@pytest.fixture(scope="module")
-def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("compile")
 
 
 @pytest.fixture(scope="module")

@@ -7,26 +7,18 @@ mixed-precision policy casts the weights, autocast the matmuls, so they round di
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
-from tests.distributed.harness import max_relative_difference, run_pretrain
+from tests.distributed.harness import FP32_TOLERANCE, max_relative_difference, run_pretrain
 
 pytestmark = pytest.mark.distributed
 
-FP32_TOLERANCE = 1e-5
 BF16_TOLERANCE = 1e-3
 
 
 @pytest.fixture(scope="module")
-def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("parity")
-
-
-@pytest.fixture(scope="module")
-def reference(workdir: Path):
-    return run_pretrain(workdir / "reference", [], nproc=1)
+def reference(harness_reference):
+    return harness_reference
 
 
 def test_reference_loss_falls(reference) -> None:

@@ -14,11 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.distributed.harness import max_relative_difference, run_pretrain
+from tests.distributed.harness import FP32_TOLERANCE, max_relative_difference, run_pretrain
 
 pytestmark = pytest.mark.distributed
 
-FP32_TOLERANCE = 1e-5
 MOE = ["model.moe_ffn_dim=64"]
 CAPACITY = ["model.moe_capacity_factor=1.0"]
 
@@ -26,11 +25,6 @@ CAPACITY = ["model.moe_capacity_factor=1.0"]
 def dropped_fractions(run_dir: Path) -> list[float]:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return [row["moe_dropped_frac"] for row in rows]
-
-
-@pytest.fixture(scope="module")
-def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("ep_parity")
 
 
 @pytest.fixture(scope="module")

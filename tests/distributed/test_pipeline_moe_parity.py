@@ -19,11 +19,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.distributed.harness import max_relative_difference, run_pretrain
+from tests.distributed.harness import FP32_TOLERANCE, max_relative_difference, run_pretrain
 
 pytestmark = pytest.mark.distributed
 
-FP32_TOLERANCE = 1e-5
 MOE = ["model.moe_ffn_dim=64"]
 COUNTS = ("moe_tokens_per_expert_min", "moe_tokens_per_expert_max", "moe_tokens_per_expert_mean")
 LOSSES = ("moe_aux_loss", "moe_z_loss")
@@ -32,11 +31,6 @@ LOSSES = ("moe_aux_loss", "moe_z_loss")
 def moe_metrics(run_dir: Path) -> list[dict]:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return [{k: v for k, v in row.items() if k.startswith("moe_")} for row in rows]
-
-
-@pytest.fixture(scope="module")
-def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("pp_moe_parity")
 
 
 @pytest.fixture(scope="module")

@@ -7,25 +7,16 @@ agree within the same relative 1e-5 as the data-parallel layouts.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
-from tests.distributed.harness import max_relative_difference, run_pretrain
+from tests.distributed.harness import FP32_TOLERANCE, max_relative_difference, run_pretrain
 
 pytestmark = pytest.mark.distributed
 
-FP32_TOLERANCE = 1e-5
-
 
 @pytest.fixture(scope="module")
-def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("pipeline_parity")
-
-
-@pytest.fixture(scope="module")
-def reference(workdir: Path):
-    return run_pretrain(workdir / "reference", [], nproc=1)
+def reference(harness_reference):
+    return harness_reference
 
 
 @pytest.mark.parametrize(

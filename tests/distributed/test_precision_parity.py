@@ -42,11 +42,6 @@ def records(run_dir: Path) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("precision")
-
-
-@pytest.fixture(scope="module")
 def fp8_curve(workdir: Path):
     return run_pretrain(workdir / "fp8", [*FP8, "train.steps=50"], nproc=1)
 

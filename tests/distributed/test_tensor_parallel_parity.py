@@ -12,23 +12,17 @@ from pathlib import Path
 
 import pytest
 
-from tests.distributed.harness import max_relative_difference, run_pretrain
+from tests.distributed.harness import FP32_TOLERANCE, max_relative_difference, run_pretrain
 
 pytestmark = pytest.mark.distributed
 
-FP32_TOLERANCE = 1e-5
 TP4_MODEL = ["model.n_kv_heads=4", "model.vocab_size=510", "model.tie_embeddings=true"]
 
 
 @pytest.fixture(scope="module")
-def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("tp_parity")
-
-
-@pytest.fixture(scope="module")
-def references(workdir: Path) -> dict:
+def references(workdir: Path, harness_reference) -> dict:
     return {
-        "harness": run_pretrain(workdir / "reference", [], nproc=1),
+        "harness": harness_reference,
         "tp4_model": run_pretrain(workdir / "reference_tp4_model", TP4_MODEL, nproc=1),
     }
 

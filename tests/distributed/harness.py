@@ -47,16 +47,24 @@ class Curve:
 
 
 def run_pretrain(
-    run_dir: Path, overrides: list[str], nproc: int, timeout: float = 300, recipe: str = "tiny"
+    run_dir: Path,
+    overrides: list[str],
+    nproc: int,
+    timeout: float = 300,
+    recipe: str = "tiny",
+    base: tuple[str, ...] = BASE_OVERRIDES,
 ) -> Curve:
-    """Train `recipe` through the CLI with `nproc` CPU ranks and return the logged curve."""
+    """Train `recipe` through the CLI with `nproc` CPU ranks and return the logged curve.
+
+    `base` shrinks the recipe to the harness model; pass () to train the recipe as shipped.
+    """
     cmd = [
         sys.executable,
         "-m",
         "launcher",
         "--config-name",
         recipe,
-        *BASE_OVERRIDES,
+        *base,
         f"cluster.gpus_per_node={nproc}",
         f"run.dir={run_dir}",
         *overrides,

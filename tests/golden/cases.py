@@ -1,0 +1,101 @@
+"""The golden cases and how one is run: 20 FP32 steps of a shipped recipe, logged every step."""
+
+from __future__ import annotations
+
+import json
+import platform
+from dataclasses import dataclass
+from pathlib import Path
+
+from tests.distributed.harness import Curve, run_pretrain
+
+GOLDEN_DIR = Path(__file__).resolve().parent
+STEPS = 20
+COMMON = (
+    f"train.steps={STEPS}",
+    "logging.log_every=1",
+    "logging.wandb=disabled",
+    "checkpoint.every=0",
+)
+LOSS_TOLERANCE = 1e-4
+"""Per-step |fresh - golden| / |golden| of the loss. A rerun on the machine that wrote the
+files is bit-identical. Other CPUs pick other BLAS kernels, i.e. other orders of FP32 sums;
+the same run under two layouts (another order of every reduction) differs by at most 3e-6
+in loss over these 20 steps (measured on the committed files), so 1e-4 holds across CPU
+types and still catches a change of model, data order, init or optimizer (> 1e-3 at once)."""
+GRAD_NORM_TOLERANCE = 1e-3
+"""The same for the gradient norm, a sum of squares over every parameter that amplifies
+reordering: two layouts of one run differ by up to 2e-4 (tiny, step 20)."""
+
+
+@dataclass(frozen=True)
+class GoldenCase:
+    """One committed curve: a recipe, a rank count and the layout overrides."""
+
+    name: str
+    recipe: str
+    nproc: int
+    overrides: tuple[str, ...] = ()
+
+    @property
+    def path(self) -> Path:
+        return GOLDEN_DIR / f"{self.name}.json"
+
+
+CASES = (
+    GoldenCase("tiny_1rank", "tiny", 1),
+    GoldenCase(
+        "tiny_4rank_tp2_sp_zero2",
+        "tiny",
+        4,
+        ("parallel.tp=2", "parallel.sp=true", "parallel.zero=2"),
+    ),
+    GoldenCase("tiny_moe_1rank", "tiny_moe", 1),
+    GoldenCase(
+        "tiny_moe_4rank_pp2_ep2_zero2",
+        "tiny_moe",
+        4,
+        ("parallel.pp=2", "parallel.ep=2", "parallel.zero=2"),
+    ),
+)
+
+
+def corpus_identity() -> str:
+    """What the golden curves depend on besides the code: the stdlib corpus is this Python's
+    own sources, so another Python version trains on other text."""
+    return f"python {platform.python_version()}"
+
+
+def run_case(case: GoldenCase, run_dir: Path) -> Curve:
+    """Train `case` through the CLI, with the shipped recipe's own model, data and batch."""
+    cmd_overrides = [*COMMON, *case.overrides]
+    return run_pretrain(run_dir, cmd_overrides, nproc=case.nproc, recipe=case.recipe, base=())
+
+
+def write_golden(case: GoldenCase, curve: Curve) -> None:
+    """Commit-ready JSON of one curve, with what it was made from."""
+    data = {
+        "recipe": case.recipe,
+        "nproc": case.nproc,
+        "overrides": [*COMMON, *case.overrides],
+        "made_with": corpus_identity(),
+        "loss": curve.loss,
+        "grad_norm": curve.grad_norm,
+    }
+    case.path.write_text(json.dumps(data, indent=1) + "\n")
+
+
+def read_golden(case: GoldenCase) -> tuple[Curve, str]:
+    """The committed curve of `case` and the corpus identity it was made with."""
+    data = json.loads(case.path.read_text())
+    return Curve(loss=data["loss"], grad_norm=data["grad_norm"]), data["made_with"]
+
+
+__all__ = [
+    "CASES",
+    "GRAD_NORM_TOLERANCE",
+    "LOSS_TOLERANCE",
+    "GoldenCase",
+    "read_golden",
+    "run_case",
+]

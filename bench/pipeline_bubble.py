@@ -28,8 +28,8 @@ from torch import nn
 
 from launcher.pipeline_chart import simulate
 from launcher.plan import bubble_fraction
-from launcher.schema import ParallelConfig
 from parallel.pipeline import build_schedule
+from pretrain_core.schema import ParallelConfig
 
 DIM, HIDDEN, BLOCKS_PER_STAGE, ROWS = 512, 2048, 2, 64
 

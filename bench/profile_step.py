@@ -11,12 +11,12 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from bench.step_overhead import load_recipe
-from launcher.layout import resolve_degrees
 from parallel.mesh import build_mesh
+from pretrain_core.layout import resolve_degrees
 from trainer.build import build_train_state
 from trainer.data import DataLoader, GlobalBatchSampler, prepare_dataset
 from trainer.dist import init_distributed
-from trainer.train import train_step
+from trainer.step import train_step
 
 
 def main() -> None:

@@ -23,16 +23,16 @@ import torch.nn.functional as F
 from hydra import compose, initialize_config_dir
 
 import launcher.cli  # noqa: F401  (registers the recipe schema with Hydra)
-from launcher.layout import resolve_degrees
-from launcher.schema import RecipeConfig, to_recipe
 from models import build
 from models.init import init_weights
 from parallel.mesh import build_mesh
+from pretrain_core.layout import resolve_degrees
+from pretrain_core.schema import RecipeConfig, to_recipe
 from trainer.build import build_train_state
 from trainer.data import DataLoader, GlobalBatchSampler, prepare_dataset
 from trainer.dist import init_distributed
 from trainer.prefetch import PrefetchingLoader
-from trainer.train import train_step
+from trainer.step import train_step
 
 RECIPES = str(Path(__file__).resolve().parent.parent / "recipes")
 

@@ -36,12 +36,12 @@ from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor
 
 import models
-from launcher.layout import Degrees
-from launcher.schema import ParallelConfig
-from models.config import ModelConfig
 from parallel.materialize import materialize
 from parallel.mesh import build_mesh
 from parallel.tensor import apply_tensor_parallel
+from pretrain_core.layout import Degrees
+from pretrain_core.model_config import ModelConfig
+from pretrain_core.schema import ParallelConfig
 
 MODEL = ModelConfig(
     vocab_size=512, dim=256, n_layers=2, n_heads=8, n_kv_heads=4, ffn_dim=768, max_seq_len=512

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from launcher.job import JobFiles, job_env, torchrun_args
-from launcher.schema import RecipeConfig
+from pretrain_core.rundir import LOGS_DIR
+from pretrain_core.schema import RecipeConfig
 
 FINAL_STATES = frozenset(
     {
@@ -100,7 +101,7 @@ def submit_slurm(files: JobFiles) -> SubmittedJob:
     job_id = result.stdout.strip().split(";")[0]
     if not job_id.isdigit():
         raise LaunchError(f"sbatch printed no job id: {result.stdout.strip()!r}")
-    return SubmittedJob(job_id=job_id, log_path=files.run_dir / "logs" / f"slurm-{job_id}.out")
+    return SubmittedJob(job_id=job_id, log_path=files.run_dir / LOGS_DIR / f"slurm-{job_id}.out")
 
 
 def slurm_job_state(job_id: str) -> str:

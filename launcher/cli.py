@@ -20,7 +20,7 @@ from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from launcher.schema import RecipeConfig, dump_config, to_recipe
+from pretrain_core.schema import RecipeConfig, dump_config, to_recipe
 
 RECIPES_DIR = str(Path(__file__).resolve().parent.parent / "recipes")
 DEFAULT_RECIPE = "tiny"
@@ -47,9 +47,12 @@ def _fail(message: str, code: int = 2) -> None:
 
 def execute(cfg: RecipeConfig) -> None:
     """Validate, plan and carry out `cfg.action` for one composed recipe."""
+    from launcher.memory_fit import check_fits
     from launcher.plan import make_plan, plan_to_dict
     from launcher.render import render_plan
-    from launcher.validate import RecipeError, check_runnable, validate
+    from launcher.rules_parallel import check_runnable
+    from launcher.validate import validate
+    from pretrain_core.problems import RecipeError
 
     if cfg.action == "suggest":
         # The search chooses the layout: only problems that no layout fixes are refused.
@@ -61,8 +64,10 @@ def execute(cfg: RecipeConfig) -> None:
             _fail(f"Recipe '{cfg.name}' cannot be searched:\n{err}")
         return
     try:
-        # A job that would run out of memory is refused before it is written or submitted.
-        validate(cfg, for_launch=cfg.action == "run", check_memory=cfg.action != "plan")
+        validate(cfg, for_launch=cfg.action == "run")
+        if cfg.action != "plan":
+            # A job that would run out of memory is refused before it is written or submitted.
+            check_fits(cfg)
     except RecipeError as err:
         _fail(f"Recipe '{cfg.name}' is not valid:\n{err}")
     if cfg.action == "script":

@@ -23,7 +23,7 @@
 
 A group's collectives run at the GPU's intra-node bandwidth when the whole group sits in one
 node (mesh dims outer to inner: pp, dp_replicate, dp_shard, tp), else at its inter-node
-bandwidth (`launcher.hardware.LINKS`), both at LINK_EFFICIENCY. Embedding, loss and latency
+bandwidth (`pretrain_core.hardware.LINKS`), both at LINK_EFFICIENCY. Embedding, loss and latency
 terms are left out.
 """
 
@@ -31,12 +31,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from launcher.hardware import Links
-from launcher.layout import Degrees
 from launcher.memory import COMPUTE_BYTES
 from launcher.plan import bubble_fraction, recomputed_layers, stage_params
-from launcher.schema import RecipeConfig
 from models.flops import flops_per_token
+from pretrain_core.hardware import Links
+from pretrain_core.layout import Degrees
+from pretrain_core.schema import RecipeConfig
 
 COMPUTE_EFFICIENCY = 0.6
 """Share of the dense peak that a training step's kernels reach while computing."""

@@ -20,8 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from string import Template
 
-from launcher.resume import PREEMPTED_MARKER, frozen_changes
-from launcher.schema import RecipeConfig
+from launcher.resume import frozen_changes
+from pretrain_core.rundir import CONFIG_FILE, LOCAL_SCRIPT, LOGS_DIR, PREEMPTED_MARKER, SLURM_SCRIPT
+from pretrain_core.schema import RecipeConfig
 
 SBATCH_TEMPLATE = Path(__file__).resolve().parent.parent / "slurm" / "sbatch.template"
 
@@ -137,7 +138,7 @@ def render_sbatch(cfg: RecipeConfig, run_dir: Path, config_path: Path) -> str:
             optional.append(f"#SBATCH --{field}={_directive(f'cluster.{field}', value)}")
     _directive("run.dir", str(run_dir))  # name the run dir itself if it cannot be used
     # SLURM expands %j (job id) in the output path; a literal % is written %%.
-    log_pattern = str(Path(run_dir) / "logs").replace("%", "%%") + "/slurm-%j.out"
+    log_pattern = str(Path(run_dir) / LOGS_DIR).replace("%", "%%") + "/slurm-%j.out"
     node_script = 'trap "" USR1; exec ' + " ".join(
         _shell_word(a) for a in torchrun_args(cfg, config_path)
     )
@@ -211,8 +212,8 @@ def write_run_dir(cfg: RecipeConfig, run_dir: Path, config_yaml: str) -> JobFile
             "local backend runs one node; use cluster=slurm or cluster.nodes=1"
         )
     run_dir = Path(run_dir).expanduser().resolve()
-    config_path = run_dir / "config.yaml"
-    script_path = run_dir / ("run.sh" if backend == "local" else "job.sbatch")
+    config_path = run_dir / CONFIG_FILE
+    script_path = run_dir / (LOCAL_SCRIPT if backend == "local" else SLURM_SCRIPT)
     # Render before touching the disk, so a rejected value leaves no half-made run dir.
     if backend == "local":
         script = render_local(cfg, config_path)
@@ -228,7 +229,7 @@ def write_run_dir(cfg: RecipeConfig, run_dir: Path, config_yaml: str) -> JobFile
                 f"resumed run may change its layout and train.steps, not {', '.join(frozen)}. "
                 f"Pick a new run.dir=... or remove {run_dir} to start over."
             )
-    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    (run_dir / LOGS_DIR).mkdir(parents=True, exist_ok=True)
     if old_yaml is not None and old_yaml != config_yaml:
         # Keep every config the run dir was trained under: config.1.yaml, config.2.yaml, ...
         n = 1 + sum(1 for _ in run_dir.glob("config.*.yaml"))

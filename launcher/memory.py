@@ -35,12 +35,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from launcher.layout import Degrees
 from launcher.pipeline_chart import warmup
-from launcher.schema import RecipeConfig
-from launcher.stages import rank_layer_count
-from models.config import ModelConfig
 from models.flops import count_params
+from pretrain_core.layout import Degrees
+from pretrain_core.model_config import ModelConfig
+from pretrain_core.schema import RecipeConfig
+from pretrain_core.stages import rank_layer_count
 
 GIB = 2**30
 CUDA_FIXED_GIB = 1.5

@@ -11,13 +11,14 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from launcher import hardware, pipeline_chart
-from launcher.layout import Degrees, grad_accum_steps, rank_groups, resolve_degrees
+from launcher import pipeline_chart
 from launcher.memory import MemoryBreakdown, peak_breakdown
-from launcher.precision import peak_dtype
-from launcher.schema import OptimConfig, RecipeConfig
 from launcher.tp_comm import TPComm, tp_communication
 from models.flops import count_params, flops_per_token
+from pretrain_core import hardware
+from pretrain_core.layout import Degrees, grad_accum_steps, rank_groups, resolve_degrees
+from pretrain_core.precision import peak_dtype
+from pretrain_core.schema import OptimConfig, RecipeConfig
 
 MFU_ASSUMPTION = 0.40
 """Model FLOPs utilisation assumed for the expected step time."""

@@ -16,6 +16,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from pretrain_core.rundir import METRICS_FILE
+
 PANELS = (
     ("loss", "loss", 1.0),
     ("lr", "learning rate", 1.0),
@@ -137,7 +139,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("run_dir", type=Path, help="a run dir holding metrics.jsonl")
     parser.add_argument("--out", type=Path, help="PNG path (default: RUN_DIR/report.png)")
     args = parser.parse_args(argv)
-    source = args.run_dir / "metrics.jsonl"
+    source = args.run_dir / METRICS_FILE
     if not source.is_file():
         print(
             f"pretrain-report: no {source}; give a run dir the trainer logged to", file=sys.stderr

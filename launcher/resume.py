@@ -11,10 +11,6 @@ from __future__ import annotations
 
 from typing import Any
 
-PREEMPTED_MARKER = "preempted"
-"""File the trainer leaves in the run dir when it saved and stopped on SIGTERM/SIGUSR1; the
-sbatch script requeues the job when it finds it."""
-
 CHANGEABLE = (
     "action",
     "plan.",

@@ -22,13 +22,16 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from launcher import hardware
 from launcher.cost import StepCost, assumptions, step_cost
-from launcher.fit import device_memory_gib
-from launcher.layout import Degrees, divisors
 from launcher.memory import GIB, MemoryBreakdown, peak_breakdown
-from launcher.schema import RecipeConfig
+from launcher.memory_fit import device_memory_gib
+from launcher.rules_parallel import check_runnable
+from launcher.validate import validate
 from models.flops import flops_per_token
+from pretrain_core import hardware
+from pretrain_core.layout import Degrees
+from pretrain_core.problems import Problem, RecipeError, divisors
+from pretrain_core.schema import RecipeConfig
 
 RECOMPUTE_POLICIES = ("none", "selective", "full")
 HEADROOM = 0.05
@@ -195,8 +198,6 @@ def search(cfg: RecipeConfig, top: int | None = None) -> Search:
 
     Raises RecipeError for problems of the recipe that no layout changes, or when nothing fits.
     """
-    from launcher.validate import Problem, RecipeError, validate
-
     top = cfg.suggest.top if top is None else top
     _check_searchable(cfg)
     spec = hardware.gpu_spec(cfg.cluster.gpu_type)
@@ -249,8 +250,6 @@ def search(cfg: RecipeConfig, top: int | None = None) -> Search:
         )
     scored.sort(key=lambda item: item[0])
 
-    from launcher.validate import check_runnable
-
     chosen: list[Suggestion] = []
     for _, layout, suggestion in scored:
         candidate = layout.apply(cfg)
@@ -275,8 +274,6 @@ def search(cfg: RecipeConfig, top: int | None = None) -> Search:
 def _check_searchable(cfg: RecipeConfig) -> None:
     """Raise RecipeError for the recipe's problems that no layout fixes, and for a device
     the cost model has no figures for."""
-    from launcher.validate import Problem, RecipeError, validate
-
     problems = []
     base = Layout(1, False, 1, 1, 1, -1, 0, "none", 1).apply(cfg)
     try:

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from launcher.layout import Degrees
-from launcher.schema import RecipeConfig
+from pretrain_core.layout import Degrees
+from pretrain_core.schema import RecipeConfig
 
 ACTIVATION_BYTES = {"fp32": 4, "bf16": 2}
 """Bytes per activation element crossing the TP group, by compute dtype."""

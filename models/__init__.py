@@ -4,7 +4,7 @@ Importing this package is cheap: the torch modules load only when `build` is cal
 so the launcher can use the pure helpers (`config`, `flops`) on a login node.
 """
 
-from models.config import ModelConfig
+from pretrain_core.model_config import ModelConfig
 
 __all__ = ["ModelConfig", "build"]
 

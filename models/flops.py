@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from models.config import ModelConfig
+from pretrain_core.model_config import ModelConfig
 
 
 @dataclass(frozen=True)

@@ -14,8 +14,8 @@ import math
 
 import torch
 
-from models.config import ModelConfig
 from models.llama import Transformer
+from pretrain_core.model_config import ModelConfig
 
 _NORM_SUFFIXES = ("attention_norm.weight", "ffn_norm.weight")
 # Stacked expert weights are drawn whole ([N, ...]) and sliced by expert parallelism.

@@ -12,88 +12,11 @@ pre-norm residuals. Parallelism is applied from outside (see `parallel/`), which
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from models.config import ModelConfig
+from models.layers import Attention, FeedForward, RMSNorm, rope_tables
 from models.moe import MoEFeedForward
-
-
-class RMSNorm(nn.Module):
-    """Root-mean-square norm; statistics in float32 whatever the input dtype."""
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return normed.type_as(x) * self.weight
-
-
-def rope_tables(
-    head_dim: int, max_seq_len: int, theta: float, device: torch.device | str | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Cosine and sine of each (position, frequency): two float32 [max_seq_len, head_dim // 2]."""
-    # float64 angles: they reach max_seq_len radians, where float32 rounding shows in the tables.
-    exponents = torch.arange(0, head_dim, 2, device=device, dtype=torch.float64) / head_dim
-    inv_freq = 1.0 / (theta**exponents)
-    positions = torch.arange(max_seq_len, device=device, dtype=torch.float64)
-    angles = torch.outer(positions, inv_freq)
-    return angles.cos().float(), angles.sin().float()
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [b, s, heads, head_dim] by position, in the half-split layout.
-
-    The first and second halves of each head form the (real, imaginary) pairs, as in the
-    Hugging Face Llama layout, so exported weights need no permutation.
-    """
-    x32 = x.float()
-    x1, x2 = x32.chunk(2, dim=-1)
-    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
-    rotated = torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
-    return rotated.type_as(x)
-
-
-class Attention(nn.Module):
-    """Causal grouped-query self-attention over `scaled_dot_product_attention`."""
-
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.head_dim = cfg.head_dim
-        q_width, kv_width = cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
-        self.wq = nn.Linear(cfg.dim, q_width, bias=False)
-        self.wk = nn.Linear(cfg.dim, kv_width, bias=False)
-        self.wv = nn.Linear(cfg.dim, kv_width, bias=False)
-        self.wo = nn.Linear(q_width, cfg.dim, bias=False)
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        b, s, _ = x.shape
-        # -1: the local head count, whatever share of the heads this rank's wq/wk/wv hold.
-        q = self.wq(x).view(b, s, -1, self.head_dim)
-        k = self.wk(x).view(b, s, -1, self.head_dim)
-        v = self.wv(x).view(b, s, -1, self.head_dim)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True
-        )
-        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
-
-
-class FeedForward(nn.Module):
-    """SwiGLU MLP: w2(silu(w1 x) * w3 x)."""
-
-    def __init__(self, dim: int, ffn_dim: int) -> None:
-        super().__init__()
-        self.w1 = nn.Linear(dim, ffn_dim, bias=False)
-        self.w3 = nn.Linear(dim, ffn_dim, bias=False)
-        self.w2 = nn.Linear(ffn_dim, dim, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+from pretrain_core.model_config import ModelConfig
 
 
 class TransformerBlock(nn.Module):

@@ -29,7 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.config import ModelConfig
+from models.layers import FeedForward
+from pretrain_core.model_config import ModelConfig
 
 
 def _local(weight: torch.Tensor) -> torch.Tensor:
@@ -135,8 +136,6 @@ class MoEFeedForward(nn.Module):
         self.experts = GroupedExperts(cfg.moe_experts, cfg.dim, ffn)
         self.shared: nn.Module | None = None
         if cfg.moe_shared_experts:
-            from models.llama import FeedForward
-
             self.shared = FeedForward(cfg.dim, cfg.moe_shared_experts * ffn)
         self.dispatch: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = self._local_dispatch
         self.aux_loss: torch.Tensor | None = None

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from torch._dynamo.exc import TorchDynamoException
 
-from launcher.schema import CompileConfig
+from pretrain_core.schema import CompileConfig
 
 
 class CompileError(RuntimeError):

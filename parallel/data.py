@@ -25,11 +25,11 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
-from launcher.layout import Degrees
-from launcher.schema import ParallelConfig, PrecisionConfig
 from parallel.expert import expert_parameter_names, expert_parameters
 from parallel.mesh import JobMesh, data_parallel_mesh
 from parallel.precision import compute_dtype
+from pretrain_core.layout import Degrees
+from pretrain_core.schema import ParallelConfig, PrecisionConfig
 
 REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 

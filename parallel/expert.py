@@ -1,7 +1,7 @@
 """Expert parallelism: the routed experts sharded over an EP group carved from data parallelism.
 
 The EP group: the flattened data-parallel index (dp_replicate x dp_shard) splits into
-(dp / ep, ep), ep inner, exactly as `launcher.layout.rank_groups` lists the "ep" groups. A
+(dp / ep, ep), ep inner, exactly as `pretrain_core.layout.rank_groups` lists the "ep" groups. A
 second DeviceMesh (pp, edp, ep, tp) over the same ranks names both halves: `ep` (the ranks
 that share one set of tokens' experts) and `edp` (the ranks that hold the same experts).
 
@@ -32,9 +32,9 @@ from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from launcher.schema import ParallelConfig
 from models.moe import GroupedExperts, moe_modules, router_losses
 from parallel.mesh import JobMesh
+from pretrain_core.schema import ParallelConfig
 
 EXPERT_MESH_DIMS = ("ep_pp", "edp", "ep", "ep_tp")
 

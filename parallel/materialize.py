@@ -12,9 +12,9 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from models.config import ModelConfig
 from models.init import initial_value
 from parallel.tensor import VOCAB_PARAMS
+from pretrain_core.model_config import ModelConfig
 
 
 @torch.no_grad()

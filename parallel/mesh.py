@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from launcher.layout import MESH_DIMS, Degrees
+from pretrain_core.layout import MESH_DIMS, Degrees
 
 
 @dataclass(frozen=True)

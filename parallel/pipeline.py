@@ -1,6 +1,6 @@
 """Pipeline parallelism: split the plain model into this rank's stages, and run a schedule.
 
-Splitting is ours (`launcher/stages.py` says which layers each stage holds): a stage is the
+Splitting is ours (`pretrain_core/stages.py` says which layers each stage holds): a stage is the
 plain `Transformer` with the other layers deleted, the embedding kept only on the first
 stage and the final norm and LM head only on the last, so parameter names stay those of the
 full model and checkpoints and initialization do not depend on the split. With vpp > 1 a
@@ -26,8 +26,8 @@ from torch.distributed.pipelining import (
     ScheduleInterleavedZeroBubble,
 )
 
-from launcher.schema import ParallelConfig
-from launcher.stages import rank_stages, stage_layers
+from pretrain_core.schema import ParallelConfig
+from pretrain_core.stages import rank_stages, stage_layers
 
 SCHEDULES = {
     "gpipe": ScheduleGPipe,

@@ -18,7 +18,7 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
-from launcher.schema import RecomputeConfig
+from pretrain_core.schema import RecomputeConfig
 
 # Matmul outputs are expensive to recompute and small next to the attention core and the
 # elementwise activations, which selective recompute throws away (Korthikanti et al. 2022).

@@ -36,9 +36,9 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from launcher.schema import ParallelConfig
 from models.moe import MoEFeedForward
 from parallel.mesh import JobMesh
+from pretrain_core.schema import ParallelConfig
 
 VOCAB_PARAMS = ("tok_embeddings.weight", "output.weight")
 """Parameters whose first dim is the (possibly padded) vocabulary."""

@@ -8,16 +8,10 @@ the (compiled) loss.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import models
-from launcher.layout import Degrees
-from launcher.schema import RecipeConfig
 from parallel.compile import apply_compile, compile_loss
 from parallel.data import apply_ddp, apply_fsdp, build_zero1_optimizer, uses_fsdp
 from parallel.expert import apply_expert_parallel
@@ -27,25 +21,11 @@ from parallel.pipeline import StageView, split_stage, stage_indices
 from parallel.precision import LossScaler, apply_precision
 from parallel.recompute import apply_recompute
 from parallel.tensor import apply_tensor_parallel
+from pretrain_core.layout import Degrees
+from pretrain_core.schema import RecipeConfig
 from trainer.optim import build_optimizer, optimizer_spec, param_groups, scaled_lr
 from trainer.schedule import build_lr_scheduler
-
-
-def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy of logits [b, s, vocab] against targets [b, s], in FP32."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
-
-
-@dataclass
-class TrainState:
-    """What the loop steps: the (wrapped) model, the plain model inside, and optimization."""
-
-    model: nn.Module
-    plain: nn.Module
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler
-    scaler: LossScaler
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = lm_loss
+from trainer.step import TrainState, lm_loss
 
 
 def parallelize(plain: nn.Module, cfg: RecipeConfig, mesh: JobMesh, degrees: Degrees) -> None:

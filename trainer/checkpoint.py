@@ -37,13 +37,12 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
-from launcher.schema import CheckpointConfig
-from trainer.build import TrainState
+from pretrain_core.rundir import CHECKPOINTS_DIR, WANDB_ID_FILE
+from pretrain_core.schema import CheckpointConfig
 from trainer.data import DataLoader
-from trainer.loggers import WANDB_ID_FILE
+from trainer.step import TrainState
 from trainer.vocab_resize import load_resizing_vocab
 
-CHECKPOINTS = "checkpoints"
 META = "meta.json"
 DCP_METADATA = ".metadata"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -187,7 +186,7 @@ class Checkpointer:
     """Saves and restores one run's checkpoints; every rank makes the same calls."""
 
     def __init__(self, run_dir: Path, cfg: CheckpointConfig, *, rank: int, world_size: int):
-        self.root = Path(run_dir) / CHECKPOINTS
+        self.root = Path(run_dir) / CHECKPOINTS_DIR
         self.cfg = cfg
         self.rank = rank
         self.world_size = world_size

@@ -23,7 +23,7 @@ from filelock import FileLock
 if TYPE_CHECKING:
     import datasets
 
-    from launcher.schema import DataConfig
+    from pretrain_core.schema import DataConfig
 
 FORMATS_BY_EXTENSION = {".txt": "text", ".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet"}
 """File extension → format, for `format: auto`."""

@@ -29,7 +29,7 @@ from trainer.corpus import (
 from trainer.tokenizer import eos_id, load_tokenizer, max_token_id, tokenizer_hash
 
 if TYPE_CHECKING:
-    from launcher.schema import DataConfig
+    from pretrain_core.schema import DataConfig
 
 TOKEN_FILE_VERSION = 1
 """Bump when the token file's layout or content rules change, so caches are rebuilt."""

@@ -19,8 +19,9 @@ from safetensors.torch import save_file
 from torch import nn
 
 import models
-from launcher.schema import RecipeConfig, load_config
-from trainer.checkpoint import CHECKPOINTS, find_checkpoint
+from pretrain_core.rundir import CHECKPOINTS_DIR, CONFIG_FILE
+from pretrain_core.schema import RecipeConfig, load_config
+from trainer.checkpoint import find_checkpoint
 from trainer.tokenizer import eos_id, load_tokenizer
 from trainer.vocab_resize import load_resizing_vocab
 
@@ -54,11 +55,13 @@ def hf_name(name: str) -> str:
 def load_model(run_dir: Path, step: int | None = None) -> tuple[nn.Module, RecipeConfig, int]:
     """The plain model with the weights of a run's newest checkpoint (or that of `step`),
     the run's config and the step."""
-    cfg = load_config(str(Path(run_dir) / "config.yaml"))
-    path = find_checkpoint(Path(run_dir) / CHECKPOINTS, step)
+    cfg = load_config(str(Path(run_dir) / CONFIG_FILE))
+    path = find_checkpoint(Path(run_dir) / CHECKPOINTS_DIR, step)
     if path is None:
         which = f"of step {step} " if step is not None else ""
-        raise FileNotFoundError(f"no complete checkpoint {which}in {Path(run_dir) / CHECKPOINTS}")
+        raise FileNotFoundError(
+            f"no complete checkpoint {which}in {Path(run_dir) / CHECKPOINTS_DIR}"
+        )
     model = models.build(cfg.model).to_empty(device="cpu")
     model.init_buffers("cpu")
     state = model.state_dict()

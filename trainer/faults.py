@@ -24,7 +24,7 @@ from types import FrameType
 import torch
 import torch.distributed as dist
 
-from launcher.resume import PREEMPTED_MARKER
+from pretrain_core.rundir import PREEMPTED_MARKER
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 

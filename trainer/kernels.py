@@ -12,11 +12,11 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from models.config import ModelConfig
+from pretrain_core.model_config import ModelConfig
 
 if TYPE_CHECKING:
-    from launcher.schema import RecipeConfig
-    from trainer.build import TrainState
+    from pretrain_core.schema import RecipeConfig
+    from trainer.step import TrainState
 
 # The aten op SDPA dispatches to, by backend.
 SDPA_BACKENDS = {

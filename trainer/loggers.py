@@ -19,7 +19,8 @@ from typing import Any
 from rich.console import Console
 from rich.markup import escape
 
-from launcher.schema import LoggingConfig
+from pretrain_core.rundir import METRICS_FILE, WANDB_ID_FILE
+from pretrain_core.schema import LoggingConfig
 
 WANDB_KEYS = {
     "loss": "train/loss",
@@ -47,7 +48,6 @@ WANDB_KEYS = {
 }
 """Flat metric name -> W&B key; names not listed go under train/."""
 WANDB_STEP = "train/step"
-WANDB_ID_FILE = "wandb_run_id"
 WANDB_MODES = ("auto", "online", "offline", "disabled")
 
 
@@ -180,7 +180,7 @@ class MetricsLogger:
         if not is_main:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        jsonl = self.run_dir / "metrics.jsonl"
+        jsonl = self.run_dir / METRICS_FILE
         truncate_partial_line(jsonl)
         self._file = jsonl.open("a", encoding="utf-8")
         if mode != "disabled":

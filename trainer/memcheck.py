@@ -24,12 +24,12 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-from launcher.layout import grad_accum_steps, resolve_degrees
-from launcher.schema import RecipeConfig, load_config
 from parallel.mesh import build_mesh
+from pretrain_core.layout import grad_accum_steps, resolve_degrees
+from pretrain_core.schema import RecipeConfig, load_config
 from trainer.build import build_train_state
 from trainer.dist import init_distributed
-from trainer.train import train_step
+from trainer.step import train_step
 
 
 class _StepTracker(MemTracker):

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from launcher.schema import HardwareConfig
+from pretrain_core.schema import HardwareConfig
 
 GIB = 1024**3
 
@@ -39,7 +39,7 @@ class PeakFlops:
 
 def table_peak_flops(device_name: str, dtype: str) -> PeakFlops:
     """Peak of a CUDA device from the GPU table, looked up by its reported name and the dtype."""
-    from launcher.hardware import gpu_spec, match_device_name
+    from pretrain_core.hardware import gpu_spec, match_device_name
 
     key = match_device_name(device_name)
     if key is None:

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from launcher.schema import OptimConfig
+from pretrain_core.schema import OptimConfig
 
 
 def _mesh_of(param: torch.Tensor) -> Any:

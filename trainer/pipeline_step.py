@@ -18,10 +18,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
-from launcher.layout import Degrees, grad_accum_steps
-from launcher.schema import RecipeConfig
 from parallel.data import uses_fsdp
 from parallel.expert import reduce_expert_grads
 from parallel.mesh import JobMesh
@@ -29,8 +26,10 @@ from parallel.pipeline import build_schedule, in_context, stage_indices
 from parallel.pipeline_moe import attach_router_losses
 from parallel.precision import forward_context
 from parallel.tensor import local_value, vocab_parallel_loss
-from trainer.build import TrainState
+from pretrain_core.layout import Degrees, grad_accum_steps
+from pretrain_core.schema import RecipeConfig
 from trainer.faults import StepGuard
+from trainer.step import TrainState, apply_gradients
 
 
 class PipelineStep:
@@ -73,7 +72,7 @@ class PipelineStep:
         return self.state.scaler.scale_loss(one / self.n_microbatches)
 
     def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        loss = self.state.loss_fn(logits, targets)
         # Every TP rank holds the same (replicated) loss.
         self.losses.append(local_value(loss.detach()))
         return self.state.scaler.scale_loss(loss / self.n_microbatches)
@@ -84,8 +83,6 @@ class PipelineStep:
         """Forward and backward of this rank's micro-batches through the pipeline, then the
         optimizer; returns the step's mean loss (on every stage), the global grad norm and
         what all ranks agreed (bad, stop), as `train_step` does."""
-        from trainer.train import apply_gradients  # the loop imports this module lazily
-
         inputs = torch.cat([x for x, _ in micro_batches]).to(self.device)
         targets = torch.cat([y for _, y in micro_batches]).to(self.device)
         args = (inputs,) if self.has_first else ()

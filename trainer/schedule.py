@@ -20,7 +20,7 @@ import math
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR
 
-from launcher.schema import OptimConfig, ScheduleConfig
+from pretrain_core.schema import OptimConfig, ScheduleConfig
 
 SCHEDULES = ("cosine", "linear", "constant", "wsd")
 

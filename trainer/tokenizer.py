@@ -24,7 +24,7 @@ from trainer.corpus import (
 )
 
 if TYPE_CHECKING:
-    from launcher.schema import DataConfig
+    from pretrain_core.schema import DataConfig
 
 EOS_TOKEN = "<|endoftext|>"
 """The end-of-sequence token of tokenizers trained here."""

@@ -4,24 +4,18 @@ from __future__ import annotations
 
 import math
 import time
-import warnings
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from launcher.layout import Degrees, grad_accum_steps, resolve_degrees
-from launcher.precision import peak_dtype
-from launcher.schema import RecipeConfig, load_config
 from models.flops import count_params, flops_per_token
-from parallel.clip import clip_grad_norm_
-from parallel.data import gradient_sync, uses_fsdp
-from parallel.expert import add_router_losses, reduce_expert_grads
 from parallel.mesh import build_mesh
-from parallel.precision import after_optimizer_step, forward_context
 from parallel.recompute import recomputed_blocks
-from parallel.tensor import local_value, vocab_parallel_loss
-from trainer.build import TrainState, build_train_state
+from pretrain_core.layout import grad_accum_steps, resolve_degrees
+from pretrain_core.precision import peak_dtype
+from pretrain_core.schema import RecipeConfig, load_config
+from trainer.build import build_train_state
 from trainer.checkpoint import Checkpointer
 from trainer.data import DataLoader, GlobalBatchSampler, prepare_dataset
 from trainer.dist import RankInfo, init_distributed
@@ -39,82 +33,7 @@ from trainer.loggers import MetricsLogger
 from trainer.metrics import ThroughputMeter, peak_memory_gib, resolve_peak_flops
 from trainer.moe_metrics import expert_load_metrics
 from trainer.prefetch import PrefetchingLoader
-
-
-def _autocast(cfg: RecipeConfig, degrees: Degrees, device: torch.device):
-    """Autocast where FSDP's mixed-precision policy does not already cast (and TE's FP8)."""
-    return forward_context(cfg.precision, device, weights_cast=uses_fsdp(cfg.parallel, degrees))
-
-
-def train_step(
-    state: TrainState,
-    micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
-    cfg: RecipeConfig,
-    degrees: Degrees,
-    device: torch.device,
-    guard: StepGuard | None = None,
-    poison: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, bool, bool]:
-    """One optimizer step over this rank's accumulation micro-batches.
-
-    Returns this rank's mean loss, the global gradient norm (before clipping) and what all
-    ranks agreed: (bad, stop). A bad step (non-finite loss or norm) applies no update, and
-    under fp16 neither does a step whose gradients overflowed (the scale backs off). Without
-    a `guard` (one-process tools and benchmarks) badness is decided locally and stop is False.
-    """
-    accum = len(micro_batches)
-    loss_sum = torch.zeros((), device=device)
-    for i, (inputs, targets) in enumerate(micro_batches):
-        # Asynchronous from pinned memory (the prefetching loader pins on CUDA).
-        inputs = inputs.to(device, non_blocking=True)
-        targets = targets.to(device, non_blocking=True)
-        with gradient_sync(state.model, enabled=i == accum - 1):
-            with _autocast(cfg, degrees, device):
-                logits = state.model(inputs)
-            with vocab_parallel_loss(enabled=degrees.tp > 1):
-                loss = state.loss_fn(logits, targets)
-                if poison:
-                    loss = loss * float("nan")
-                objective = add_router_losses(loss, state.plain)
-                state.scaler.scale_loss(objective / accum).backward()
-        # Every TP rank holds the same (replicated) loss.
-        loss_sum += local_value(loss.detach())
-    reduce_expert_grads(state.plain)
-    loss = loss_sum / accum
-    return (loss, *apply_gradients(state, cfg, guard, loss))
-
-
-def apply_gradients(
-    state: TrainState,
-    cfg: RecipeConfig,
-    guard: StepGuard | None,
-    loss: torch.Tensor,
-    extra_group: dist.ProcessGroup | None = None,
-) -> tuple[torch.Tensor, bool, bool]:
-    """Unscale, clip and apply the accumulated gradients, then advance the LR schedule.
-
-    Returns the global gradient norm before clipping (`extra_group` sums it over pipeline
-    stages) and what all ranks agreed: (bad, stop). A bad step (non-finite loss or norm)
-    applies no update, and under fp16 neither does a step whose gradients overflowed.
-    """
-    state.scaler.unscale_(state.plain.parameters())
-    norm = clip_grad_norm_(state.plain.parameters(), cfg.optim.grad_clip, extra_group)
-    # An fp16 overflow is the loss scaler's to handle (back off and retry), not a fault.
-    scaled_ok = state.scaler.update(norm)
-    checked = norm if scaled_ok else torch.zeros_like(norm)
-    if guard is None:
-        bad, stop = not bool(torch.isfinite(loss) and torch.isfinite(checked)), False
-    else:
-        bad, stop = guard.agree(loss, checked)
-    if scaled_ok and not bad:
-        state.optimizer.step()
-        after_optimizer_step(state.plain, cfg.precision)
-    # A skipped step still consumes its data and its place in the LR schedule.
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step", UserWarning)
-        state.scheduler.step()
-    state.optimizer.zero_grad(set_to_none=True)
-    return norm, bad, stop
+from trainer.step import train_step
 
 
 def _hfu_flops_per_token(cfg: RecipeConfig) -> int:

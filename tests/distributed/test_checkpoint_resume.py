@@ -23,8 +23,8 @@ from safetensors.torch import load_file
 from torch import nn
 
 from tests.distributed.harness import BASE_OVERRIDES, FP32_TOLERANCE
-from trainer.build import lm_loss
 from trainer.export import export, load_model
+from trainer.step import lm_loss
 
 pytestmark = pytest.mark.distributed
 

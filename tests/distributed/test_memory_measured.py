@@ -39,10 +39,10 @@ import sys
 
 import pytest
 
-from launcher.fit import predict
-from launcher.layout import grad_accum_steps, resolve_degrees
 from launcher.memory import memory_breakdown
-from launcher.schema import RecipeConfig, dump_config
+from launcher.memory_fit import predict
+from pretrain_core.layout import grad_accum_steps, resolve_degrees
+from pretrain_core.schema import RecipeConfig, dump_config
 
 pytestmark = pytest.mark.distributed
 

@@ -3,31 +3,15 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
 from tests.distributed.harness import BASE_OVERRIDES, read_curve
+from tests.helpers import RECIPES, pretrain
 
 pytestmark = pytest.mark.e2e
-
-REPO = Path(__file__).resolve().parents[2]
-RECIPES = sorted(p.stem for p in (REPO / "recipes").glob("*.yaml") if p.stem != "base")
-
-
-def pretrain(*args: str, cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "launcher", *args],
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=dict(os.environ, OMP_NUM_THREADS="1"),
-    )
 
 
 def test_every_shipped_recipe_composes_validates_and_plans(tmp_path: Path) -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from launcher.precision import backend_installed
+from pretrain_core.precision import backend_installed
 
 pytestmark = pytest.mark.e2e
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from launcher.pipeline_chart import simulate
-from tests.e2e.test_cli import pretrain
+from tests.helpers import pretrain
 
 pytestmark = pytest.mark.e2e
 

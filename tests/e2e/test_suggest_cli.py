@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.test_cli import pretrain
+from tests.helpers import pretrain
 
 pytestmark = pytest.mark.e2e
 

@@ -13,8 +13,8 @@ import pytest
 
 from launcher.backends import submit_slurm, wait_for_slurm_job
 from launcher.job import write_run_dir
-from launcher.schema import RecipeConfig, dump_config
-from tests.slurm.test_slurm import JOB_TIMEOUT_S, cpu_recipe, slurm_cluster  # noqa: F401
+from pretrain_core.schema import RecipeConfig, dump_config
+from tests.slurm.conftest import JOB_TIMEOUT_S, cpu_recipe
 
 pytestmark = pytest.mark.slurm
 
@@ -54,7 +54,7 @@ def restarts(job_id: str) -> int:
 
 
 def test_a_signalled_job_saves_requeues_and_continues_the_same_curve(
-    slurm_cluster: None,  # noqa: F811
+    slurm_cluster: None,
     tmp_path: Path,
 ) -> None:
     reference_cfg = small_recipe(tmp_path / "reference")

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from launcher.schema import RecipeConfig
-from launcher.validate import RecipeError, validate
+from launcher.validate import validate
+from pretrain_core.problems import RecipeError
+from pretrain_core.schema import RecipeConfig
 
 
 @pytest.mark.parametrize(

@@ -14,7 +14,7 @@ import pytest
 import torch
 from tokenizers import Tokenizer, models
 
-from launcher.schema import DataConfig
+from pretrain_core.schema import DataConfig
 from trainer.corpus import iter_document_batches, stdlib_files
 from trainer.data import (
     DataLoader,

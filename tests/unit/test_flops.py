@@ -9,10 +9,10 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
-from models.config import ModelConfig
 from models.flops import count_params, flops_per_token
 from models.init import init_weights
 from models.llama import build_on_meta
+from pretrain_core.model_config import ModelConfig
 
 SEQ_LEN, BATCH = 32, 2
 

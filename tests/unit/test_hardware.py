@@ -2,7 +2,7 @@
 
 import pytest
 
-from launcher.hardware import GPUS, gpu_spec, known_gpus, match_device_name, peak_tflops
+from pretrain_core.hardware import GPUS, gpu_spec, known_gpus, match_device_name, peak_tflops
 
 REQUIRED = [
     "h100_sxm",

@@ -20,7 +20,7 @@ from launcher.job import (
     torchrun_args,
     write_run_dir,
 )
-from launcher.schema import RecipeConfig
+from pretrain_core.schema import RecipeConfig
 
 # Each tries to create the marker file if any shell ever evaluates it instead of quoting it.
 INJECTIONS = ["x; touch {m}", "$(touch {m})", "`touch {m}`", "a'b\"c $(touch {m}) %j #"]
@@ -242,7 +242,7 @@ import sys
 from pathlib import Path
 from launcher.backends import run_local
 from launcher.job import write_run_dir
-from launcher.schema import RecipeConfig, dump_config
+from pretrain_core.schema import RecipeConfig, dump_config
 
 cfg = RecipeConfig()
 cfg.cluster.device, cfg.cluster.gpu_type, cfg.cluster.gpus_per_node = "cpu", "cpu", 2

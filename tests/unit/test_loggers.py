@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from launcher.schema import LoggingConfig
+from pretrain_core.schema import LoggingConfig
 from trainer.loggers import (
     WANDB_ID_FILE,
     MetricsLogger,

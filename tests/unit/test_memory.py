@@ -6,17 +6,19 @@ from pathlib import Path
 
 import pytest
 
-from launcher.fit import predict
-from launcher.layout import resolve_degrees
 from launcher.memory import (
     korthikanti_layer_activations,
     memory_breakdown,
     textbook_model_states,
 )
-from launcher.schema import RecipeConfig
-from launcher.validate import RecipeError, validate
-from models.config import ModelConfig
+from launcher.memory_fit import predict
+from launcher.validate import validate
 from models.flops import count_params
+from pretrain_core.layout import resolve_degrees
+from pretrain_core.model_config import ModelConfig
+from pretrain_core.problems import RecipeError
+from pretrain_core.schema import RecipeConfig
+from tests.helpers import validate_and_fit
 
 LLAMA2_7B_SHAPE = ModelConfig(
     vocab_size=32000, dim=4096, n_layers=32, n_heads=32, ffn_dim=11008, max_seq_len=4096
@@ -93,20 +95,20 @@ def test_a_recipe_over_device_memory_is_refused_with_breakdown_and_fixes_that_fi
     cfg = recipe(0)
     validate(cfg)  # sound, only too big: action=plan still shows it
     with pytest.raises(RecipeError) as error:
-        validate(cfg, check_memory=True)
+        validate_and_fit(cfg)
     message = str(error.value)
     assert "exceeds the 80 GiB of h100_sxm" in message
     assert "optimizer" in message and "activations" in message
     assert "parallel.zero=1 " not in message  # ZeRO-1 keeps FP32 params, grads, buckets
     assert "try parallel.zero=2" in message and "parallel.zero=3" in message
     fixed = recipe(3)
-    validate(fixed, check_memory=True)  # the suggested change does fit
+    validate_and_fit(fixed)  # the suggested change does fit
 
 
 def test_cpu_ranks_have_no_memory_limit():
     cfg = recipe(0)
     cfg.cluster.device, cfg.cluster.gpu_type = "cpu", "cpu"
-    validate(cfg, check_memory=True)
+    validate_and_fit(cfg)
 
 
 @pytest.mark.parametrize(

@@ -10,9 +10,10 @@ import torch
 from torch import nn
 
 from models import build
-from models.config import ModelConfig
 from models.init import init_std, init_weights, initial_value
-from models.llama import Attention, RMSNorm, Transformer, build_on_meta
+from models.layers import Attention, RMSNorm
+from models.llama import Transformer, build_on_meta
+from pretrain_core.model_config import ModelConfig
 
 # The tiny recipe's shape (recipes/model/tiny.yaml): 4 query heads share 2 KV heads.
 TINY = ModelConfig(

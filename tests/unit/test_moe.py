@@ -9,10 +9,10 @@ import torch
 from torch import nn
 
 import models
-from models.config import ModelConfig
 from models.flops import count_params, flops_per_token
 from models.init import init_weights
 from models.moe import MoEFeedForward, keep_mask, load_balancing_loss, router_losses
+from pretrain_core.model_config import ModelConfig
 
 N, K, H = 4, 2, 8
 

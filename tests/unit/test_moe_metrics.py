@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 import models
-from models.config import ModelConfig
 from models.init import init_weights
+from pretrain_core.model_config import ModelConfig
 from trainer.loggers import console_line, wandb_key
 from trainer.moe_metrics import expert_load_metrics
 

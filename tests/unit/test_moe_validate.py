@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from launcher.validate import validate
-from tests.unit.test_validate import configure, problems
+from tests.helpers import configure, problems
 
 MOE = {"model.moe_experts": 8, "model.moe_top_k": 2, "cluster.gpus_per_node": 4}
 
@@ -26,7 +26,7 @@ def test_a_moe_recipe_with_ep_dividing_experts_and_dp_is_valid_for_launch() -> N
         ({"model.moe_top_k": 9}, "model.moe_top_k", "cannot pick more than the 8 experts"),
         ({"model.moe_top_k": 0}, "model.moe_top_k", "at least one expert"),
         ({"model.moe_capacity_factor": -1.0}, "model.moe_capacity_factor", "0 means dropless"),
-        ({"model.moe_router": "relu"}, "model.moe_router", "unknown router"),
+        ({"model.moe_router": "relu"}, "model.moe_router", "unknown value 'relu'"),
         ({"model.moe_layers": "every:0"}, "model.moe_layers", "every:K needs 1 <= K"),
         ({"model.moe_layers": "after:40"}, "model.moe_layers", "leaves no MoE layer"),
         ({"model.moe_layers": "some"}, "model.moe_layers", "not a layer policy"),

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from launcher.schema import OptimConfig
+from pretrain_core.schema import OptimConfig
 from trainer.optim import Lion, build_optimizer, optimizer_spec, param_groups, scaled_lr
 
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 
 import models
-from models.config import ModelConfig
 from models.init import init_weights
 from models.moe import moe_modules, router_losses
 from parallel.pipeline_moe import attach_router_losses
+from pretrain_core.model_config import ModelConfig
 
 CFG = ModelConfig(
     vocab_size=64,

@@ -5,11 +5,11 @@ from __future__ import annotations
 import torch
 
 import models
-from launcher.schema import ParallelConfig, RecomputeConfig
-from models.config import ModelConfig
 from parallel.materialize import materialize
 from parallel.pipeline import StageView, split_stage
 from parallel.recompute import apply_recompute
+from pretrain_core.model_config import ModelConfig
+from pretrain_core.schema import ParallelConfig, RecomputeConfig
 
 CFG = ModelConfig(vocab_size=64, dim=32, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=64)
 

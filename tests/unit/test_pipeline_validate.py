@@ -2,11 +2,11 @@
 
 import pytest
 
-from launcher.layout import grad_accum_steps, resolve_degrees
 from launcher.memory import memory_breakdown
-from launcher.stages import rank_stages, stage_layers
 from launcher.validate import check_runnable, validate
-from tests.unit.test_validate import configure, problems
+from pretrain_core.layout import grad_accum_steps, resolve_degrees
+from pretrain_core.stages import rank_stages, stage_layers
+from tests.helpers import configure, problems
 
 
 @pytest.mark.parametrize(

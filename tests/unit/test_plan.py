@@ -8,8 +8,6 @@ from itertools import product
 
 import pytest
 
-from launcher.hardware import gpu_spec
-from launcher.layout import Degrees, grad_accum_steps, rank_groups, resolve_degrees
 from launcher.plan import (
     GIB,
     GROUPS_SHOWN,
@@ -19,10 +17,13 @@ from launcher.plan import (
     plan_to_dict,
 )
 from launcher.render import render_plan
-from launcher.schema import RecipeConfig
-from launcher.validate import RecipeError, validate
-from models.config import ModelConfig
+from launcher.validate import validate
 from models.flops import count_params, flops_per_token
+from pretrain_core.hardware import gpu_spec
+from pretrain_core.layout import Degrees, grad_accum_steps, rank_groups, resolve_degrees
+from pretrain_core.model_config import ModelConfig
+from pretrain_core.problems import RecipeError
+from pretrain_core.schema import RecipeConfig
 
 LLAMA3_8B = ModelConfig(
     vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336,
@@ -242,7 +243,7 @@ def test_rendered_table_shows_every_section():
 
 def test_planning_and_validation_do_not_import_torch():
     code = (
-        "import sys, launcher.plan, launcher.validate, launcher.render, launcher.hardware;"
+        "import sys, launcher.plan, launcher.validate, launcher.render, pretrain_core.hardware;"
         "print('torch' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -11,16 +11,15 @@ import torch.distributed as dist
 from torch import nn
 
 import models
-from launcher.layout import Degrees
-from launcher.schema import PrecisionConfig, RecipeConfig
-from models.config import ModelConfig
 from parallel.materialize import materialize
 from parallel.precision import LossScaler, apply_precision
-from trainer.build import TrainState
+from pretrain_core.layout import Degrees
+from pretrain_core.model_config import ModelConfig
+from pretrain_core.schema import PrecisionConfig, RecipeConfig
 from trainer.faults import StepGuard
 from trainer.optim import build_optimizer
 from trainer.schedule import build_lr_scheduler
-from trainer.train import train_step
+from trainer.step import TrainState, train_step
 
 ONE_RANK = Degrees(pp=1, dp_replicate=1, dp_shard=1, tp=1, ep=1, world=1)
 BLOCK_LINEARS = (
@@ -152,7 +151,7 @@ def test_gradients_are_unscaled_before_the_norm_is_clipped(one_rank_group):
 
 
 def test_an_fp8_run_names_the_fp8_peak_in_every_sink():
-    from launcher.hardware import gpu_spec
+    from pretrain_core.hardware import gpu_spec
     from trainer.loggers import console_line, wandb_key
     from trainer.metrics import ThroughputMeter, table_peak_flops
 

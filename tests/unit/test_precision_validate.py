@@ -3,9 +3,9 @@
 import pytest
 
 from launcher.plan import make_plan
-from launcher.precision import backend_installed, peak_dtype
 from launcher.validate import validate
-from tests.unit.test_validate import configure, problems
+from pretrain_core.precision import backend_installed, peak_dtype
+from tests.helpers import configure, problems
 
 FP8_GPU = {"precision.dtype": "fp8", "cluster.backend": "slurm"}
 """FP8 on the base recipe's H100s; slurm, so whether a backend is installed here is not asked."""

@@ -9,7 +9,7 @@ import pytest
 
 from launcher.job import JobError, write_run_dir
 from launcher.resume import changed_fields, frozen_changes
-from launcher.schema import RecipeConfig, dump_config
+from pretrain_core.schema import RecipeConfig, dump_config
 
 
 def _yaml(**changes: object) -> str:

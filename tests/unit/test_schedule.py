@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from launcher.schema import OptimConfig, ScheduleConfig
+from pretrain_core.schema import OptimConfig, ScheduleConfig
 from trainer.schedule import build_lr_scheduler, lr_factor
 
 MIN = 0.1

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from launcher.validate import validate
-from tests.unit.test_validate import base, configure, problems
+from tests.helpers import base, configure, problems
 
 CASES = [
     ({"compile.backend": "tensorrt"}, "compile.backend", "unknown value", "aot_eager or eager"),

@@ -7,16 +7,18 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from launcher import hardware
 from launcher.cost import COMPUTE_EFFICIENCY, step_cost
-from launcher.fit import predict
-from launcher.layout import rank_groups, resolve_degrees
+from launcher.memory_fit import predict
 from launcher.plan import bubble_fraction
-from launcher.schema import RecipeConfig
 from launcher.suggest import Layout, degrees_of, search
-from launcher.validate import RecipeError, validate
-from models.config import ModelConfig
+from launcher.validate import validate
 from models.flops import flops_per_token
+from pretrain_core import hardware
+from pretrain_core.layout import rank_groups, resolve_degrees
+from pretrain_core.model_config import ModelConfig
+from pretrain_core.problems import RecipeError
+from pretrain_core.schema import RecipeConfig
+from tests.helpers import validate_and_fit
 
 REPO = Path(__file__).resolve().parents[2]
 LLAMA2_7B_SHAPE = ModelConfig(
@@ -87,7 +89,7 @@ def test_every_suggestion_validates_and_its_predicted_peak_fits(case, request):
     device = hardware.gpu_spec(cfg.cluster.gpu_type).memory_gib
     for suggestion in search(cfg).suggestions:
         applied = suggestion.layout.apply(cfg)
-        validate(applied, check_memory=True)
+        validate_and_fit(applied)
         # The fit check's own path (resolve_degrees, grad_accum_steps) gives the same peak.
         assert predict(applied).total == pytest.approx(suggestion.memory.total)
         assert suggestion.memory.total_gib < device

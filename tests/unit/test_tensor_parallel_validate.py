@@ -3,7 +3,7 @@
 import pytest
 
 from launcher.validate import check_runnable, validate
-from tests.unit.test_validate import configure, problems
+from tests.helpers import configure, problems
 
 
 @pytest.mark.parametrize(

@@ -2,11 +2,11 @@
 
 import pytest
 
-from launcher.layout import resolve_degrees
 from launcher.plan import make_plan, plan_to_dict
 from launcher.render import render_plan
 from launcher.tp_comm import ACTIVATION_BYTES, tp_communication
-from tests.unit.test_validate import configure
+from pretrain_core.layout import resolve_degrees
+from tests.helpers import configure
 
 
 def _comm(overrides: dict):

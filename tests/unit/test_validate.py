@@ -1,43 +1,11 @@
 """Recipe validation: every rule names the field, says why, and offers a fix."""
 
-import copy
-
 import pytest
 
-from launcher.schema import RecipeConfig
-from launcher.validate import Problem, RecipeError, check_runnable, validate
-from models.config import ModelConfig
-
-
-def base() -> RecipeConfig:
-    """A valid recipe: 8 GPUs on one node, a small model with 32 heads and 8 KV heads."""
-    cfg = RecipeConfig(name="base")
-    cfg.model = ModelConfig(
-        vocab_size=4096, dim=512, n_layers=8, n_heads=32, n_kv_heads=8, ffn_dim=1024,
-        max_seq_len=1024,
-    )  # fmt: skip
-    cfg.train.seq_len, cfg.train.micro_batch, cfg.train.global_batch = 256, 2, 64
-    cfg.cluster.gpus_per_node = 8
-    return cfg
-
-
-def configure(overrides: dict) -> RecipeConfig:
-    """The base recipe with dotted-path overrides, as on a Hydra command line."""
-    cfg = copy.deepcopy(base())
-    for path, value in overrides.items():
-        *parents, leaf = path.split(".")
-        node = cfg
-        for part in parents:
-            node = getattr(node, part)
-        setattr(node, leaf, value)
-    return cfg
-
-
-def problems(cfg: RecipeConfig, for_launch: bool = False) -> list[Problem]:
-    with pytest.raises(RecipeError) as error:
-        validate(cfg, for_launch=for_launch)
-    assert str(error.value).splitlines() == [str(p) for p in error.value.problems]
-    return error.value.problems
+from launcher.rules_parallel import check_runnable
+from launcher.validate import validate
+from pretrain_core.problems import RecipeError
+from tests.helpers import base, configure, problems
 
 
 def test_base_recipe_is_valid():

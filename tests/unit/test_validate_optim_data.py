@@ -6,8 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from launcher.validate import RecipeError, validate
-from tests.unit.test_validate import configure
+from launcher.validate import validate
+from pretrain_core.problems import RecipeError
+from tests.helpers import configure
 
 
 def problem_fields(overrides: dict, for_launch: bool) -> dict[str, str]:

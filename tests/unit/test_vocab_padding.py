@@ -5,10 +5,10 @@ import torch
 from torch import nn
 
 import models
-from models.config import ModelConfig
 from models.init import initial_value
 from parallel.materialize import materialize
 from parallel.tensor import padded_vocab
+from pretrain_core.model_config import ModelConfig
 
 
 @pytest.mark.parametrize(("vocab", "tp", "expected"), [(512, 4, 512), (510, 4, 512), (509, 2, 510)])

@@ -7,10 +7,32 @@ dir's resolved `config.yaml` into the same dataclasses with `load_config`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any
 
-from models.config import ModelConfig
+from pretrain_core.choices import CHOICES, one_of
+from pretrain_core.hardware import GPUS
+from pretrain_core.model_config import ModelConfig
+
+ACTIONS = ("run", "plan", "script", "suggest")
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
+DTYPES = ("fp32", "bf16", "fp16", "fp8")
+FP8_BACKENDS = ("torchao", "te")
+FP8_SCALINGS = ("current", "rowwise", "delayed", "mxfp8")
+REDUCE_DTYPES = ("fp32", "bf16")
+COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
+RECOMPUTE_POLICIES = ("none", "full", "selective")
+OPTIMIZERS = ("adamw", "lion", "sgd")
+LR_SCALINGS = ("none", "linear", "sqrt")
+LR_SCHEDULES = ("cosine", "linear", "constant", "wsd")
+DATA_FORMATS = ("auto", "text", "jsonl", "parquet")
+CLUSTER_BACKENDS = ("local", "slurm")
+DEVICES = ("cuda", "cpu")
+GPU_TYPES = tuple(GPUS)
+WANDB_MODES = ("auto", "online", "offline", "disabled")
+ASYNC_MODES = ("none", "thread", "process")
+PLAN_FORMATS = ("table", "json")
 
 
 @dataclass
@@ -25,7 +47,7 @@ class ParallelConfig:
     """Pipeline-parallel degree: stages, usually across nodes."""
     vpp: int = 1
     """Virtual pipeline stages per rank (model chunks) for interleaved schedules."""
-    pp_schedule: str = "1f1b"
+    pp_schedule: str = one_of("1f1b", PP_SCHEDULES)
     """Pipeline schedule: gpipe (all forwards, then all backwards), 1f1b (PipeDream-Flush),
     interleaved_1f1b (over vpp chunks per rank) or zero_bubble (backward split into input and
     weight gradients, the latter filling the bubbles; any vpp)."""
@@ -57,13 +79,13 @@ class ParallelConfig:
 class PrecisionConfig:
     """Numeric precision of compute, parameters and gradient reduction."""
 
-    dtype: str = "fp32"
+    dtype: str = one_of("fp32", DTYPES)
     """Compute dtype: fp32; bf16 (FP32 master weights, reduction in reduce_dtype); fp16 (the
     same with dynamic loss scaling); fp8 (the blocks' linear layers in FP8, the rest in bf16)."""
-    fp8_backend: str = "torchao"
+    fp8_backend: str = one_of("torchao", FP8_BACKENDS)
     """FP8 implementation: torchao (float8 training; composes with FSDP2 and DTensor) or te
     (NVIDIA Transformer Engine, the `te` extra; CUDA only)."""
-    fp8_recipe: str = "current"
+    fp8_recipe: str = one_of("current", FP8_SCALINGS)
     """FP8 scaling: current (per-tensor scales from this step's amax), rowwise (torchao: a scale
     per row), delayed (te: scales from an amax history) or mxfp8 (te: 32-element blocks)."""
     fp8_amax_history: int = 1024
@@ -83,7 +105,7 @@ class PrecisionConfig:
     """fp16: factor the scale shrinks by when a step's gradients overflow (the step is skipped)."""
     loss_scale_interval: int = 2000
     """fp16: overflow-free steps between two growths of the loss scale."""
-    reduce_dtype: str = "fp32"
+    reduce_dtype: str = one_of("fp32", REDUCE_DTYPES)
     """Dtype of the data-parallel gradient reduction: fp32, or bf16 (half the traffic; FSDP2's
     reduce_dtype, a bf16 compression hook under DDP)."""
 
@@ -98,7 +120,7 @@ class CompileConfig:
     """Compile each transformer block's forward (one graph shared by identical blocks)."""
     loss: bool = True
     """Compile the loss (cross-entropy over the logits)."""
-    backend: str = "inductor"
+    backend: str = one_of("inductor", COMPILE_BACKENDS)
     """torch.compile backend: inductor, aot_eager or eager (the last two for debugging)."""
     fallback: bool = False
     """If a block or the loss fails to compile, run it eagerly (and log it) instead of stopping."""
@@ -108,7 +130,7 @@ class CompileConfig:
 class RecomputeConfig:
     """Activation recomputation (checkpointing) policy."""
 
-    policy: str = "none"
+    policy: str = one_of("none", RECOMPUTE_POLICIES)
     """none; full (recompute whole blocks); selective (keep matmul outputs, recompute the
     attention core and elementwise ops)."""
     every: int = 1
@@ -119,7 +141,7 @@ class RecomputeConfig:
 class OptimConfig:
     """Optimizer and gradient clipping."""
 
-    name: str = "adamw"
+    name: str = one_of("adamw", OPTIMIZERS)
     """adamw, lion or sgd."""
     lr: float = 3e-4
     """Peak learning rate (after warmup, before any batch-size scaling)."""
@@ -135,7 +157,7 @@ class OptimConfig:
     """Decoupled weight decay; never applied to norms, biases or embeddings."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value; 0 turns clipping off."""
-    lr_scaling: str = "none"
+    lr_scaling: str = one_of("none", LR_SCALINGS)
     """Scale lr with the global batch: none, linear or sqrt (relative to base_batch)."""
     base_batch: int = 0
     """Global batch (sequences) that `lr` was tuned for; needed when lr_scaling != none."""
@@ -145,7 +167,7 @@ class OptimConfig:
 class ScheduleConfig:
     """Learning-rate schedule."""
 
-    name: str = "cosine"
+    name: str = one_of("cosine", LR_SCHEDULES)
     """cosine, linear, constant or wsd (warmup-stable-decay)."""
     warmup_steps: int = 0
     """Linear warmup from 0 to the peak lr."""
@@ -175,7 +197,7 @@ class DataConfig:
     source: str = "stdlib"
     """`stdlib` (this Python's standard-library sources, no download), a local file, directory
     or glob of text/JSONL/Parquet files, or `hf:NAME` for a Hugging Face hub dataset."""
-    format: str = "auto"
+    format: str = one_of("auto", DATA_FORMATS)
     """auto (from the file extension), text, jsonl or parquet."""
     text_field: str = "text"
     """Column holding the document text in JSONL/Parquet/hub datasets."""
@@ -197,16 +219,16 @@ class DataConfig:
 class ClusterConfig:
     """Where and how the job runs."""
 
-    backend: str = "local"
+    backend: str = one_of("local", CLUSTER_BACKENDS)
     """local (torchrun on this machine) or slurm (sbatch)."""
     nodes: int = 1
     """Nodes in the job."""
     gpus_per_node: int = 1
     """Ranks per node: GPUs, or CPU processes when device=cpu."""
-    device: str = "cuda"
+    device: str = one_of("cuda", DEVICES)
     """cuda or cpu (gloo backend; for tests and the embedded default)."""
-    gpu_type: str = "h100_sxm"
-    """Accelerator model, for peak FLOP/s and memory (see launcher/hardware.py)."""
+    gpu_type: str = one_of("h100_sxm", GPU_TYPES)
+    """Accelerator model, for peak FLOP/s and memory (see pretrain_core/hardware.py)."""
     gpu_memory_gib: float = 0.0
     """Memory per GPU in GiB; 0 takes it from gpu_type."""
     partition: str = ""
@@ -247,7 +269,7 @@ class LoggingConfig:
 
     log_every: int = 1
     """Log every this many steps."""
-    wandb: str = "auto"
+    wandb: str = one_of("auto", WANDB_MODES)
     """Weights & Biases: auto (online with an API key, offline without), online, offline or
     disabled."""
     wandb_project: str = "pretrain"
@@ -264,7 +286,7 @@ class CheckpointConfig:
     """Save every this many steps (0: only at the end and when the job is asked to stop)."""
     keep: int = 2
     """Complete checkpoints to keep; older ones are deleted once a newer one is complete."""
-    async_mode: str = "none"
+    async_mode: str = one_of("none", ASYNC_MODES)
     """none (training waits for the save), thread or process (shards are written in the
     background while training continues; marked complete when written)."""
 
@@ -294,7 +316,7 @@ class RunConfig:
 class PlanConfig:
     """How action=plan prints."""
 
-    format: str = "table"
+    format: str = one_of("table", PLAN_FORMATS)
     """table or json."""
 
 
@@ -312,7 +334,7 @@ class RecipeConfig:
 
     name: str = "tiny"
     """Recipe name; names the run dir and the W&B run."""
-    action: str = "run"
+    action: str = one_of("run", ACTIONS)
     """run (plan, write the run dir, launch or submit), plan (print only) or script
     (write the run dir and job script, launch nothing) or suggest (list the fastest layouts
     of the model on the cluster that fit; launcher/suggest.py)."""
@@ -335,6 +357,25 @@ class RecipeConfig:
     run: RunConfig = field(default_factory=RunConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
     suggest: SuggestConfig = field(default_factory=SuggestConfig)
+
+
+def choice_fields(
+    cls: type | None = None, prefix: str = ""
+) -> Iterator[tuple[str, tuple[str, ...]]]:
+    """(dotted field path, allowed values) of every `one_of` field under `cls` (the recipe)."""
+    for f in fields(cls or RecipeConfig):
+        if CHOICES in f.metadata:
+            yield prefix + f.name, f.metadata[CHOICES]
+        sub = f.default_factory if callable(f.default_factory) else None
+        if sub is not None and is_dataclass(sub):
+            yield from choice_fields(sub, f"{prefix}{f.name}.")
+
+
+def field_value(cfg: Any, path: str) -> Any:
+    """The value of a dotted field path, e.g. `parallel.pp_schedule`."""
+    for part in path.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
 
 
 def to_recipe(node: Any) -> RecipeConfig:

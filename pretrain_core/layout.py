@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from itertools import product
 
-from launcher.schema import RecipeConfig
+from pretrain_core.problems import Problem, RecipeError, divisors, nearby_multiples, or_list
+from pretrain_core.schema import RecipeConfig
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 """Mesh dims, outer to inner."""
@@ -82,9 +83,6 @@ def resolve_degrees(cfg: RecipeConfig) -> Degrees:
 
 
 def _fail(value: object, reason: str, fix: str, field: str = "parallel.dp_shard") -> None:
-    # Imported here: validate imports this module for its layout rules.
-    from launcher.validate import Problem, RecipeError
-
     raise RecipeError([Problem(field, value, reason, fix)])
 
 
@@ -133,20 +131,3 @@ def grad_accum_steps(cfg: RecipeConfig) -> int:
             field="train.global_batch",
         )
     return batch // per_pass
-
-
-def divisors(n: int) -> list[int]:
-    """Positive divisors of n in ascending order."""
-    return [d for d in range(1, n + 1) if n % d == 0] if n > 0 else []
-
-
-def nearby_multiples(value: int, step: int) -> list[int]:
-    """The positive multiples of `step` just below and just above `value`."""
-    below = value // step * step
-    return [v for v in (below, below + step) if v > 0] if step > 0 else []
-
-
-def or_list(values: list) -> str:
-    """Choices as prose: '1, 2, 4 or 8'."""
-    words = [str(v) for v in values]
-    return words[0] if len(words) == 1 else ", ".join(words[:-1]) + " or " + words[-1]

@@ -1,7 +1,8 @@
 """Refuse a recipe whose predicted peak memory per rank exceeds the device's, with fixes.
 
-The prediction is `launcher.memory`'s breakdown; each suggestion is a one-field change of
-the recipe that the same model predicts to fit, so the user gets options that work.
+Asked after `validate` (a recipe must be sound before its memory means anything). The
+prediction is `launcher.memory`'s breakdown; each suggestion is a one-field change of the
+recipe that the same model predicts to fit, so the user gets options that work.
 """
 
 from __future__ import annotations
@@ -9,10 +10,12 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable
 
-from launcher import hardware
-from launcher.layout import grad_accum_steps, resolve_degrees
 from launcher.memory import GIB, MemoryBreakdown, peak_breakdown
-from launcher.schema import RecipeConfig
+from launcher.validate import validate
+from pretrain_core import hardware
+from pretrain_core.layout import grad_accum_steps, resolve_degrees
+from pretrain_core.problems import Problem, RecipeError, or_list
+from pretrain_core.schema import RecipeConfig
 
 
 def device_memory_gib(cfg: RecipeConfig) -> float | None:
@@ -60,14 +63,12 @@ def _variants(cfg: RecipeConfig) -> list[tuple[str, Callable[[RecipeConfig], Non
 
 def fitting_changes(cfg: RecipeConfig, limit_gib: float) -> list[str]:
     """One-field changes predicted to fit `limit_gib`, each with its predicted peak."""
-    from launcher.validate import RecipeError, validate
-
     found = []
     for label, change in _variants(cfg):
         candidate = copy.deepcopy(cfg)
         change(candidate)
         try:
-            validate(candidate, check_memory=False)
+            validate(candidate)
             peak = predict(candidate).total_gib
         except RecipeError:
             continue
@@ -80,3 +81,27 @@ def describe(breakdown: MemoryBreakdown) -> str:
     """The breakdown on one line: 'params 3.7 + grads 7.5 + ... GiB'."""
     parts = [f"{name} {size / GIB:.1f}" for name, size, _ in breakdown.rows() if size]
     return " + ".join(parts) + " GiB"
+
+
+def check_fits(cfg: RecipeConfig) -> None:
+    """Raise RecipeError when the predicted peak per rank of a valid recipe exceeds the
+    device's memory, naming the one-field changes predicted to fit."""
+    limit = device_memory_gib(cfg)
+    breakdown = predict(cfg)
+    if not limit or breakdown.total_gib <= limit:
+        return
+    fixes = fitting_changes(cfg, limit)
+    raise RecipeError(
+        [
+            Problem(
+                "parallel",
+                f"tp={cfg.parallel.tp},pp={cfg.parallel.pp},zero={cfg.parallel.zero}",
+                f"predicted peak {breakdown.total_gib:.1f} GiB per rank exceeds the {limit:g} "
+                f"GiB of {cfg.cluster.gpu_type} ({describe(breakdown)})",
+                "try " + or_list(fixes)
+                if fixes
+                else "raise ZeRO, tp or pp, recompute, or lower "
+                "train.micro_batch (no single change fits)",
+            )
+        ]
+    )

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-from launcher.layout import divisors, or_list
-from launcher.schema import RecipeConfig
-
-MOE_ROUTERS = ("softmax", "sigmoid")
+from pretrain_core.problems import Checks, divisors, or_list
+from pretrain_core.schema import RecipeConfig
 
 
 def moe_layers_problem(policy: str, n_layers: int) -> str | None:
@@ -22,20 +20,19 @@ def moe_layers_problem(policy: str, n_layers: int) -> str | None:
     return None
 
 
-def moe_problems(cfg: RecipeConfig, for_launch: bool) -> list[tuple[str, object, str, str]]:
-    """(field, value, reason, fix) for every MoE or expert-parallel rule `cfg` breaks.
+def check_moe(c: Checks, cfg: RecipeConfig, for_launch: bool) -> None:
+    """Every MoE or expert-parallel rule `cfg` breaks (the router's choices are the schema's).
 
     ep > 1 on a dense model can be planned (the EP groups are shown) but not launched.
     """
     m, ep = cfg.model, cfg.parallel.ep
-    problems = []
 
     def add(field: str, value: object, reason: str, fix: str) -> None:
-        problems.append((f"model.{field}" if "." not in field else field, value, reason, fix))
+        c.add(f"model.{field}" if "." not in field else field, value, reason, fix)
 
     if m.moe_experts < 0:
         add("moe_experts", m.moe_experts, "must be >= 0", "use 0 (dense) or the number of experts")
-        return problems
+        return
     if m.moe_experts == 0:
         if ep > 1 and for_launch:
             add(
@@ -44,7 +41,7 @@ def moe_problems(cfg: RecipeConfig, for_launch: bool) -> list[tuple[str, object,
                 "expert parallelism needs a mixture-of-experts model (model.moe_experts=0)",
                 "set parallel.ep=1, or model.moe_experts to a multiple of ep",
             )
-        return problems
+        return
     if m.moe_top_k < 1:
         add("moe_top_k", m.moe_top_k, "every token needs at least one expert", "use k >= 1")
     elif m.moe_top_k > m.moe_experts:
@@ -64,10 +61,6 @@ def moe_problems(cfg: RecipeConfig, for_launch: bool) -> list[tuple[str, object,
             "must be >= 0 (0 means dropless routing)",
             "use 0 for dropless, or a factor such as 1.25",
         )
-    if m.moe_router not in MOE_ROUTERS:
-        add(
-            "moe_router", m.moe_router, f"unknown router {m.moe_router!r}", "use softmax or sigmoid"
-        )
     if m.n_layers >= 1:
         reason = moe_layers_problem(m.moe_layers, m.n_layers)
         if reason:
@@ -79,4 +72,3 @@ def moe_problems(cfg: RecipeConfig, for_launch: bool) -> list[tuple[str, object,
             f"{m.moe_experts} experts cannot be split evenly over {ep} ranks",
             f"use a divisor of {m.moe_experts}: {or_list(divisors(m.moe_experts))}",
         )
-    return problems

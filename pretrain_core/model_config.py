@@ -4,12 +4,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pretrain_core.choices import one_of
+
+ARCHITECTURES = ("llama",)
+MOE_ROUTERS = ("softmax", "sigmoid")
+
 
 @dataclass
 class ModelConfig:
     """A Llama-style decoder: RMSNorm, rotary embeddings, grouped-query attention, SwiGLU."""
 
-    name: str = "llama"
+    name: str = one_of("llama", ARCHITECTURES)
     """Architecture family; only `llama` (the decoder in models/llama.py) exists."""
     vocab_size: int = 4096
     """Tokenizer vocabulary size; the embedding and LM head have this many rows."""
@@ -44,7 +49,7 @@ class ModelConfig:
     moe_layers: str = "all"
     """Which layers are MoE: all, every:K (layers K-1, 2K-1, ...) or after:N (all but the
     first N, which stay dense)."""
-    moe_router: str = "softmax"
+    moe_router: str = one_of("softmax", MOE_ROUTERS)
     """Router scores: softmax over the experts, or sigmoid per expert."""
     moe_normalize_topk: bool = True
     """Rescale the k selected scores of a token to sum to 1."""

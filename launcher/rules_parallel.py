@@ -1,0 +1,263 @@
+"""Rules of the layout: degrees against the world, the model's split over tp and pipeline
+stages, micro-batches against the schedule, SLURM's fields, and what the trainer can run."""
+
+from __future__ import annotations
+
+import math
+import re
+
+from pretrain_core.layout import grad_accum_steps, resolve_degrees, world_size
+from pretrain_core.problems import (
+    Checks,
+    Problem,
+    RecipeError,
+    divisors,
+    nearby_multiples,
+    or_list,
+)
+from pretrain_core.schema import PP_SCHEDULES, RecipeConfig
+
+SAFE_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
+"""Names that reach file paths and sbatch arguments unquoted."""
+# The time formats sbatch --time accepts: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S.
+_SLURM_TIME = re.compile(r"^(\d+|\d+:\d+|\d+:\d+:\d+|\d+-\d+|\d+-\d+:\d+|\d+-\d+:\d+:\d+)$")
+_SLURM_UNLIMITED = ("UNLIMITED", "INFINITE")
+
+
+def check_runnable(cfg: RecipeConfig) -> list[Problem]:
+    """Layouts the trainer of this version cannot execute yet (they can still be planned)."""
+    p = cfg.parallel
+    replicas = world_size(cfg) > p.tp * p.pp
+    unsupported = [
+        (
+            "parallel.zero",
+            p.zero,
+            p.tp > 1 and p.zero < 2 and replicas,
+            "tensor parallelism with DDP or ZeRO-1 data parallelism",
+            "parallel.zero=2 or 3 (FSDP2 composes with TP)",
+        ),
+        (
+            "parallel.zero",
+            p.zero,
+            # DDP's reducer asserts on the second step when a pipeline schedule drives it.
+            p.pp > 1 and p.zero < 2 and replicas,
+            "pipeline parallelism with DDP or ZeRO-1 data parallelism",
+            "parallel.zero=2 or 3 (FSDP2 composes with PP)",
+        ),
+        (
+            "parallel.zero",
+            p.zero,
+            p.ep > 1 and p.zero == 1,
+            "expert parallelism with ZeRO-1",
+            "parallel.zero=0, 2 or 3",
+        ),
+    ]
+    return [
+        Problem(
+            field,
+            value,
+            f"{what} is not implemented in the trainer yet; this layout can only be planned",
+            f"inspect it with action=plan, or set {fix} to run",
+        )
+        for field, value, bad, what, fix in unsupported
+        if bad
+    ]
+
+
+def check_cluster(c: Checks, cfg: RecipeConfig) -> bool:
+    k = cfg.cluster
+    c.at_least("cluster.gpu_memory_gib", k.gpu_memory_gib, 0)
+    ok = c.at_least("cluster.nodes", k.nodes, 1) & c.at_least(
+        "cluster.gpus_per_node", k.gpus_per_node, 1
+    )
+    if k.backend == "slurm":
+        if not (_SLURM_TIME.match(k.time) or k.time.upper() in _SLURM_UNLIMITED):
+            c.add(
+                "cluster.time",
+                k.time,
+                "not a time limit sbatch accepts",
+                'use [D-]HH:MM:SS (or MM, MM:SS, D-HH, D-HH:MM), e.g. "04:00:00" or "1-00:00:00"',
+            )
+        for f in ("partition", "account", "qos"):
+            value = getattr(k, f)
+            if value and not SAFE_NAME.match(value):
+                c.add(
+                    f"cluster.{f}",
+                    value,
+                    "may hold only letters, digits, '_', '.' and '-'",
+                    f"use the {f} name exactly as `sinfo`/`sacctmgr` print it",
+                )
+    return ok
+
+
+def check_parallel(
+    c: Checks, cfg: RecipeConfig, model_ok: bool, train_ok: bool, cluster_ok: bool
+) -> None:
+    p = cfg.parallel
+    degrees_ok = all(
+        [
+            c.at_least(f"parallel.{f}", getattr(p, f), 1)
+            for f in ("tp", "pp", "vpp", "dp_replicate", "ep")
+        ]
+    )
+    if p.dp_shard < 1 and p.dp_shard != -1:
+        c.add("parallel.dp_shard", p.dp_shard, "must be >= 1, or -1 to fill the world", "use -1")
+        degrees_ok = False
+    schedule_ok = p.pp_schedule in PP_SCHEDULES
+    c.at_least("parallel.pp_microbatches", p.pp_microbatches, 0)
+    if p.zero not in (0, 1, 2, 3):
+        c.add("parallel.zero", p.zero, "not a ZeRO stage", "use 0 (DDP), 1, 2 or 3")
+    elif p.dp_replicate > 1 and p.zero == 0:
+        c.add(
+            "parallel.dp_replicate",
+            p.dp_replicate,
+            "replicas of sharded groups (hybrid sharding) need ZeRO >= 1",
+            "set parallel.zero to 1, 2 or 3, or dp_replicate=1 (ZeRO 0 replicates over dp_shard)",
+        )
+    if p.sp and p.tp == 1:
+        c.add(
+            "parallel.sp",
+            p.sp,
+            "sequence parallelism works inside tensor parallelism",
+            "set tp > 1 or sp=false",
+        )
+    if p.vpp > 1 and (p.pp == 1 or p.pp_schedule not in ("interleaved_1f1b", "zero_bubble")):
+        c.add(
+            "parallel.vpp",
+            p.vpp,
+            f"virtual stages need pp > 1 and an interleaved schedule (pp={p.pp}, {p.pp_schedule})",
+            "set parallel.pp_schedule=interleaved_1f1b or zero_bubble with pp > 1, or vpp=1",
+        )
+    if p.pp > 1 and cfg.model.tie_embeddings:
+        c.add(
+            "model.tie_embeddings",
+            True,
+            "a tied LM head would sit on the last pipeline stage and its embedding on the first",
+            "set model.tie_embeddings=false, or parallel.pp=1",
+        )
+    if not degrees_ok:
+        return
+    max_tp = cfg.cluster.gpus_per_node if cluster_ok and not p.allow_tp_across_nodes else None
+    if cluster_ok and max_tp is not None and p.tp > max_tp:
+        c.add(
+            "parallel.tp",
+            p.tp,
+            f"larger than one node's {max_tp} GPUs (TP traffic would leave the node)",
+            f"use tp <= {max_tp}, or set parallel.allow_tp_across_nodes=true",
+        )
+    if model_ok:
+        _check_model_split(c, cfg, max_tp)
+    if train_ok and p.sp and p.tp > 1 and cfg.train.seq_len % p.tp:
+        c.add(
+            "train.seq_len",
+            cfg.train.seq_len,
+            f"sequence parallelism splits the sequence over tp={p.tp} ranks evenly",
+            f"use a multiple of {p.tp}, e.g. {or_list(nearby_multiples(cfg.train.seq_len, p.tp))}",
+        )
+    if not cluster_ok:
+        return
+    try:
+        degrees = resolve_degrees(cfg)
+    except RecipeError as error:
+        c.extend(error.problems)
+        return
+    if degrees.dp % p.ep:
+        c.add(
+            "parallel.ep",
+            p.ep,
+            f"experts are spread over data-parallel ranks; dp={degrees.dp} is not divisible by it",
+            f"use a divisor of {degrees.dp}: {or_list(divisors(degrees.dp))}",
+        )
+    if not train_ok:
+        return
+    try:
+        accum = grad_accum_steps(cfg)
+    except RecipeError as error:
+        c.extend(error.problems)
+        return
+    if p.pp > 1 and schedule_ok and p.pp_microbatches >= 0:
+        micro = p.pp_microbatches or accum
+        per_pass = cfg.train.micro_batch * degrees.dp
+        source = "" if p.pp_microbatches else f" (0 takes the gradient-accumulation count {accum})"
+        if micro < p.pp:
+            c.add(
+                "parallel.pp_microbatches",
+                p.pp_microbatches,
+                f"{micro} micro-batch(es){source} cannot fill {p.pp} pipeline stages",
+                f"use parallel.pp_microbatches >= {p.pp}"
+                if p.pp_microbatches
+                else f"raise train.global_batch to {p.pp * per_pass} ({p.pp} micro-batches per "
+                "dp rank), or set parallel.pp_microbatches",
+            )
+        elif p.vpp > 1 and micro % p.pp:
+            c.add(
+                "parallel.pp_microbatches",
+                p.pp_microbatches,
+                f"interleaving needs a multiple of pp={p.pp}; {micro} micro-batches{source} is not",
+                f"use {or_list(nearby_multiples(micro, p.pp))}",
+            )
+        elif p.pp_microbatches and (cfg.train.micro_batch * accum) % micro:
+            c.add(
+                "parallel.pp_microbatches",
+                p.pp_microbatches,
+                f"each dp rank's {cfg.train.micro_batch * accum} sequences per step "
+                f"(micro_batch*accumulation) do not split into {micro} equal micro-batches",
+                f"use a divisor of {cfg.train.micro_batch * accum} that is >= {p.pp}, or 0",
+            )
+
+
+def _check_model_split(c: Checks, cfg: RecipeConfig, max_tp: int | None) -> None:
+    """Heads over tp and layers over pipeline stages; the model's shape is known to be sound."""
+    p, m = cfg.parallel, cfg.model
+    if m.n_heads % p.tp or m.kv_heads % p.tp:
+        heads, what = (
+            (m.n_heads, "attention heads") if m.n_heads % p.tp else (m.kv_heads, "key/value heads")
+        )
+        options = [
+            d for d in divisors(math.gcd(m.n_heads, m.kv_heads)) if max_tp is None or d <= max_tp
+        ]
+        c.add(
+            "parallel.tp",
+            p.tp,
+            f"{heads} {what} are not divisible by {p.tp}",
+            f"use {or_list(options)}",
+        )
+    stages = p.pp * p.vpp
+    if p.pp_layers:
+        _check_pp_layers(c, cfg)
+    elif m.n_layers % stages:
+        pps = divisors(m.n_layers // p.vpp) if m.n_layers % p.vpp == 0 else []
+        pps = [d for d in pps if p.vpp == 1 or d > 1][:8]
+        c.add(
+            "parallel.pp",
+            p.pp,
+            f"{m.n_layers} layers are not divisible by pp*vpp = {p.pp}*{p.vpp} = {stages} "
+            "(every stage holds the same whole layers)",
+            (
+                f"use pp in {or_list(pps)}" + (" or set vpp=1" if p.vpp > 1 else "")
+                if pps
+                else "set vpp=1"
+            )
+            + ", or list each stage's layers in parallel.pp_layers",
+        )
+
+
+def _check_pp_layers(c: Checks, cfg: RecipeConfig) -> None:
+    """An explicit split: one positive count per stage, summing to the model's layers."""
+    p, n_layers = cfg.parallel, cfg.model.n_layers
+    stages = p.pp * p.vpp
+    if len(p.pp_layers) != stages or min(p.pp_layers) < 1 or sum(p.pp_layers) != n_layers:
+        c.add(
+            "parallel.pp_layers",
+            p.pp_layers,
+            f"needs pp*vpp = {stages} positive layer counts summing to model.n_layers={n_layers}",
+            f"e.g. {_even_split(n_layers, stages)}, or [] for an even split",
+        )
+
+
+def _even_split(n_layers: int, stages: int) -> list[int]:
+    """The most even split of n_layers over stages, the remainder on the middle stages."""
+    counts = [n_layers // stages] * stages
+    for i in range(n_layers % stages):
+        counts[(stages - n_layers % stages) // 2 + i] += 1
+    return counts

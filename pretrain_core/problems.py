@@ -1,0 +1,100 @@
+"""One way of reporting what is wrong with a recipe: `Problem`s collected into a `RecipeError`.
+
+Every rule, wherever it lives, adds `Problem(field, value, reason, fix)` to a `Checks`
+collector; the caller raises one `RecipeError` listing them all, so a user fixes a recipe
+in one pass. The small formatting helpers the messages share live here too.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass
+class Problem:
+    """One thing wrong with a recipe: where, what, why, and how to fix it."""
+
+    field: str
+    value: Any
+    reason: str
+    fix: str
+
+    def __str__(self) -> str:
+        return f"{self.field}={show_value(self.value)}: {self.reason}; {self.fix}"
+
+
+class RecipeError(ValueError):
+    """A recipe that cannot be planned or run; `problems` holds every reason."""
+
+    def __init__(self, problems: list[Problem]) -> None:
+        self.problems = list(problems)
+        super().__init__("\n".join(str(p) for p in self.problems))
+
+
+def show_value(value: Any) -> str:
+    """A value as it would be written in a Hydra override."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, str) and (not value or re.search(r"[\s'\"=,]", value)):
+        return repr(value)
+    return str(value)
+
+
+class Checks:
+    """Collects problems; the helpers keep each rule to a line or two."""
+
+    def __init__(self) -> None:
+        self.problems: list[Problem] = []
+
+    def add(self, field: str, value: Any, reason: str, fix: str) -> None:
+        """Record one problem."""
+        self.problems.append(Problem(field, value, reason, fix))
+
+    def extend(self, problems: list[Problem]) -> None:
+        """Record problems found elsewhere (a RecipeError's, another rule set's)."""
+        self.problems.extend(problems)
+
+    def choice(self, field: str, value: str, allowed: tuple[str, ...]) -> bool:
+        """`value` is one of `allowed`; True when it is."""
+        if value in allowed:
+            return True
+        self.add(field, value, f"unknown value {value!r}", f"use {or_list(list(allowed))}")
+        return False
+
+    def at_least(self, field: str, value: float, minimum: float) -> bool:
+        """`value` >= `minimum`; True when it is."""
+        if value >= minimum:
+            return True
+        self.add(field, value, f"must be >= {minimum}", f"use a value >= {minimum}")
+        return False
+
+    def positive(self, field: str, value: float) -> bool:
+        """`value` > 0; True when it is."""
+        if value > 0:
+            return True
+        self.add(field, value, "must be > 0", "use a positive value")
+        return False
+
+    def raise_if_any(self) -> None:
+        """Raise one RecipeError listing every problem recorded, if there is any."""
+        if self.problems:
+            raise RecipeError(self.problems)
+
+
+def divisors(n: int) -> list[int]:
+    """Positive divisors of n in ascending order."""
+    return [d for d in range(1, n + 1) if n % d == 0] if n > 0 else []
+
+
+def nearby_multiples(value: int, step: int) -> list[int]:
+    """The positive multiples of `step` just below and just above `value`."""
+    below = value // step * step
+    return [v for v in (below, below + step) if v > 0] if step > 0 else []
+
+
+def or_list(values: list) -> str:
+    """Choices as prose: '1, 2, 4 or 8'."""
+    words = [str(v) for v in values]
+    return words[0] if len(words) == 1 else ", ".join(words[:-1]) + " or " + words[-1]

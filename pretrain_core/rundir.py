@@ -1,0 +1,26 @@
+"""Names of the files in a run dir that more than one package reads or writes.
+
+The launcher writes the config and the job script, the trainer writes metrics, checkpoints
+and markers, and the report, the exporter and the sbatch script read them back; each name
+is spelled here once.
+"""
+
+from __future__ import annotations
+
+CONFIG_FILE = "config.yaml"
+"""The resolved recipe: the only config the ranks read."""
+LOCAL_SCRIPT = "run.sh"
+"""The job script of a local run."""
+SLURM_SCRIPT = "job.sbatch"
+"""The job script of a SLURM run."""
+METRICS_FILE = "metrics.jsonl"
+"""One JSON object per logged step."""
+CHECKPOINTS_DIR = "checkpoints"
+"""Sharded checkpoints, one step_N folder each."""
+LOGS_DIR = "logs"
+"""SLURM's output files."""
+PREEMPTED_MARKER = "preempted"
+"""File the trainer leaves when it saved and stopped on SIGTERM/SIGUSR1; the sbatch script
+requeues the job when it finds it."""
+WANDB_ID_FILE = "wandb_run_id"
+"""The W&B run id, kept so that a resumed run continues the same W&B run."""

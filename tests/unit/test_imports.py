@@ -1,0 +1,160 @@
+"""Imports point one way and never in a circle.
+
+`launcher -> pretrain_core, models`; `trainer -> parallel -> models -> pretrain_core`. The
+core and the launcher import no torch (the core is what a login node and the ranks share;
+the launcher must start in well under a second). Every import counts, including those
+inside functions and under TYPE_CHECKING: a function-level import that patches a cycle is
+still a cycle.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+PACKAGES = ("pretrain_core", "models", "parallel", "trainer", "launcher")
+MAY_IMPORT = {
+    "pretrain_core": set(),
+    "models": {"pretrain_core"},
+    "parallel": {"models", "pretrain_core"},
+    "trainer": {"parallel", "models", "pretrain_core"},
+    "launcher": {"pretrain_core", "models"},
+}
+"""The repo's packages each package may import (besides itself)."""
+TORCH_FREE = ("pretrain_core", "launcher")
+
+
+def module_name(root: Path, path: Path) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imported_names(path: Path) -> list[str]:
+    """Every module name an import statement of `path` names, `from a import b` as a.b too."""
+    names = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.append(node.module)
+            names += [f"{node.module}.{alias.name}" for alias in node.names]
+    return names
+
+
+def import_graph(root: Path) -> tuple[dict[str, set[str]], dict[str, set[str]]]:
+    """(module -> the repo's modules it imports, module -> third-party top-level names)."""
+    files = {module_name(root, p): p for pkg in PACKAGES for p in (root / pkg).rglob("*.py")}
+    internal: dict[str, set[str]] = {}
+    external: dict[str, set[str]] = {}
+    for module, path in files.items():
+        internal[module], external[module] = set(), set()
+        for name in imported_names(path):
+            if name.split(".")[0] not in PACKAGES:
+                external[module].add(name.split(".")[0])
+                continue
+            # `from a.b import c`: a.b.c when c is a module, else a.b (or its nearest parent).
+            while name not in files and "." in name:
+                name = name.rsplit(".", 1)[0]
+            if name != module:
+                internal[module].add(name)
+    return internal, external
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected groups of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in sorted(graph[node]):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            group = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                group.append(member)
+                if member == node:
+                    break
+            if len(group) > 1:
+                found.append(sorted(group))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def violations(root: Path) -> list[str]:
+    """Every broken import rule of the tree under `root`, one line each."""
+    internal, external = import_graph(root)
+    problems = []
+    for module, targets in sorted(internal.items()):
+        package = module.split(".")[0]
+        for target in sorted(targets):
+            other = target.split(".")[0]
+            if other != package and other not in MAY_IMPORT[package]:
+                problems.append(f"{module} imports {target}: {package} may not import {other}")
+        if package in TORCH_FREE and "torch" in external[module]:
+            problems.append(f"{module} imports torch: {package} must stay torch-free")
+    problems += [f"import cycle: {' <-> '.join(group)}" for group in cycles(internal)]
+    return problems
+
+
+def test_the_repo_keeps_every_import_rule() -> None:
+    assert violations(REPO) == []
+
+
+def _tree(root: Path, files: dict[str, str]) -> Path:
+    for pkg in PACKAGES:
+        (root / pkg).mkdir(parents=True, exist_ok=True)
+        (root / pkg / "__init__.py").write_text("")
+    for name, text in files.items():
+        (root / name).write_text(text)
+    return root
+
+
+@pytest.mark.parametrize(
+    ("files", "expected"),
+    [
+        (
+            {"trainer/loop.py": "from launcher.cli import main\n"},
+            "trainer.loop imports launcher: trainer may not import launcher",
+        ),
+        (
+            {"parallel/tp.py": "def f():\n    import trainer.loop\n", "trainer/loop.py": ""},
+            "parallel.tp imports trainer.loop: parallel may not import trainer",
+        ),
+        (
+            {"pretrain_core/schema.py": "import torch\n"},
+            "pretrain_core.schema imports torch: pretrain_core must stay torch-free",
+        ),
+        (
+            {"pretrain_core/schema.py": "from models.llama import X\n", "models/llama.py": ""},
+            "pretrain_core.schema imports models.llama: pretrain_core may not import models",
+        ),
+        (
+            {
+                "models/llama.py": "from models.moe import MoE\n",
+                "models/moe.py": "def f():\n    from models.llama import FeedForward\n",
+            },
+            "import cycle: models.llama <-> models.moe",
+        ),
+    ],
+    ids=["trainer-to-launcher", "function-level", "torch-in-core", "core-to-models", "cycle"],
+)
+def test_a_bad_import_is_reported(tmp_path: Path, files: dict[str, str], expected: str) -> None:
+    assert violations(_tree(tmp_path, files)) == [expected]

@@ -10,7 +10,7 @@ Per stage it measures:
   tensor counted while saved, parameters excluded), at its peak during the step.
 
 Beside them: the bubble the plan predicts, (p-1)/(m+p-1), and the peak micro-batches in
-flight of the simulated schedule (`launcher/pipeline_chart.py`).
+flight of the simulated schedule (`launcher/schedule_sim.py`).
 
     torchrun --standalone --nproc-per-node 2 bench/pipeline_bubble.py [--steps 6]
 """
@@ -26,8 +26,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from launcher.pipeline_chart import simulate
 from launcher.plan import bubble_fraction
+from launcher.schedule_sim import simulate
 from parallel.pipeline import build_schedule
 from pretrain_core.schema import ParallelConfig
 

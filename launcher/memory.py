@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from launcher.pipeline_chart import warmup
+from launcher.schedule_sim import warmup
 from models.flops import count_params
 from pretrain_core.layout import Degrees
 from pretrain_core.model_config import ModelConfig

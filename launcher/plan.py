@@ -11,7 +11,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from launcher import pipeline_chart
+from launcher import schedule_sim
 from launcher.memory import MemoryBreakdown, peak_breakdown
 from launcher.tp_comm import TPComm, tp_communication
 from models.flops import count_params, flops_per_token
@@ -148,7 +148,7 @@ def make_plan(cfg: RecipeConfig) -> Plan:
     plan.assumptions = _assumptions(cfg)
     plan.tp_comm = tp_communication(cfg, degrees)
     if degrees.pp > 1:
-        plan.pipeline = pipeline_chart.summary(
+        plan.pipeline = schedule_sim.summary(
             cfg.parallel.pp_schedule, degrees.pp, micro, cfg.parallel.vpp
         )
     if memory and max(plan.memory_gib, plan.memory.total_gib) > memory:

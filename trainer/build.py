@@ -13,7 +13,7 @@ from torch import nn
 
 import models
 from parallel.compile import apply_compile, compile_loss
-from parallel.data import apply_ddp, apply_fsdp, build_zero1_optimizer, uses_fsdp
+from parallel.data_parallel import apply_ddp, apply_fsdp, build_zero1_optimizer, uses_fsdp
 from parallel.expert import apply_expert_parallel
 from parallel.materialize import materialize
 from parallel.mesh import JobMesh

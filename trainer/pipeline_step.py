@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from parallel.data import uses_fsdp
+from parallel.data_parallel import uses_fsdp
 from parallel.expert import reduce_expert_grads
 from parallel.mesh import JobMesh
 from parallel.pipeline import build_schedule, in_context, stage_indices

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from parallel.clip import clip_grad_norm_
-from parallel.data import gradient_sync, uses_fsdp
+from parallel.data_parallel import gradient_sync, uses_fsdp
 from parallel.expert import add_router_losses, reduce_expert_grads
 from parallel.precision import LossScaler, after_optimizer_step, forward_context
 from parallel.tensor import local_value, vocab_parallel_loss

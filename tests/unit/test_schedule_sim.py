@@ -6,8 +6,8 @@ import itertools
 
 import pytest
 
-from launcher.pipeline_chart import IDLE, simulate, summary
 from launcher.plan import bubble_fraction, in_flight
+from launcher.schedule_sim import IDLE, simulate, summary
 
 P, M = 4, 8
 

@@ -276,6 +276,8 @@ class LoggingConfig:
     """W&B project."""
     wandb_entity: str = ""
     """W&B entity (empty: the default of the API key)."""
+    all_ranks: bool = False
+    """Print the trainer's messages from every rank (prefixed with the rank), not only rank 0."""
 
 
 @dataclass

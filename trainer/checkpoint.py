@@ -40,6 +40,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from pretrain_core.rundir import CHECKPOINTS_DIR, WANDB_ID_FILE
 from pretrain_core.schema import CheckpointConfig
 from trainer.data import DataLoader
+from trainer.fault_injection import FaultInjector
 from trainer.step import TrainState
 from trainer.vocab_resize import load_resizing_vocab
 
@@ -185,11 +186,22 @@ class _Pending:
 class Checkpointer:
     """Saves and restores one run's checkpoints; every rank makes the same calls."""
 
-    def __init__(self, run_dir: Path, cfg: CheckpointConfig, *, rank: int, world_size: int):
+    def __init__(
+        self,
+        run_dir: Path,
+        cfg: CheckpointConfig,
+        *,
+        rank: int,
+        world_size: int,
+        faults: FaultInjector | None = None,
+    ):
         self.root = Path(run_dir) / CHECKPOINTS_DIR
         self.cfg = cfg
         self.rank = rank
         self.world_size = world_size
+        self.faults = faults
+        self.saved_step = 0
+        """The step of the newest checkpoint written or restored."""
         self._pending: _Pending | None = None
         # Background saves run collectives while training runs its own: give them a group.
         self._group = dist.new_group(backend="gloo") if cfg.async_mode != "none" else None
@@ -197,6 +209,19 @@ class Checkpointer:
     def due(self, step: int) -> bool:
         """Whether `step` (optimizer steps done) is a periodic save point."""
         return self.cfg.every > 0 and step % self.cfg.every == 0
+
+    def after_step(self, step: int, state: TrainState, loader: DataLoader, stop: bool) -> None:
+        """Finalize a finished background save, and save `step` when it is a periodic save
+        point or the job was asked to stop; collective."""
+        self.poll()
+        if self.due(step) or stop:
+            self.save(step, state, loader)
+
+    def finish(self, step: int, state: TrainState, loader: DataLoader) -> None:
+        """Save the final `step` unless it already was, and wait until it is on disk."""
+        if self.saved_step != step:
+            self.save(step, state, loader)
+        self.wait()
 
     def save(self, step: int, state: TrainState, loader: DataLoader) -> None:
         """Write the checkpoint of `step` (asynchronously if configured); collective."""
@@ -230,6 +255,7 @@ class Checkpointer:
                 async_checkpointer_type=kind,
             )
         self._pending = _Pending(step, tmp, full_meta, future)
+        self.saved_step = step
         if future is None:
             self.wait()
 
@@ -251,9 +277,8 @@ class Checkpointer:
             return
         # The DCP metadata is written only after every rank's shards: all data is on disk.
         (pending.tmp / META).write_text(json.dumps(pending.meta, indent=1) + "\n")
-        if os.environ.get("PRETRAIN_FAULT_CRASH_IN_SAVE") == str(pending.step):
-            print(f"[fault] crashing during the save of step {pending.step}", flush=True)
-            os._exit(13)
+        if self.faults is not None:
+            self.faults.before_commit(pending.step)
         final = step_dir(self.root, pending.step)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(pending.tmp, final)
@@ -302,4 +327,5 @@ class Checkpointer:
         rng = path / "rng" / f"rank_{self.rank}.pt"
         if meta["world_size"] == self.world_size and rng.is_file():
             _set_rng_state(torch.load(rng, weights_only=False))
-        return int(meta["step"])
+        self.saved_step = int(meta["step"])
+        return self.saved_step

@@ -29,7 +29,7 @@ from parallel.tensor import local_value, vocab_parallel_loss
 from pretrain_core.layout import Degrees, grad_accum_steps
 from pretrain_core.schema import RecipeConfig
 from trainer.faults import StepGuard
-from trainer.step import TrainState, apply_gradients
+from trainer.step import MicroBatches, StepResult, TrainState, apply_gradients
 
 
 class PipelineStep:
@@ -42,8 +42,10 @@ class PipelineStep:
         degrees: Degrees,
         mesh: JobMesh,
         device: torch.device,
+        guard: StepGuard | None = None,
     ) -> None:
         self.state, self.cfg, self.degrees, self.device = state, cfg, degrees, device
+        self.guard = guard
         pp_mesh = mesh.world["pp"]
         self.group = pp_mesh.get_group()
         stages = stage_indices(pp_mesh.get_local_rank(), cfg.parallel)
@@ -77,9 +79,7 @@ class PipelineStep:
         self.losses.append(local_value(loss.detach()))
         return self.state.scaler.scale_loss(loss / self.n_microbatches)
 
-    def step(
-        self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], guard: StepGuard
-    ) -> tuple[torch.Tensor, torch.Tensor, bool, bool]:
+    def step(self, micro_batches: MicroBatches) -> StepResult:
         """Forward and backward of this rank's micro-batches through the pipeline, then the
         optimizer; returns the step's mean loss (on every stage), the global grad norm and
         what all ranks agreed (bad, stop), as `train_step` does."""
@@ -98,4 +98,6 @@ class PipelineStep:
             # The first step's shape inference calls the loss function once more, first.
             loss += torch.stack(self.losses[-self.n_microbatches :]).sum() / self.n_microbatches
         dist.all_reduce(loss, group=self.group)
-        return (loss, *apply_gradients(self.state, self.cfg, guard, loss, self.group))
+        return StepResult(
+            loss, *apply_gradients(self.state, self.cfg, self.guard, loss, self.group)
+        )

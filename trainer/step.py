@@ -10,6 +10,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple, Protocol
 
 import torch
 import torch.distributed as dist
@@ -43,6 +44,27 @@ class TrainState:
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = lm_loss
 
 
+MicroBatches = list[tuple[torch.Tensor, torch.Tensor]]
+"""This rank's (inputs, targets) of one optimizer step, one pair per micro-batch."""
+
+
+class StepResult(NamedTuple):
+    """What one optimizer step reports: this rank's mean loss, the global gradient norm
+    before clipping, and what all ranks agreed: whether the step was bad (skipped) and
+    whether the job was asked to stop."""
+
+    loss: torch.Tensor
+    grad_norm: torch.Tensor
+    bad: bool
+    stop: bool
+
+
+class Stepper(Protocol):
+    """Runs one optimizer step of the run's layout (`LocalStep` or `PipelineStep`)."""
+
+    def step(self, micro_batches: MicroBatches) -> StepResult: ...
+
+
 def _autocast(cfg: RecipeConfig, degrees: Degrees, device: torch.device):
     """Autocast where FSDP's mixed-precision policy does not already cast (and TE's FP8)."""
     return forward_context(cfg.precision, device, weights_cast=uses_fsdp(cfg.parallel, degrees))
@@ -50,13 +72,12 @@ def _autocast(cfg: RecipeConfig, degrees: Degrees, device: torch.device):
 
 def train_step(
     state: TrainState,
-    micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
+    micro_batches: MicroBatches,
     cfg: RecipeConfig,
     degrees: Degrees,
     device: torch.device,
     guard: StepGuard | None = None,
-    poison: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, bool, bool]:
+) -> StepResult:
     """One optimizer step over this rank's accumulation micro-batches.
 
     Returns this rank's mean loss, the global gradient norm (before clipping) and what all
@@ -75,15 +96,30 @@ def train_step(
                 logits = state.model(inputs)
             with vocab_parallel_loss(enabled=degrees.tp > 1):
                 loss = state.loss_fn(logits, targets)
-                if poison:
-                    loss = loss * float("nan")
                 objective = add_router_losses(loss, state.plain)
                 state.scaler.scale_loss(objective / accum).backward()
         # Every TP rank holds the same (replicated) loss.
         loss_sum += local_value(loss.detach())
     reduce_expert_grads(state.plain)
     loss = loss_sum / accum
-    return (loss, *apply_gradients(state, cfg, guard, loss))
+    return StepResult(loss, *apply_gradients(state, cfg, guard, loss))
+
+
+@dataclass
+class LocalStep:
+    """`train_step` of a layout without pipeline parallelism, bound to its run."""
+
+    state: TrainState
+    cfg: RecipeConfig
+    degrees: Degrees
+    device: torch.device
+    guard: StepGuard | None = None
+
+    def step(self, micro_batches: MicroBatches) -> StepResult:
+        """One optimizer step over this rank's micro-batches."""
+        return train_step(
+            self.state, micro_batches, self.cfg, self.degrees, self.device, self.guard
+        )
 
 
 def apply_gradients(

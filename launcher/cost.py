@@ -31,11 +31,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from launcher.memory import COMPUTE_BYTES
-from launcher.plan import bubble_fraction, recomputed_layers, stage_params
+from launcher.memory import COMPUTE_BYTES, stage_params
+from launcher.plan import bubble_fraction
 from models.flops import flops_per_token
 from pretrain_core.hardware import Links
 from pretrain_core.layout import Degrees
+from pretrain_core.recompute import recomputed_blocks
 from pretrain_core.schema import RecipeConfig
 
 COMPUTE_EFFICIENCY = 0.6
@@ -104,7 +105,7 @@ def step_cost(
     policy = cfg.recompute.policy
 
     fpt = flops_per_token(m, seq)
-    share = recomputed_layers(m.n_layers, cfg.recompute.every) / m.n_layers
+    share = len(recomputed_blocks(cfg.recompute, m.n_layers)) / m.n_layers
     hardware_flops = fpt.with_recompute(policy, share)
     # The pipeline runs at the pace of its slowest stage: the last, which adds the LM head
     # (not recomputed) to its share of the blocks; the embedding costs no matmul.
@@ -132,7 +133,8 @@ def step_cost(
     busy = compute + tp_time + p2p
     bubble = busy / (1 - fraction) - busy
 
-    local = max(stage_params(cfg)) / t
+    # The largest pipeline rank's parameters (embedding, head and uneven splits counted).
+    local = max(sum(stage_params(cfg, r)[:2]) for r in range(pp)) / t
     grads = 4 * local
     dp_bw = group_bandwidth(links, gpn, t, d)
     shard_bw = group_bandwidth(links, gpn, t, s_dp)

@@ -37,12 +37,13 @@ from dataclasses import dataclass, field
 
 from launcher.schedule_sim import warmup
 from models.flops import count_params
+from pretrain_core.hardware import GIB
 from pretrain_core.layout import Degrees
 from pretrain_core.model_config import ModelConfig
+from pretrain_core.recompute import recomputed_blocks
 from pretrain_core.schema import RecipeConfig
-from pretrain_core.stages import rank_layer_count
+from pretrain_core.stages import rank_layer_count, rank_stages, stage_layers
 
-GIB = 2**30
 CUDA_FIXED_GIB = 1.5
 """CUDA context, cuBLAS workspaces and NCCL buffers per GPU (typical, H100, NCCL 2.2x)."""
 FRAGMENTATION = 0.05
@@ -91,17 +92,24 @@ class MemoryBreakdown:
         return [(name, getattr(self, name), self.notes.get(name, "")) for name in CATEGORIES]
 
 
-def textbook_model_states(params: int, optim: str, zero: int, dp: int) -> tuple[float, ...]:
-    """ZeRO paper (Rajbhandari et al. 2020) mixed-precision bytes: (params, grads, optimizer).
+def textbook_model_states(
+    params: float, optim: str, zero: int, dp: int, dtype: str = "bf16", moments: int | None = None
+) -> tuple[float, float, float]:
+    """ZeRO paper (Rajbhandari et al. 2020) bytes of (params, grads, optimizer states).
 
-    2 B BF16 params + 2 B BF16 grads + K B of FP32 master weights and moments (AdamW K = 12);
-    stage 1 shards the K bytes over dp, stage 2 the grads too, stage 3 the params too.
+    Mixed precision: 2 B 16-bit params + 2 B 16-bit grads + K B of FP32 master weights and
+    moments (AdamW K = 12); FP32: 4 B + 4 B + the moments alone. Stage 1 shards the
+    optimizer states over dp, stage 2 the grads too, stage 3 the params too. `moments`
+    overrides the optimizer's FP32 states per parameter (SGD without momentum keeps none).
     """
-    k = 4 + 4 * MOMENTS[optim]
+    mixed = dtype != "fp32"
+    moments = MOMENTS[optim] if moments is None else moments
+    param_bytes = grad_bytes = 2 if mixed else 4
+    optimizer_bytes = 4 * moments + (4 if mixed else 0)
     return (
-        2 * params / (dp if zero >= 3 else 1),
-        2 * params / (dp if zero >= 2 else 1),
-        k * params / (dp if zero >= 1 else 1),
+        param_bytes * params / (dp if zero >= 3 else 1),
+        grad_bytes * params / (dp if zero >= 2 else 1),
+        optimizer_bytes * params / (dp if zero >= 1 else 1),
     )
 
 
@@ -117,6 +125,32 @@ def korthikanti_layer_activations(
     if sp:
         return s * b * h / t * (34 + core)
     return s * b * h * (10 + (24 + core) / t)
+
+
+def textbook_activations(cfg: RecipeConfig, degrees: Degrees, microbatches: int) -> float:
+    """Korthikanti et al. 2022 activation bytes of pipeline rank 0 (the textbook figure the
+    plan prints beside `memory_breakdown`): the per-layer formula on the rank's layers
+    (16-bit, doubled for FP32; full recompute keeps only the 2sbh layer input of the blocks
+    it recomputes) times the micro-batches in flight, plus one micro-batch of FP32 logits."""
+    m, t = cfg.model, degrees.tp
+    s, b = cfg.train.seq_len, cfg.train.micro_batch
+    selective = cfg.recompute.policy == "selective"
+    per_layer = korthikanti_layer_activations(s, b, m.dim, m.n_heads, t, cfg.parallel.sp, selective)
+    layer_input = 2 * s * b * m.dim / (t if cfg.parallel.sp else 1)
+    layers = rank_layers(cfg, 0)
+    kept = len(recomputed_blocks(cfg.recompute, layers)) if cfg.recompute.policy == "full" else 0
+    stage = kept * layer_input + (len(layers) - kept) * per_layer
+    scale = 2 if cfg.precision.dtype == "fp32" else 1
+    logits = s * b * m.vocab_size * 4 / t
+    flight = in_flight(cfg.parallel.pp_schedule, degrees.pp, microbatches, cfg.parallel.vpp)
+    return stage * scale * flight + logits
+
+
+def rank_layers(cfg: RecipeConfig, pp_rank: int) -> list[int]:
+    """Global indices of the layers pipeline rank `pp_rank` holds, over all its chunks."""
+    p = cfg.parallel
+    stages = stage_layers(cfg.model.n_layers, p.pp, p.vpp, p.pp_layers)
+    return [layer for k in rank_stages(pp_rank, p.pp, p.vpp) for layer in stages[k]]
 
 
 def llama_block_activations(
@@ -195,7 +229,10 @@ def stage_params(cfg: RecipeConfig, pp_rank: int = 0) -> tuple[int, int, int]:
     p = cfg.parallel
     blocks = rank_layer_count(cfg.model.n_layers, p.pp, p.vpp, p.pp_layers, pp_rank)
     root = counts.embedding if pp_rank == 0 else 0
-    root += counts.final_norm + counts.lm_head if pp_rank == p.pp - 1 else 0
+    if pp_rank == p.pp - 1:
+        # A tied LM head on a separate last stage keeps its own copy of the embedding.
+        head = counts.lm_head or (counts.embedding if p.pp > 1 else 0)
+        root += counts.final_norm + head
     # MoE layers are spread evenly over the stages (exact with one stage).
     return counts.layers * blocks // cfg.model.n_layers, root, blocks
 
@@ -351,14 +388,14 @@ def _activations(
     compute, residual = COMPUTE_BYTES[cfg.precision.dtype], _residual_bytes(cfg, fsdp)
     p = cfg.parallel
     blocks = rank_layer_count(m.n_layers, p.pp, p.vpp, p.pp_layers, pp_rank)
-    policy, every = cfg.recompute.policy, cfg.recompute.every
+    policy = cfg.recompute.policy
     whole = llama_block_activations(m, s, b, compute, residual, t, sp, "none")
     if policy == "selective":
         kept = llama_block_activations(m, s, b, compute, residual, t, sp, "selective")
         stage = blocks * kept
         note = "selective: matmul outputs kept"
     elif policy == "full":
-        recomputed = blocks // every
+        recomputed = len(recomputed_blocks(cfg.recompute, rank_layers(cfg, pp_rank)))
         kept_input = s * b * m.dim * residual / (t if sp else 1)
         stage = recomputed * kept_input + (blocks - recomputed) * whole
         note = f"full on {recomputed}/{blocks} blocks: inputs kept"

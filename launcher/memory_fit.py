@@ -10,9 +10,10 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable
 
-from launcher.memory import GIB, MemoryBreakdown, peak_breakdown
+from launcher.memory import MemoryBreakdown, peak_breakdown
 from launcher.validate import validate
 from pretrain_core import hardware
+from pretrain_core.hardware import GIB
 from pretrain_core.layout import grad_accum_steps, resolve_degrees
 from pretrain_core.problems import Problem, RecipeError, or_list
 from pretrain_core.schema import RecipeConfig

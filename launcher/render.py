@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import io
 
-from launcher.plan import GIB, MFU_ASSUMPTION, Plan
+from launcher.plan import MFU_ASSUMPTION, Plan
+from pretrain_core.hardware import GIB
 
 WIDTH = 100
 MEMBERS_SHOWN = 8

@@ -23,12 +23,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from launcher.cost import StepCost, assumptions, step_cost
-from launcher.memory import GIB, MemoryBreakdown, peak_breakdown
+from launcher.memory import MemoryBreakdown, peak_breakdown
 from launcher.memory_fit import device_memory_gib
 from launcher.rules_parallel import check_runnable
 from launcher.validate import validate
 from models.flops import flops_per_token
 from pretrain_core import hardware
+from pretrain_core.hardware import GIB
 from pretrain_core.layout import Degrees
 from pretrain_core.problems import Problem, RecipeError, divisors
 from pretrain_core.schema import RecipeConfig

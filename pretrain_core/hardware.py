@@ -15,6 +15,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+GIB = 2**30
+"""Bytes in a GiB: the unit device memory, plans and measurements are reported in."""
+
 
 @dataclass(frozen=True)
 class GpuSpec:

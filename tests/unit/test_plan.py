@@ -9,7 +9,6 @@ from itertools import product
 import pytest
 
 from launcher.plan import (
-    GIB,
     GROUPS_SHOWN,
     MFU_ASSUMPTION,
     bubble_fraction,
@@ -19,7 +18,7 @@ from launcher.plan import (
 from launcher.render import render_plan
 from launcher.validate import validate
 from models.flops import count_params, flops_per_token
-from pretrain_core.hardware import gpu_spec
+from pretrain_core.hardware import GIB, gpu_spec
 from pretrain_core.layout import Degrees, grad_accum_steps, rank_groups, resolve_degrees
 from pretrain_core.model_config import ModelConfig
 from pretrain_core.problems import RecipeError

@@ -6,7 +6,8 @@ import itertools
 
 import pytest
 
-from launcher.plan import bubble_fraction, in_flight
+from launcher.memory import in_flight
+from launcher.plan import bubble_fraction
 from launcher.schedule_sim import IDLE, simulate, summary
 
 P, M = 4, 8
@@ -55,6 +56,8 @@ def test_interleaving_divides_the_bubble_by_about_v(vpp: int) -> None:
 @pytest.mark.parametrize("vpp", [2, 4])
 def test_interleaved_stage0_holds_what_the_memory_model_assumes(vpp: int) -> None:
     timeline = unit("interleaved_1f1b", vpp)
+    # Stage-sized micro-batches: p + (p - 1) / v (Narayanan et al. 2021).
+    assert timeline.peak_in_flight(0) == pytest.approx(P + (P - 1) / vpp)
     assert timeline.peak_in_flight(0) == pytest.approx(in_flight("interleaved_1f1b", P, M, vpp))
 
 

@@ -243,15 +243,39 @@ def peak_breakdown(cfg: RecipeConfig, degrees: Degrees, microbatches: int) -> Me
     return max(ranks, key=lambda b: b.total)
 
 
-def memory_breakdown(
-    cfg: RecipeConfig, degrees: Degrees, microbatches: int, pp_rank: int = 0
-) -> MemoryBreakdown:
-    """Peak bytes per rank of pipeline rank `pp_rank` under `cfg`, by category."""
+@dataclass(frozen=True)
+class _RankShape:
+    """What every category of one pipeline rank's peak is counted from."""
+
+    cfg: RecipeConfig
+    degrees: Degrees
+    pp_rank: int
+    compute: int
+    """Bytes of an activation or cast weight in the compute dtype."""
+    fsdp: bool
+    ddp: bool
+    last: bool
+    flight: float
+    """Micro-batches whose activations the rank holds at its peak."""
+    accum: int
+    """Micro-batches whose gradients accumulate before the step (1: none held)."""
+    root_params: int
+    blocks: int
+    local: float
+    """Dense parameters on the rank (tp-split, norms replicated), before ZeRO sharding."""
+    per_block: float
+    expert_local: float
+    """Routed-expert parameters on the rank (split over ep, outside ZeRO)."""
+    moments: int
+    shard: int
+    """Ranks the FP32 parameters and gradients are sharded over."""
+    opt_shard: int
+    """Ranks the optimizer states are sharded over."""
+
+
+def _rank_shape(cfg: RecipeConfig, degrees: Degrees, microbatches: int, pp_rank: int) -> _RankShape:
     t, n = degrees.tp, degrees.dp
-    dtype = cfg.precision.dtype
-    compute = COMPUTE_BYTES[dtype]
     fsdp = cfg.parallel.zero >= 2 and n > 1
-    ddp = not fsdp and n > 1
     last = pp_rank == degrees.pp - 1
     flight = in_flight(
         cfg.parallel.pp_schedule, degrees.pp, microbatches, cfg.parallel.vpp, pp_rank
@@ -267,92 +291,51 @@ def memory_breakdown(
     # Routed experts: split over ep, not over tp, and outside ZeRO (parallel/expert.py).
     experts = count_params(cfg.model).experts * blocks // cfg.model.n_layers if blocks else 0
     block_params -= experts
-    expert_local = experts / degrees.ep
     # RMSNorm weights are replicated over tp; every other weight is split.
     norms = 2 * cfg.model.dim * blocks + (cfg.model.dim if last else 0)
-    local = (block_params + root_params - norms) / t + norms
-    per_block = block_params / blocks / t if blocks else 0.0
-    moments = MOMENTS[cfg.optim.name] if cfg.optim.name != "sgd" or cfg.optim.momentum else 0
+    o = cfg.optim
+    return _RankShape(
+        cfg=cfg,
+        degrees=degrees,
+        pp_rank=pp_rank,
+        compute=COMPUTE_BYTES[cfg.precision.dtype],
+        fsdp=fsdp,
+        ddp=not fsdp and n > 1,
+        last=last,
+        flight=flight,
+        accum=accum,
+        root_params=root_params,
+        blocks=blocks,
+        local=(block_params + root_params - norms) / t + norms,
+        per_block=block_params / blocks / t if blocks else 0.0,
+        expert_local=experts / degrees.ep,
+        moments=MOMENTS[o.name] if o.name != "sgd" or o.momentum else 0,
+        shard=n if fsdp else 1,
+        opt_shard=n if fsdp else (degrees.dp_shard if cfg.parallel.zero == 1 else 1),
+    )
+
+
+def memory_breakdown(
+    cfg: RecipeConfig, degrees: Degrees, microbatches: int, pp_rank: int = 0
+) -> MemoryBreakdown:
+    """Peak bytes per rank of pipeline rank `pp_rank` under `cfg`, by category."""
+    r = _rank_shape(cfg, degrees, microbatches, pp_rank)
     notes: dict[str, str] = {}
-
-    shard = n if fsdp else 1
-    m = cfg.model
-    rope = 2 * m.max_seq_len * (m.head_dim // 2) * 4
-    params = 4 * local / shard + rope
-    notes["params"] = f"FP32 {'sharded over dp' if fsdp else 'replicated'}, + rotary tables"
-    if degrees.pp > 1:
-        notes["params"] += f", pipeline rank {pp_rank} of {degrees.pp}"
-    opt_shard = n if fsdp else (degrees.dp_shard if cfg.parallel.zero == 1 else 1)
-    optimizer = 4 * moments * local / opt_shard
-    notes["optimizer"] = f"{moments} FP32 moment(s)/param" + (
-        f", sharded over {opt_shard}" if opt_shard > 1 else ""
-    )
-    # FSDP's no-sync accumulation holds FP32 unsharded gradients between micro-batches.
-    grads_held = 4 * local if accum > 1 else 0.0
-    buckets = 4 * local if ddp else 0.0
-    # Measured on CPU: DDP's synced backward after no-sync micro-batches holds one more
-    # FP32 gradient-sized buffer.
-    ddp_extra = 4 * local if ddp and accum > 1 else 0.0
-    notes["grads"] = (
-        "FP32"
-        + (", + DDP buckets" if ddp else "")
-        + (", held unsharded across micro-batches" if fsdp and accum > 1 else "")
-    )
-
-    # Parameter copies alive at the end of forward.
-    if fsdp and cfg.parallel.zero == 2:
-        transients = compute * local
-        notes["transients"] = "every block and the root unsharded (ZeRO-2)"
-    elif fsdp:
-        # At the start of backward only the root is unsharded; a block's all-gather (and the
-        # prefetched next) comes once the logits' buffers are freed, and is smaller.
-        transients = compute * root_params / t
-        notes["transients"] = "the root unsharded (ZeRO-3)"
-    elif dtype != "fp32":
-        transients = compute * local
-        notes["transients"] = "autocast's BF16 weight casts"
-    else:
-        transients = 0.0
-    if ddp_extra:
-        transients += ddp_extra
-        notes["transients"] = notes.get("transients", "") + " + DDP's accumulation buffer"
-
-    s, b, v = cfg.train.seq_len, cfg.train.micro_batch, cfg.model.vocab_size
-    # Per micro-batch in flight the last stage keeps the logits and the FP32 log-softmax
-    # (the vocab-parallel loss one more FP32 shard); the start of backward adds its gradient
-    # and the gradient of the logits (in FP32 before the cast back).
-    kept_logits = s * b * v / t * (compute + 4 + (4 if t > 1 else 0)) if last else 0.0
-    logit_grads = s * b * v / t * 8 if last else 0.0
-    logits = flight * kept_logits + logit_grads
-    notes["logits"] = (
-        "logits, log-softmax, 2 FP32 gradients"
-        + (f", x{flight:g} in flight" if flight != 1 else "")
-        if last
-        else "on the last stage"
-    )
-    activations, recomputed_block, act_note = _activations(cfg, degrees, flight, pp_rank, fsdp)
-    # Later in backward the logits' buffers are gone and a block's backward holds its
-    # gradient temporaries (and, recomputed, its activations again; under ZeRO-3 that block
-    # and the prefetched next unsharded, and the block's unsharded FP32 gradients): the
-    # peak holds the larger of the two moments.
-    block_work = 2 * compute * per_block + 4 * per_block if fsdp and cfg.parallel.zero == 3 else 0
-    backward = recomputed_block + block_work + _block_backward(cfg, degrees, compute, fsdp)
-    if blocks and backward > kept_logits + logit_grads:
-        activations += backward - kept_logits - logit_grads
-        act_note += ", + one block's backward" + (" recomputing" if recomputed_block else "")
-    notes["activations"] = act_note
-
-    if expert_local:
-        params += 4 * expert_local
-        optimizer += 4 * moments * expert_local
-        grads_held += 4 * expert_local if accum > 1 else 0.0
-        transients += compute * expert_local if dtype != "fp32" else 0.0
+    params, grads_held, buckets, optimizer = _model_states(r, notes)
+    transients = _transients(r, notes)
+    logits, logits_backward = _logits(r, notes)
+    activations = _peak_activations(r, logits_backward, notes)
+    if r.expert_local:
+        params += 4 * r.expert_local
+        optimizer += 4 * r.moments * r.expert_local
+        grads_held += 4 * r.expert_local if r.accum > 1 else 0.0
+        transients += r.compute * r.expert_local if cfg.precision.dtype != "fp32" else 0.0
         notes["params"] += f", experts split over ep={degrees.ep}"
     forward = (params, grads_held + buckets, optimizer, activations, transients, logits)
     # The optimizer step: FP32 gradients (sharded under FSDP) and one parameter-sized
     # temporary of the foreach update.
-    step_grads = 4 * local / shard + (4 * local if ddp else 0.0) + 4 * expert_local
-    step_temp = (4 * local / opt_shard + 4 * expert_local) if moments else 0.0
+    step_grads = 4 * r.local / r.shard + (4 * r.local if r.ddp else 0.0) + 4 * r.expert_local
+    step_temp = (4 * r.local / r.opt_shard + 4 * r.expert_local) if r.moments else 0.0
     step = (params, step_grads, optimizer + step_temp, 0.0, 0.0, 0.0)
     phase, chosen = ("forward", forward) if sum(forward) >= sum(step) else ("optimizer step", step)
     framework = 0.0
@@ -362,6 +345,90 @@ def memory_breakdown(
     else:
         notes["framework"] = "none counted on CPU"
     return MemoryBreakdown(*chosen, framework=framework, peak_phase=phase, notes=notes)
+
+
+def _model_states(r: _RankShape, notes: dict[str, str]) -> tuple[float, float, float, float]:
+    """(params, gradients held at the forward's end, DDP buckets, optimizer states), dense."""
+    m, degrees = r.cfg.model, r.degrees
+    rope = 2 * m.max_seq_len * (m.head_dim // 2) * 4
+    params = 4 * r.local / r.shard + rope
+    notes["params"] = f"FP32 {'sharded over dp' if r.fsdp else 'replicated'}, + rotary tables"
+    if degrees.pp > 1:
+        notes["params"] += f", pipeline rank {r.pp_rank} of {degrees.pp}"
+    optimizer = 4 * r.moments * r.local / r.opt_shard
+    notes["optimizer"] = f"{r.moments} FP32 moment(s)/param" + (
+        f", sharded over {r.opt_shard}" if r.opt_shard > 1 else ""
+    )
+    # FSDP's no-sync accumulation holds FP32 unsharded gradients between micro-batches.
+    grads_held = 4 * r.local if r.accum > 1 else 0.0
+    buckets = 4 * r.local if r.ddp else 0.0
+    notes["grads"] = (
+        "FP32"
+        + (", + DDP buckets" if r.ddp else "")
+        + (", held unsharded across micro-batches" if r.fsdp and r.accum > 1 else "")
+    )
+    return params, grads_held, buckets, optimizer
+
+
+def _transients(r: _RankShape, notes: dict[str, str]) -> float:
+    """Parameter copies alive at the end of forward, and DDP's accumulation buffer."""
+    zero = r.cfg.parallel.zero
+    if r.fsdp and zero == 2:
+        transients = r.compute * r.local
+        notes["transients"] = "every block and the root unsharded (ZeRO-2)"
+    elif r.fsdp:
+        # At the start of backward only the root is unsharded; a block's all-gather (and the
+        # prefetched next) comes once the logits' buffers are freed, and is smaller.
+        transients = r.compute * r.root_params / r.degrees.tp
+        notes["transients"] = "the root unsharded (ZeRO-3)"
+    elif r.cfg.precision.dtype != "fp32":
+        transients = r.compute * r.local
+        notes["transients"] = "autocast's BF16 weight casts"
+    else:
+        transients = 0.0
+    # Measured on CPU: DDP's synced backward after no-sync micro-batches holds one more
+    # FP32 gradient-sized buffer.
+    if r.ddp and r.accum > 1:
+        transients += 4 * r.local
+        notes["transients"] = notes.get("transients", "") + " + DDP's accumulation buffer"
+    return transients
+
+
+def _logits(r: _RankShape, notes: dict[str, str]) -> tuple[float, float]:
+    """(logit bytes at the peak, the part the start of backward holds for one micro-batch)."""
+    t = r.degrees.tp
+    s, b, v = r.cfg.train.seq_len, r.cfg.train.micro_batch, r.cfg.model.vocab_size
+    # Per micro-batch in flight the last stage keeps the logits and the FP32 log-softmax
+    # (the vocab-parallel loss one more FP32 shard); the start of backward adds its gradient
+    # and the gradient of the logits (in FP32 before the cast back).
+    kept_logits = s * b * v / t * (r.compute + 4 + (4 if t > 1 else 0)) if r.last else 0.0
+    logit_grads = s * b * v / t * 8 if r.last else 0.0
+    notes["logits"] = (
+        "logits, log-softmax, 2 FP32 gradients"
+        + (f", x{r.flight:g} in flight" if r.flight != 1 else "")
+        if r.last
+        else "on the last stage"
+    )
+    return r.flight * kept_logits + logit_grads, kept_logits + logit_grads
+
+
+def _peak_activations(r: _RankShape, logits_backward: float, notes: dict[str, str]) -> float:
+    """Saved activations, plus what a block's backward adds over the logits' moment."""
+    activations, recomputed_block, note = _activations(
+        r.cfg, r.degrees, r.flight, r.pp_rank, r.fsdp
+    )
+    # Later in backward the logits' buffers are gone and a block's backward holds its
+    # gradient temporaries (and, recomputed, its activations again; under ZeRO-3 that block
+    # and the prefetched next unsharded, and the block's unsharded FP32 gradients): the
+    # peak holds the larger of the two moments.
+    zero3 = r.fsdp and r.cfg.parallel.zero == 3
+    block_work = 2 * r.compute * r.per_block + 4 * r.per_block if zero3 else 0
+    backward = recomputed_block + block_work + _block_backward(r.cfg, r.degrees, r.compute, r.fsdp)
+    if r.blocks and backward > logits_backward:
+        activations += backward - logits_backward
+        note += ", + one block's backward" + (" recomputing" if recomputed_block else "")
+    notes["activations"] = note
+    return activations
 
 
 def _residual_bytes(cfg: RecipeConfig, fsdp: bool) -> int:

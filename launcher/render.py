@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import io
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from launcher.plan import MFU_ASSUMPTION, Plan
 from pretrain_core.hardware import GIB
 
 if TYPE_CHECKING:
-    from rich.console import Console
+    from rich.console import Console, JustifyMethod
     from rich.table import Table
+
+    from launcher.memory import MemoryBreakdown
 
 WIDTH = 100
 MEMBERS_SHOWN = 8
@@ -41,7 +43,7 @@ def render_plan(plan: Plan) -> str:
             ],
         )
     if plan.memory is not None:
-        console.print(_breakdown_table(plan))
+        console.print(_breakdown_table(plan, plan.memory))
     console.print(_zero_paper_table(plan))
     _section(console, "Fit and speed", _fit_rows(plan))
     for line in plan.warnings:
@@ -132,7 +134,7 @@ def _fit_rows(plan: Plan) -> list[tuple[str, str]]:
 BAR_WIDTH = 24
 
 
-def _pipeline_section(console, pipeline: dict) -> None:
+def _pipeline_section(console: Console, pipeline: dict[str, Any]) -> None:
     """The simulated schedule: its figures, then the chart unwrapped (it may be wider)."""
     m, shown = pipeline["microbatches"], pipeline["charted_microbatches"]
     per_stage = "  ".join(
@@ -154,11 +156,10 @@ def _pipeline_section(console, pipeline: dict) -> None:
     console.print(pipeline["chart"], soft_wrap=True, highlight=False)
 
 
-def _breakdown_table(plan: Plan):
+def _breakdown_table(plan: Plan, breakdown: MemoryBreakdown) -> Table:
     """Peak memory per rank by category, each with a bar scaled to the device (or the peak)."""
     from rich.table import Table
 
-    breakdown = plan.memory
     scale = (plan.gpu_memory_gib or 0) * GIB or breakdown.total or 1
     where = f"of {plan.gpu_memory_gib:g} GiB" if plan.gpu_memory_gib else "of the peak"
     table = Table(
@@ -166,7 +167,13 @@ def _breakdown_table(plan: Plan):
         title_justify="left",
         min_width=60,
     )
-    for column, justify in (("category", "left"), ("size", "right"), ("", "left"), ("how", "left")):
+    columns: tuple[tuple[str, JustifyMethod], ...] = (
+        ("category", "left"),
+        ("size", "right"),
+        ("", "left"),
+        ("how", "left"),
+    )
+    for column, justify in columns:
         table.add_column(column, justify=justify, overflow="fold")
     for name, size, how in breakdown.rows():
         table.add_row(name, _bytes(size), _bar(size / scale), how)

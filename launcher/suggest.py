@@ -205,6 +205,8 @@ def search(cfg: RecipeConfig, top: int | None = None) -> Search:
     links = hardware.links(spec.name)
     peak = cfg.hardware.peak_tflops or spec.peak_tflops[cfg.precision.dtype]
     limit = device_memory_gib(cfg)
+    # _check_searchable admits CUDA devices only, and every GPU of the table has links.
+    assert links is not None and limit is not None
     world = cfg.cluster.nodes * cfg.cluster.gpus_per_node
     train_flops = flops_per_token(cfg.model, cfg.train.seq_len).train
     tokens = cfg.train.global_batch * cfg.train.seq_len
@@ -235,7 +237,7 @@ def search(cfg: RecipeConfig, top: int | None = None) -> Search:
         )
         scored.append(((step, cost.communication, -memory.total), layout, suggestion))
     if not scored:
-        peak_gib, layout = smallest if smallest else (0.0, None)
+        peak_gib, closest = smallest if smallest else (0.0, None)
         raise RecipeError(
             [
                 Problem(
@@ -244,7 +246,7 @@ def search(cfg: RecipeConfig, top: int | None = None) -> Search:
                     f"no layout of {enumerated} fits the {limit:g} GiB of {spec.name} with "
                     f"{HEADROOM:.0%} headroom; the "
                     f"smallest predicted peak is {peak_gib:.1f} GiB"
-                    + (f" ({' '.join(layout.overrides())})" if layout else ""),
+                    + (f" ({' '.join(closest.overrides())})" if closest else ""),
                     "add nodes, use a GPU with more memory, or lower train.seq_len",
                 )
             ]

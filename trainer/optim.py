@@ -14,7 +14,8 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from pretrain_core.schema import OptimConfig
+from pretrain_core.problems import or_list
+from pretrain_core.schema import LR_SCALINGS, OPTIMIZERS, OptimConfig
 
 
 def _mesh_of(param: torch.Tensor) -> Any:
@@ -57,8 +58,8 @@ def scaled_lr(cfg: OptimConfig, global_batch: int) -> float:
     """Peak lr for this global batch: lr * G/base (linear), lr * sqrt(G/base) (sqrt) or lr."""
     if cfg.lr_scaling == "none":
         return cfg.lr
-    if cfg.lr_scaling not in ("linear", "sqrt"):
-        raise ValueError(f"optim.lr_scaling={cfg.lr_scaling!r}: use none, linear or sqrt")
+    if cfg.lr_scaling not in LR_SCALINGS:
+        raise ValueError(f"optim.lr_scaling={cfg.lr_scaling!r}: use {or_list(list(LR_SCALINGS))}")
     if cfg.base_batch <= 0:
         raise ValueError(
             f"optim.lr_scaling={cfg.lr_scaling} needs optim.base_batch > 0 "
@@ -129,7 +130,7 @@ def optimizer_spec(cfg: OptimConfig, device: torch.device) -> tuple[type[Optimiz
         return torch.optim.SGD, {"lr": cfg.lr, "momentum": cfg.momentum, "foreach": True}
     if cfg.name == "lion":
         return Lion, {"lr": cfg.lr, "betas": tuple(cfg.betas)}
-    raise ValueError(f"optim.name={cfg.name!r}: use adamw, lion or sgd")
+    raise ValueError(f"optim.name={cfg.name!r}: use {or_list(list(OPTIMIZERS))}")
 
 
 def build_optimizer(

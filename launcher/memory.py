@@ -13,10 +13,11 @@ The trainer's bookkeeping (stated, because it differs from the ZeRO paper's):
   as the gradients: `gradient_as_bucket_view` is off). BF16 runs under autocast, which keeps
   a BF16 copy of every weight it casts from the forward until that layer's backward.
 - ZeRO-1: the same, with optimizer states sharded over dp_shard (ZeroRedundancyOptimizer).
-- ZeRO-2/3 (FSDP2): FP32 parameters, gradients and optimizer states sharded over the dp
-  ranks; unsharded parameters in the compute dtype exist transiently (ZeRO-2 keeps every
-  block unsharded from its forward to its backward, ZeRO-3 one block plus the prefetched
-  next; the root's embedding, final norm and head stay unsharded through the step).
+- ZeRO-2/3 (FSDP2): FP32 parameters, gradients and optimizer states sharded over dp_shard
+  (hybrid sharding replicates them over dp_replicate); unsharded parameters in the compute
+  dtype exist transiently (ZeRO-2 keeps every block unsharded from its forward to its
+  backward, ZeRO-3 one block plus the prefetched next; the root's embedding, final norm
+  and head stay unsharded through the step).
   Gradient accumulation without sync keeps FP32 unsharded gradients between micro-batches.
 - TP: RMSNorm weights stay replicated; column-wise projections keep their all-gathered
   input under SP; the vocab-parallel loss keeps one more FP32 logits shard.
@@ -35,7 +36,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from launcher.schedule_sim import warmup
+from launcher.schedule_sim import held_in_flight
 from models.flops import count_params
 from pretrain_core.hardware import GIB
 from pretrain_core.layout import Degrees
@@ -205,19 +206,13 @@ def head_activations(
 
 
 def in_flight(schedule: str, pp: int, microbatches: int, vpp: int = 1, rank: int = 0) -> float:
-    """Micro-batches whose activations pipeline rank `rank` holds at its peak.
-
-    The schedule's warm-up forwards plus the one before its first backward: 1F1B p - r on
-    rank r (p on the first); GPipe all m; interleaved 1F1B p + (p - 1 - 2r)/v stage-sized
-    micro-batches (each chunk holds 1/v of the rank's layers).
-    """
+    """Micro-batches whose activations pipeline rank `rank` holds at its peak, in whole
+    stages, counted on the order of the schedule torch runs (`schedule_sim.held_in_flight`):
+    1F1B p - r on rank r; GPipe all m; interleaved 1F1B p + (p - 1 - 2r)/v; zero-bubble p on
+    every rank (its weight gradients hold their inputs)."""
     if pp == 1:
         return 1.0
-    if schedule == "gpipe":
-        return float(microbatches)
-    chunks = vpp if schedule == "interleaved_1f1b" else 1
-    held = min(warmup(schedule, pp, microbatches, rank, chunks) + 1, microbatches * chunks)
-    return held / chunks
+    return held_in_flight(schedule, pp, microbatches, rank, vpp)
 
 
 def stage_params(cfg: RecipeConfig, pp_rank: int = 0) -> tuple[int, int, int]:
@@ -310,8 +305,9 @@ def _rank_shape(cfg: RecipeConfig, degrees: Degrees, microbatches: int, pp_rank:
         per_block=block_params / blocks / t if blocks else 0.0,
         expert_local=experts / degrees.ep,
         moments=MOMENTS[o.name] if o.name != "sgd" or o.momentum else 0,
-        shard=n if fsdp else 1,
-        opt_shard=n if fsdp else (degrees.dp_shard if cfg.parallel.zero == 1 else 1),
+        # Hybrid sharding replicates over dp_replicate: state is split over dp_shard only.
+        shard=degrees.dp_shard if fsdp else 1,
+        opt_shard=degrees.dp_shard if fsdp or cfg.parallel.zero == 1 else 1,
     )
 
 
@@ -352,7 +348,10 @@ def _model_states(r: _RankShape, notes: dict[str, str]) -> tuple[float, float, f
     m, degrees = r.cfg.model, r.degrees
     rope = 2 * m.max_seq_len * (m.head_dim // 2) * 4
     params = 4 * r.local / r.shard + rope
-    notes["params"] = f"FP32 {'sharded over dp' if r.fsdp else 'replicated'}, + rotary tables"
+    notes["params"] = (
+        f"FP32 {f'sharded over dp_shard={r.shard}' if r.shard > 1 else 'replicated'}"
+        + ", + rotary tables"
+    )
     if degrees.pp > 1:
         notes["params"] += f", pipeline rank {r.pp_rank} of {degrees.pp}"
     optimizer = 4 * r.moments * r.local / r.opt_shard

@@ -22,6 +22,8 @@ SAFE_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
 # The time formats sbatch --time accepts: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S.
 _SLURM_TIME = re.compile(r"^(\d+|\d+:\d+|\d+:\d+:\d+|\d+-\d+|\d+-\d+:\d+|\d+-\d+:\d+:\d+)$")
 _SLURM_UNLIMITED = ("UNLIMITED", "INFINITE")
+MULTI_STAGE_SCHEDULES = ("interleaved_1f1b", "zero_bubble")
+"""Schedules torch runs in rounds of micro-batches over a list of stages per rank."""
 
 
 def check_runnable(cfg: RecipeConfig) -> list[Problem]:
@@ -210,6 +212,14 @@ def _check_pipeline_microbatches(c: Checks, cfg: RecipeConfig, dp: int, accum: i
             p.pp_microbatches,
             f"interleaving needs a multiple of pp={p.pp}; {micro} micro-batches{source} is not",
             f"use {or_list(nearby_multiples(micro, p.pp))}",
+        )
+    elif p.pp_schedule in MULTI_STAGE_SCHEDULES and micro % max(1, micro // p.pp):
+        c.add(
+            "parallel.pp_microbatches",
+            p.pp_microbatches,
+            f"{p.pp_schedule} runs the micro-batches in {micro // p.pp} equal rounds "
+            f"(micro-batches // pp); {micro}{source} does not split into them",
+            f"use a multiple of pp={p.pp}, e.g. {or_list(nearby_multiples(micro, p.pp))}",
         )
     elif p.pp_microbatches and (cfg.train.micro_batch * accum) % micro:
         c.add(

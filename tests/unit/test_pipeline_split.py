@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 import models
 from parallel.materialize import materialize
 from parallel.pipeline import StageView, split_stage
 from parallel.recompute import apply_recompute
+from parallel.tied_embedding import head_copies, mark_head_copy
 from pretrain_core.model_config import ModelConfig
 from pretrain_core.schema import ParallelConfig, RecomputeConfig
+from trainer.optim import param_groups
 
 CFG = ModelConfig(vocab_size=64, dim=32, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=64)
 
@@ -60,3 +64,17 @@ def test_a_stage_recomputes_the_blocks_the_full_model_would() -> None:
     assert wrapped == {"1", "3"}
     assert "forward" not in vars(stage.layers["2"])
     assert type(stage.layers["2"]).forward is plain_forward
+
+
+def test_a_tied_heads_copy_on_the_last_stage_starts_as_the_embedding_and_never_decays() -> None:
+    tied = dataclasses.replace(CFG, tie_embeddings=True)
+    full = models.build(tied)
+    materialize(full, tied, seed=7, device=torch.device("cpu"))
+    first, last = (split_stage(models.build(tied), k, ParallelConfig(pp=2)) for k in (0, 1))
+    for stage in (first, last):
+        materialize(stage, tied, seed=7, device=torch.device("cpu"))
+        mark_head_copy(stage)
+    assert head_copies(first) == [] and head_copies(last) == [last.output.weight]
+    assert torch.equal(last.output.weight, full.tok_embeddings.weight)
+    [decayed] = [g for g in param_groups(last, 0.1) if g["weight_decay"]]
+    assert all(p is not last.output.weight for p in decayed["params"])

@@ -99,15 +99,26 @@ def stage_flops(cfg: RecipeConfig, pp_rank: int) -> tuple[int, int]:
     """(hardware FLOPs, forward FLOPs) per token that pipeline rank `pp_rank` runs: its
     blocks, with the recomputation of those that recompute, and the LM head on the last
     rank; the whole model's without PP."""
+    return _rank_flops(cfg, _layer_flops(cfg), pp_rank)
+
+
+def _layer_flops(cfg: RecipeConfig) -> list[tuple[int, int]]:
+    """(hardware, forward) FLOPs per token of each block, recomputation included."""
     m, seq, policy = cfg.model, cfg.train.seq_len, cfg.recompute.policy
-    hardware = forward = 0
-    for layer in rank_layers(cfg, pp_rank):
-        block = block_flops_per_token(m, seq, layer)
+    dense = block_flops_per_token(m, seq, 0)  # every block of a dense model is the same
+    flops = []
+    for layer in range(m.n_layers):
+        block = block_flops_per_token(m, seq, layer) if m.moe_experts else dense
         share = 1.0 if is_recomputed(cfg.recompute, layer) else 0.0
-        hardware += block.with_recompute(policy, share)
-        forward += block.forward
+        flops.append((block.with_recompute(policy, share), block.forward))
+    return flops
+
+
+def _rank_flops(cfg: RecipeConfig, layers: list[tuple[int, int]], pp_rank: int) -> tuple[int, int]:
+    held = rank_layers(cfg, pp_rank)
+    hardware, forward = sum(layers[i][0] for i in held), sum(layers[i][1] for i in held)
     if pp_rank == cfg.parallel.pp - 1:
-        head = flops_per_token(m, seq).lm_head
+        head = flops_per_token(cfg.model, cfg.train.seq_len).lm_head
         hardware, forward = hardware + 3 * head, forward + head
     return hardware, forward
 
@@ -124,7 +135,8 @@ def step_cost(
     mb_tokens = tokens / degrees.dp / microbatches
     activation = seq * b * cfg.model.dim * c
 
-    work = [stage_flops(cfg, r) for r in range(pp)]
+    layer_flops = _layer_flops(cfg)
+    work = [_rank_flops(cfg, layer_flops, r) for r in range(pp)]
     compute = [mb_tokens * hardware / t / rate for hardware, _ in work]
     tp_time = [0.0] * pp
     if t > 1:

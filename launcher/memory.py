@@ -43,7 +43,7 @@ from pretrain_core.layout import Degrees
 from pretrain_core.model_config import ModelConfig
 from pretrain_core.recompute import recomputed_blocks
 from pretrain_core.schema import RecipeConfig
-from pretrain_core.stages import rank_layer_count, rank_stages, stage_layers
+from pretrain_core.stages import rank_layer_count, rank_layer_indices
 
 CUDA_FIXED_GIB = 1.5
 """CUDA context, cuBLAS workspaces and NCCL buffers per GPU (typical, H100, NCCL 2.2x)."""
@@ -150,8 +150,7 @@ def textbook_activations(cfg: RecipeConfig, degrees: Degrees, microbatches: int)
 def rank_layers(cfg: RecipeConfig, pp_rank: int) -> list[int]:
     """Global indices of the layers pipeline rank `pp_rank` holds, over all its chunks."""
     p = cfg.parallel
-    stages = stage_layers(cfg.model.n_layers, p.pp, p.vpp, p.pp_layers)
-    return [layer for k in rank_stages(pp_rank, p.pp, p.vpp) for layer in stages[k]]
+    return rank_layer_indices(cfg.model.n_layers, p.pp, p.vpp, p.pp_layers, pp_rank)
 
 
 def llama_block_activations(
@@ -234,8 +233,40 @@ def stage_params(cfg: RecipeConfig, pp_rank: int = 0) -> tuple[int, int, int]:
 
 def peak_breakdown(cfg: RecipeConfig, degrees: Degrees, microbatches: int) -> MemoryBreakdown:
     """The breakdown of the pipeline rank with the largest peak (the only one without PP)."""
-    ranks = [memory_breakdown(cfg, degrees, microbatches, r) for r in range(degrees.pp)]
+    ranks = [
+        memory_breakdown(cfg, degrees, microbatches, r)
+        for r in candidate_ranks(cfg, degrees, microbatches)
+    ]
     return max(ranks, key=lambda b: b.total)
+
+
+def candidate_ranks(cfg: RecipeConfig, degrees: Degrees, microbatches: int) -> list[int]:
+    """The pipeline ranks whose peak may be the largest: the first and the last, and of the
+    middle ranks alike in layers, recomputed layers and gradients held, the one with the
+    most micro-batches in flight (each category grows with it; the rest is equal)."""
+    p, policy = cfg.parallel, cfg.recompute.policy
+    best: dict[tuple, tuple[float, int]] = {}
+    for r in range(degrees.pp):
+        layers = rank_layers(cfg, r)
+        flight = in_flight(p.pp_schedule, degrees.pp, microbatches, p.vpp, r)
+        recomputed = len(recomputed_blocks(cfg.recompute, layers)) if policy == "full" else 0
+        held = _accumulation(cfg, degrees, microbatches, flight) > 1
+        key = (r if r in (0, degrees.pp - 1) else -1, len(layers), recomputed, held)
+        if key not in best or flight > best[key][0]:
+            best[key] = (flight, r)
+    return sorted(r for _, r in best.values())
+
+
+def _accumulation(cfg: RecipeConfig, degrees: Degrees, microbatches: int, flight: float) -> int:
+    """Micro-batches whose gradients a rank accumulates before the step (1: none held).
+
+    Gradients live from a micro-batch's backward to the step: at the peak when accumulation
+    runs micro-batches one after another, or when a pipeline's steady state runs a forward
+    after its first backward (not under GPipe, whose first backward is its peak)."""
+    if degrees.pp == 1:
+        return microbatches
+    steady = cfg.parallel.pp_schedule != "gpipe" and microbatches > flight
+    return microbatches if steady else 1
 
 
 @dataclass(frozen=True)
@@ -275,13 +306,7 @@ def _rank_shape(cfg: RecipeConfig, degrees: Degrees, microbatches: int, pp_rank:
     flight = in_flight(
         cfg.parallel.pp_schedule, degrees.pp, microbatches, cfg.parallel.vpp, pp_rank
     )
-    # Gradients live from a micro-batch's backward to the step: at the peak when accumulation
-    # runs micro-batches one after another, or when a pipeline's steady state runs a forward
-    # after its first backward (not under GPipe, whose first backward is its peak).
-    if degrees.pp == 1:
-        accum = microbatches
-    else:
-        accum = microbatches if cfg.parallel.pp_schedule != "gpipe" and microbatches > flight else 1
+    accum = _accumulation(cfg, degrees, microbatches, flight)
     block_params, root_params, blocks = stage_params(cfg, pp_rank)
     # Routed experts: split over ep, not over tp, and outside ZeRO (parallel/expert.py).
     experts = count_params(cfg.model).experts * blocks // cfg.model.n_layers if blocks else 0

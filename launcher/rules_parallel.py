@@ -16,6 +16,7 @@ from pretrain_core.problems import (
     or_list,
 )
 from pretrain_core.schema import PP_SCHEDULES, RecipeConfig
+from pretrain_core.stages import balanced_split
 
 SAFE_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
 """Names that reach file paths and sbatch arguments unquoted."""
@@ -180,13 +181,6 @@ def _check_degrees(c: Checks, cfg: RecipeConfig) -> bool:
             f"virtual stages need pp > 1 and an interleaved schedule (pp={p.pp}, {p.pp_schedule})",
             "set parallel.pp_schedule=interleaved_1f1b or zero_bubble with pp > 1, or vpp=1",
         )
-    if p.pp > 1 and cfg.model.tie_embeddings:
-        c.add(
-            "model.tie_embeddings",
-            True,
-            "a tied LM head would sit on the last pipeline stage and its embedding on the first",
-            "set model.tie_embeddings=false, or parallel.pp=1",
-        )
     return degrees_ok
 
 
@@ -263,7 +257,8 @@ def _check_model_split(c: Checks, cfg: RecipeConfig, max_tp: int | None) -> None
                 if pps
                 else "set vpp=1"
             )
-            + ", or list each stage's layers in parallel.pp_layers",
+            + f", or list each stage's layers, e.g. parallel.pp_layers="
+            f"{_compact(balanced_split(m.n_layers, stages))}",
         )
 
 
@@ -276,13 +271,10 @@ def _check_pp_layers(c: Checks, cfg: RecipeConfig) -> None:
             "parallel.pp_layers",
             p.pp_layers,
             f"needs pp*vpp = {stages} positive layer counts summing to model.n_layers={n_layers}",
-            f"e.g. {_even_split(n_layers, stages)}, or [] for an even split",
+            f"e.g. {_compact(balanced_split(n_layers, stages))}, or [] for an even split",
         )
 
 
-def _even_split(n_layers: int, stages: int) -> list[int]:
-    """The most even split of n_layers over stages, the remainder on the middle stages."""
-    counts = [n_layers // stages] * stages
-    for i in range(n_layers % stages):
-        counts[(stages - n_layers % stages) // 2 + i] += 1
-    return counts
+def _compact(counts: list[int]) -> str:
+    """A layer split as a Hydra list override, without spaces: [7,8,8,7]."""
+    return "[" + ",".join(map(str, counts)) + "]"

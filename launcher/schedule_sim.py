@@ -23,12 +23,11 @@ runs:
 Costs are per op of one chunk (a chunk holds 1/v of a rank's layers); an unsplit backward
 costs b + w. In-flight counts the micro-batches whose activations a rank holds (from the
 start of F to the end of the backward, W included), in units of a whole stage (chunks count
-1/v); `held_in_flight` counts the same from the program order alone.
+1/v); `held_in_flight` gives the count the program order implies, in closed form.
 """
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
@@ -176,16 +175,19 @@ def _weight(backward: Op) -> Op:
     return Op("W", backward.microbatch, backward.chunk)
 
 
-@functools.lru_cache(maxsize=4096)
 def held_in_flight(schedule: str, pp: int, microbatches: int, rank: int, vpp: int = 1) -> float:
     """Most micro-batches (whole stages) rank `rank` holds activations of, from its program
-    order alone: a forward takes one chunk's, its backward (its W when split) frees them."""
-    release = "W" if schedule == "zero_bubble" else "B"
-    held = peak = 0
-    for op in program(schedule, pp, microbatches, rank, vpp):
-        held += 1 if op.kind == "F" else -1 if op.kind == release else 0
-        peak = max(peak, held)
-    return peak / vpp
+    order: a forward takes one chunk's, its backward (its W when split) frees them.
+
+    In closed form: the warm-up forwards and the one before the first backward (all m
+    under gpipe); zero_bubble adds one per steady step until its W ops start, r steps in.
+    """
+    if schedule == "gpipe":
+        return float(microbatches)
+    held = warmup(schedule, pp, microbatches, rank, vpp) + 1
+    if schedule == "zero_bubble":
+        held += rank
+    return min(held, microbatches * vpp) / vpp
 
 
 def bubble_fraction(schedule: str, pp: int, microbatches: int, vpp: int = 1) -> float:

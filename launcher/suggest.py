@@ -7,7 +7,10 @@ layout and micro-batch are ignored. The search spans:
 
 - tp: divisors of the query and key/value heads that also divide gpus_per_node (TP stays in
   a node), with SP whenever tp > 1 (same traffic as TP's all-reduces, less memory);
-- pp: divisors of the layers; vpp: divisors of the layers per stage (interleaved 1F1B);
+- pp: every degree that tiles the cluster with at least one layer per stage, and vpp >= 2
+  (interleaved 1F1B) up to MAX_VPP and one layer per chunk, one per distinct chunk size; where the
+  stages do not divide the layers, Megatron's uneven split (`stages.balanced_split`: the
+  first and last stage, which also hold the embedding and the head, get fewer);
 - ZeRO 0-3, and hybrid sharding (dp_replicate > 1) where a node holds a whole shard group
   and the dp group would otherwise leave the node;
 - recompute none, selective or full (every block); micro-batches dividing the per-rank batch.
@@ -33,12 +36,16 @@ from pretrain_core.hardware import GIB
 from pretrain_core.layout import Degrees
 from pretrain_core.problems import Problem, RecipeError, divisors
 from pretrain_core.schema import RecipeConfig
+from pretrain_core.stages import balanced_split
 
 RECOMPUTE_POLICIES = ("none", "selective", "full")
 HEADROOM = 0.05
 """Share of device memory a suggested layout leaves free beyond the predicted peak (which
 already counts the framework allowance): a margin for the memory model's error."""
 LAYOUT_FIELDS = ("parallel.", "train.global_batch", "train.micro_batch")
+MAX_VPP = 8
+"""Most virtual stages per rank the search tries: each adds a send per micro-batch while
+the bubble it removes shrinks as 1/vpp."""
 """Problems on these fields depend on the layout, which the search chooses."""
 
 
@@ -55,6 +62,8 @@ class Layout:
     zero: int
     recompute: str
     micro_batch: int
+    pp_layers: tuple[int, ...] = ()
+    """Layers per stage when the stages do not divide them; () for an even split."""
 
     @property
     def pp_schedule(self) -> str:
@@ -68,6 +77,7 @@ class Layout:
             f"parallel.pp={self.pp}",
             f"parallel.vpp={self.vpp}",
             f"parallel.pp_schedule={self.pp_schedule}",
+            f"parallel.pp_layers=[{','.join(map(str, self.pp_layers))}]",
             "parallel.pp_microbatches=0",
             f"parallel.dp_replicate={self.dp_replicate}",
             f"parallel.dp_shard={self.dp_shard}",
@@ -86,6 +96,7 @@ class Layout:
             pp=self.pp,
             vpp=self.vpp,
             pp_schedule=self.pp_schedule,
+            pp_layers=list(self.pp_layers),
             pp_microbatches=0,
             dp_replicate=self.dp_replicate,
             dp_shard=self.dp_shard,
@@ -151,22 +162,39 @@ def layouts(cfg: RecipeConfig) -> Iterator[Layout]:
         if gpn % tp:
             continue
         sp = tp > 1 and cfg.train.seq_len % tp == 0
-        for pp in divisors(m.n_layers):
-            if world % (tp * pp):
-                continue
+        for pp in divisors(world // tp):
             dp = world // (tp * pp)
-            if cfg.train.global_batch % dp or dp % ep:
+            if pp > m.n_layers or cfg.train.global_batch % dp or dp % ep:
                 continue
             per_rank = cfg.train.global_batch // dp
-            vpps = [1] + ([v for v in divisors(m.n_layers // pp) if v > 1] if pp > 1 else [])
-            for vpp, zero, recompute, micro in _product(vpps, range(4), divisors(per_rank)):
+            # Without data parallelism every ZeRO stage is the same layout.
+            zeros = range(4) if dp > 1 else range(1)
+            for vpp, zero, recompute, micro in _product(
+                _vpps(m.n_layers, pp), zeros, divisors(per_rank)
+            ):
                 micro_batches = per_rank // micro
                 if pp > 1 and (micro_batches < pp or (vpp > 1 and micro_batches % pp)):
                     continue
+                split = balanced_split(m.n_layers, pp * vpp)
+                uneven = tuple(split) if len(set(split)) > 1 else ()
                 for replicate in _replicas(zero, tp, dp, gpn):
                     yield Layout(
-                        tp, sp, pp, vpp, replicate, dp // replicate, zero, recompute, micro
+                        tp, sp, pp, vpp, replicate, dp // replicate, zero, recompute, micro, uneven
                     )
+
+
+def _vpps(n_layers: int, pp: int) -> list[int]:
+    """1, and with pp > 1 every vpp up to MAX_VPP whose chunks hold a layer count no
+    smaller vpp gives (ceil(n / (pp vpp)), at least one)."""
+    if pp == 1:
+        return [1]
+    chosen, sizes = [1], {-(-n_layers // pp)}
+    for vpp in range(2, min(MAX_VPP, n_layers // pp) + 1):
+        size = -(-n_layers // (pp * vpp))
+        if size not in sizes:
+            chosen.append(vpp)
+            sizes.add(size)
+    return chosen
 
 
 def _product(vpps: list[int], zeros: range, micros: list[int]) -> Iterator[tuple]:

@@ -18,6 +18,28 @@ def layers_per_stage(n_layers: int, stages: int, pp_layers: list[int] | None = N
     return [n_layers // stages] * stages
 
 
+def balanced_split(n_layers: int, stages: int) -> list[int]:
+    """Layer counts for `stages` stages when they need not divide `n_layers`.
+
+    An even split when they do; else Megatron's uneven one (its
+    `--decoder-first/last-pipeline-num-layers`): every middle stage holds ceil(n / stages)
+    layers and the first and last share the rest, fewer, since they also hold the embedding
+    and the LM head (the last no more than the first). Where the rest is too small for
+    two stages, the remainder goes one layer each to the middle stages.
+    """
+    if n_layers % stages == 0:
+        return [n_layers // stages] * stages
+    per_stage = -(-n_layers // stages)
+    rest = n_layers - (stages - 2) * per_stage
+    if stages > 2 and rest >= 2:
+        return [rest - rest // 2] + [per_stage] * (stages - 2) + [rest // 2]
+    counts = [n_layers // stages] * stages
+    extra = n_layers % stages
+    for i in range(extra):
+        counts[(stages - extra) // 2 + i] += 1
+    return counts
+
+
 def stage_layers(
     n_layers: int, pp: int, vpp: int = 1, pp_layers: list[int] | None = None
 ) -> list[list[int]]:
@@ -38,5 +60,17 @@ def rank_layer_count(
     n_layers: int, pp: int, vpp: int = 1, pp_layers: list[int] | None = None, pp_rank: int = 0
 ) -> int:
     """Layers pipeline rank `pp_rank` holds over all its chunks."""
-    stages = stage_layers(n_layers, pp, vpp, pp_layers)
-    return sum(len(stages[k]) for k in rank_stages(pp_rank, pp, vpp))
+    counts = layers_per_stage(n_layers, pp * vpp, pp_layers)
+    return sum(counts[k] for k in rank_stages(pp_rank, pp, vpp))
+
+
+def rank_layer_indices(
+    n_layers: int, pp: int, vpp: int = 1, pp_layers: list[int] | None = None, pp_rank: int = 0
+) -> list[int]:
+    """Global indices of the layers pipeline rank `pp_rank` holds over all its chunks."""
+    counts = layers_per_stage(n_layers, pp * vpp, pp_layers)
+    layers = []
+    for k in rank_stages(pp_rank, pp, vpp):
+        start = sum(counts[:k])
+        layers += range(start, start + counts[k])
+    return layers

@@ -154,7 +154,7 @@ def test_hybrid_sharding_splits_fp32_state_over_dp_shard_not_dp():
     p.dp_replicate, p.dp_shard, p.zero = 2, 2, 3
     validate(cfg)
     local = 4_541_186_048
-    assert (20 * 855_654_400 + 1_050_673_152 - 20 * 16_384) / 4 + 20 * 16_384 == local
+    assert local == (20 * 855_654_400 + 1_050_673_152 - 20 * 16_384) / 4 + 20 * 16_384
     rank0 = memory_breakdown(cfg, resolve_degrees(cfg), 64, pp_rank=0)
     rope = 2 * 8192 * 64 * 4
     assert rank0.params == 4 * local / 2 + rope

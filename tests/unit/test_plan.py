@@ -1,5 +1,6 @@
 """The plan: layout and rank groups, parameter counts, bubble, memory and step time."""
 
+import dataclasses
 import json
 import math
 import subprocess
@@ -249,3 +250,19 @@ def test_planning_and_validation_do_not_import_torch():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_a_tied_model_under_pp_counts_the_last_stages_copy_of_the_embedding():
+    tied = dataclasses.replace(LLAMA3_8B, tie_embeddings=True)
+    cfg = recipe(tied, pp=2, zero=2)
+    plan = make_plan(cfg)
+    counts = count_params(tied)
+    half = counts.per_layer * tied.n_layers // 2
+    assert counts.lm_head == 0
+    assert plan.params_first_stage == counts.embedding + half
+    assert plan.params_last_stage == half + counts.final_norm + counts.embedding
+    # Its gradient crosses between the two stages once per step: 4 B per parameter of
+    # the embedding's dp shard (dp_shard=4), at 80% of the 450 GB/s the two ranks share.
+    untied = make_plan(recipe(LLAMA3_8B, pp=2, zero=2))
+    extra = 4 * counts.embedding / 4 / (450e9 * 0.8)
+    assert plan.step_cost.pp_p2p - untied.step_cost.pp_p2p == pytest.approx(extra)

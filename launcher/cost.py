@@ -105,12 +105,18 @@ def stage_flops(cfg: RecipeConfig, pp_rank: int) -> tuple[int, int]:
 def _layer_flops(cfg: RecipeConfig) -> list[tuple[int, int]]:
     """(hardware, forward) FLOPs per token of each block, recomputation included."""
     m, seq, policy = cfg.model, cfg.train.seq_len, cfg.recompute.policy
-    dense = block_flops_per_token(m, seq, 0)  # every block of a dense model is the same
+    # Every block of a dense model is the same, recomputed or not.
+    dense = block_flops_per_token(m, seq, 0)
+    plain = (dense.with_recompute(policy, 0.0), dense.forward)
+    again = (dense.with_recompute(policy, 1.0), dense.forward)
     flops = []
     for layer in range(m.n_layers):
-        block = block_flops_per_token(m, seq, layer) if m.moe_experts else dense
-        share = 1.0 if is_recomputed(cfg.recompute, layer) else 0.0
-        flops.append((block.with_recompute(policy, share), block.forward))
+        recomputed = is_recomputed(cfg.recompute, layer)
+        if m.moe_experts:
+            block = block_flops_per_token(m, seq, layer)
+            flops.append((block.with_recompute(policy, float(recomputed)), block.forward))
+        else:
+            flops.append(again if recomputed else plain)
     return flops
 
 
@@ -190,7 +196,8 @@ def _data_parallel(
     p, d, s_dp, r_dp = cfg.parallel, degrees.dp, degrees.dp_shard, degrees.dp_replicate
     t, gpn, c = degrees.tp, cfg.cluster.gpus_per_node, COMPUTE_BYTES[cfg.precision.dtype]
     # The largest pipeline rank's parameters (embedding, head and uneven splits counted).
-    local = max(sum(stage_params(cfg, r)[:2]) for r in range(degrees.pp)) / t
+    counts = count_params(cfg.model)
+    local = max(sum(stage_params(cfg, r, counts)[:2]) for r in range(degrees.pp)) / t
     grads = 4 * local
     dp_bw = group_bandwidth(links, gpn, t, d)
     shard_bw = group_bandwidth(links, gpn, t, s_dp)

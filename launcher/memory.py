@@ -37,13 +37,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from launcher.schedule_sim import held_in_flight
-from models.flops import count_params
+from models.flops import ParamCount, count_params
 from pretrain_core.hardware import GIB
 from pretrain_core.layout import Degrees
 from pretrain_core.model_config import ModelConfig
 from pretrain_core.recompute import recomputed_blocks
 from pretrain_core.schema import RecipeConfig
-from pretrain_core.stages import rank_layer_count, rank_layer_indices
+from pretrain_core.stages import rank_layer_count, rank_layer_counts, rank_layer_indices
 
 CUDA_FIXED_GIB = 1.5
 """CUDA context, cuBLAS workspaces and NCCL buffers per GPU (typical, H100, NCCL 2.2x)."""
@@ -147,7 +147,7 @@ def textbook_activations(cfg: RecipeConfig, degrees: Degrees, microbatches: int)
     return stage * scale * flight + logits
 
 
-def rank_layers(cfg: RecipeConfig, pp_rank: int) -> list[int]:
+def rank_layers(cfg: RecipeConfig, pp_rank: int) -> tuple[int, ...]:
     """Global indices of the layers pipeline rank `pp_rank` holds, over all its chunks."""
     p = cfg.parallel
     return rank_layer_indices(cfg.model.n_layers, p.pp, p.vpp, p.pp_layers, pp_rank)
@@ -214,12 +214,15 @@ def in_flight(schedule: str, pp: int, microbatches: int, vpp: int = 1, rank: int
     return held_in_flight(schedule, pp, microbatches, rank, vpp)
 
 
-def stage_params(cfg: RecipeConfig, pp_rank: int = 0) -> tuple[int, int, int]:
+def stage_params(
+    cfg: RecipeConfig, pp_rank: int = 0, counts: ParamCount | None = None
+) -> tuple[int, int, int]:
     """(blocks' params, root params, blocks) of pipeline rank `pp_rank`.
 
     The root holds the embedding on the first rank, the final norm and head on the last.
+    `counts` saves recounting the model's parameters (`count_params(cfg.model)`).
     """
-    counts = count_params(cfg.model)
+    counts = counts or count_params(cfg.model)
     p = cfg.parallel
     blocks = rank_layer_count(cfg.model.n_layers, p.pp, p.vpp, p.pp_layers, pp_rank)
     root = counts.embedding if pp_rank == 0 else 0
@@ -246,15 +249,30 @@ def candidate_ranks(cfg: RecipeConfig, degrees: Degrees, microbatches: int) -> l
     most micro-batches in flight (each category grows with it; the rest is equal)."""
     p, policy = cfg.parallel, cfg.recompute.policy
     best: dict[tuple, tuple[float, int]] = {}
-    for r in range(degrees.pp):
-        layers = rank_layers(cfg, r)
+    counts = rank_layer_counts(cfg.model.n_layers, p.pp, p.vpp, p.pp_layers)
+    for r, layers in enumerate(counts):
         flight = in_flight(p.pp_schedule, degrees.pp, microbatches, p.vpp, r)
-        recomputed = len(recomputed_blocks(cfg.recompute, layers)) if policy == "full" else 0
+        recomputed = layers if policy == "full" else 0
+        if policy == "full" and cfg.recompute.every > 1:
+            recomputed = len(recomputed_blocks(cfg.recompute, rank_layers(cfg, r)))
         held = _accumulation(cfg, degrees, microbatches, flight) > 1
-        key = (r if r in (0, degrees.pp - 1) else -1, len(layers), recomputed, held)
+        key = (r if r in (0, degrees.pp - 1) else -1, layers, recomputed, held)
         if key not in best or flight > best[key][0]:
             best[key] = (flight, r)
     return sorted(r for _, r in best.values())
+
+
+def state_floor(cfg: RecipeConfig, degrees: Degrees) -> float:
+    """Bytes no micro-batch size or recompute policy takes off the peak: the FP32 parameters
+    and optimizer states (and DDP's buckets) of the pipeline rank holding the most."""
+    counts = rank_layer_counts(
+        cfg.model.n_layers, degrees.pp, cfg.parallel.vpp, cfg.parallel.pp_layers
+    )
+    floor = 0.0
+    for r in {0, degrees.pp - 1, counts.index(max(counts))}:
+        params, _, buckets, optimizer = _model_states(_rank_shape(cfg, degrees, 1, r), {})
+        floor = max(floor, params + buckets + optimizer)
+    return floor
 
 
 def _accumulation(cfg: RecipeConfig, degrees: Degrees, microbatches: int, flight: float) -> int:
@@ -307,9 +325,10 @@ def _rank_shape(cfg: RecipeConfig, degrees: Degrees, microbatches: int, pp_rank:
         cfg.parallel.pp_schedule, degrees.pp, microbatches, cfg.parallel.vpp, pp_rank
     )
     accum = _accumulation(cfg, degrees, microbatches, flight)
-    block_params, root_params, blocks = stage_params(cfg, pp_rank)
+    counts = count_params(cfg.model)
+    block_params, root_params, blocks = stage_params(cfg, pp_rank, counts)
     # Routed experts: split over ep, not over tp, and outside ZeRO (parallel/expert.py).
-    experts = count_params(cfg.model).experts * blocks // cfg.model.n_layers if blocks else 0
+    experts = counts.experts * blocks // cfg.model.n_layers if blocks else 0
     block_params -= experts
     # RMSNorm weights are replicated over tp; every other weight is split.
     norms = 2 * cfg.model.dim * blocks + (cfg.model.dim if last else 0)

@@ -25,14 +25,13 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from launcher.cost import StepCost, assumptions, step_cost
-from launcher.memory import MemoryBreakdown, peak_breakdown
+from launcher.cost import StepCost, assumptions, predicted_mfu, step_cost
+from launcher.memory import MemoryBreakdown, peak_breakdown, state_floor
 from launcher.memory_fit import device_memory_gib
 from launcher.rules_parallel import check_runnable
 from launcher.validate import validate
-from models.flops import flops_per_token
 from pretrain_core import hardware
-from pretrain_core.hardware import GIB
+from pretrain_core.hardware import GIB, Links
 from pretrain_core.layout import Degrees
 from pretrain_core.problems import Problem, RecipeError, divisors
 from pretrain_core.schema import RecipeConfig
@@ -142,6 +141,10 @@ class Suggestion:
         )
 
 
+Scored = list[tuple[tuple[float, float, float], Layout, Suggestion]]
+"""Layouts that fit, each with its sort key (step time, traffic, -memory) and suggestion."""
+
+
 @dataclass
 class Search:
     """The result of a search: the best suggestions and what was searched."""
@@ -235,36 +238,10 @@ def search(cfg: RecipeConfig, top: int | None = None) -> Search:
     limit = device_memory_gib(cfg)
     # _check_searchable admits CUDA devices only, and every GPU of the table has links.
     assert links is not None and limit is not None
-    world = cfg.cluster.nodes * cfg.cluster.gpus_per_node
-    train_flops = flops_per_token(cfg.model, cfg.train.seq_len).train
-    tokens = cfg.train.global_batch * cfg.train.seq_len
-
-    scored: list[tuple[tuple[float, float, float], Layout, Suggestion]] = []
-    enumerated = 0
-    smallest: tuple[float, Layout] | None = None
-    for layout in layouts(cfg):
-        enumerated += 1
-        candidate = layout.apply(cfg)
-        degrees = degrees_of(layout, cfg)
-        micro_batches = cfg.train.global_batch // (layout.micro_batch * degrees.dp)
-        memory = peak_breakdown(candidate, degrees, micro_batches)
-        if memory.total_gib > limit * (1 - HEADROOM):
-            if smallest is None or memory.total_gib < smallest[0]:
-                smallest = (memory.total_gib, layout)
-            continue
-        cost = step_cost(candidate, degrees, micro_batches, peak, links)
-        step = cost.total
-        suggestion = Suggestion(
-            layout=layout,
-            cost=cost,
-            memory=memory,
-            device_gib=limit,
-            tokens_per_s=tokens / step,
-            mfu=tokens * train_flops / world / step / (peak * 1e12),
-            runnable=False,
-        )
-        scored.append(((step, cost.communication, -memory.total), layout, suggestion))
+    scored, enumerated, _ = _evaluate(cfg, peak, links, limit, prune=True)
     if not scored:
+        # Every family was judged in full, so the smallest peak named is the true one.
+        _, _, smallest = _evaluate(cfg, peak, links, limit, prune=False)
         peak_gib, closest = smallest if smallest else (0.0, None)
         raise RecipeError(
             [
@@ -300,6 +277,47 @@ def search(cfg: RecipeConfig, top: int | None = None) -> Search:
         peak_tflops=peak,
         assumptions=assumptions(spec.name, links, peak, cfg.precision.dtype),
     )
+
+
+def _evaluate(
+    cfg: RecipeConfig, peak: float, links: Links, limit: float, prune: bool
+) -> tuple[Scored, int, tuple[float, Layout] | None]:
+    """(the layouts that fit with their sort keys, how many were enumerated, the smallest
+    peak of those that do not). With `prune`, a family of layouts (all but micro-batch and
+    recompute alike) whose parameters and optimizer states alone overflow is skipped."""
+    tokens = cfg.train.global_batch * cfg.train.seq_len
+    budget = limit * (1 - HEADROOM)
+    scored: Scored = []
+    floors: dict[tuple, float] = {}
+    enumerated = 0
+    smallest: tuple[float, Layout] | None = None
+    for layout in layouts(cfg):
+        enumerated += 1
+        degrees = degrees_of(layout, cfg)
+        family = (layout.tp, layout.pp, layout.vpp, layout.zero, layout.dp_replicate)
+        if prune and family not in floors:
+            floors[family] = state_floor(layout.apply(cfg), degrees) / GIB
+        if prune and floors[family] > budget:
+            continue
+        candidate = layout.apply(cfg)
+        micro_batches = cfg.train.global_batch // (layout.micro_batch * degrees.dp)
+        memory = peak_breakdown(candidate, degrees, micro_batches)
+        if memory.total_gib > budget:
+            if smallest is None or memory.total_gib < smallest[0]:
+                smallest = (memory.total_gib, layout)
+            continue
+        cost = step_cost(candidate, degrees, micro_batches, peak, links)
+        suggestion = Suggestion(
+            layout=layout,
+            cost=cost,
+            memory=memory,
+            device_gib=limit,
+            tokens_per_s=tokens / cost.total,
+            mfu=predicted_mfu(candidate, cost.total, peak),
+            runnable=False,
+        )
+        scored.append(((cost.total, cost.communication, -memory.total), layout, suggestion))
+    return scored, enumerated, smallest
 
 
 def _check_searchable(cfg: RecipeConfig) -> None:

@@ -10,6 +10,9 @@ final norm, LM head and loss to the last stage.
 
 from __future__ import annotations
 
+import functools
+import itertools
+
 
 def layers_per_stage(n_layers: int, stages: int, pp_layers: list[int] | None = None) -> list[int]:
     """Layer counts of the `stages` stages: `pp_layers` when given, else an even split."""
@@ -64,13 +67,27 @@ def rank_layer_count(
     return sum(counts[k] for k in rank_stages(pp_rank, pp, vpp))
 
 
+def rank_layer_counts(
+    n_layers: int, pp: int, vpp: int = 1, pp_layers: list[int] | None = None
+) -> list[int]:
+    """Layers each pipeline rank holds over all its chunks, by rank."""
+    counts = layers_per_stage(n_layers, pp * vpp, pp_layers)
+    return [sum(counts[k] for k in rank_stages(r, pp, vpp)) for r in range(pp)]
+
+
 def rank_layer_indices(
     n_layers: int, pp: int, vpp: int = 1, pp_layers: list[int] | None = None, pp_rank: int = 0
-) -> list[int]:
+) -> tuple[int, ...]:
     """Global indices of the layers pipeline rank `pp_rank` holds over all its chunks."""
-    counts = layers_per_stage(n_layers, pp * vpp, pp_layers)
-    layers = []
-    for k in rank_stages(pp_rank, pp, vpp):
-        start = sum(counts[:k])
-        layers += range(start, start + counts[k])
-    return layers
+    return _rank_layer_indices(n_layers, pp, vpp, tuple(pp_layers or ()), pp_rank)
+
+
+@functools.lru_cache(maxsize=65536)
+def _rank_layer_indices(
+    n_layers: int, pp: int, vpp: int, pp_layers: tuple[int, ...], pp_rank: int
+) -> tuple[int, ...]:
+    # Cached: the layout search asks it of every rank of thousands of layouts.
+    starts = [0, *itertools.accumulate(layers_per_stage(n_layers, pp * vpp, list(pp_layers)))]
+    return tuple(
+        layer for k in rank_stages(pp_rank, pp, vpp) for layer in range(starts[k], starts[k + 1])
+    )

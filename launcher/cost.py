@@ -239,6 +239,6 @@ def assumptions(gpu_type: str, links: Links, peak_tflops: float, dtype: str) -> 
         "TP/SP collectives and pipeline sends exposed; DP traffic hidden up to "
         f"{DP_OVERLAP:.0%} of its window (gradients: the last micro-batch's backward; "
         "parameter gathers: all compute); ZeRO-1's parameter all-gather after the step exposed",
-        "1F1B (interleaved when vpp > 1) with the plan's bubble, at the pace of the last "
-        "stage (its blocks and the LM head)",
+        "the pipeline at the pace of its slowest rank (its own blocks, the LM head on the "
+        "last), the others' fill and drain once, divided by vpp when interleaved",
     ]

@@ -285,7 +285,6 @@ def _evaluate(
     """(the layouts that fit with their sort keys, how many were enumerated, the smallest
     peak of those that do not). With `prune`, a family of layouts (all but micro-batch and
     recompute alike) whose parameters and optimizer states alone overflow is skipped."""
-    tokens = cfg.train.global_batch * cfg.train.seq_len
     budget = limit * (1 - HEADROOM)
     scored: Scored = []
     floors: dict[tuple, float] = {}
@@ -299,25 +298,43 @@ def _evaluate(
             floors[family] = state_floor(layout.apply(cfg), degrees) / GIB
         if prune and floors[family] > budget:
             continue
-        candidate = layout.apply(cfg)
-        micro_batches = cfg.train.global_batch // (layout.micro_batch * degrees.dp)
-        memory = peak_breakdown(candidate, degrees, micro_batches)
-        if memory.total_gib > budget:
+        suggestion, memory = judge(cfg, layout, peak, links, limit)
+        if suggestion is None:
             if smallest is None or memory.total_gib < smallest[0]:
                 smallest = (memory.total_gib, layout)
             continue
-        cost = step_cost(candidate, degrees, micro_batches, peak, links)
-        suggestion = Suggestion(
-            layout=layout,
-            cost=cost,
-            memory=memory,
-            device_gib=limit,
-            tokens_per_s=tokens / cost.total,
-            mfu=predicted_mfu(candidate, cost.total, peak),
-            runnable=False,
+        scored.append(
+            (
+                (suggestion.cost.total, suggestion.cost.communication, -memory.total),
+                layout,
+                suggestion,
+            )
         )
-        scored.append(((cost.total, cost.communication, -memory.total), layout, suggestion))
     return scored, enumerated, smallest
+
+
+def judge(
+    cfg: RecipeConfig, layout: Layout, peak: float, links: Links, limit: float
+) -> tuple[Suggestion | None, MemoryBreakdown]:
+    """`layout` of `cfg` costed as the search costs it (None when it does not fit the
+    `limit` GiB with HEADROOM), and its peak memory."""
+    candidate, degrees = layout.apply(cfg), degrees_of(layout, cfg)
+    micro_batches = cfg.train.global_batch // (layout.micro_batch * degrees.dp)
+    memory = peak_breakdown(candidate, degrees, micro_batches)
+    if memory.total_gib > limit * (1 - HEADROOM):
+        return None, memory
+    cost = step_cost(candidate, degrees, micro_batches, peak, links)
+    tokens = cfg.train.global_batch * cfg.train.seq_len
+    suggestion = Suggestion(
+        layout=layout,
+        cost=cost,
+        memory=memory,
+        device_gib=limit,
+        tokens_per_s=tokens / cost.total,
+        mfu=predicted_mfu(candidate, cost.total, peak),
+        runnable=False,
+    )
+    return suggestion, memory
 
 
 def _check_searchable(cfg: RecipeConfig) -> None:
@@ -414,11 +431,24 @@ def render_search(cfg: RecipeConfig, result: Search) -> str:
             f"{s.tokens_per_s:>9,.0f} {s.mfu:>5.0%} {s.memory.total_gib:>8.1f}"
         )
         lines.append(f"   why: {s.why()}")
+        if lay.pp_layers:
+            lines.append(f"   stages: {split_text(lay.pp_layers)} layers (parallel.pp_layers)")
         lines.append(f"   use: {' '.join(lay.overrides())}")
         if not s.runnable:
             lines.append("   (this trainer version can only plan this layout: action=plan)")
     lines += ["", "cost model:"] + [f"  - {line}" for line in result.assumptions]
     return "\n".join(lines)
+
+
+def split_text(counts: tuple[int, ...]) -> str:
+    """A stage split with runs folded: (1, 2, 2, 2, 1) -> "1, 2 x 3, 1"."""
+    runs: list[list[int]] = []
+    for count in counts:
+        if runs and runs[-1][0] == count:
+            runs[-1][1] += 1
+        else:
+            runs.append([count, 1])
+    return ", ".join(f"{c} x {n}" if n > 1 else str(c) for c, n in runs)
 
 
 def report(cfg: RecipeConfig) -> str:

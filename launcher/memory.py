@@ -13,10 +13,11 @@ The trainer's bookkeeping (stated, because it differs from the ZeRO paper's):
   as the gradients: `gradient_as_bucket_view` is off). BF16 runs under autocast, which keeps
   a BF16 copy of every weight it casts from the forward until that layer's backward.
 - ZeRO-1: the same, with optimizer states sharded over dp_shard (ZeroRedundancyOptimizer).
-- ZeRO-2/3 (FSDP2): FP32 parameters, gradients and optimizer states sharded over the dp
-  ranks; unsharded parameters in the compute dtype exist transiently (ZeRO-2 keeps every
-  block unsharded from its forward to its backward, ZeRO-3 one block plus the prefetched
-  next; the root's embedding, final norm and head stay unsharded through the step).
+- ZeRO-2/3 (FSDP2): FP32 parameters, gradients and optimizer states sharded over dp_shard
+  (hybrid sharding replicates them over dp_replicate); unsharded parameters in the compute
+  dtype exist transiently (ZeRO-2 keeps every block unsharded from its forward to its
+  backward, ZeRO-3 one block plus the prefetched next; the root's embedding, final norm
+  and head stay unsharded through the step).
   Gradient accumulation without sync keeps FP32 unsharded gradients between micro-batches.
 - TP: RMSNorm weights stay replicated; column-wise projections keep their all-gathered
   input under SP; the vocab-parallel loss keeps one more FP32 logits shard.
@@ -35,14 +36,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from launcher.schedule_sim import warmup
-from models.flops import count_params
+from launcher.schedule_sim import held_in_flight
+from models.flops import ParamCount, count_params
 from pretrain_core.hardware import GIB
 from pretrain_core.layout import Degrees
 from pretrain_core.model_config import ModelConfig
 from pretrain_core.recompute import recomputed_blocks
 from pretrain_core.schema import RecipeConfig
-from pretrain_core.stages import rank_layer_count, rank_stages, stage_layers
+from pretrain_core.stages import rank_layer_count, rank_layer_counts, rank_layer_indices
 
 CUDA_FIXED_GIB = 1.5
 """CUDA context, cuBLAS workspaces and NCCL buffers per GPU (typical, H100, NCCL 2.2x)."""
@@ -146,11 +147,10 @@ def textbook_activations(cfg: RecipeConfig, degrees: Degrees, microbatches: int)
     return stage * scale * flight + logits
 
 
-def rank_layers(cfg: RecipeConfig, pp_rank: int) -> list[int]:
+def rank_layers(cfg: RecipeConfig, pp_rank: int) -> tuple[int, ...]:
     """Global indices of the layers pipeline rank `pp_rank` holds, over all its chunks."""
     p = cfg.parallel
-    stages = stage_layers(cfg.model.n_layers, p.pp, p.vpp, p.pp_layers)
-    return [layer for k in rank_stages(pp_rank, p.pp, p.vpp) for layer in stages[k]]
+    return rank_layer_indices(cfg.model.n_layers, p.pp, p.vpp, p.pp_layers, pp_rank)
 
 
 def llama_block_activations(
@@ -205,27 +205,24 @@ def head_activations(
 
 
 def in_flight(schedule: str, pp: int, microbatches: int, vpp: int = 1, rank: int = 0) -> float:
-    """Micro-batches whose activations pipeline rank `rank` holds at its peak.
-
-    The schedule's warm-up forwards plus the one before its first backward: 1F1B p - r on
-    rank r (p on the first); GPipe all m; interleaved 1F1B p + (p - 1 - 2r)/v stage-sized
-    micro-batches (each chunk holds 1/v of the rank's layers).
-    """
+    """Micro-batches whose activations pipeline rank `rank` holds at its peak, in whole
+    stages, counted on the order of the schedule torch runs (`schedule_sim.held_in_flight`):
+    1F1B p - r on rank r; GPipe all m; interleaved 1F1B p + (p - 1 - 2r)/v; zero-bubble p on
+    every rank (its weight gradients hold their inputs)."""
     if pp == 1:
         return 1.0
-    if schedule == "gpipe":
-        return float(microbatches)
-    chunks = vpp if schedule == "interleaved_1f1b" else 1
-    held = min(warmup(schedule, pp, microbatches, rank, chunks) + 1, microbatches * chunks)
-    return held / chunks
+    return held_in_flight(schedule, pp, microbatches, rank, vpp)
 
 
-def stage_params(cfg: RecipeConfig, pp_rank: int = 0) -> tuple[int, int, int]:
+def stage_params(
+    cfg: RecipeConfig, pp_rank: int = 0, counts: ParamCount | None = None
+) -> tuple[int, int, int]:
     """(blocks' params, root params, blocks) of pipeline rank `pp_rank`.
 
     The root holds the embedding on the first rank, the final norm and head on the last.
+    `counts` saves recounting the model's parameters (`count_params(cfg.model)`).
     """
-    counts = count_params(cfg.model)
+    counts = counts or count_params(cfg.model)
     p = cfg.parallel
     blocks = rank_layer_count(cfg.model.n_layers, p.pp, p.vpp, p.pp_layers, pp_rank)
     root = counts.embedding if pp_rank == 0 else 0
@@ -239,8 +236,55 @@ def stage_params(cfg: RecipeConfig, pp_rank: int = 0) -> tuple[int, int, int]:
 
 def peak_breakdown(cfg: RecipeConfig, degrees: Degrees, microbatches: int) -> MemoryBreakdown:
     """The breakdown of the pipeline rank with the largest peak (the only one without PP)."""
-    ranks = [memory_breakdown(cfg, degrees, microbatches, r) for r in range(degrees.pp)]
+    ranks = [
+        memory_breakdown(cfg, degrees, microbatches, r)
+        for r in candidate_ranks(cfg, degrees, microbatches)
+    ]
     return max(ranks, key=lambda b: b.total)
+
+
+def candidate_ranks(cfg: RecipeConfig, degrees: Degrees, microbatches: int) -> list[int]:
+    """The pipeline ranks whose peak may be the largest: the first and the last, and of the
+    middle ranks alike in layers, recomputed layers and gradients held, the one with the
+    most micro-batches in flight (each category grows with it; the rest is equal)."""
+    p, policy = cfg.parallel, cfg.recompute.policy
+    best: dict[tuple, tuple[float, int]] = {}
+    counts = rank_layer_counts(cfg.model.n_layers, p.pp, p.vpp, p.pp_layers)
+    for r, layers in enumerate(counts):
+        flight = in_flight(p.pp_schedule, degrees.pp, microbatches, p.vpp, r)
+        recomputed = layers if policy == "full" else 0
+        if policy == "full" and cfg.recompute.every > 1:
+            recomputed = len(recomputed_blocks(cfg.recompute, rank_layers(cfg, r)))
+        held = _accumulation(cfg, degrees, microbatches, flight) > 1
+        key = (r if r in (0, degrees.pp - 1) else -1, layers, recomputed, held)
+        if key not in best or flight > best[key][0]:
+            best[key] = (flight, r)
+    return sorted(r for _, r in best.values())
+
+
+def state_floor(cfg: RecipeConfig, degrees: Degrees) -> float:
+    """Bytes no micro-batch size or recompute policy takes off the peak: the FP32 parameters
+    and optimizer states (and DDP's buckets) of the pipeline rank holding the most."""
+    counts = rank_layer_counts(
+        cfg.model.n_layers, degrees.pp, cfg.parallel.vpp, cfg.parallel.pp_layers
+    )
+    floor = 0.0
+    for r in {0, degrees.pp - 1, counts.index(max(counts))}:
+        params, _, buckets, optimizer = _model_states(_rank_shape(cfg, degrees, 1, r), {})
+        floor = max(floor, params + buckets + optimizer)
+    return floor
+
+
+def _accumulation(cfg: RecipeConfig, degrees: Degrees, microbatches: int, flight: float) -> int:
+    """Micro-batches whose gradients a rank accumulates before the step (1: none held).
+
+    Gradients live from a micro-batch's backward to the step: at the peak when accumulation
+    runs micro-batches one after another, or when a pipeline's steady state runs a forward
+    after its first backward (not under GPipe, whose first backward is its peak)."""
+    if degrees.pp == 1:
+        return microbatches
+    steady = cfg.parallel.pp_schedule != "gpipe" and microbatches > flight
+    return microbatches if steady else 1
 
 
 @dataclass(frozen=True)
@@ -280,16 +324,11 @@ def _rank_shape(cfg: RecipeConfig, degrees: Degrees, microbatches: int, pp_rank:
     flight = in_flight(
         cfg.parallel.pp_schedule, degrees.pp, microbatches, cfg.parallel.vpp, pp_rank
     )
-    # Gradients live from a micro-batch's backward to the step: at the peak when accumulation
-    # runs micro-batches one after another, or when a pipeline's steady state runs a forward
-    # after its first backward (not under GPipe, whose first backward is its peak).
-    if degrees.pp == 1:
-        accum = microbatches
-    else:
-        accum = microbatches if cfg.parallel.pp_schedule != "gpipe" and microbatches > flight else 1
-    block_params, root_params, blocks = stage_params(cfg, pp_rank)
+    accum = _accumulation(cfg, degrees, microbatches, flight)
+    counts = count_params(cfg.model)
+    block_params, root_params, blocks = stage_params(cfg, pp_rank, counts)
     # Routed experts: split over ep, not over tp, and outside ZeRO (parallel/expert.py).
-    experts = count_params(cfg.model).experts * blocks // cfg.model.n_layers if blocks else 0
+    experts = counts.experts * blocks // cfg.model.n_layers if blocks else 0
     block_params -= experts
     # RMSNorm weights are replicated over tp; every other weight is split.
     norms = 2 * cfg.model.dim * blocks + (cfg.model.dim if last else 0)
@@ -310,8 +349,9 @@ def _rank_shape(cfg: RecipeConfig, degrees: Degrees, microbatches: int, pp_rank:
         per_block=block_params / blocks / t if blocks else 0.0,
         expert_local=experts / degrees.ep,
         moments=MOMENTS[o.name] if o.name != "sgd" or o.momentum else 0,
-        shard=n if fsdp else 1,
-        opt_shard=n if fsdp else (degrees.dp_shard if cfg.parallel.zero == 1 else 1),
+        # Hybrid sharding replicates over dp_replicate: state is split over dp_shard only.
+        shard=degrees.dp_shard if fsdp else 1,
+        opt_shard=degrees.dp_shard if fsdp or cfg.parallel.zero == 1 else 1,
     )
 
 
@@ -352,7 +392,10 @@ def _model_states(r: _RankShape, notes: dict[str, str]) -> tuple[float, float, f
     m, degrees = r.cfg.model, r.degrees
     rope = 2 * m.max_seq_len * (m.head_dim // 2) * 4
     params = 4 * r.local / r.shard + rope
-    notes["params"] = f"FP32 {'sharded over dp' if r.fsdp else 'replicated'}, + rotary tables"
+    notes["params"] = (
+        f"FP32 {f'sharded over dp_shard={r.shard}' if r.shard > 1 else 'replicated'}"
+        + ", + rotary tables"
+    )
     if degrees.pp > 1:
         notes["params"] += f", pipeline rank {r.pp_rank} of {degrees.pp}"
     optimizer = 4 * r.moments * r.local / r.opt_shard

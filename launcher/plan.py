@@ -1,8 +1,9 @@
 """The plan: pure arithmetic on a valid recipe, before anything runs.
 
 Layout and rank groups, parameter counts per rank, FLOPs per token (the same `models.flops`
-functions the trainer's MFU uses), pipeline bubble, a first memory estimate per rank and an
-expected step time. Every assumption behind a number is listed in `Plan.assumptions`.
+functions the trainer's MFU uses), pipeline bubble, memory per rank (`launcher.memory`) and
+the step time and MFU of the cost model the layout search ranks by (`launcher.cost`).
+Every assumption behind a number is listed in `Plan.assumptions`.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from launcher import schedule_sim
+from launcher import cost, schedule_sim
 from launcher.memory import (
     MemoryBreakdown,
     peak_breakdown,
@@ -28,8 +29,6 @@ from pretrain_core.precision import peak_dtype
 from pretrain_core.recompute import recomputed_blocks
 from pretrain_core.schema import OptimConfig, RecipeConfig
 
-MFU_ASSUMPTION = 0.40
-"""Model FLOPs utilisation assumed for the expected step time."""
 GROUPS_SHOWN = 4
 """Rank groups kept per dim in a plan; the rest are counted."""
 
@@ -82,7 +81,12 @@ class Plan:
     gpu_memory_gib: float | None
     peak_tflops: float | None
     step_time_s: float | None
+    """The cost model's step time (`launcher.cost`); None without a GPU peak and links."""
     tokens_per_s: float | None
+    mfu: float | None = None
+    """Model FLOPs utilisation at `step_time_s`."""
+    step_cost: cost.StepCost | None = None
+    """The step time's terms."""
     memory: MemoryBreakdown | None = None
     """Peak bytes per rank by category as this trainer allocates them (launcher/memory.py)."""
     assumptions: list[str] = field(default_factory=list)
@@ -105,19 +109,20 @@ def make_plan(cfg: RecipeConfig) -> Plan:
     micro = cfg.parallel.pp_microbatches or accum
     groups = rank_groups(degrees)
     counts = count_params(cfg.model)
-    first, last = (sum(stage_params(cfg, r)[:2]) for r in (0, degrees.pp - 1))
+    stages = [sum(stage_params(cfg, r)[:2]) for r in range(degrees.pp)]
+    first, last = stages[0], stages[-1]
     # Routed experts are split over ep rather than tp (parallel/expert.py).
     experts = counts.experts // degrees.pp
-    per_rank = math.ceil((max(first, last) - experts) / degrees.tp + experts / degrees.ep)
+    per_rank = math.ceil((max(stages) - experts) / degrees.tp + experts / degrees.ep)
     fpt = flops_per_token(cfg.model, cfg.train.seq_len)
     fraction = len(recomputed_blocks(cfg.recompute, cfg.model.n_layers)) / cfg.model.n_layers
     on_gpu = cfg.cluster.device == "cuda"
     spec = hardware.gpu_spec(cfg.cluster.gpu_type if on_gpu else "cpu")
     peak = cfg.hardware.peak_tflops or spec.peak_tflops.get(peak_dtype(cfg.precision))
     tokens = cfg.train.global_batch * cfg.train.seq_len
-    step_time = (
-        tokens * fpt.train / (degrees.world * peak * 1e12 * MFU_ASSUMPTION) if peak else None
-    )
+    links = hardware.links(spec.name)
+    step = cost.step_cost(cfg, degrees, micro, peak, links) if peak and links else None
+    step_time = step.total if step else None
     memory = (cfg.cluster.gpu_memory_gib or spec.memory_gib) if on_gpu else None
     plan = Plan(
         name=cfg.name,
@@ -136,7 +141,7 @@ def make_plan(cfg: RecipeConfig) -> Plan:
         tokens_per_step=tokens,
         grad_accum=accum,
         pp_microbatches=micro,
-        bubble_fraction=bubble_fraction(
+        bubble_fraction=schedule_sim.bubble_fraction(
             cfg.parallel.pp_schedule, degrees.pp, micro, cfg.parallel.vpp
         ),
         zero=cfg.parallel.zero,
@@ -150,9 +155,16 @@ def make_plan(cfg: RecipeConfig) -> Plan:
         peak_tflops=peak,
         step_time_s=step_time,
         tokens_per_s=tokens / step_time if step_time else None,
+        mfu=cost.predicted_mfu(cfg, step_time, peak) if step_time and peak else None,
+        step_cost=step,
     )
     plan.memory = peak_breakdown(cfg, degrees, micro)
     plan.assumptions = _assumptions(cfg)
+    if step and peak and links:
+        plan.assumptions += [
+            "step time: " + line
+            for line in cost.assumptions(spec.name, links, peak, peak_dtype(cfg.precision))
+        ]
     plan.tp_comm = tp_communication(cfg, degrees)
     if degrees.pp > 1:
         plan.pipeline = schedule_sim.summary(
@@ -165,18 +177,6 @@ def make_plan(cfg: RecipeConfig) -> Plan:
             f"{spec.name}: raise parallel.zero, tp or pp, lower train.micro_batch, or recompute"
         )
     return plan
-
-
-def bubble_fraction(schedule: str, pp: int, microbatches: int, vpp: int = 1) -> float:
-    """Idle fraction of a pipeline step: (p-1)/(m+p-1), divided by vpp when interleaved.
-
-    zero_bubble gets the 1F1B value, an upper bound: how much of it the split backward
-    fills depends on the timing of each stage (see `Plan.assumptions`).
-    """
-    if pp == 1:
-        return 0.0
-    fraction = (pp - 1) / (microbatches + pp - 1)
-    return fraction / vpp if schedule == "interleaved_1f1b" else fraction
 
 
 def model_states(
@@ -192,8 +192,6 @@ def _assumptions(cfg: RecipeConfig) -> list[str]:
     one = model_states(1, cfg.precision.dtype, cfg.optim, 0, 1)
     master = "fp32 master weights and " if cfg.precision.dtype != "fp32" else ""
     notes = [
-        f"step time: model FLOPs at {MFU_ASSUMPTION:.0%} MFU of the dense "
-        f"{peak_dtype(cfg.precision)} peak",
         f"model states: {one.params:g} B params + {one.grads:g} B grads + {one.optimizer:g} B "
         f"of {master}{cfg.optim.name} states per parameter (ZeRO paper bookkeeping), "
         "sharded over tp and pp always and over dp_shard by the ZeRO stage",
@@ -206,7 +204,10 @@ def _assumptions(cfg: RecipeConfig) -> list[str]:
             "collectives of recomputed layers, not counted"
         )
     if cfg.parallel.pp > 1 and cfg.parallel.pp_schedule == "zero_bubble":
-        notes.append("bubble: zero_bubble reported at the 1F1B value, an upper bound")
+        notes.append(
+            "bubble: zero_bubble reported at the interleaved 1F1B value, an upper bound "
+            "(the simulated schedule below shows how much its weight gradients fill)"
+        )
     return notes
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import io
 from typing import TYPE_CHECKING, Any
 
-from launcher.plan import MFU_ASSUMPTION, Plan
+from launcher.plan import Plan
 from pretrain_core.hardware import GIB
 
 if TYPE_CHECKING:
@@ -126,9 +126,18 @@ def _fit_rows(plan: Plan) -> list[tuple[str, str]]:
         (f"total at ZeRO {plan.zero}", _bytes(plan.memory_gib * GIB)),
         (f"device memory ({plan.gpu_type})", gpu),
         ("peak TFLOP/s per device", _maybe(plan.peak_tflops, "{:g}")),
-        (f"step time at {MFU_ASSUMPTION:.0%} MFU", _maybe(plan.step_time_s, "{:.3g} s")),
+        ("step time (cost model)", _maybe(plan.step_time_s, "{:.3g} s")),
+        ("  of which", _terms(plan)),
+        ("predicted MFU", _maybe(plan.mfu, "{:.1%}")),
         ("tokens/s", _maybe(plan.tokens_per_s, "{:,.0f}")),
     ]
+
+
+def _terms(plan: Plan) -> str:
+    """The cost model's terms that add up to the step time."""
+    if plan.step_cost is None:
+        return "n/a"
+    return ", ".join(f"{name} {sec:.3g} s" for name, sec in plan.step_cost.terms().items() if sec)
 
 
 BAR_WIDTH = 24

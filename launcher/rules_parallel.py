@@ -16,12 +16,15 @@ from pretrain_core.problems import (
     or_list,
 )
 from pretrain_core.schema import PP_SCHEDULES, RecipeConfig
+from pretrain_core.stages import balanced_split
 
 SAFE_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
 """Names that reach file paths and sbatch arguments unquoted."""
 # The time formats sbatch --time accepts: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S.
 _SLURM_TIME = re.compile(r"^(\d+|\d+:\d+|\d+:\d+:\d+|\d+-\d+|\d+-\d+:\d+|\d+-\d+:\d+:\d+)$")
 _SLURM_UNLIMITED = ("UNLIMITED", "INFINITE")
+MULTI_STAGE_SCHEDULES = ("interleaved_1f1b", "zero_bubble")
+"""Schedules torch runs in rounds of micro-batches over a list of stages per rank."""
 
 
 def check_runnable(cfg: RecipeConfig) -> list[Problem]:
@@ -178,13 +181,6 @@ def _check_degrees(c: Checks, cfg: RecipeConfig) -> bool:
             f"virtual stages need pp > 1 and an interleaved schedule (pp={p.pp}, {p.pp_schedule})",
             "set parallel.pp_schedule=interleaved_1f1b or zero_bubble with pp > 1, or vpp=1",
         )
-    if p.pp > 1 and cfg.model.tie_embeddings:
-        c.add(
-            "model.tie_embeddings",
-            True,
-            "a tied LM head would sit on the last pipeline stage and its embedding on the first",
-            "set model.tie_embeddings=false, or parallel.pp=1",
-        )
     return degrees_ok
 
 
@@ -210,6 +206,14 @@ def _check_pipeline_microbatches(c: Checks, cfg: RecipeConfig, dp: int, accum: i
             p.pp_microbatches,
             f"interleaving needs a multiple of pp={p.pp}; {micro} micro-batches{source} is not",
             f"use {or_list(nearby_multiples(micro, p.pp))}",
+        )
+    elif p.pp_schedule in MULTI_STAGE_SCHEDULES and micro % max(1, micro // p.pp):
+        c.add(
+            "parallel.pp_microbatches",
+            p.pp_microbatches,
+            f"{p.pp_schedule} runs the micro-batches in {micro // p.pp} equal rounds "
+            f"(micro-batches // pp); {micro}{source} does not split into them",
+            f"use a multiple of pp={p.pp}, e.g. {or_list(nearby_multiples(micro, p.pp))}",
         )
     elif p.pp_microbatches and (cfg.train.micro_batch * accum) % micro:
         c.add(
@@ -253,7 +257,8 @@ def _check_model_split(c: Checks, cfg: RecipeConfig, max_tp: int | None) -> None
                 if pps
                 else "set vpp=1"
             )
-            + ", or list each stage's layers in parallel.pp_layers",
+            + f", or list each stage's layers, e.g. parallel.pp_layers="
+            f"{_compact(balanced_split(m.n_layers, stages))}",
         )
 
 
@@ -266,13 +271,10 @@ def _check_pp_layers(c: Checks, cfg: RecipeConfig) -> None:
             "parallel.pp_layers",
             p.pp_layers,
             f"needs pp*vpp = {stages} positive layer counts summing to model.n_layers={n_layers}",
-            f"e.g. {_even_split(n_layers, stages)}, or [] for an even split",
+            f"e.g. {_compact(balanced_split(n_layers, stages))}, or [] for an even split",
         )
 
 
-def _even_split(n_layers: int, stages: int) -> list[int]:
-    """The most even split of n_layers over stages, the remainder on the middle stages."""
-    counts = [n_layers // stages] * stages
-    for i in range(n_layers % stages):
-        counts[(stages - n_layers % stages) // 2 + i] += 1
-    return counts
+def _compact(counts: list[int]) -> str:
+    """A layer split as a Hydra list override, without spaces: [7,8,8,7]."""
+    return "[" + ",".join(map(str, counts)) + "]"

@@ -37,6 +37,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
+from parallel.tied_embedding import head_copies
 from pretrain_core.rundir import CHECKPOINTS_DIR, WANDB_ID_FILE
 from pretrain_core.schema import CheckpointConfig
 from trainer.data import DataLoader
@@ -47,6 +48,10 @@ from trainer.vocab_resize import load_resizing_vocab
 META = "meta.json"
 DCP_METADATA = ".metadata"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+EMBEDDING, HEAD = "tok_embeddings.weight", "output.weight"
+"""The full model's names of a tied embedding and its LM head."""
 
 
 def step_dir(root: Path, step: int) -> Path:
@@ -141,6 +146,22 @@ def _named_model(state: TrainState) -> nn.Module:
     """The module whose parameter names are the full model's: under pipeline parallelism
     the stage view (the stage chunks' own names would start with their index)."""
     return state.plain if isinstance(state.model, nn.ModuleList) else state.model
+
+
+def read_tied_copy_from_embedding(
+    model: nn.Module, model_sd: dict[str, Any], optim_state: dict[str, Any]
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The entries to load, a pipeline stage's copy of a tied embedding read from the
+    embedding's (the same tensors, under the embedding's name): every checkpoint holds
+    those, while one saved without PP keeps the shared weight's optimizer states under the
+    embedding's name only."""
+    if not head_copies(model) or EMBEDDING in model_sd:
+        return model_sd, optim_state
+
+    def renamed(entries: dict[str, Any]) -> dict[str, Any]:
+        return {(EMBEDDING if key == HEAD else key): value for key, value in entries.items()}
+
+    return renamed(model_sd), renamed(optim_state)
 
 
 def _state_dicts(state: TrainState) -> dict[str, Any]:
@@ -306,7 +327,8 @@ class Checkpointer:
             set_model_state_dict(model, model_sd)
         else:
             model_sd, optim_sd = get_state_dict(model, state.optimizer)
-            load_resizing_vocab({"model": model_sd, "optim": {"state": optim_sd["state"]}}, path)
+            read = read_tied_copy_from_embedding(model, model_sd, optim_sd["state"])
+            load_resizing_vocab({"model": read[0], "optim": {"state": read[1]}}, path)
             set_state_dict(
                 model, state.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd
             )

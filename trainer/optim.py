@@ -14,6 +14,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from parallel.tied_embedding import head_copies
 from pretrain_core.problems import or_list
 from pretrain_core.schema import LR_SCALINGS, OPTIMIZERS, OptimConfig
 
@@ -27,7 +28,8 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     """Split the trainable parameters into optimizer groups; each parameter appears once.
 
     Weight decay goes to the 2-D+ weights of linear (and other matmul) layers only: never to
-    embeddings (`nn.Embedding`, including an LM head tied to one), norms or biases. Groups are
+    embeddings (`nn.Embedding`, including an LM head tied to one, or a pipeline stage's copy
+    of a tied embedding), norms or biases. Groups are
     further split by DeviceMesh so a group never mixes DTensors with plain tensors (the
     foreach/fused kernels reject such a mix, e.g. TP without sequence parallelism leaves the
     norms as plain tensors). Group order follows `named_parameters`, so it is stable across
@@ -37,7 +39,7 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     # traversal may meet the head before the embedding.
     embedding_params = {
         id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters()
-    }
+    } | {id(p) for p in head_copies(model)}
     groups: dict[tuple[bool, Any], dict] = {}
     seen: set[int] = set()
     for module in model.modules():

@@ -6,7 +6,9 @@ them) are concatenated and the schedule splits them into `parallel.pp_microbatch
 parts (by default the accumulation count, so the micro-batches are the same). The loss runs
 on the last stage, divided by the micro-batch count as accumulation does; the mean loss is
 summed over the pipeline group so every stage, rank 0 included, reports the last stage's.
-Gradient norms are summed over stages. A mixture-of-experts stage attaches its router
+Gradient norms are summed over stages. Tied embeddings: the last stage's copy of the
+embedding and the first stage's have their gradients summed after the schedule
+(`parallel/tied_embedding.py`). A mixture-of-experts stage attaches its router
 losses to its output (`parallel/pipeline_moe.py`), so they join the objective of the
 micro-batch that produced them; the reported loss is the LM loss alone, as in the plain
 step, and expert gradients are reduced over their data-parallel ranks before clipping.
@@ -26,6 +28,7 @@ from parallel.pipeline import build_schedule, in_context, stage_indices
 from parallel.pipeline_moe import attach_router_losses
 from parallel.precision import forward_context
 from parallel.tensor import local_value, vocab_parallel_loss
+from parallel.tied_embedding import embedding_group, reduce_tied_grads
 from pretrain_core.layout import Degrees, grad_accum_steps
 from pretrain_core.schema import RecipeConfig
 from trainer.faults import StepGuard
@@ -58,6 +61,7 @@ class PipelineStep:
             inner = getattr(chunk, "module", chunk)  # inside DDP, which calls it
             in_context(inner, lambda: forward_context(cfg.precision, device, weights_cast))
             attach_router_losses(inner, self._term_weight)
+        self.embedding_group = embedding_group(cfg, degrees)
         self.schedule = build_schedule(
             list(state.model),
             stages,
@@ -93,6 +97,7 @@ class PipelineStep:
                 *args, target=targets if self.has_last else None, return_outputs=False
             )
         reduce_expert_grads(self.state.plain)
+        reduce_tied_grads(self.state.plain, self.embedding_group)
         loss = torch.zeros((), device=self.device)
         if self.has_last:
             # The first step's shape inference calls the loss function once more, first.

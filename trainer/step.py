@@ -22,6 +22,7 @@ from parallel.data_parallel import gradient_sync, uses_fsdp
 from parallel.expert import add_router_losses, reduce_expert_grads
 from parallel.precision import LossScaler, after_optimizer_step, forward_context
 from parallel.tensor import local_value, vocab_parallel_loss
+from parallel.tied_embedding import head_copies
 from pretrain_core.layout import Degrees
 from pretrain_core.schema import RecipeConfig
 from trainer.faults import StepGuard
@@ -136,7 +137,9 @@ def apply_gradients(
     applies no update, and under fp16 neither does a step whose gradients overflowed.
     """
     state.scaler.unscale_(state.plain.parameters())
-    norm = clip_grad_norm_(state.plain.parameters(), cfg.optim.grad_clip, extra_group)
+    norm = clip_grad_norm_(
+        state.plain.parameters(), cfg.optim.grad_clip, extra_group, head_copies(state.plain)
+    )
     # An fp16 overflow is the loss scaler's to handle (back off and retry), not a fault.
     scaled_ok = state.scaler.update(norm)
     checked = norm if scaled_ok else torch.zeros_like(norm)

@@ -78,7 +78,8 @@ CONFIG_FIELDS = {
     "rope_theta": "rope_theta",
     "tie_word_embeddings": "tie_embeddings",
 }
-"""config.json key -> our model field that must hold the same value."""
+"""config.json key -> our model field that must hold the same value (transformers 5 keeps
+rope_theta under rope_parameters)."""
 
 
 def config_json(m: ModelConfig, eos: int | None) -> dict[str, Any]:
@@ -109,6 +110,8 @@ def config_json(m: ModelConfig, eos: int | None) -> dict[str, Any]:
 def config_mismatches(hf: dict[str, Any], m: ModelConfig) -> list[str]:
     """How config.json differs from the recipe's model, one phrase each."""
     found = []
+    rope = hf.get("rope_parameters") or {}
+    hf = {"rope_theta": rope.get("rope_theta"), **hf}
     if hf.get("model_type") != "llama":
         found.append(f"model_type is {hf.get('model_type')!r}, not 'llama'")
     for key, ours in CONFIG_FIELDS.items():
@@ -123,8 +126,9 @@ def config_mismatches(hf: dict[str, Any], m: ModelConfig) -> list[str]:
     for key in ("attention_bias", "mlp_bias"):
         if hf.get(key):
             found.append(f"{key}=true there; this model has no biases")
-    if hf.get("rope_scaling"):
-        found.append(f"rope_scaling={hf['rope_scaling']!r} there; this model has plain RoPE")
+    if hf.get("rope_scaling") or rope.get("rope_type", "default") != "default":
+        scaling = hf.get("rope_scaling") or rope
+        found.append(f"rope scaling {scaling!r} there; this model has plain RoPE")
     if hf.get("hidden_act", "silu") != "silu":
         found.append(f"hidden_act={hf['hidden_act']!r} there; this model uses silu (SwiGLU)")
     return found

@@ -59,15 +59,18 @@ def problems(cfg: RecipeConfig, for_launch: bool = False) -> list[Problem]:
     return error.value.problems
 
 
-def pretrain(*args: str, cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess:
-    """Run the `pretrain` CLI (as `python -m launcher`) in `cwd` and capture its output."""
+def pretrain(
+    *args: str, cwd: Path, timeout: float = 120, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    """Run the `pretrain` CLI (as `python -m launcher`) in `cwd` and capture its output;
+    `env` adds variables to this process's environment."""
     return subprocess.run(
         [sys.executable, "-m", "launcher", *args],
         cwd=cwd,
         capture_output=True,
         text=True,
         timeout=timeout,
-        env=dict(os.environ, OMP_NUM_THREADS="1"),
+        env=dict(os.environ, OMP_NUM_THREADS="1", **(env or {})),
     )
 
 

@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import pytest
 
-from tests.distributed.harness import FP32_TOLERANCE, max_relative_difference, run_pretrain
+from tests.distributed.harness import (
+    assert_same_curve,
+    run_pretrain,
+)
 
 pytestmark = pytest.mark.distributed
 
@@ -41,5 +44,4 @@ def reference(harness_reference):
 )
 def test_pipeline_layout_matches_reference(workdir, reference, label, overrides, nproc) -> None:
     curve = run_pretrain(workdir / label, overrides, nproc=nproc)
-    assert max_relative_difference(curve.loss, reference.loss) <= FP32_TOLERANCE
-    assert max_relative_difference(curve.grad_norm, reference.grad_norm) <= FP32_TOLERANCE
+    assert_same_curve(curve, reference)

@@ -222,7 +222,7 @@ def test_a_hugging_face_checkpoint_of_another_shape_is_refused_naming_the_tensor
     (tmp_path / "config.json").write_text(json.dumps(config))
     problems = only(problems_of({"init.from_hf": str(tmp_path)}), "init.from_hf")
     assert f"hidden_size=64 there, model.dim={cfg.model.dim} here" in problems
-    assert "rope_scaling" in problems
+    assert "rope scaling" in problems
     found = problems_of({"init.from_hf": str(tmp_path / "nowhere")})
     assert "no such directory" in only(found, "init.from_hf")
     found = problems_of({"init.from_hf": str(tmp_path), "model.moe_experts": 4}, for_launch=False)

@@ -15,7 +15,14 @@ import sys
 from pathlib import Path
 
 from launcher.backends import SubmittedJob, submit_slurm
-from launcher.job import JobFiles, _directive, _exports, _ScriptTemplate, _write_atomic
+from launcher.job import (
+    JobError,
+    JobFiles,
+    _directive,
+    _exports,
+    _ScriptTemplate,
+    _write_atomic,
+)
 from pretrain_core.rundir import LOGS_DIR, PREPARE_CONFIG, PREPARE_SCRIPT
 from pretrain_core.schema import RecipeConfig, dump_config
 
@@ -41,7 +48,14 @@ def render_prepare_sbatch(cfg: RecipeConfig, run_dir: Path, config_path: Path) -
         "env_exports": _exports(cfg),
         "config_path": shlex.quote(str(config_path)),
     }
-    return _ScriptTemplate(TEMPLATE.read_text()).substitute(values)
+    template = _ScriptTemplate(TEMPLATE.read_text())
+    found = {m["named"] or m["braced"] for m in template.pattern.finditer(template.template)}
+    found.discard(None)
+    if found != values.keys():
+        raise JobError(
+            f"{TEMPLATE} and the renderer disagree on placeholders: {sorted(found ^ values.keys())}"
+        )
+    return template.safe_substitute(values)
 
 
 def write_prepare_files(cfg: RecipeConfig, run_dir: Path) -> JobFiles:

@@ -82,17 +82,17 @@ class RunData:
 
 def packed_data(cfg: RecipeConfig, datasets: list[PreparedDataset]) -> RunData:
     """Training and validation sequences of every source: the validation split of each
-    training source, or all of data.val_source."""
+    training source, or all of data.val_source (read only when eval.every > 0)."""
     d, seq_len = cfg.data, cfg.train.seq_len
     sources = resolved_sources(d)
     train, val = [], []
     for src, dataset in zip(sources, datasets, strict=False):
         train_regions, val_regions = dataset.split(d.val_fraction)
         train.append(PackedSequences(TokenStream(dataset, train_regions), seq_len, src.source))
-        if d.val_fraction > 0:
+        if d.val_fraction > 0 and cfg.eval.every > 0:
             name = f"the validation split of {src.source} (data.val_fraction={d.val_fraction})"
             val.append(PackedSequences(TokenStream(dataset, val_regions), seq_len, name))
-    if d.val_source:
+    if d.val_source and cfg.eval.every > 0:
         stream = TokenStream(datasets[-1], datasets[-1].everything())
         val = [PackedSequences(stream, seq_len, f"data.val_source={d.val_source}")]
     return RunData(

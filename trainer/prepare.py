@@ -109,12 +109,14 @@ def _tokenize_here(
         progress.add(documents, tokens, text_bytes)
         progress.tick()
 
-    for committed, job in enumerate(jobs, start=1):
-        if frontier.complete:
-            return
-        frontier.add(tokenize_unit(job, tokenizer, eos, counted))
-        progress.unit_done(job.unit.input_bytes)
-        _stop_after(committed)
+    # One worker is one core: the tokenizer's own thread pool stays off, as in the workers.
+    with _environment(TOKENIZERS_PARALLELISM="false"):
+        for committed, job in enumerate(jobs, start=1):
+            if frontier.complete:
+                return
+            frontier.add(tokenize_unit(job, tokenizer, eos, counted))
+            progress.unit_done(job.unit.input_bytes)
+            _stop_after(committed)
 
 
 def _tokenize_in_pool(
@@ -151,6 +153,20 @@ def _tokenize_in_pool(
         # Units past the cut, or interrupted ones, leave only .tmp files and no marker.
         pool.terminate()
         pool.join()
+
+
+@contextlib.contextmanager
+def _environment(**values: str) -> Iterator[None]:
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 @contextlib.contextmanager

@@ -148,10 +148,12 @@ class MixtureSampler:
         mine = slice(dp_rank * share, (dp_rank + 1) * share)
         sources, indices = sources[mine], indices[mine]
         return [
-            (sources[i * micro_batch : (i + 1) * micro_batch],
-             indices[i * micro_batch : (i + 1) * micro_batch])
+            (
+                sources[i * micro_batch : (i + 1) * micro_batch],
+                indices[i * micro_batch : (i + 1) * micro_batch],
+            )
             for i in range(accum)
-        ]  # fmt: skip
+        ]
 
     def sequences_seen(self, steps: int) -> list[int]:
         """Sequences each source supplied to the first `steps` steps."""

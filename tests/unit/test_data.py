@@ -201,6 +201,7 @@ def test_a_mixture_reads_each_source_and_validates_on_the_splits_of_both(
     _, corpus = sharded
     other = write_jsonl(tmp_path / "other.jsonl", generated_documents(60, seed=9))
     cfg = recipe(sharded, tokenizer, val_fraction=0.1)
+    cfg.eval.every = 10
     cfg.data.sources = [
         SourceConfig(str(corpus), weight=3.0),
         SourceConfig(str(other), weight=1.0, name="other"),
@@ -218,6 +219,7 @@ def test_a_separate_validation_source_is_used_whole(sharded, tokenizer, tmp_path
     val_docs = generated_documents(30, seed=11)
     val_path = write_jsonl(tmp_path / "val.jsonl.gz", val_docs)
     cfg = recipe(sharded, tokenizer, val_source=str(val_path))
+    cfg.eval.every = 10
     run = packed_data(cfg, open_datasets(cfg, True, print))
     [val] = run.val
     assert len(val.stream) == len(encode_documents(tokenizer, val_docs))

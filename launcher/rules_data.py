@@ -39,6 +39,13 @@ def check_data(c: Checks, cfg: RecipeConfig, for_launch: bool) -> None:
             "and data.val_fraction both give a validation split",
             "keep one: data.val_fraction=0 or data.val_source=''",
         )
+    if not d.sources and not d.source.strip():
+        c.add(
+            "data.source",
+            d.source,
+            "is empty: a run needs at least one source",
+            "name a file, directory, glob, stdlib or hf:NAME, or give data.sources",
+        )
     _check_mixture(c, cfg)
     _check_eval(c, cfg)
     if d.doc_mask and d.tokenizer == "none":

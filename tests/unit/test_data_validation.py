@@ -159,6 +159,11 @@ def test_mixture_weights_must_be_positive(weights: list[float]) -> None:
     assert "must be a positive number" in only(found, "data.sources[0].weight")
 
 
+def test_a_run_needs_at_least_one_source() -> None:
+    found = problems_of({"data.source": " "}, for_launch=False)
+    assert "a run needs at least one source" in only(found, "data.source")
+
+
 def test_mixture_items_need_a_source_a_known_format_and_distinct_labels() -> None:
     sources = [SourceConfig(""), SourceConfig("a.jsonl", format="csv"), SourceConfig("b/a.jsonl")]
     found = problems_of({"data.sources": sources}, for_launch=False)

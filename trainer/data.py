@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -25,6 +26,7 @@ from pretrain_core.data_sources import (
 )
 from pretrain_core.schema import RecipeConfig
 from trainer.dataset import PackedSequences, PreparedDataset, TokenStream
+from trainer.prepare import prepare_data
 from trainer.sampler import MixtureSampler
 
 Batches = list[tuple[torch.Tensor, torch.Tensor]]
@@ -34,7 +36,8 @@ class DataNotPrepared(RuntimeError):
     """A SLURM run found a source without its prepared dataset."""
 
 
-def _wait_for(folders: list[Any], poll_s: float = 0.5) -> None:
+def _wait_for(folders: list[Path], poll_s: float = 0.5) -> None:
+    """Until every folder's manifest exists (the main rank prepares them)."""
     while any(read_manifest(f) is None for f in folders):
         time.sleep(poll_s)
 
@@ -53,8 +56,6 @@ def open_datasets(
             f"and action=prepare (a CPU-only SLURM job), then submit this run again"
         )
     if missing and is_main:
-        from trainer.prepare import prepare_data
-
         prepare_data(cfg, report=report, tty=False)
     elif missing:
         _wait_for([p.folder for p in places])

@@ -14,7 +14,7 @@ from bench.step_overhead import load_recipe
 from parallel.mesh import build_mesh
 from pretrain_core.layout import resolve_degrees
 from trainer.build import build_train_state
-from trainer.data import DataLoader, GlobalBatchSampler, prepare_dataset
+from trainer.data import one_process_loader
 from trainer.dist import init_distributed
 from trainer.step import train_step
 
@@ -34,9 +34,7 @@ def main() -> None:
     rank = init_distributed(cfg.cluster)
     degrees = resolve_degrees(cfg)
     state = build_train_state(cfg, build_mesh(degrees, rank.device.type), degrees, rank.device)
-    dataset = prepare_dataset(cfg.data, vocab_size=cfg.model.vocab_size, seq_len=cfg.train.seq_len)
-    sampler = GlobalBatchSampler(len(dataset), cfg.train.global_batch, cfg.seed)
-    loader = DataLoader(dataset, sampler, dp_rank=0, dp_size=1, micro_batch=cfg.train.micro_batch)
+    loader = one_process_loader(cfg)
     for _ in range(3):  # compile and warm up outside the profile
         train_step(state, loader.next_step(), cfg, degrees, rank.device)
     with profile(activities=[ProfilerActivity.CPU]) as prof:

@@ -29,7 +29,7 @@ from parallel.mesh import build_mesh
 from pretrain_core.layout import resolve_degrees
 from pretrain_core.schema import RecipeConfig, to_recipe
 from trainer.build import build_train_state
-from trainer.data import DataLoader, GlobalBatchSampler, prepare_dataset
+from trainer.data import RunData, open_datasets, packed_data, train_loader
 from trainer.dist import init_distributed
 from trainer.prefetch import PrefetchingLoader
 from trainer.step import train_step
@@ -75,9 +75,9 @@ def plain_optimizer(model: torch.nn.Module, cfg: RecipeConfig) -> torch.optim.Op
     )
 
 
-def loader_rate(dataset, sampler, cfg: RecipeConfig, steps: int) -> float:
+def loader_rate(data: RunData, cfg: RecipeConfig, steps: int) -> float:
     """Sequences per second the loader delivers on its own (read, stack, split)."""
-    loader = DataLoader(dataset, sampler, dp_rank=0, dp_size=1, micro_batch=cfg.train.micro_batch)
+    loader = train_loader(cfg, data, dp_rank=0, dp_size=1)
     start = time.perf_counter()
     for _ in range(steps):
         loader.next_step()
@@ -152,13 +152,10 @@ def main() -> None:
     rank = init_distributed(cfg.cluster)
     degrees = resolve_degrees(cfg)
     mesh = build_mesh(degrees, rank.device.type)
-    dataset = prepare_dataset(cfg.data, vocab_size=cfg.model.vocab_size, seq_len=cfg.train.seq_len)
-    sampler = GlobalBatchSampler(len(dataset), cfg.train.global_batch, cfg.seed)
+    data = packed_data(cfg, open_datasets(cfg, is_main=True, report=print))
 
     def new_loader():
-        loader = DataLoader(
-            dataset, sampler, dp_rank=0, dp_size=1, micro_batch=cfg.train.micro_batch
-        )
+        loader = train_loader(cfg, data, dp_rank=0, dp_size=1)
         if cfg.data.prefetch:
             return PrefetchingLoader(loader, depth=cfg.data.prefetch)
         return loader
@@ -200,7 +197,7 @@ def main() -> None:
         runners, args.warmup_steps, args.rounds, args.steps_per_block
     )
     consumed = cfg.train.global_batch / median["b"]
-    delivered = loader_rate(dataset, sampler, cfg, steps=200)
+    delivered = loader_rate(data, cfg, steps=200)
 
     print_report(cfg, args, compile_s, median, spread, delivered, consumed)
 

@@ -4,7 +4,8 @@
 
 `action=run` (default) writes the run dir and launches (torchrun here, or sbatch);
 `action=plan` prints the plan and writes nothing; `action=script` writes the run dir and
-the job script and launches nothing; `action=suggest` lists the fastest layouts that fit.
+the job script and launches nothing; `action=suggest` lists the fastest layouts that fit;
+`action=prepare` tokenizes the data into prepared datasets (here, or as a SLURM CPU job).
 Nothing here imports torch, so the command starts fast.
 """
 
@@ -50,6 +51,7 @@ def execute(cfg: RecipeConfig) -> None:
     from launcher.memory_fit import check_fits
     from launcher.plan import make_plan, plan_to_dict
     from launcher.render import render_plan
+    from launcher.rules_data import unprepared_problems
     from launcher.rules_parallel import check_runnable
     from launcher.validate import validate
     from pretrain_core.problems import RecipeError
@@ -63,11 +65,19 @@ def execute(cfg: RecipeConfig) -> None:
         except RecipeError as err:
             _fail(f"Recipe '{cfg.name}' cannot be searched:\n{err}")
         return
+    if cfg.action == "prepare":
+        _prepare(cfg)
+        return
     try:
         validate(cfg, for_launch=cfg.action == "run")
         if cfg.action != "plan":
             # A job that would run out of memory is refused before it is written or submitted.
             check_fits(cfg)
+        if cfg.action == "run" and cfg.cluster.backend == "slurm":
+            # GPU nodes never tokenize: the data is prepared first, by its own CPU job.
+            problems = unprepared_problems(cfg)
+            if problems:
+                raise RecipeError(problems)
     except RecipeError as err:
         _fail(f"Recipe '{cfg.name}' is not valid:\n{err}")
     if cfg.action == "script":
@@ -107,6 +117,38 @@ def execute(cfg: RecipeConfig) -> None:
         _fail(str(err))
     if code != 0:
         _fail(f"training exited with code {code}; see the output above", code)
+
+
+def _prepare(cfg: RecipeConfig) -> None:
+    """Validate the data fields (and, locally, the files), then prepare or submit."""
+    from launcher.backends import LaunchError
+    from launcher.job import JobError
+    from launcher.prepare_job import run_prepare_here, submit_prepare, write_prepare_files
+    from launcher.rules_data import prepare_problems
+    from launcher.validate import validate
+    from pretrain_core.problems import RecipeError
+
+    try:
+        validate(cfg)
+        problems = prepare_problems(cfg)
+        if problems:
+            raise RecipeError(problems)
+        files = write_prepare_files(cfg, Path(cfg.run.dir))
+    except RecipeError as err:
+        _fail(f"Recipe '{cfg.name}' is not valid:\n{err}")
+    except JobError as err:
+        _fail(str(err))
+    print(f"config:     {files.config_path}")
+    if cfg.cluster.backend == "slurm":
+        try:
+            job = submit_prepare(files)
+        except LaunchError as err:
+            _fail(str(err))
+        print(f"submitted SLURM job {job.job_id} (prepare); log: {job.log_path}")
+        return
+    code = run_prepare_here(files)
+    if code != 0:
+        _fail(f"preparation exited with code {code}; see the output above", code)
 
 
 @hydra.main(config_path=RECIPES_DIR, config_name=DEFAULT_RECIPE, version_base=None)

@@ -2,9 +2,10 @@
 how long it runs, never what it trains.
 
 Layout and operations (parallel degrees, cluster, recompute, checkpoint and fault settings,
-logging, train.micro_batch) and the length (train.steps) may differ from the run dir's
-config.yaml; the model, data, seed, optimizer, schedule and batch shape may not, because the
-checkpoint and the data position would then mean something else.
+logging, evaluation, the preparation workers, train.micro_batch) and the length
+(train.steps) may differ from the run dir's config.yaml; the model, data, seed, optimizer,
+schedule and batch shape may not, because the checkpoint and the data position would then
+mean something else. init.* may change: a resumed run loads its checkpoint instead.
 """
 
 from __future__ import annotations
@@ -22,6 +23,9 @@ CHANGEABLE = (
     "faults.",
     "logging.",
     "hardware.",
+    "eval.",
+    "init.",
+    "data.workers",
     "train.steps",
     "train.micro_batch",
 )

@@ -9,10 +9,9 @@ asked after this one.
 
 from __future__ import annotations
 
-import glob
-import os
 import re
 
+from launcher.rules_data import check_data
 from launcher.rules_moe import check_moe
 from launcher.rules_parallel import SAFE_NAME, check_cluster, check_parallel, check_runnable
 from launcher.rules_precision import check_precision
@@ -41,10 +40,8 @@ def validate(cfg: RecipeConfig, for_launch: bool = False) -> None:
     c.at_least("recompute.every", cfg.recompute.every, 1)
     c.at_least("logging.log_every", cfg.logging.log_every, 1)
     c.at_least("suggest.top", cfg.suggest.top, 1)
-    c.at_least("data.max_bytes", cfg.data.max_bytes, 0)
     c.at_least("hardware.peak_tflops", cfg.hardware.peak_tflops, 0)
-    if for_launch and cfg.cluster.backend == "local":
-        _check_local_data(c, cfg)
+    check_data(c, cfg, for_launch)
     _check_checkpoint(c, cfg)
     _check_speed(c, cfg)
     if for_launch:
@@ -137,28 +134,6 @@ def _check_optim(c: Checks, cfg: RecipeConfig, train_ok: bool) -> None:
             s.decay_steps,
             f"warmup_steps + decay_steps = {s.warmup_steps + s.decay_steps} > train.steps={steps}",
             f"use at most {steps - s.warmup_steps}, or 0 to decay until the end",
-        )
-
-
-def _check_local_data(c: Checks, cfg: RecipeConfig) -> None:
-    """Local corpus files and tokenizer paths exist (checked on this machine, so only for a
-    local launch: a SLURM login node need not see the compute nodes' file systems)."""
-    d = cfg.data
-    if d.source != "stdlib" and not d.source.startswith("hf:"):
-        source = os.path.expanduser(d.source)
-        if not (os.path.exists(source) or glob.glob(source, recursive=True)):
-            c.add(
-                "data.source",
-                d.source,
-                "no such file or directory, and no glob match",
-                "give a local file, directory or glob of text/JSONL/Parquet, stdlib or hf:NAME",
-            )
-    if d.tokenizer != "train" and not os.path.exists(os.path.expanduser(d.tokenizer)):
-        c.add(
-            "data.tokenizer",
-            d.tokenizer,
-            "no such tokenizer.json or tokenizer directory",
-            "give a tokenizer.json path or a Hugging Face tokenizer directory, or `train`",
         )
 
 

@@ -3,9 +3,12 @@ embeddings, grouped-query attention and the SwiGLU MLP (also a MoE layer's share
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from pretrain_core.model_config import ModelConfig
 
@@ -49,8 +52,42 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return rotated.type_as(x)
 
 
+AttentionMask = torch.Tensor | BlockMask | None
+"""None: causal. A boolean [b, 1, s, s] (True = may attend) or a FlexAttention BlockMask."""
+
+
+def document_mask(doc_ids: torch.Tensor) -> torch.Tensor | BlockMask:
+    """Block-causal mask of packed documents: position i attends to positions j <= i with
+    doc_ids[:, j] == doc_ids[:, i]. On CUDA a FlexAttention BlockMask (blocks outside the
+    documents are skipped), elsewhere a boolean mask for scaled_dot_product_attention."""
+    b, s = doc_ids.shape
+    if doc_ids.device.type == "cuda":
+
+        def same_document(batch, _head, q_index, kv_index):
+            return (doc_ids[batch, q_index] == doc_ids[batch, kv_index]) & (q_index >= kv_index)
+
+        return create_block_mask(same_document, b, None, s, s, device=doc_ids.device)
+    causal = torch.ones(s, s, dtype=torch.bool, device=doc_ids.device).tril()
+    return ((doc_ids[:, :, None] == doc_ids[:, None, :]) & causal)[:, None]
+
+
+@functools.cache
+def _compiled_flex_attention():
+    # Fused only when compiled; eager flex_attention materializes the whole score matrix.
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask) -> torch.Tensor:
+    """Attention of q [b, heads, s, d] over k, v [b, kv_heads, s, d] under `mask`."""
+    if isinstance(mask, BlockMask):
+        return _compiled_flex_attention()(q, k, v, block_mask=mask, enable_gqa=True)
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=True
+    )
+
+
 class Attention(nn.Module):
-    """Causal grouped-query self-attention over `scaled_dot_product_attention`."""
+    """Grouped-query self-attention: causal, or block-causal over packed documents."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -61,16 +98,16 @@ class Attention(nn.Module):
         self.wv = nn.Linear(cfg.dim, kv_width, bias=False)
         self.wo = nn.Linear(q_width, cfg.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: AttentionMask = None
+    ) -> torch.Tensor:
         b, s, _ = x.shape
         # -1: the local head count, whatever share of the heads this rank's wq/wk/wv hold.
         q = self.wq(x).view(b, s, -1, self.head_dim)
         k = self.wk(x).view(b, s, -1, self.head_dim)
         v = self.wv(x).view(b, s, -1, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True
-        )
+        out = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask)
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
 

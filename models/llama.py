@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from models.layers import Attention, FeedForward, RMSNorm, rope_tables
+from models.layers import Attention, AttentionMask, FeedForward, RMSNorm, document_mask, rope_tables
 from models.moe import MoEFeedForward
 from pretrain_core.model_config import ModelConfig
 
@@ -34,8 +34,11 @@ class TransformerBlock(nn.Module):
             MoEFeedForward(cfg) if cfg.is_moe_layer(index) else FeedForward(cfg.dim, cfg.ffn_dim)
         )
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: AttentionMask = None
+    ) -> torch.Tensor:
+        # The mask goes by keyword: tensor parallelism's input plan covers (x, cos, sin).
+        h = x + self.attention(self.attention_norm(x), cos, sin, mask=mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -84,8 +87,9 @@ class Transformer(nn.Module):
         self._tie_head()
         return self
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Logits [b, s, vocab] for token ids [b, s].
+    def forward(self, tokens: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [b, s, vocab] for token ids [b, s]; with `doc_ids` [b, s] (the document of
+        each position) attention stays inside each document.
 
         A pipeline stage without `tok_embeddings` takes hidden states [b, s, dim] instead;
         one without `output` returns hidden states.
@@ -98,8 +102,9 @@ class Transformer(nn.Module):
             )
         cos, sin = self.rope_cos[:seq_len], self.rope_sin[:seq_len]
         h = tokens if self.tok_embeddings is None else self.tok_embeddings(tokens)
+        mask = None if doc_ids is None else document_mask(doc_ids)
         for layer in self.layers.values():
-            h = layer(h, cos, sin)
+            h = layer(h, cos, sin, mask=mask)
         if self.norm is not None:
             h = self.norm(h)
         if self.output is not None:

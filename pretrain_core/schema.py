@@ -15,7 +15,7 @@ from pretrain_core.choices import CHOICES, one_of
 from pretrain_core.hardware import GPUS
 from pretrain_core.model_config import ModelConfig
 
-ACTIONS = ("run", "plan", "script", "suggest")
+ACTIONS = ("run", "plan", "script", "suggest", "prepare")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 DTYPES = ("fp32", "bf16", "fp16", "fp8")
 FP8_BACKENDS = ("torchao", "te")
@@ -26,7 +26,7 @@ RECOMPUTE_POLICIES = ("none", "full", "selective")
 OPTIMIZERS = ("adamw", "lion", "sgd")
 LR_SCALINGS = ("none", "linear", "sqrt")
 LR_SCHEDULES = ("cosine", "linear", "constant", "wsd")
-DATA_FORMATS = ("auto", "text", "jsonl", "parquet")
+DATA_FORMATS = ("auto", "text", "jsonl", "parquet", "hf_disk", "nanogpt", "megatron", "prepared")
 CLUSTER_BACKENDS = ("local", "slurm")
 DEVICES = ("cuda", "cpu")
 GPU_TYPES = tuple(GPUS)
@@ -191,28 +191,99 @@ class TrainConfig:
 
 
 @dataclass
+class SourceConfig:
+    """One source of a mixture (`data.sources`); its fields mean what data's fields of the
+    same name mean for the single `data.source`."""
+
+    source: str = ""
+    """What `data.source` takes: a path, a glob, `stdlib`, `hf:NAME` or a prepared dataset."""
+    weight: float = 1.0
+    """Share of every global batch drawn from this source, relative to the others' weights."""
+    name: str = ""
+    """Label of the source in the metrics (tokens_seen_NAME); empty derives one from source."""
+    format: str = one_of("auto", DATA_FORMATS)
+    """As data.format."""
+    text_field: str = "text"
+    """As data.text_field."""
+    split: str = "train"
+    """As data.split."""
+    max_bytes: int = 0
+    """As data.max_bytes."""
+    max_tokens: int = 0
+    """As data.max_tokens."""
+    vocab_size: int = 0
+    """As data.vocab_size."""
+
+
+@dataclass
 class DataConfig:
-    """Training corpus and tokenizer."""
+    """Training corpus, tokenizer, preparation and the validation split.
+
+    A corpus is prepared once (`action=prepare`, or by a local run that finds it missing)
+    into token shards under cache_dir/datasets; the ranks memory-map them."""
 
     source: str = "stdlib"
-    """`stdlib` (this Python's standard-library sources, no download), a local file, directory
-    or glob of text/JSONL/Parquet files, or `hf:NAME` for a Hugging Face hub dataset."""
+    """`stdlib` (this Python's standard-library sources, no download), a local file,
+    directory or glob of text/JSONL/Parquet files (also .gz/.zst/.bz2/.xz compressed, in
+    nested directories), a Hugging Face `save_to_disk` directory, a nanoGPT token file
+    (`.bin` of uint16), a Megatron indexed dataset (`PREFIX` of PREFIX.bin + PREFIX.idx), a
+    prepared dataset directory, or `hf:NAME[:CONFIG]` for a Hugging Face hub dataset."""
     format: str = one_of("auto", DATA_FORMATS)
-    """auto (from the file extension), text, jsonl or parquet."""
+    """auto (from the path: extensions, a .bin's .idx, the directory's own files), text (a
+    file is a document), jsonl, parquet, hf_disk, nanogpt, megatron or prepared."""
     text_field: str = "text"
-    """Column holding the document text in JSONL/Parquet/hub datasets."""
+    """Column holding the document text in JSONL/Parquet/Hugging Face datasets."""
     split: str = "train"
-    """Split of a hub dataset."""
+    """Split of a hub dataset, or of a saved DatasetDict."""
     tokenizer: str = "train"
-    """`train`: a byte-level BPE of model.vocab_size trained on the corpus (cached); otherwise
-    a tokenizer.json path or a Hugging Face tokenizer directory."""
+    """`train`: a byte-level BPE of model.vocab_size trained on the text sources (cached);
+    a tokenizer.json path or a Hugging Face tokenizer directory; or `none` when every source
+    is already tokenized (nanoGPT, Megatron)."""
     max_bytes: int = 0
-    """Read at most this many bytes of text from the source (0 = all)."""
+    """Read documents until this many bytes of text (the one that reaches it is kept whole;
+    0 = all)."""
+    max_tokens: int = 0
+    """Prepare documents until this many tokens (the one that reaches it is kept whole;
+    0 = all): what train.steps x global_batch x seq_len needs, plus the validation split."""
+    vocab_size: int = 0
+    """Vocabulary of a pre-tokenized source's ids (nanoGPT, Megatron); 0 reads a nanoGPT
+    meta.pkl beside the .bin, else the ids are checked against model.vocab_size."""
+    sources: list[SourceConfig] = field(default_factory=list)
+    """A weighted mixture: each global batch draws from every source in proportion to its
+    weight. Empty: the one source above (data.source and its fields)."""
+    val_fraction: float = 0.0
+    """Documents held out for validation, at the end of each token shard of every source."""
+    val_source: str = ""
+    """A separate validation source (any kind data.source takes) instead of val_fraction."""
+    doc_mask: bool = False
+    """Document-aware attention: inside a packed sequence a token attends only to earlier
+    tokens of its own document (block-causal, split at the end-of-sequence token)."""
+    workers: int = 0
+    """Processes that tokenize in parallel during preparation; 0 = the cores available."""
     cache_dir: str = "~/.cache/pretrain"
-    """Where tokenized corpora and trained tokenizers are cached (shared by runs)."""
+    """Where prepared datasets and trained tokenizers are cached (shared by runs)."""
     prefetch: int = 2
     """Steps of micro-batches a background thread reads ahead (pinned on CUDA); 0 reads in
     the loop."""
+
+
+@dataclass
+class EvalConfig:
+    """Validation loss on the held-out split, through the same parallel layout (forward only)."""
+
+    every: int = 0
+    """Evaluate every this many steps and at the end of the run (0: never)."""
+    batches: int = 4
+    """Global batches of validation sequences per evaluation; the same ones every time."""
+
+
+@dataclass
+class InitConfig:
+    """Where the initial weights come from (a resumed run loads its checkpoint instead)."""
+
+    from_hf: str = ""
+    """A Hugging Face Llama directory (config.json and *.safetensors, as pretrain-export and
+    transformers write them) to start from; empty: initialize from the seed."""
 
 
 @dataclass
@@ -237,6 +308,8 @@ class ClusterConfig:
     """SLURM account (empty: none)."""
     qos: str = ""
     """SLURM quality of service (empty: none)."""
+    cpu_partition: str = ""
+    """SLURM partition of CPU-only jobs (action=prepare); empty: cluster.partition."""
     time: str = "01:00:00"
     """SLURM time limit: [D-]HH:MM:SS."""
     cpus_per_task: int = 8
@@ -339,7 +412,8 @@ class RecipeConfig:
     action: str = one_of("run", ACTIONS)
     """run (plan, write the run dir, launch or submit), plan (print only) or script
     (write the run dir and job script, launch nothing) or suggest (list the fastest layouts
-    of the model on the cluster that fit; launcher/suggest.py)."""
+    of the model on the cluster that fit; launcher/suggest.py) or prepare (tokenize the
+    data into a prepared dataset, here or as a CPU-only SLURM job)."""
     seed: int = 1234
     """Seed for weights and data order; the same seed gives the same run in every layout."""
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -351,6 +425,8 @@ class RecipeConfig:
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    init: InitConfig = field(default_factory=InitConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     hardware: HardwareConfig = field(default_factory=HardwareConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)

@@ -83,13 +83,157 @@ def problems(cfg: RecipeConfig, for_launch: bool = False) -> list[Problem]:
     return error.value.problems
 
 
-def pretrain(*args: str, cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess:
-    """Run the `pretrain` CLI (as `python -m launcher`) in `cwd` and capture its output."""
+def pretrain(
+    *args: str, cwd: Path, timeout: float = 120, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    """Run the `pretrain` CLI (as `python -m launcher`) in `cwd` and capture its output;
+    `env` adds variables to this process's environment."""
     return subprocess.run(
         [sys.executable, "-m", "launcher", *args],
         cwd=cwd,
         capture_output=True,
         text=True,
         timeout=timeout,
-        env=dict(os.environ, OMP_NUM_THREADS="1"),
+        env=dict(os.environ, OMP_NUM_THREADS="1", **(env or {})),
     )
+
+
+# Data: small corpora in every format the trainer reads, and a tokenizer for them.
+
+WORDS = [
+    "the",
+    "of",
+    "and",
+    "to",
+    "in",
+    "is",
+    "was",
+    "for",
+    "on",
+    "that",
+    "with",
+    "as",
+    "by",
+    "at",
+    "from",
+    "his",
+    "an",
+    "were",
+    "are",
+    "which",
+    "this",
+    "be",
+    "data",
+    "model",
+    "token",
+    "shard",
+    "worker",
+    "train",
+    "loss",
+    "batch",
+    "layer",
+    "attention",
+    "prepare",
+    "corpus",
+    "weight",
+]
+
+
+def generated_documents(count: int, seed: int = 0, words: tuple[int, int] = (5, 120)) -> list[str]:
+    """`count` documents of pseudo-random words (with some unicode), the same for a seed."""
+    import random
+
+    rng = random.Random(seed)
+    docs = []
+    for i in range(count):
+        n = rng.randint(*words)
+        text = " ".join(rng.choice(WORDS) for _ in range(n))
+        docs.append(f"Doc {i}: {text}{' café ✓' if i % 7 == 0 else ''}.")
+    return docs
+
+
+def write_tokenizer(path: Path, texts: list[str], vocab_size: int = 320) -> Path:
+    """A byte-level BPE trained on `texts` (as the trainer trains one), saved at `path`."""
+    from trainer.tokenizer import train_bpe
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    train_bpe([texts], vocab_size).save(str(path))
+    return path
+
+
+def encode_documents(tokenizer_path: Path, docs: list[str]) -> list[int]:
+    """What a prepared dataset holds for `docs`: each document's ids, then EOS."""
+    from tokenizers import Tokenizer
+
+    from trainer.tokenizer import EOS_TOKEN
+
+    tokenizer = Tokenizer.from_file(str(tokenizer_path))
+    eos = tokenizer.token_to_id(EOS_TOKEN)
+    ids: list[int] = []
+    for doc in docs:
+        ids += [*tokenizer.encode(doc, add_special_tokens=False).ids, eos]
+    return ids
+
+
+def write_jsonl(path: Path, docs: list[str], field: str = "text") -> Path:
+    """`docs` as JSON lines, compressed by the suffix (.gz, .zst, .bz2, .xz or none)."""
+    import bz2
+    import gzip
+    import json
+    import lzma
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = "".join(json.dumps({field: doc, "id": i}) + "\n" for i, doc in enumerate(docs)).encode()
+    if path.suffix == ".gz":
+        data = gzip.compress(data)
+    elif path.suffix == ".bz2":
+        data = bz2.compress(data)
+    elif path.suffix == ".xz":
+        data = lzma.compress(data)
+    elif path.suffix == ".zst":
+        import zstandard
+
+        data = zstandard.ZstdCompressor().compress(data)
+    path.write_bytes(data)
+    return path
+
+
+def write_megatron(prefix: Path, docs: list[list[int]], dtype: str = "uint16") -> Path:
+    """A Megatron-LM indexed dataset (PREFIX.bin + PREFIX.idx) of one sequence per document,
+    written per the documented format with numpy and struct only."""
+    import struct
+
+    import numpy as np
+
+    codes = {"uint8": 1, "int32": 4, "int64": 5, "uint16": 8}
+    sizes = np.array([len(d) for d in docs], dtype=np.int32)
+    itemsize = np.dtype(dtype).itemsize
+    pointers = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)[:-1]]) * itemsize
+    document_index = np.arange(len(docs) + 1, dtype=np.int64)
+    flat = np.concatenate([np.asarray(d, dtype=dtype) for d in docs]) if docs else []
+    Path(f"{prefix}.bin").write_bytes(np.asarray(flat, dtype=dtype).tobytes())
+    with open(f"{prefix}.idx", "wb") as f:
+        f.write(b"MMIDIDX\x00\x00")
+        f.write(struct.pack("<Q", 1))
+        f.write(struct.pack("<B", codes[dtype]))
+        f.write(struct.pack("<Q", len(sizes)))
+        f.write(struct.pack("<Q", len(document_index)))
+        f.write(sizes.tobytes())
+        f.write(pointers.astype(np.int64).tobytes())
+        f.write(document_index.tobytes())
+    return prefix
+
+
+def data_recipe(source: str, cache: Path, tokenizer: Path | str, **data: object) -> RecipeConfig:
+    """A one-process recipe of the tiny model reading `source` with `tokenizer`."""
+    cfg = RecipeConfig()
+    cfg.model.vocab_size = 512
+    cfg.train.seq_len, cfg.train.micro_batch, cfg.train.global_batch = 8, 2, 4
+    cfg.cluster.device, cfg.cluster.gpu_type = "cpu", "cpu"
+    cfg.data.source = source
+    cfg.data.tokenizer = str(tokenizer)
+    cfg.data.cache_dir = str(cache)
+    cfg.data.workers = 1
+    for key, value in data.items():
+        setattr(cfg.data, key, value)
+    return cfg

@@ -1,216 +1,280 @@
-"""The training corpus: where documents come from and what identifies them.
+"""Documents of a text source, in a fixed order, cut into work units for parallel workers.
 
-Sources (`DataConfig.source`): `stdlib` (this Python's standard-library `.py` files, one file per
-document, no download), a local file, directory or glob of text, JSONL/JSON or Parquet files,
-or `hf:NAME` (optionally `hf:NAME:CONFIG`) for a Hugging Face hub dataset. Local and stdlib
-sources never touch the network; Hugging Face's own cache lives under our cache dir.
+A unit is a piece one worker reads and tokenizes on its own: a group of consecutive files
+(a file is one unit or part of one), a range of a large Parquet file's row groups, a range
+of rows of a `save_to_disk` dataset, or one shard of a hub dataset. The documents of the
+units in order are the source's documents in order, however many workers there are. Unit
+sizes depend only on the source and its limits (`unit_bytes`), so a stopped preparation
+resumes with the same units.
+
+Formats: a text file is one document; JSONL holds one JSON object per line (its
+`text_field` is the document, a null one is skipped); Parquet and Hugging Face datasets are
+read column `text_field`. Compressed files (.gz, .zst, .bz2, .xz) are read transparently.
 """
 
 from __future__ import annotations
 
-import glob
-import hashlib
+import io
+import itertools
 import json
 import os
-import sys
-import sysconfig
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from filelock import FileLock
+from pretrain_core.data_checks import open_decompressed
+from pretrain_core.data_sources import (
+    local_files,
+    resolve_format,
+    stdlib_files,
+    text_format,
+)
+from pretrain_core.schema import SourceConfig
 
-if TYPE_CHECKING:
+BATCH_DOCS = 256
+"""Documents handed to the tokenizer at once."""
+MIN_UNIT_BYTES = 16 << 10
+MAX_UNIT_BYTES = 64 << 20
+TARGET_UNITS = 64
+"""A source is cut into about this many units (within the bounds above), so that its first
+units spread over the workers and a cut at max_bytes/max_tokens wastes little."""
+BYTES_PER_TOKEN = 4
+"""A rough size of a token in text, to size units when max_tokens bounds the source."""
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One piece of a source that one worker reads: files, row groups, rows or a hub shard."""
+
+    index: int
+    files: tuple[str, ...] = ()
+    row_groups: tuple[int, int] | None = None
+    """Of a Parquet file (the unit's one file): row groups [first, last)."""
+    rows: tuple[int, int] | None = None
+    """Of a save_to_disk dataset: rows [first, last)."""
+    shard: tuple[int, int] | None = None
+    """Of a hub dataset: (index, number of shards)."""
+    input_bytes: int = 0
+    """Bytes of input it reads (0 when unknown), for progress and ETA."""
+
+    def spec(self) -> dict[str, Any]:
+        """A JSON-able description, kept in the unit's done marker to check a resume."""
+        return json.loads(json.dumps(asdict(self)))  # type: ignore[no-any-return]
+
+
+def unit_bytes(src: SourceConfig, total_bytes: int) -> int:
+    """Input bytes per unit: a TARGET_UNITS-th of what will be read, within the bounds."""
+    budget = total_bytes
+    if src.max_bytes > 0:
+        budget = min(budget, src.max_bytes)
+    if src.max_tokens > 0:
+        budget = min(budget, src.max_tokens * BYTES_PER_TOKEN)
+    return max(MIN_UNIT_BYTES, min(MAX_UNIT_BYTES, budget // TARGET_UNITS))
+
+
+def plan_units(src: SourceConfig) -> list[Unit]:
+    """The source's units, in document order."""
+    kind = resolve_format(src)
+    if kind == "hub":
+        return _hub_units(src)
+    if kind == "hf_disk":
+        return _hf_disk_units(src)
+    files = stdlib_files() if kind == "stdlib" else local_files(src)
+    sizes = [p.stat().st_size for p in files]
+    target = unit_bytes(src, sum(sizes))
+    units: list[Unit] = []
+    group: list[str] = []
+    group_bytes = 0
+
+    def close_group() -> None:
+        nonlocal group, group_bytes
+        if group:
+            units.append(Unit(len(units), tuple(group), input_bytes=group_bytes))
+        group, group_bytes = [], 0
+
+    for path, size in zip(files, sizes, strict=True):
+        if size > target and text_format(path, src.format) == "parquet":
+            close_group()
+            for first, last, nbytes in _row_group_ranges(path, target):
+                units.append(Unit(len(units), (str(path),), (first, last), input_bytes=nbytes))
+            continue
+        if group and group_bytes + size > target:
+            close_group()
+        group.append(str(path))
+        group_bytes += size
+    close_group()
+    return units
+
+
+def _row_group_ranges(path: Path, target: int) -> list[tuple[int, int, int]]:
+    """Consecutive row-group ranges of a Parquet file of about `target` bytes each."""
+    import pyarrow.parquet as pq
+
+    meta = pq.ParquetFile(path).metadata
+    ranges, first, nbytes = [], 0, 0
+    for i in range(meta.num_row_groups):
+        nbytes += meta.row_group(i).total_byte_size
+        if nbytes >= target:
+            ranges.append((first, i + 1, nbytes))
+            first, nbytes = i + 1, 0
+    if first < meta.num_row_groups:
+        ranges.append((first, meta.num_row_groups, nbytes))
+    return ranges
+
+
+def _load_hf_disk(src: SourceConfig) -> Any:
     import datasets
 
-    from pretrain_core.schema import DataConfig
-
-FORMATS_BY_EXTENSION = {".txt": "text", ".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet"}
-"""File extension → format, for `format: auto`."""
-
-HF_BUILDERS = {"text": "text", "jsonl": "json", "parquet": "parquet"}
-"""Our format names → Hugging Face `datasets` packaged builders (local files, no download)."""
-
-_SKIPPED_DIRS = {"site-packages", "dist-packages", "__pycache__"}
+    datasets.disable_progress_bars()
+    loaded = datasets.load_from_disk(os.path.expanduser(src.source))
+    return loaded[src.split] if isinstance(loaded, datasets.DatasetDict) else loaded
 
 
-def cache_root(data: DataConfig) -> Path:
-    """The cache dir with `~` expanded; everything this pipeline writes lives under it."""
-    return Path(os.path.expanduser(data.cache_dir))
+def _hf_disk_units(src: SourceConfig) -> list[Unit]:
+    dataset = _load_hf_disk(src)
+    total = sum(f.stat().st_size for f in Path(os.path.expanduser(src.source)).rglob("*.arrow"))
+    n_units = max(1, -(-total // unit_bytes(src, total)))
+    rows = len(dataset)
+    bounds = [rows * i // n_units for i in range(n_units + 1)]
+    return [
+        Unit(i, rows=(a, b), input_bytes=total * (b - a) // max(rows, 1))
+        for i, (a, b) in enumerate(itertools.pairwise(bounds))
+        if b > a
+    ]
 
 
-def stdlib_files() -> list[Path]:
-    """This Python's standard-library `.py` files, sorted, without installed packages."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    files = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = [d for d in dirnames if d not in _SKIPPED_DIRS]
-        files.extend(Path(dirpath) / name for name in filenames if name.endswith(".py"))
-    return sorted(files, key=lambda p: p.as_posix())
-
-
-def local_files(data: DataConfig) -> list[Path]:
-    """The files a local source names: the file itself, a directory's data files, or a glob."""
-    source = os.path.expanduser(data.source)
-    if os.path.isdir(source):
-        matches = [
-            p
-            for p in Path(source).rglob("*")
-            if p.is_file() and p.suffix in FORMATS_BY_EXTENSION and not p.name.startswith(".")
-        ]
-    elif os.path.isfile(source):
-        matches = [Path(source)]
-    else:
-        matches = [Path(p) for p in glob.glob(source, recursive=True) if os.path.isfile(p)]
-    if not matches:
-        raise FileNotFoundError(
-            f"data.source={data.source!r}: no such file, no data files in that directory and "
-            f"no glob match; give a file, a directory or a glob of "
-            f"{'/'.join(FORMATS_BY_EXTENSION)} files, `stdlib` or `hf:NAME`"
-        )
-    return sorted((p.resolve() for p in matches), key=lambda p: p.as_posix())
-
-
-def resolve_format(data: DataConfig) -> str:
-    """The source's format: `stdlib`, `hub`, or (for local files) `text`, `jsonl` or `parquet`."""
-    if data.source == "stdlib":
-        return "stdlib"
-    if data.source.startswith("hf:"):
-        return "hub"
-    if data.format != "auto":
-        if data.format not in HF_BUILDERS:
-            raise ValueError(
-                f"data.format={data.format!r}: unknown; use auto, {', '.join(HF_BUILDERS)}"
-            )
-        return data.format
-    found = {FORMATS_BY_EXTENSION.get(p.suffix) for p in local_files(data)}
-    if None in found or len(found) != 1:
-        suffixes = sorted({p.suffix or "(none)" for p in local_files(data)})
-        raise ValueError(
-            f"data.source={data.source!r}: cannot tell the format from extensions {suffixes}; "
-            f"use files of one kind ({', '.join(FORMATS_BY_EXTENSION)}) or set data.format"
-        )
-    return found.pop()
-
-
-def _file_entries(files: list[Path]) -> list[list[Any]]:
-    entries = []
-    for path in files:
-        stat = path.stat()
-        entries.append([path.as_posix(), stat.st_size, stat.st_mtime_ns])
-    return entries
-
-
-def corpus_identity(data: DataConfig) -> dict[str, Any]:
-    """What the documents depend on: the file list with sizes and mtimes (or the hub name),
-    the format, the text field where it matters, and `max_bytes`. Cheap: stats, no reads."""
-    fmt = resolve_format(data)
-    identity: dict[str, Any] = {"format": fmt, "max_bytes": data.max_bytes}
-    if fmt == "stdlib":
-        identity["python"] = sys.version
-        identity["files"] = _file_entries(stdlib_files())
-    elif fmt == "hub":
-        identity["hub"] = data.source[len("hf:") :]
-        identity["split"] = data.split
-    else:
-        identity["files"] = _file_entries(local_files(data))
-    if fmt in ("jsonl", "parquet", "hub"):
-        identity["text_field"] = data.text_field
-    return identity
-
-
-def identity_hash(identity: dict[str, Any]) -> str:
-    """A short stable hash of a JSON-able identity, for cache directory names."""
-    blob = json.dumps(identity, sort_keys=True, separators=(",", ":")).encode()
-    return hashlib.sha256(blob).hexdigest()[:20]
-
-
-def _stdlib_dataset(max_bytes: int) -> datasets.Dataset:
+def _hub_dataset(src: SourceConfig) -> Any:
     import datasets
 
-    texts: list[str] = []
-    total = 0
-    for path in stdlib_files():
-        if 0 < max_bytes <= total:
-            break
+    datasets.disable_progress_bars()
+    name, _, config = src.source[len("hf:") :].partition(":")
+    return datasets.load_dataset(name, config or None, split=src.split, streaming=True)
+
+
+def _hub_units(src: SourceConfig) -> list[Unit]:
+    dataset = _hub_dataset(src)
+    shards = getattr(dataset, "num_shards", None) or getattr(dataset, "n_shards", 1)
+    return [Unit(i, shard=(i, shards)) for i in range(shards)]
+
+
+def unit_documents(src: SourceConfig, unit: Unit) -> Iterator[list[str]]:
+    """The unit's documents in order, in lists of up to BATCH_DOCS."""
+    kind = resolve_format(src)
+    if kind == "hf_disk":
+        yield from _hf_disk_documents(src, unit)
+        return
+    if kind == "hub":
+        yield from _hub_documents(src, unit)
+        return
+    batch: list[str] = []
+    for name in unit.files:
+        for text in _file_documents(Path(name), src, kind, unit.row_groups):
+            batch.append(text)
+            if len(batch) == BATCH_DOCS:
+                yield batch
+                batch = []
+    if batch:
+        yield batch
+
+
+def _file_documents(
+    path: Path, src: SourceConfig, kind: str, row_groups: tuple[int, int] | None
+) -> Iterator[str]:
+    if kind == "stdlib":
         try:
             text = path.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError):
-            continue  # a few test fixtures are deliberately not UTF-8
-        texts.append(text)
-        total += len(text.encode("utf-8"))
-    return datasets.Dataset.from_dict({"text": texts})
-
-
-def load_corpus(data: DataConfig) -> datasets.Dataset | datasets.IterableDataset:
-    """The corpus as a Hugging Face dataset with the documents in column `text` (stdlib, text)
-    or `data.text_field`. Hub datasets stream, so `max_bytes` bounds what is downloaded."""
-    import datasets
-
-    datasets.disable_progress_bars()  # the builder prints its own one-line summary
-    fmt = resolve_format(data)
-    hf_cache = str(cache_root(data) / "huggingface")
-    if fmt == "stdlib":
-        dataset = _stdlib_dataset(data.max_bytes)
-    elif fmt == "hub":
-        name, _, config = data.source[len("hf:") :].partition(":")
-        dataset = datasets.load_dataset(
-            name, config or None, split=data.split, streaming=True, cache_dir=hf_cache
-        )
-    else:
-        files = [p.as_posix() for p in local_files(data)]
-        extra = {"sample_by": "document"} if fmt == "text" else {}
-        dataset = datasets.load_dataset(
-            HF_BUILDERS[fmt], data_files=files, split="train", cache_dir=hf_cache, **extra
-        )
-    field = text_column(data)
-    if dataset.column_names is not None and field not in dataset.column_names:
-        raise ValueError(
-            f"data.text_field={data.text_field!r}: no such column in {data.source!r}; "
-            f"columns are {dataset.column_names}"
-        )
-    return dataset
-
-
-def text_column(data: DataConfig) -> str:
-    """The column that holds the document text for this source."""
-    return "text" if resolve_format(data) in ("stdlib", "text") else data.text_field
-
-
-def iter_document_batches(data: DataConfig, batch_size: int = 512) -> Iterator[list[str]]:
-    """The corpus's documents in order, in lists of up to `batch_size`, cut at `max_bytes`
-    bytes of UTF-8 when that is > 0 (the last document is truncated to fit)."""
-    dataset = load_corpus(data)
-    field = text_column(data)
-    budget = data.max_bytes if data.max_bytes > 0 else None
-    for rows in dataset.select_columns([field]).iter(batch_size=batch_size):
-        batch = []
-        for text in rows[field]:
-            if text is None:
-                continue
-            if budget is not None:
-                size = len(text.encode("utf-8"))
-                if size >= budget:
-                    # errors="ignore" drops a character cut in half at the byte limit
-                    text = text.encode("utf-8")[:budget].decode("utf-8", errors="ignore")
-                    size = budget
-                budget -= size
-            batch.append(text)
-            if budget == 0:
-                break
-        if batch:
-            yield batch
-        if budget == 0:
-            return
-
-
-def build_once(done: Path, build: Callable[[], None]) -> None:
-    """Run `build` unless `done` exists. Concurrent callers (ranks starting together, on any
-    node sharing the cache) wait on a file lock beside `done` while the first one builds;
-    `build` must create `done` last and atomically, so a reader never sees half a cache."""
-    if done.exists():
+            return  # a few test fixtures are deliberately not UTF-8
+        yield text
         return
-    done.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(done.parent / "build.lock")):
-        if not done.exists():
-            build()
+    fmt = text_format(path, src.format)
+    if fmt == "parquet":
+        yield from _parquet_documents(path, src.text_field, row_groups)
+        return
+    with open_decompressed(path) as raw:
+        stream = io.TextIOWrapper(raw, encoding="utf-8", newline="" if fmt == "text" else None)
+        try:
+            if fmt == "text":
+                yield stream.read()
+                return
+            yield from _jsonl_documents(path, stream, src.text_field)
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"{path}: not UTF-8 text ({exc})") from None
+
+
+def _jsonl_documents(path: Path, lines: io.TextIOWrapper, field: str) -> Iterator[str]:
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            raise ValueError(f"{path}:{number}: not a JSON object") from None
+        if not isinstance(record, dict) or field not in record:
+            fields = sorted(record) if isinstance(record, dict) else type(record).__name__
+            raise ValueError(
+                f"{path}:{number}: no field {field!r} (data.text_field); it has {fields}"
+            )
+        text = record[field]
+        if text is not None:
+            yield str(text)
+
+
+def _parquet_documents(path: Path, field: str, row_groups: tuple[int, int] | None) -> Iterator[str]:
+    import pyarrow.parquet as pq
+
+    parquet = pq.ParquetFile(path)
+    if field not in parquet.schema_arrow.names:
+        raise ValueError(
+            f"{path}: no column {field!r} (data.text_field); it has {parquet.schema_arrow.names}"
+        )
+    groups = list(range(*row_groups)) if row_groups else None
+    for batch in parquet.iter_batches(columns=[field], row_groups=groups, batch_size=BATCH_DOCS):
+        yield from (text for text in batch.column(0).to_pylist() if text is not None)
+
+
+def _hf_disk_documents(src: SourceConfig, unit: Unit) -> Iterator[list[str]]:
+    dataset = _load_hf_disk(src)
+    if src.text_field not in dataset.column_names:
+        raise ValueError(
+            f"data.text_field={src.text_field!r}: no such column in {src.source}; the columns "
+            f"are {dataset.column_names}"
+        )
+    first, last = unit.rows or (0, len(dataset))
+    for start in range(first, last, BATCH_DOCS):
+        texts = dataset[start : min(start + BATCH_DOCS, last)][src.text_field]
+        yield [str(t) for t in texts if t is not None]
+
+
+def _hub_documents(src: SourceConfig, unit: Unit) -> Iterator[list[str]]:
+    assert unit.shard is not None
+    index, shards = unit.shard
+    dataset = _hub_dataset(src).shard(num_shards=shards, index=index)
+    batch: list[str] = []
+    for row in dataset:
+        text = row.get(src.text_field)
+        if text is None:
+            continue
+        batch.append(str(text))
+        if len(batch) == BATCH_DOCS:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+def source_documents(src: SourceConfig) -> Iterator[list[str]]:
+    """All the source's documents in order (one process), up to max_bytes of text with the
+    document that reaches it kept whole: what a tokenizer is trained on."""
+    seen = 0
+    for unit in plan_units(src):
+        for batch in unit_documents(src, unit):
+            kept = []
+            for text in batch:
+                kept.append(text)
+                seen += len(text.encode("utf-8"))
+                if 0 < src.max_bytes <= seen:
+                    yield kept
+                    return
+            yield kept

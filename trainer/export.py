@@ -19,37 +19,12 @@ from safetensors.torch import save_file
 from torch import nn
 
 import models
+from pretrain_core.hf_llama import config_json, hf_name
 from pretrain_core.rundir import CHECKPOINTS_DIR, CONFIG_FILE
 from pretrain_core.schema import RecipeConfig, load_config
 from trainer.checkpoint import find_checkpoint
 from trainer.tokenizer import eos_id, load_tokenizer
 from trainer.vocab_resize import load_resizing_vocab
-
-# Our parameter names (after "layers.{i}.") -> Hugging Face Llama's (after "model.layers.{i}.").
-_BLOCK_NAMES = {
-    "attention_norm.weight": "input_layernorm.weight",
-    "attention.wq.weight": "self_attn.q_proj.weight",
-    "attention.wk.weight": "self_attn.k_proj.weight",
-    "attention.wv.weight": "self_attn.v_proj.weight",
-    "attention.wo.weight": "self_attn.o_proj.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "feed_forward.w1.weight": "mlp.gate_proj.weight",
-    "feed_forward.w3.weight": "mlp.up_proj.weight",
-    "feed_forward.w2.weight": "mlp.down_proj.weight",
-}
-_TOP_NAMES = {
-    "tok_embeddings.weight": "model.embed_tokens.weight",
-    "norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-
-
-def hf_name(name: str) -> str:
-    """The Hugging Face Llama name of one of our parameters."""
-    if name in _TOP_NAMES:
-        return _TOP_NAMES[name]
-    _, index, rest = name.split(".", 2)
-    return f"model.layers.{index}.{_BLOCK_NAMES[rest]}"
 
 
 def load_model(run_dir: Path, step: int | None = None) -> tuple[nn.Module, RecipeConfig, int]:
@@ -71,30 +46,9 @@ def load_model(run_dir: Path, step: int | None = None) -> tuple[nn.Module, Recip
     return model.eval(), cfg, int(path.name.split("_")[1])
 
 
-def hf_config(cfg: RecipeConfig, eos: int) -> dict:
+def hf_config(cfg: RecipeConfig, eos: int | None) -> dict:
     """config.json of the equivalent LlamaForCausalLM."""
-    m = cfg.model
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": m.vocab_size,
-        "hidden_size": m.dim,
-        "intermediate_size": m.ffn_dim,
-        "num_hidden_layers": m.n_layers,
-        "num_attention_heads": m.n_heads,
-        "num_key_value_heads": m.kv_heads,
-        "head_dim": m.head_dim,
-        "max_position_embeddings": m.max_seq_len,
-        "rms_norm_eps": m.norm_eps,
-        "rope_theta": m.rope_theta,
-        "hidden_act": "silu",
-        "attention_bias": False,
-        "mlp_bias": False,
-        "tie_word_embeddings": m.tie_embeddings,
-        "bos_token_id": eos,
-        "eos_token_id": eos,
-        "torch_dtype": "float32",
-    }
+    return config_json(cfg.model, eos)
 
 
 def export(run_dir: Path, out_dir: Path, step: int | None = None) -> Path:
@@ -105,14 +59,18 @@ def export(run_dir: Path, out_dir: Path, step: int | None = None) -> Path:
         if name == "output.weight" and cfg.model.tie_embeddings:
             continue  # Hugging Face ties lm_head to embed_tokens itself
         tensors[hf_name(name)] = tensor.contiguous()
-    tokenizer = load_tokenizer(cfg.data, cfg.model.vocab_size)
-    eos = eos_id(tokenizer)
+    tokenizer = (
+        None if cfg.data.tokenizer == "none" else load_tokenizer(cfg.data, cfg.model.vocab_size)
+    )
+    eos = eos_id(tokenizer) if tokenizer is not None else None
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     (out_dir / "config.json").write_text(json.dumps(hf_config(cfg, eos), indent=2) + "\n")
     generation = {"bos_token_id": eos, "eos_token_id": eos}
     (out_dir / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    if tokenizer is None:
+        return out_dir  # pre-tokenized data: there is no tokenizer to ship
     tokenizer.save(str(out_dir / "tokenizer.json"))
     eos_token = tokenizer.id_to_token(eos)
     tokenizer_config = {

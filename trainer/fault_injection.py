@@ -9,6 +9,9 @@
 - PRETRAIN_FAULT_CRASH_IN_SAVE=6: rank 0 dies after writing the checkpoint of step 6 but
   before marking it complete (see trainer/checkpoint.py).
 
+PRETRAIN_FAULT_PREPARE_STOP=N stops a data preparation as SIGTERM would once N units are
+done; `trainer/prepare.py` reads it, since preparation runs without torch.
+
 Nothing is injected when none of them is set, which is every real run.
 """
 

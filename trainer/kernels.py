@@ -73,7 +73,11 @@ def optimizer_path(optimizer: torch.optim.Optimizer) -> str:
 def kernels_line(cfg: RecipeConfig, state: TrainState, device: torch.device) -> str:
     """One start-up line: attention backend, optimizer path, compile, data prefetch."""
     dtype = torch.bfloat16 if cfg.precision.dtype == "bf16" else torch.float32
-    attention = sdpa_backend(cfg.model, cfg.train.seq_len, device, dtype)
+    if cfg.data.doc_mask:
+        # Block-causal over packed documents: FlexAttention on CUDA, SDPA with a mask elsewhere.
+        attention = "flex (document mask)" if device.type == "cuda" else "SDPA with a document mask"
+    else:
+        attention = sdpa_backend(cfg.model, cfg.train.seq_len, device, dtype)
     k = cfg.compile
     compiled = [name for name, on in (("blocks", k.blocks), ("loss", k.loss)) if on]
     compile_text = f"{'+'.join(compiled)} ({k.backend})" if k.enabled else "off"

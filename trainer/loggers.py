@@ -45,15 +45,25 @@ WANDB_KEYS = {
     "moe_dropped_frac": "moe/dropped_frac",
     "moe_aux_loss": "moe/aux_loss",
     "moe_z_loss": "moe/z_loss",
+    "val_loss": "val/loss",
+    "val_ppl": "val/ppl",
 }
-"""Flat metric name -> W&B key; names not listed go under train/."""
+"""Flat metric name -> W&B key; names not listed go under their prefix's section
+(WANDB_PREFIXES) or train/."""
+WANDB_PREFIXES = {"tokens_seen_": "data/"}
+"""Flat metric name prefix -> W&B section (tokens_seen_fineweb -> data/tokens_seen_fineweb)."""
 WANDB_STEP = "train/step"
 WANDB_MODES = ("auto", "online", "offline", "disabled")
 
 
 def wandb_key(name: str) -> str:
     """The W&B key of a flat metric name."""
-    return WANDB_KEYS.get(name) or (name if "/" in name else f"train/{name}")
+    if name in WANDB_KEYS:
+        return WANDB_KEYS[name]
+    for prefix, section in WANDB_PREFIXES.items():
+        if name.startswith(prefix):
+            return section + name
+    return name if "/" in name else f"train/{name}"
 
 
 def wandb_api_key_configured() -> bool:
@@ -127,6 +137,8 @@ def console_line(step: int, total_steps: int, metrics: dict[str, Any]) -> str:
         parts.append(f"lr {metrics['lr']:.2e}")
     if has("grad_norm"):
         parts.append(f"grad norm {metrics['grad_norm']:.3f}")
+    if has("val_loss"):
+        parts.append(f"val loss {metrics['val_loss']:.4f} (ppl {metrics['val_ppl']:.4g})")
     if has("tokens_per_s"):
         parts.append(f"{metrics['tokens_per_s']:,.0f} tok/s")
     if has("tflops_per_device"):
@@ -222,6 +234,7 @@ class MetricsLogger:
             run.define_metric(WANDB_KEYS["mfu"], step_metric=WANDB_STEP, summary="max")
             run.define_metric(WANDB_KEYS["tokens_per_s"], step_metric=WANDB_STEP, summary="max")
             run.define_metric(WANDB_KEYS["loss"], step_metric=WANDB_STEP, summary="min")
+            run.define_metric(WANDB_KEYS["val_loss"], step_metric=WANDB_STEP, summary="min")
         except Exception as exc:  # whatever W&B raises, training must go on
             reason = escape(f"{type(exc).__name__}: {exc}")
             self.console.print(f"[yellow]W&B disabled ({mode}): {reason}")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, ParamSpec, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -24,6 +24,7 @@ from trainer.moe_metrics import expert_load_metrics
 from trainer.step import StepResult, TrainState
 
 T = TypeVar("T")
+P = ParamSpec("P")
 
 
 class MetricsWindow:
@@ -40,6 +41,7 @@ class MetricsWindow:
         log_every: int,
         straggler_lag: float,
         moe_pp_group: dist.ProcessGroup | None = None,
+        data_metrics: Callable[[int], dict[str, Any]] = lambda step: {},
     ) -> None:
         self.meter = meter
         self.state = state
@@ -50,6 +52,7 @@ class MetricsWindow:
         self.log_every = log_every
         self.straggler_lag = straggler_lag
         self.moe_pp_group = moe_pp_group
+        self.data_metrics = data_metrics
         self._model: nn.Module = state.plain
         self._lr = 0.0
         self._last: StepResult | None = None
@@ -68,6 +71,15 @@ class MetricsWindow:
         # The lr the step about to run uses (the schedule advances inside the step).
         self._lr = self.state.scheduler.get_last_lr()[0]
         return batch
+
+    def untimed(self, work: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+        """Call `work` (an evaluation) outside the window's time, so throughput and MFU
+        count training steps only."""
+        start = time.perf_counter()
+        try:
+            return work(*args, **kwargs)
+        finally:
+            self._start += time.perf_counter() - start
 
     def step_done(self, result: StepResult) -> None:
         """Count a finished step and keep its loss and gradient norm for the log."""
@@ -97,6 +109,7 @@ class MetricsWindow:
             **self.state.scaler.metrics(),
             "skipped_steps": self.guard.skipped + self.state.scaler.skipped_steps,
             **expert_load_metrics(self._model, self.dp_group, self._steps, self.moe_pp_group),
+            **self.data_metrics(step),
         }
         self._reset()
         return metrics

@@ -32,7 +32,7 @@ from parallel.tied_embedding import embedding_group, reduce_tied_grads
 from pretrain_core.layout import Degrees, grad_accum_steps
 from pretrain_core.schema import RecipeConfig
 from trainer.faults import StepGuard
-from trainer.step import MicroBatches, StepResult, TrainState, apply_gradients
+from trainer.step import MicroBatches, StepResult, TrainState, apply_gradients, lm_loss
 
 
 class PipelineStep:
@@ -56,6 +56,7 @@ class PipelineStep:
         self.has_last = degrees.pp * cfg.parallel.vpp - 1 in stages
         self.n_microbatches = cfg.parallel.pp_microbatches or grad_accum_steps(cfg)
         self.losses: list[torch.Tensor] = []
+        self.evaluating = False
         weights_cast = uses_fsdp(cfg.parallel, degrees)
         for chunk in state.model:
             inner = getattr(chunk, "module", chunk)  # inside DDP, which calls it
@@ -78,7 +79,8 @@ class PipelineStep:
         return self.state.scaler.scale_loss(one / self.n_microbatches)
 
     def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        loss = self.state.loss_fn(logits, targets)
+        # Validation reads the plain loss (the state's may be compiled or fault-injected).
+        loss = lm_loss(logits, targets) if self.evaluating else self.state.loss_fn(logits, targets)
         # Every TP rank holds the same (replicated) loss.
         self.losses.append(local_value(loss.detach()))
         return self.state.scaler.scale_loss(loss / self.n_microbatches)
@@ -106,3 +108,22 @@ class PipelineStep:
         return StepResult(
             loss, *apply_gradients(self.state, self.cfg, self.guard, loss, self.group)
         )
+
+    @torch.no_grad()
+    def evaluate(self, micro_batches: MicroBatches) -> torch.Tensor:
+        """The mean validation loss of this pipeline's micro-batches (forward only, through
+        the same schedule), on every stage."""
+        inputs = torch.cat([x for x, _ in micro_batches]).to(self.device)
+        targets = torch.cat([y for _, y in micro_batches]).to(self.device)
+        args = (inputs,) if self.has_first else ()
+        self.losses, self.evaluating = [], True
+        try:
+            with vocab_parallel_loss(enabled=self.degrees.tp > 1):
+                self.schedule.eval(*args, target=targets if self.has_last else None)
+        finally:
+            self.evaluating = False
+        loss = torch.zeros((), device=self.device)
+        if self.has_last:
+            loss += torch.stack(self.losses[-self.n_microbatches :]).sum() / self.n_microbatches
+        dist.all_reduce(loss, group=self.group)
+        return loss

@@ -1,8 +1,9 @@
 """Everything a rank builds before its first step, in one place, so the loop only steps.
 
-Mesh, model and optimizer (`trainer.build`), the step of the layout (plain or pipelined),
-the data loader, the checkpointer (restored from the newest checkpoint), the fault guard
-and injector, the metrics window and the metrics sinks.
+Mesh, model and optimizer (`trainer.build`), the weights of init.from_hf, the step of the
+layout (plain or pipelined), the data (prepared datasets, the training loader and the
+evaluator over the validation split), the checkpointer (restored from the newest
+checkpoint), the fault guard and injector, the metrics window and the metrics sinks.
 """
 
 from __future__ import annotations
@@ -21,10 +22,20 @@ from pretrain_core.recompute import recomputed_blocks
 from pretrain_core.schema import RecipeConfig
 from trainer.build import build_train_state
 from trainer.checkpoint import Checkpointer
-from trainer.data import DataLoader, GlobalBatchSampler, prepare_dataset
+from trainer.data import (
+    DataLoader,
+    RunData,
+    open_datasets,
+    packed_data,
+    tokens_seen,
+    train_loader,
+    val_loader,
+)
 from trainer.dist import RankInfo
+from trainer.evaluate import Evaluator
 from trainer.fault_injection import FaultInjector
 from trainer.faults import StepGuard, clear_preempted
+from trainer.hf_import import load_hf_weights
 from trainer.kernels import kernels_line
 from trainer.log import get_logger, setup_logging
 from trainer.loggers import MetricsLogger
@@ -45,6 +56,7 @@ class Run:
     state: TrainState
     stepper: Stepper
     loader: DataLoader | PrefetchingLoader
+    evaluator: Evaluator
     checkpointer: Checkpointer
     guard: StepGuard
     faults: FaultInjector
@@ -68,16 +80,25 @@ def setup(cfg: RecipeConfig, rank: RankInfo) -> Run:
     run_dir = Path(cfg.run.dir)
     faults = FaultInjector.from_env(rank.rank)
     guard = StepGuard(cfg.faults.max_bad_steps, rank.device)
+    data = packed_data(cfg, open_datasets(cfg, rank.is_main, get_logger().info))
     state = build_train_state(cfg, mesh, degrees, rank.device)
+    if cfg.init.from_hf:
+        load_hf_weights(state.plain, cfg.model, cfg.init.from_hf)
     state.loss_fn = faults.poisoned(state.loss_fn)
-    stepper: Stepper
-    moe_pp_group = None
-    if degrees.pp > 1:
-        stepper = PipelineStep(state, cfg, degrees, mesh, rank.device, guard)
-        moe_pp_group = stepper.group if cfg.model.moe_experts else None
-    else:
-        stepper = LocalStep(state, cfg, degrees, rank.device, guard)
-    loader, sequences = _data_loader(cfg, mesh, degrees, rank)
+    doc_eos = data.eos_id if cfg.data.doc_mask else None
+    stepper, moe_pp_group = _stepper(cfg, state, degrees, mesh, rank, guard, doc_eos)
+    dp_rank = mesh.dp.get_local_rank()
+    training = train_loader(cfg, data, dp_rank, degrees.dp)
+    loader = _prefetching(cfg, training, rank)
+    evaluator = Evaluator(
+        cfg.eval.every,
+        cfg.eval.batches,
+        stepper,
+        val_loader(cfg, data, dp_rank, degrees.dp),
+        dp_group=mesh.dp.get_group(),
+        model=state.plain,
+        device=rank.device,
+    )
     checkpointer = Checkpointer(
         run_dir, cfg.checkpoint, rank=rank.rank, world_size=rank.world_size, faults=faults
     )
@@ -96,6 +117,9 @@ def setup(cfg: RecipeConfig, rank: RankInfo) -> Run:
         log_every=cfg.logging.log_every,
         straggler_lag=cfg.faults.straggler_lag,
         moe_pp_group=moe_pp_group,
+        data_metrics=lambda step: tokens_seen(
+            training.sampler, data.labels, cfg.train.seq_len, step
+        ),
     )
     metrics = MetricsLogger(
         run_dir,
@@ -105,28 +129,48 @@ def setup(cfg: RecipeConfig, rank: RankInfo) -> Run:
         run_name=cfg.name,
         total_steps=cfg.train.steps,
     )
-    _announce(cfg, rank, degrees, state, sequences, peak)
+    _announce(cfg, rank, degrees, state, data, peak)
     return Run(
-        cfg, rank, run_dir, state, stepper, loader, checkpointer, guard, faults, window, metrics,
+        cfg,
+        rank,
+        run_dir,
+        state,
+        stepper,
+        loader,
+        evaluator,
+        checkpointer,
+        guard,
+        faults,
+        window,
+        metrics,
         start,
-    )  # fmt: skip
-
-
-def _data_loader(
-    cfg: RecipeConfig, mesh: JobMesh, degrees: Degrees, rank: RankInfo
-) -> tuple[DataLoader | PrefetchingLoader, int]:
-    """This rank's share of every global batch, in the same order under any layout, and the
-    number of sequences the dataset holds."""
-    dataset = prepare_dataset(cfg.data, vocab_size=cfg.model.vocab_size, seq_len=cfg.train.seq_len)
-    sampler = GlobalBatchSampler(len(dataset), cfg.train.global_batch, cfg.seed)
-    dp_rank = mesh.dp.get_local_rank()
-    loader = DataLoader(
-        dataset, sampler, dp_rank=dp_rank, dp_size=degrees.dp, micro_batch=cfg.train.micro_batch
     )
+
+
+def _stepper(
+    cfg: RecipeConfig,
+    state: TrainState,
+    degrees: Degrees,
+    mesh: JobMesh,
+    rank: RankInfo,
+    guard: StepGuard,
+    doc_eos: int | None,
+) -> tuple[Stepper, torch.distributed.ProcessGroup | None]:
+    """The step of the layout, and the pipeline group MoE metrics gather over (if any)."""
+    if degrees.pp > 1:
+        stepper = PipelineStep(state, cfg, degrees, mesh, rank.device, guard)
+        return stepper, stepper.group if cfg.model.moe_experts else None
+    return LocalStep(state, cfg, degrees, rank.device, guard, doc_eos), None
+
+
+def _prefetching(
+    cfg: RecipeConfig, loader: DataLoader, rank: RankInfo
+) -> DataLoader | PrefetchingLoader:
+    """The loader, read ahead on a thread when data.prefetch asks (pinned on CUDA)."""
     if cfg.data.prefetch:
         pin = rank.device.type == "cuda"
-        return PrefetchingLoader(loader, depth=cfg.data.prefetch, pin_memory=pin), len(dataset)
-    return loader, len(dataset)
+        return PrefetchingLoader(loader, depth=cfg.data.prefetch, pin_memory=pin)
+    return loader
 
 
 def _throughput_meter(cfg: RecipeConfig, rank: RankInfo, peak: PeakFlops) -> ThroughputMeter:
@@ -149,7 +193,7 @@ def _announce(
     rank: RankInfo,
     degrees: Degrees,
     state: TrainState,
-    sequences: int,
+    data: RunData,
     peak: PeakFlops,
 ) -> None:
     """The start-up lines: model size, layout, data, the peak MFU divides by, kernels."""
@@ -160,7 +204,7 @@ def _announce(
     log = get_logger()
     log.info(
         "%s: %.2fM parameters%s, world %d (dp %d, zero %d, tp %d, pp %d%s, ep %d), "
-        "grad accum %d, %d sequences; %s peak %s TFLOP/s (%s)",
+        "grad accum %d, %s sequences%s; %s peak %s TFLOP/s (%s)",
         cfg.name,
         params.total / 1e6,
         active,
@@ -172,7 +216,8 @@ def _announce(
         " with sp" if cfg.parallel.sp else "",
         degrees.ep,
         grad_accum_steps(cfg),
-        sequences,
+        "+".join(f"{len(s):,}" for s in data.train),
+        f" ({sum(len(s) for s in data.val):,} for validation)" if data.val else "",
         peak.dtype,
         peak.tflops,
         peak.source,

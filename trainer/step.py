@@ -1,8 +1,10 @@
 """One optimizer step: the LM loss, forward and backward over the accumulation micro-batches,
-then unscale, clip, agree on bad steps, update and advance the LR schedule.
+then unscale, clip, agree on bad steps, update and advance the LR schedule; and the
+forward-only loss of validation micro-batches.
 
 The pipelined step (`trainer/pipeline_step.py`) runs its schedule instead of the
 micro-batch loop and shares `apply_gradients` and the state's loss function with it.
+With `data.doc_mask` the model is given each position's document (`document_ids`).
 """
 
 from __future__ import annotations
@@ -49,6 +51,18 @@ MicroBatches = list[tuple[torch.Tensor, torch.Tensor]]
 """This rank's (inputs, targets) of one optimizer step, one pair per micro-batch."""
 
 
+def document_ids(inputs: torch.Tensor, eos: int) -> torch.Tensor:
+    """The document of each input position [b, s]: how many end-of-sequence tokens come
+    before it (an EOS belongs to the document it ends; the token after starts the next)."""
+    ends = (inputs == eos).to(torch.int32)
+    return ends.cumsum(1) - ends
+
+
+def model_kwargs(inputs: torch.Tensor, doc_eos: int | None) -> dict[str, torch.Tensor]:
+    """The model's keyword arguments besides the tokens: the documents under doc_mask."""
+    return {} if doc_eos is None else {"doc_ids": document_ids(inputs, doc_eos)}
+
+
 class StepResult(NamedTuple):
     """What one optimizer step reports: this rank's mean loss, the global gradient norm
     before clipping, and what all ranks agreed: whether the step was bad (skipped) and
@@ -65,6 +79,8 @@ class Stepper(Protocol):
 
     def step(self, micro_batches: MicroBatches) -> StepResult: ...
 
+    def evaluate(self, micro_batches: MicroBatches) -> torch.Tensor: ...
+
 
 def _autocast(cfg: RecipeConfig, degrees: Degrees, device: torch.device):
     """Autocast where FSDP's mixed-precision policy does not already cast (and TE's FP8)."""
@@ -78,6 +94,7 @@ def train_step(
     degrees: Degrees,
     device: torch.device,
     guard: StepGuard | None = None,
+    doc_eos: int | None = None,
 ) -> StepResult:
     """One optimizer step over this rank's accumulation micro-batches.
 
@@ -85,6 +102,7 @@ def train_step(
     ranks agreed: (bad, stop). A bad step (non-finite loss or norm) applies no update, and
     under fp16 neither does a step whose gradients overflowed (the scale backs off). Without
     a `guard` (one-process tools and benchmarks) badness is decided locally and stop is False.
+    `doc_eos` (the end-of-sequence id) turns on document-aware attention.
     """
     accum = len(micro_batches)
     loss_sum = torch.zeros((), device=device)
@@ -94,7 +112,7 @@ def train_step(
         targets = targets.to(device, non_blocking=True)
         with gradient_sync(state.model, enabled=i == accum - 1):
             with _autocast(cfg, degrees, device):
-                logits = state.model(inputs)
+                logits = state.model(inputs, **model_kwargs(inputs, doc_eos))
             with vocab_parallel_loss(enabled=degrees.tp > 1):
                 loss = state.loss_fn(logits, targets)
                 objective = add_router_losses(loss, state.plain)
@@ -106,6 +124,26 @@ def train_step(
     return StepResult(loss, *apply_gradients(state, cfg, guard, loss))
 
 
+@torch.no_grad()
+def eval_loss(
+    state: TrainState,
+    micro_batches: MicroBatches,
+    cfg: RecipeConfig,
+    degrees: Degrees,
+    device: torch.device,
+    doc_eos: int | None = None,
+) -> torch.Tensor:
+    """This rank's mean LM loss over `micro_batches`, forward only: no gradient, no update."""
+    total = torch.zeros((), device=device)
+    for inputs, targets in micro_batches:
+        inputs, targets = inputs.to(device), targets.to(device)
+        with _autocast(cfg, degrees, device):
+            logits = state.model(inputs, **model_kwargs(inputs, doc_eos))
+        with vocab_parallel_loss(enabled=degrees.tp > 1):
+            total += local_value(lm_loss(logits, targets))
+    return total / len(micro_batches)
+
+
 @dataclass
 class LocalStep:
     """`train_step` of a layout without pipeline parallelism, bound to its run."""
@@ -115,11 +153,25 @@ class LocalStep:
     degrees: Degrees
     device: torch.device
     guard: StepGuard | None = None
+    doc_eos: int | None = None
+    """The end-of-sequence id when data.doc_mask is on."""
 
     def step(self, micro_batches: MicroBatches) -> StepResult:
         """One optimizer step over this rank's micro-batches."""
         return train_step(
-            self.state, micro_batches, self.cfg, self.degrees, self.device, self.guard
+            self.state,
+            micro_batches,
+            self.cfg,
+            self.degrees,
+            self.device,
+            self.guard,
+            self.doc_eos,
+        )
+
+    def evaluate(self, micro_batches: MicroBatches) -> torch.Tensor:
+        """This rank's mean validation loss over `micro_batches` (forward only)."""
+        return eval_loss(
+            self.state, micro_batches, self.cfg, self.degrees, self.device, self.doc_eos
         )
 
 

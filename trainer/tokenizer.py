@@ -1,7 +1,7 @@
-"""Tokenizers: a byte-level BPE trained on the corpus (cached), or a pretrained one from disk.
+"""Tokenizers: a byte-level BPE trained on the text sources (cached), or one from disk.
 
 `load_tokenizer` returns a `tokenizers.Tokenizer` whose end-of-sequence token is known to
-`eos_id`; the token file separates documents with it.
+`eos_id`; prepared datasets end every document with it.
 """
 
 from __future__ import annotations
@@ -10,18 +10,15 @@ import hashlib
 import json
 import os
 import time
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from filelock import FileLock
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from trainer.corpus import (
-    build_once,
-    cache_root,
-    corpus_identity,
-    identity_hash,
-    iter_document_batches,
-)
+from pretrain_core.data_sources import text_sources, tokenizer_file, trained_tokenizer_path
+from trainer.corpus import source_documents
 
 if TYPE_CHECKING:
     from pretrain_core.schema import DataConfig
@@ -31,9 +28,6 @@ EOS_TOKEN = "<|endoftext|>"
 
 KNOWN_EOS_TOKENS = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>")
 """End-of-sequence tokens recognised in a pretrained tokenizer without a tokenizer_config.json."""
-
-TRAINER_VERSION = 1
-"""Bump when the training recipe below changes, so cached tokenizers are retrained."""
 
 
 def tokenizer_hash(tokenizer: Tokenizer) -> str:
@@ -59,8 +53,18 @@ def eos_id(tokenizer: Tokenizer) -> int:
     )
 
 
+def _training_text(data: DataConfig) -> Iterator[list[str]]:
+    for src in text_sources(data):
+        yield from source_documents(src)
+
+
 def train_tokenizer(data: DataConfig, vocab_size: int) -> Tokenizer:
-    """Train a byte-level BPE with `vocab_size` tokens (EOS included) on the corpus."""
+    """Train a byte-level BPE with `vocab_size` tokens (EOS included) on the text sources."""
+    return train_bpe(_training_text(data), vocab_size)
+
+
+def train_bpe(batches: Iterable[list[str]], vocab_size: int) -> Tokenizer:
+    """A byte-level BPE with `vocab_size` tokens (EOS included) trained on `batches` of text."""
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
@@ -70,32 +74,32 @@ def train_tokenizer(data: DataConfig, vocab_size: int) -> Tokenizer:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tokenizer.train_from_iterator(iter_document_batches(data), trainer=trainer)
+    tokenizer.train_from_iterator(batches, trainer=trainer)
     return tokenizer
 
 
-def _trained_tokenizer_path(data: DataConfig, vocab_size: int) -> Path:
-    """Train on first use and cache by (corpus identity, vocab size); concurrent callers
-    (ranks starting together) wait on a file lock while one of them trains."""
-    key = identity_hash(
-        {"corpus": corpus_identity(data), "vocab_size": vocab_size, "version": TRAINER_VERSION}
-    )
-    folder = cache_root(data) / "tokenizers" / key
-    path = folder / "tokenizer.json"
-
-    def build() -> None:
+def trained_tokenizer(
+    data: DataConfig, vocab_size: int, report: Callable[[str], None] = print
+) -> Path:
+    """The path of the tokenizer `train` names, training it on first use. Concurrent callers
+    wait on a file lock while one of them trains; readers only ever see a complete file."""
+    path = trained_tokenizer_path(data, vocab_size)
+    if path.exists():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(path.parent / "build.lock")):
+        if path.exists():
+            return path
         start = time.perf_counter()
         tokenizer = train_tokenizer(data, vocab_size)
-        tmp = folder / "tokenizer.json.tmp"
+        tmp = path.with_suffix(".json.tmp")
         tokenizer.save(str(tmp))
-        os.replace(tmp, path)  # readers only ever see a complete file
-        print(
+        os.replace(tmp, path)
+        sources = ", ".join(repr(s.source) for s in text_sources(data))
+        report(
             f"data: trained byte-level BPE ({tokenizer.get_vocab_size()} tokens) on "
-            f"{data.source!r} in {time.perf_counter() - start:.1f}s -> {path}",
-            flush=True,
+            f"{sources} in {time.perf_counter() - start:.1f}s -> {path}"
         )
-
-    build_once(path, build)
     return path
 
 
@@ -109,16 +113,18 @@ def _pretrained_eos(folder: Path) -> str | None:
     return eos
 
 
-def load_tokenizer(data: DataConfig, vocab_size: int) -> Tokenizer:
+def load_tokenizer(
+    data: DataConfig, vocab_size: int, report: Callable[[str], None] = print
+) -> Tokenizer:
     """The tokenizer `data.tokenizer` names (training and caching one for `train`), checked to
     fit a model embedding of `vocab_size` rows and to have an end-of-sequence token."""
+    if data.tokenizer == "none":
+        raise ValueError("data.tokenizer=none: the sources are pre-tokenized; there is none")
     if data.tokenizer == "train":
-        path = _trained_tokenizer_path(data, vocab_size)
+        path = trained_tokenizer(data, vocab_size, report)
         eos = EOS_TOKEN
     else:
-        path = Path(os.path.expanduser(data.tokenizer))
-        if path.is_dir():
-            path = path / "tokenizer.json"
+        path = tokenizer_file(data) or Path()
         if not path.is_file():
             raise FileNotFoundError(
                 f"data.tokenizer={data.tokenizer!r}: no tokenizer.json there; give `train`, a "

@@ -2,7 +2,8 @@
 
 Everything is built before the loop (`trainer.setup`); the loop only calls components: the
 step of the layout, the fault guard and injector, the checkpointer (which decides when a
-save is due), the metrics window (timing and the metrics dict) and the metrics sinks.
+save is due), the evaluator (the validation loss when due, untimed), the metrics window
+(timing and the metrics dict) and the metrics sinks.
 """
 
 from __future__ import annotations
@@ -28,8 +29,9 @@ def train(run: Run) -> None:
             run.faults.after_step()
             run.window.step_done(result)
             run.checkpointer.after_step(step, run.state, run.loader, result.stop)
-            if run.window.due(step, last=step == total, stop=result.stop):
-                metrics.log(step, run.window.collect(step))
+            val = run.window.untimed(run.evaluator.after_step, step, step == total, result.stop)
+            if val or run.window.due(step, last=step == total, stop=result.stop):
+                metrics.log(step, {**run.window.collect(step), **val})
             if result.stop:
                 _stop_after_save(run, step)
                 return

@@ -129,7 +129,10 @@ def test_multirun_writes_one_run_dir_per_point(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_default_recipe_trains_end_to_end_on_two_ranks(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    overrides = [o for o in BASE_OVERRIDES if not o.startswith(("train.steps", "logging."))]
+    # The recipe's own evaluation: every 100 steps and at the end, so at step 30.
+    overrides = [
+        o for o in BASE_OVERRIDES if not o.startswith(("train.steps", "logging.", "eval."))
+    ]
     result = pretrain(
         *overrides,
         "train.steps=30",
@@ -145,6 +148,8 @@ def test_default_recipe_trains_end_to_end_on_two_ranks(tmp_path: Path) -> None:
     for key in ("loss", "lr", "grad_norm", "tokens_per_s", "tflops_per_device", "mfu"):
         assert key in rows[0]
     assert rows[-1]["loss"] < rows[0]["loss"]
+    assert "val_loss" not in rows[0] and rows[-1]["val_loss"] > 0
+    assert f"val loss {rows[-1]['val_loss']:.4f}" in result.stdout
     assert read_curve(run_dir / "metrics.jsonl").loss == [r["loss"] for r in rows]
     assert (run_dir / "wandb_run_id").exists()
     assert list((run_dir / "wandb").glob("offline-run-*"))

@@ -1,5 +1,6 @@
 """Fixtures of the SLURM tests: a real controller (slurm/local-cluster/start.sh on this
-machine, or the cluster that SLURM_CONF already names) and the CPU recipe its jobs run."""
+machine, or the cluster that SLURM_CONF already names), the CPU recipe its jobs run, and
+its data, prepared by a CPU-only SLURM job of its own as `action=prepare` submits it."""
 
 from __future__ import annotations
 
@@ -11,6 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from launcher.backends import wait_for_slurm_job
+from launcher.prepare_job import submit_prepare, write_prepare_files
+from pretrain_core.data_checks import unprepared
 from pretrain_core.schema import RecipeConfig
 
 REPO = Path(__file__).resolve().parents[2]
@@ -57,8 +61,10 @@ def slurm_cluster() -> Iterator[None]:
 
 
 def cpu_recipe(run_dir: Path, steps: int) -> RecipeConfig:
-    """The tiny default model on 2 CPU ranks, sized for the 2-core node."""
+    """The tiny default model and data on 2 CPU ranks, sized for the 2-core node."""
     cfg = RecipeConfig()
+    cfg.data.max_bytes, cfg.data.val_fraction = 4_000_000, 0.02  # the tiny recipe's data
+    cfg.data.cache_dir = os.environ.get("PRETRAIN_CACHE_DIR", cfg.data.cache_dir)
     cfg.cluster.backend = "slurm"
     cfg.cluster.device = "cpu"
     cfg.cluster.gpu_type = "cpu"
@@ -69,3 +75,20 @@ def cpu_recipe(run_dir: Path, steps: int) -> RecipeConfig:
     cfg.logging.wandb = "disabled"
     cfg.run.dir = str(run_dir)
     return cfg
+
+
+def prepare_on_slurm(cfg: RecipeConfig) -> None:
+    """Prepare the recipe's data with the CPU-only job `action=prepare` submits (in
+    RUN_DIR), unless it is prepared already."""
+    if not unprepared(cfg):
+        return
+    job = submit_prepare(write_prepare_files(cfg, Path(cfg.run.dir)))
+    state = wait_for_slurm_job(job.job_id, JOB_TIMEOUT_S)
+    assert state == "COMPLETED", job.log_path.read_text()
+    assert not unprepared(cfg)
+
+
+@pytest.fixture(scope="module")
+def tiny_data(slurm_cluster: None, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The data of cpu_recipe and of the tiny recipe (the same dataset), prepared."""
+    prepare_on_slurm(cpu_recipe(tmp_path_factory.mktemp("prepare"), steps=1))

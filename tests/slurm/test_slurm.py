@@ -52,7 +52,7 @@ def test_a_rejected_submission_raises_with_sbatch_message(
 
 
 def test_a_rendered_job_trains_in_a_run_dir_named_like_shell_code(
-    slurm_cluster: None, tmp_path: Path
+    tiny_data: None, tmp_path: Path
 ) -> None:
     marker = tmp_path / "owned"
     run_dir = tmp_path / f"run $(touch {marker}); touch {marker} 'q\" %j"
@@ -99,7 +99,7 @@ def _submitted_logs(output: str) -> list[Path]:
 
 
 @pytest.mark.e2e
-def test_pretrain_submits_to_slurm_and_the_job_trains(slurm_cluster: None, tmp_path: Path) -> None:
+def test_pretrain_submits_to_slurm_and_the_job_trains(tiny_data: None, tmp_path: Path) -> None:
     steps = 3
     run_dir = tmp_path / "run"
     output = _pretrain([*SLURM_TINY, f"train.steps={steps}", f"run.dir={run_dir}"], cwd=tmp_path)
@@ -113,7 +113,7 @@ def test_pretrain_submits_to_slurm_and_the_job_trains(slurm_cluster: None, tmp_p
 
 
 @pytest.mark.e2e
-def test_a_pretrain_sweep_submits_one_job_per_point(slurm_cluster: None, tmp_path: Path) -> None:
+def test_a_pretrain_sweep_submits_one_job_per_point(tiny_data: None, tmp_path: Path) -> None:
     steps = 2
     seeds = (1, 2)
     output = _pretrain(

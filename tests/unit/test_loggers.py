@@ -173,3 +173,22 @@ def test_wandb_that_cannot_start_warns_and_the_other_sinks_keep_working(
         logger.log(1, METRICS)
     assert "W&B disabled" in capsys.readouterr().out
     assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [1]
+
+
+def test_validation_and_mixture_metrics_reach_every_sink(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    metrics = {**METRICS, "val_loss": 2.5, "val_ppl": 12.18, "tokens_seen_code": 4096}
+    with make_logger(tmp_path, wandb="offline") as logger:
+        logger.log(4, metrics)
+    assert "| val loss 2.5000 (ppl 12.18) |" in capsys.readouterr().out
+    [row] = read_jsonl(tmp_path / "metrics.jsonl")
+    assert row["val_loss"] == 2.5 and row["val_ppl"] == 12.18 and row["tokens_seen_code"] == 4096
+    assert [wandb_key(k) for k in ("val_loss", "val_ppl", "tokens_seen_code")] == [
+        "val/loss",
+        "val/ppl",
+        "data/tokens_seen_code",
+    ]
+    [history] = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
+    recorded = history.read_bytes()
+    assert b"val/loss" in recorded and b"data/tokens_seen_code" in recorded

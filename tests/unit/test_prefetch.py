@@ -9,27 +9,33 @@ import numpy as np
 import pytest
 import torch
 
-from trainer.data import META_NAME, TOKENS_NAME, DataLoader, GlobalBatchSampler, PackedDataset
+from tests.helpers import data_recipe
+from trainer.data import DataLoader, open_datasets
+from trainer.dataset import PackedSequences, TokenStream
 from trainer.prefetch import PrefetchingLoader
+from trainer.sampler import MixtureSampler
 
 SEQ_LEN = 8
 
 
 @pytest.fixture(scope="module")
-def dataset(tmp_path_factory: pytest.TempPathFactory) -> PackedDataset:
+def dataset(tmp_path_factory: pytest.TempPathFactory) -> PackedSequences:
     """A token file of 0, 1, 2, ... (every sequence distinct), 50 sequences of 8 tokens."""
     folder = tmp_path_factory.mktemp("tokens")
-    tokens = np.arange(50 * SEQ_LEN + 1, dtype=np.uint16)
-    (folder / TOKENS_NAME).write_bytes(tokens.tobytes())
-    meta = {"dtype": "uint16", "num_tokens": len(tokens), "eos_id": 0}
-    (folder / META_NAME).write_text(json.dumps(meta))
-    return PackedDataset(folder, SEQ_LEN)
+    np.arange(50 * SEQ_LEN + 1, dtype=np.uint16).tofile(folder / "train.bin")
+    cfg = data_recipe(str(folder / "train.bin"), folder / "cache", "none")
+    [prepared] = open_datasets(cfg, is_main=True, report=lambda _: None)
+    return PackedSequences(TokenStream(prepared, prepared.everything()), SEQ_LEN)
 
 
-def plain_loader(dataset: PackedDataset, dp_rank: int = 1) -> DataLoader:
+def loader(dataset: PackedSequences, global_batch: int, dp_rank: int = 1) -> DataLoader:
+    sampler = MixtureSampler([len(dataset)], [1.0], global_batch=global_batch, seed=7)
+    return DataLoader([dataset], sampler, dp_rank=dp_rank, dp_size=2, micro_batch=3)
+
+
+def plain_loader(dataset: PackedSequences, dp_rank: int = 1) -> DataLoader:
     # 12 sequences per step over 2 ranks in micro-batches of 3: two micro-batches per rank.
-    sampler = GlobalBatchSampler(len(dataset), global_batch=12, seed=7)
-    return DataLoader(dataset, sampler, dp_rank=dp_rank, dp_size=2, micro_batch=3)
+    return loader(dataset, 12, dp_rank)
 
 
 def as_lists(step: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[list, list]]:
@@ -81,9 +87,7 @@ def test_close_leaves_the_underlying_loader_at_the_consumed_position(dataset):
 
 def test_a_read_error_reaches_the_loop_with_its_step(dataset):
     # A global batch of 10 cannot be split over 2 ranks x micro-batch 3: the first read fails.
-    sampler = GlobalBatchSampler(len(dataset), global_batch=10, seed=7)
-    loader = DataLoader(dataset, sampler, dp_rank=0, dp_size=2, micro_batch=3)
-    prefetching = PrefetchingLoader(loader, depth=2)
+    prefetching = PrefetchingLoader(loader(dataset, 10, dp_rank=0), depth=2)
     with pytest.raises(RuntimeError, match="step 0 failed") as error:
         prefetching.next_step()
     assert "not divisible" in str(error.value.__cause__)

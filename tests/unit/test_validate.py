@@ -98,7 +98,7 @@ CASES = [
     ({"cluster.backend": "slurm", "cluster.qos": "$(id)"}, "cluster.qos", "only letters, digits",
      "qos"),
     ({"name": "my run!"}, "name", "only letters, digits, '_', '.' and '-'", "use my_run"),
-    ({"action": "train"}, "action", "unknown value 'train'", "use run, plan, script or suggest"),
+    ({"action": "train"}, "action", "unknown value 'train'", "suggest or prepare"),
     # optimizer and schedule
     ({"optim.lr": -1.0}, "optim.lr", "must be >= 0", ">= 0"),
     ({"optim.min_lr": -1.0}, "optim.min_lr", "must be >= 0", ">= 0"),
@@ -133,7 +133,7 @@ CASES = [
     ({"logging.wandb": "on"}, "logging.wandb", "unknown value",
      "auto, online, offline or disabled"),
     ({"plan.format": "yaml"}, "plan.format", "unknown value 'yaml'", "use table or json"),
-    ({"data.format": "csv"}, "data.format", "unknown value 'csv'", "auto, text, jsonl or parquet"),
+    ({"data.format": "csv"}, "data.format", "unknown value 'csv'", "megatron or prepared"),
     ({"data.max_bytes": -1}, "data.max_bytes", "must be >= 0", ">= 0"),
     # model
     ({"model.name": "gpt2"}, "model.name", "unknown value 'gpt2'", "use llama"),

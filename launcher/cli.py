@@ -83,7 +83,7 @@ def execute(cfg: RecipeConfig) -> None:
             print(render_plan(plan))
         return
 
-    from launcher.backends import LaunchError, run_local, submit_slurm
+    from launcher.backends import LaunchError, never_starts, run_local, submit_slurm
     from launcher.job import JobError, write_run_dir
 
     print(render_plan(plan))
@@ -101,6 +101,11 @@ def execute(cfg: RecipeConfig) -> None:
         if cfg.cluster.backend == "slurm":
             job = submit_slurm(files)
             print(f"submitted SLURM job {job.job_id}; log: {job.log_path}")
+            # The controller judges a job when it is submitted: one it can never start is
+            # said so now, not found pending days later.
+            problem = never_starts(job.job_id)
+            if problem:
+                _fail(problem)
             return
         code = run_local(files, cfg)
     except LaunchError as err:

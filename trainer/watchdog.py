@@ -119,6 +119,8 @@ class Watchdog:
         self._thread = threading.Thread(target=self._watch, name="hang-watchdog", daemon=True)
 
     def __enter__(self) -> Watchdog:
+        # A record left by an earlier run of this run dir would tell of another hang.
+        (self.dir / f"rank_{self.rank}.json").unlink(missing_ok=True)
         self._thread.start()
         return self
 

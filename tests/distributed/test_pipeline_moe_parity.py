@@ -33,11 +33,6 @@ def moe_metrics(run_dir: Path) -> list[dict]:
     return [{k: v for k, v in row.items() if k.startswith("moe_")} for row in rows]
 
 
-@pytest.fixture(scope="module")
-def reference(workdir: Path):
-    return run_pretrain(workdir / "reference", MOE, nproc=1, recipe="tiny_moe")
-
-
 @pytest.mark.parametrize(
     ("label", "overrides", "nproc"),
     [
@@ -49,11 +44,13 @@ def reference(workdir: Path):
         ("1f1b_pp2_ep2_zero2", ["parallel.pp=2", "parallel.ep=2", "parallel.zero=2"], 4),
     ],
 )
-def test_pipelined_moe_matches_reference(workdir, reference, label, overrides, nproc) -> None:
+def test_pipelined_moe_matches_reference(
+    workdir, moe_reference, moe_reference_run, label, overrides, nproc
+) -> None:
     curve = run_pretrain(workdir / label, MOE + overrides, nproc=nproc, recipe="tiny_moe")
-    assert max_relative_difference(curve.loss, reference.loss) <= FP32_TOLERANCE
-    assert max_relative_difference(curve.grad_norm, reference.grad_norm) <= FP32_TOLERANCE
-    expected = moe_metrics(workdir / "reference")
+    assert max_relative_difference(curve.loss, moe_reference.loss) <= FP32_TOLERANCE
+    assert max_relative_difference(curve.grad_norm, moe_reference.grad_norm) <= FP32_TOLERANCE
+    expected = moe_metrics(moe_reference_run)
     got = moe_metrics(workdir / label)
     assert [{k: row[k] for k in COUNTS} for row in got] == [
         {k: row[k] for k in COUNTS} for row in expected

@@ -1,21 +1,26 @@
 """Fixtures of the SLURM tests: a real controller (slurm/local-cluster/start.sh on this
-machine, or the cluster that SLURM_CONF already names) and the CPU recipe its jobs run."""
+machine with two emulated nodes, or the cluster that SLURM_CONF already names), the CPU
+recipe its jobs run, and submission of the harness model through the `pretrain` CLI."""
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from pretrain_core.schema import RecipeConfig
+from tests.distributed.harness import BASE_OVERRIDES
 
 REPO = Path(__file__).resolve().parents[2]
 CLUSTER_SCRIPTS = REPO / "slurm" / "local-cluster"
 JOB_TIMEOUT_S = 300
+CLUSTER_NODES = 2
 
 
 def _controller_answers() -> bool:
@@ -44,7 +49,9 @@ def slurm_cluster() -> Iterator[None]:
     previous_conf = os.environ.get("SLURM_CONF")
     os.environ["SLURM_CONF"] = str(state_dir / "slurm.conf")
     already_up = (state_dir / "slurm.conf").exists() and _controller_answers()
-    subprocess.run([CLUSTER_SCRIPTS / "start.sh", state_dir], check=True, timeout=300)
+    # Two nodes, as CI starts it; a one-node cluster is restarted once its queue is empty.
+    nodes = ["--nodes", str(CLUSTER_NODES)]
+    subprocess.run([CLUSTER_SCRIPTS / "start.sh", *nodes, state_dir], check=True, timeout=900)
     try:
         yield
     finally:
@@ -69,3 +76,34 @@ def cpu_recipe(run_dir: Path, steps: int) -> RecipeConfig:
     cfg.logging.wandb = "disabled"
     cfg.run.dir = str(run_dir)
     return cfg
+
+
+@pytest.fixture(scope="module")
+def two_nodes(slurm_cluster: None) -> None:
+    """The cluster has at least two nodes that can take jobs."""
+    states = subprocess.run(
+        ["sinfo", "-h", "-N", "-o", "%t"], capture_output=True, text=True, check=True
+    ).stdout.split()
+    usable = [s for s in states if s.rstrip("*") in ("idle", "mix", "alloc", "comp")]
+    if len(usable) < 2:
+        pytest.skip(f"the SLURM cluster has {len(usable)} usable node(s); these tests need 2")
+
+
+SLURM_CPU = [
+    "cluster=slurm", "cluster.device=cpu", "cluster.gpu_type=cpu", "cluster.cpus_per_task=1",
+    "cluster.omp_num_threads=1",
+]  # fmt: skip
+"""The harness model's runs as SLURM jobs on the CPU test nodes."""
+
+
+def submit(run_dir: Path, overrides: list[str], cwd: Path) -> str:
+    """Submit the harness model with `overrides` through the `pretrain` CLI; the job id."""
+    result = subprocess.run(
+        [
+            sys.executable, "-m", "launcher", "--config-name", "tiny", *BASE_OVERRIDES,
+            *SLURM_CPU, f"run.dir={run_dir}", *overrides,
+        ],
+        cwd=cwd, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    return re.search(r"submitted SLURM job (\d+)", result.stdout)[1]

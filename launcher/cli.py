@@ -10,6 +10,7 @@ Nothing here imports torch, so the command starts fast.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import sys
@@ -102,10 +103,11 @@ def execute(cfg: RecipeConfig) -> None:
             job = submit_slurm(files)
             print(f"submitted SLURM job {job.job_id}; log: {job.log_path}")
             # The controller judges a job when it is submitted: one it can never start is
-            # said so now, not found pending days later.
-            problem = never_starts(job.job_id)
-            if problem:
-                _fail(problem)
+            # said so now, not found pending days later (if the controller can be asked).
+            with contextlib.suppress(LaunchError):
+                cannot_start = never_starts(job.job_id)
+                if cannot_start:
+                    _fail(cannot_start)
             return
         code = run_local(files, cfg)
     except LaunchError as err:

@@ -303,7 +303,8 @@ class FaultConfig:
     collective_timeout_s: float = 600.0
     """A collective that waits longer than this fails with an error instead of hanging."""
     straggler_lag: float = 0.25
-    """Name the slowest rank when its step time exceeds the median by this fraction."""
+    """Name a rank whose own compute per step exceeds the median of the ranks doing the same
+    work by this fraction of that median and of the step time."""
 
 
 @dataclass

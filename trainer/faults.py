@@ -94,17 +94,23 @@ def slowest_rank(step_times: list[float], lag: float) -> tuple[int, float] | Non
     return (rank, excess) if excess > lag else None
 
 
-def stragglers(compute: list[float], peers: list[int], lag: float) -> list[tuple[int, float]]:
+def stragglers(
+    compute: list[float], peers: list[int], lag: float, step_s: float
+) -> list[tuple[int, float]]:
     """(rank, its lag over the median) of the slowest rank of each group of peers (ranks with
     the same `peers` value do the same work: one pipeline stage) when it computes more than
-    `lag` (a fraction) longer than its group's median; groups of one rank are not compared."""
+    `lag` (a fraction) longer than its group's median, and the extra time is more than `lag`
+    of the step's wall time `step_s` too (less costs the step little, and is what measuring
+    a few milliseconds of compute on a shared machine varies by); groups of one rank are not
+    compared."""
     found = []
     for group in sorted(set(peers)):
         ranks = [r for r, p in enumerate(peers) if p == group]
         if len(ranks) < 2:
             continue
-        slow = slowest_rank([compute[r] for r in ranks], lag)
-        if slow is not None:
+        times = [compute[r] for r in ranks]
+        slow = slowest_rank(times, lag)
+        if slow is not None and times[slow[0]] - statistics.median(times) > lag * step_s:
             found.append((ranks[slow[0]], slow[1]))
     return found
 

@@ -102,6 +102,8 @@ def test_stragglers_are_named_among_the_ranks_of_their_pipeline_stage() -> None:
     # Stage 1 (ranks 2, 3) computes twice as long as stage 0 by design: no straggler there.
     compute = [1.0, 1.0, 2.0, 2.1, 1.0, 1.6, 2.0, 2.0]
     stages = [0, 0, 1, 1, 0, 0, 1, 1]
-    [(rank, lag)] = stragglers(compute, stages, lag=0.25)
+    [(rank, lag)] = stragglers(compute, stages, lag=0.25, step_s=2.2)
     assert rank == 5 and lag == pytest.approx(0.6)
-    assert stragglers([1.0, 9.0], [0, 1], lag=0.25) == []  # one rank per stage: no peers
+    assert stragglers([1.0, 9.0], [0, 1], lag=0.25, step_s=9.0) == []  # no peers to compare
+    # 0.6 s more than its peers is under a quarter of a 3 s step: not worth naming.
+    assert stragglers(compute, stages, lag=0.25, step_s=3.0) == []

@@ -85,32 +85,30 @@ class StepGuard:
             )
 
 
-def slowest_rank(step_times: list[float], lag: float) -> tuple[int, float] | None:
-    """(rank, its lag over the median) of the slowest rank when it is more than `lag`
-    (a fraction) slower than the median step time; None otherwise."""
-    median = statistics.median(step_times)
-    rank = max(range(len(step_times)), key=step_times.__getitem__)
-    excess = step_times[rank] / median - 1 if median > 0 else 0.0
-    return (rank, excess) if excess > lag else None
+def slowest_rank(times: list[float], lag: float, step_s: float = 0.0) -> tuple[int, float] | None:
+    """(rank, its lag over the others' median) of the slowest of `times` (seconds per step)
+    when it takes more than `lag` (a fraction) longer than the median of the others, and the
+    extra time is more than `lag` of the step's wall time `step_s` too (less costs the step
+    little, and is what measuring a few milliseconds of compute on a shared machine varies
+    by); None otherwise."""
+    rank = max(range(len(times)), key=times.__getitem__)
+    others = statistics.median(times[:rank] + times[rank + 1 :])
+    excess = times[rank] / others - 1 if others > 0 else 0.0
+    return (rank, excess) if excess > lag and times[rank] - others > lag * step_s else None
 
 
 def stragglers(
     compute: list[float], peers: list[int], lag: float, step_s: float
 ) -> list[tuple[int, float]]:
-    """(rank, its lag over the median) of the slowest rank of each group of peers (ranks with
-    the same `peers` value do the same work: one pipeline stage) when it computes more than
-    `lag` (a fraction) longer than its group's median, and the extra time is more than `lag`
-    of the step's wall time `step_s` too (less costs the step little, and is what measuring
-    a few milliseconds of compute on a shared machine varies by); groups of one rank are not
-    compared."""
+    """`slowest_rank` of each group of peers (ranks with the same `peers` value do the same
+    work: one pipeline stage) as (rank, lag); groups of one rank are not compared."""
     found = []
     for group in sorted(set(peers)):
         ranks = [r for r, p in enumerate(peers) if p == group]
         if len(ranks) < 2:
             continue
-        times = [compute[r] for r in ranks]
-        slow = slowest_rank(times, lag)
-        if slow is not None and times[slow[0]] - statistics.median(times) > lag * step_s:
+        slow = slowest_rank([compute[r] for r in ranks], lag, step_s)
+        if slow is not None:
             found.append((ranks[slow[0]], slow[1]))
     return found
 

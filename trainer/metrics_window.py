@@ -10,8 +10,8 @@ step's blocking collectives for the slowest, so their step times are all alike. 
 of a step (forward, backward, optimizer) is the CPU time of the rank's main thread while it
 runs the step: a rank blocked in a collective sleeps and adds nothing to it. Ranks are
 compared with their peers (the ranks of the same pipeline stage, which do the same work),
-and a rank is named when its extra compute is more than `faults.straggler_lag` of its
-peers' median and of the step's wall time.
+and a rank is named when its extra compute is more than `faults.straggler_lag` of the
+median of the others and of the step's wall time.
 On CUDA the host spins while it waits for the device, so this measure cannot tell the ranks
 apart there and names no one.
 """
@@ -128,13 +128,13 @@ class MetricsWindow:
         for rank, excess in stragglers(compute, peers, self.straggler_lag, step_s):
             get_logger().info(
                 "step %d: rank %d (host %s) is a straggler: %.3f s of compute per step, "
-                "%.0f%% over the median of its %d peers",
+                "%.0f%% over the median of its peers (ranks %s)",
                 step,
                 rank,
                 self.hosts[rank],
                 compute[rank],
                 100 * excess,
-                peers.count(peers[rank]),
+                [r for r, p in enumerate(peers) if p == peers[rank] and r != rank],
             )
 
 

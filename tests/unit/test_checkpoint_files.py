@@ -107,3 +107,5 @@ def test_stragglers_are_named_among_the_ranks_of_their_pipeline_stage() -> None:
     assert stragglers([1.0, 9.0], [0, 1], lag=0.25, step_s=9.0) == []  # no peers to compare
     # 0.6 s more than its peers is under a quarter of a 3 s step: not worth naming.
     assert stragglers(compute, stages, lag=0.25, step_s=3.0) == []
+    # Of two ranks, the slow one is compared with the other, not with their mean.
+    assert stragglers([0.03, 0.33], [0, 0], lag=0.25, step_s=0.8) == [(1, pytest.approx(10.0))]

@@ -303,8 +303,8 @@ class FaultConfig:
     collective_timeout_s: float = 600.0
     """A collective that waits longer than this fails with an error instead of hanging."""
     straggler_lag: float = 0.25
-    """Name a rank whose own compute per step exceeds the median of the ranks doing the same
-    work by this fraction of that median and of the step time."""
+    """Name a rank whose own compute per step exceeds the median of the other ranks doing the
+    same work by this fraction (and by more than 50 ms)."""
 
 
 @dataclass

@@ -85,21 +85,23 @@ class StepGuard:
             )
 
 
-def slowest_rank(times: list[float], lag: float, step_s: float = 0.0) -> tuple[int, float] | None:
+STRAGGLER_MIN_S = 0.05
+"""Extra compute per step below which no rank is named: measuring a few milliseconds of
+compute on a shared machine varies by about that much, and so little costs a step little."""
+
+
+def slowest_rank(times: list[float], lag: float) -> tuple[int, float] | None:
     """(rank, its lag over the others' median) of the slowest of `times` (seconds per step)
-    when it takes more than `lag` (a fraction) longer than the median of the others, and the
-    extra time is more than `lag` of the step's wall time `step_s` too (less costs the step
-    little, and is what measuring a few milliseconds of compute on a shared machine varies
-    by); None otherwise."""
+    when it takes more than `lag` (a fraction) and more than STRAGGLER_MIN_S longer than the
+    median of the others; None otherwise."""
     rank = max(range(len(times)), key=times.__getitem__)
     others = statistics.median(times[:rank] + times[rank + 1 :])
     excess = times[rank] / others - 1 if others > 0 else 0.0
-    return (rank, excess) if excess > lag and times[rank] - others > lag * step_s else None
+    late = excess > lag and times[rank] - others > STRAGGLER_MIN_S
+    return (rank, excess) if late else None
 
 
-def stragglers(
-    compute: list[float], peers: list[int], lag: float, step_s: float
-) -> list[tuple[int, float]]:
+def stragglers(compute: list[float], peers: list[int], lag: float) -> list[tuple[int, float]]:
     """`slowest_rank` of each group of peers (ranks with the same `peers` value do the same
     work: one pipeline stage) as (rank, lag); groups of one rank are not compared."""
     found = []
@@ -107,7 +109,7 @@ def stragglers(
         ranks = [r for r, p in enumerate(peers) if p == group]
         if len(ranks) < 2:
             continue
-        slow = slowest_rank([compute[r] for r in ranks], lag, step_s)
+        slow = slowest_rank([compute[r] for r in ranks], lag)
         if slow is not None:
             found.append((ranks[slow[0]], slow[1]))
     return found

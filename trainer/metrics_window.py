@@ -11,7 +11,7 @@ of a step (forward, backward, optimizer) is the CPU time of the rank's main thre
 runs the step: a rank blocked in a collective sleeps and adds nothing to it. Ranks are
 compared with their peers (the ranks of the same pipeline stage, which do the same work),
 and a rank is named when its extra compute is more than `faults.straggler_lag` of the
-median of the others and of the step's wall time.
+median of the others (and more than a noise floor, STRAGGLER_MIN_S).
 On CUDA the host spins while it waits for the device, so this measure cannot tell the ranks
 apart there and names no one.
 """
@@ -106,7 +106,7 @@ class MetricsWindow:
         dist.all_reduce(loss, group=self.dp_group)
         loss_value = loss.item() / self.dp_size
         elapsed = time.perf_counter() - self._start
-        self._report_stragglers(step, self._compute / self._steps, elapsed / self._steps)
+        self._report_stragglers(step, self._compute / self._steps)
         metrics = {
             # Non-finite values are written as null: metrics.jsonl stays strict JSON.
             "loss": loss_value if math.isfinite(loss_value) else None,
@@ -122,10 +122,10 @@ class MetricsWindow:
         self._reset()
         return metrics
 
-    def _report_stragglers(self, step: int, compute_s: float, step_s: float) -> None:
+    def _report_stragglers(self, step: int, compute_s: float) -> None:
         """Name each rank whose compute lags its peers' median by more than the lag."""
         compute, peers = gather_compute(compute_s, self.stage, self.device)
-        for rank, excess in stragglers(compute, peers, self.straggler_lag, step_s):
+        for rank, excess in stragglers(compute, peers, self.straggler_lag):
             get_logger().info(
                 "step %d: rank %d (host %s) is a straggler: %.3f s of compute per step, "
                 "%.0f%% over the median of its peers (ranks %s)",

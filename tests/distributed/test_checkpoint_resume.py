@@ -181,11 +181,11 @@ def test_a_hung_rank_ends_the_run_at_the_collective_timeout_and_is_named(workdir
     output = result.stdout + result.stderr
     assert "rank 1 hangs after step 3" in output
     assert "Timed out waiting 5000ms" in output
-    # Rank 0 waits in step 4's first collective; rank 1 stopped after the last of step 3.
+    # Rank 0 waits in step 3's metrics (the loss all-reduce); rank 1 hung after its step 3.
     [error] = [line for line in output.splitlines() if "CollectiveTimeout: " in line]
     waiting = re.search(r"ranks \[0\] entered collective #(\d+) \((\S+)\)", error)
     stuck = re.search(r"ranks \[1\] never arrived: rank 1 \(host \S+\) last entered #(\d+)", error)
-    assert "rank 0 (host " in error and "step 4 (training)" in error
+    assert "rank 0 (host " in error and "step 3 (metrics)" in error
     assert waiting and stuck and int(stuck[1]) == int(waiting[1]) - 1, error
     assert "at step 3 (training; no progress for" in error
     records = {p.name: json.loads(p.read_text()) for p in (run_dir / "hangs").iterdir()}

@@ -67,8 +67,9 @@ def setup(cfg: RecipeConfig, rank: RankInfo) -> Run:
     mesh = build_mesh(degrees, rank.device.type)
     run_dir = Path(cfg.run.dir)
     if rank.is_main:
-        # This run is the resumed one. Cleared before anything can fail, so that a run that
-        # cannot start is not requeued for ever on the marker of an earlier stop.
+        # This run is the resumed one. Cleared before the model, data and checkpoint are
+        # loaded, so that a run that cannot get that far is not requeued for ever on the
+        # marker of an earlier stop.
         clear_preempted(run_dir)
     faults = FaultInjector.from_env(rank.rank)
     guard = StepGuard(cfg.faults.max_bad_steps, rank.device)

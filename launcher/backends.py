@@ -34,6 +34,20 @@ FINAL_STATES = frozenset(
 
 _SUBMIT_TIMEOUT_S = 120
 
+NEVER_STARTS = {
+    "PartitionConfig": "it asks for more than any node of the partition has (CPUs, GPUs or "
+    "memory per node); lower cluster.cpus_per_task or cluster.gpus_per_node, or pick "
+    "another cluster.partition",
+    "PartitionNodeLimit": "it asks for more nodes than the partition allows; lower "
+    "cluster.nodes or pick another cluster.partition",
+    "PartitionTimeLimit": "its time limit is over the partition's; lower cluster.time",
+    "BadConstraints": "no node can satisfy what it asks for; check cluster.gpus_per_node and "
+    "cluster.cpus_per_task against the nodes (sinfo -N -l)",
+    "InvalidAccount": "the account is not valid here; fix cluster.account",
+    "InvalidQOS": "the quality of service is not valid here; fix cluster.qos",
+}
+"""Reasons a pending job gives when it will never start as submitted, and what to change."""
+
 
 class LaunchError(RuntimeError):
     """A job could not be started or followed; the message says why and what to do."""
@@ -106,6 +120,27 @@ def submit_slurm(files: JobFiles) -> SubmittedJob:
 
 def slurm_job_state(job_id: str) -> str:
     """The job's current state as `scontrol show job` reports it (e.g. PENDING, COMPLETED)."""
+    return _show_job(job_id)["JobState"]
+
+
+def never_starts(job_id: str) -> str | None:
+    """Why the job will never start as submitted (a pending reason of NEVER_STARTS, with the
+    fix), or None while it runs, ran or may still start."""
+    return _never_starts(job_id, _show_job(job_id))
+
+
+def _never_starts(job_id: str, fields: dict[str, str]) -> str | None:
+    reason = fields.get("Reason", "")
+    if fields["JobState"] != "PENDING" or reason not in NEVER_STARTS:
+        return None
+    return (
+        f"SLURM job {job_id} cannot start (Reason={reason}): {NEVER_STARTS[reason]}; "
+        f"cancel it with `scancel {job_id}`"
+    )
+
+
+def _show_job(job_id: str) -> dict[str, str]:
+    """The job's JobState and Reason as `scontrol show job` reports them."""
     try:
         result = subprocess.run(
             ["scontrol", "--oneliner", "show", "job", job_id],
@@ -116,25 +151,30 @@ def slurm_job_state(job_id: str) -> str:
         )
     except FileNotFoundError:
         raise LaunchError("scontrol is not on PATH: no SLURM client tools here") from None
-    match = re.search(r"\bJobState=(\S+)", result.stdout)
-    if result.returncode != 0 or match is None:
+    fields = dict(re.findall(r"\b(JobState|Reason)=(\S+)", result.stdout))
+    if result.returncode != 0 or "JobState" not in fields:
         raise LaunchError(
             f"scontrol show job {job_id} failed: {result.stderr.strip() or result.stdout.strip()}"
         )
-    return match.group(1)
+    return fields
 
 
 def wait_for_slurm_job(job_id: str, timeout_s: float) -> str:
     """Poll the job every second until it reaches a final state, and return that state.
 
-    Raises LaunchError if it is still pending or running after `timeout_s` seconds.
+    Raises LaunchError if it is still pending or running after `timeout_s` seconds, or as
+    soon as it pends for a reason that means it will never start (see `never_starts`).
     (`sbatch --wait` polls at 2, 8, 32 s, which is too coarse for short jobs.)
     """
     deadline = time.monotonic() + timeout_s
     while True:
-        state = slurm_job_state(job_id)
+        fields = _show_job(job_id)
+        state = fields["JobState"]
         if state in FINAL_STATES:
             return state
+        problem = _never_starts(job_id, fields)
+        if problem:
+            raise LaunchError(problem)
         if time.monotonic() >= deadline:
             raise LaunchError(f"job {job_id} is still {state} after {timeout_s:g} s")
         time.sleep(1.0)

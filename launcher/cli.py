@@ -11,6 +11,7 @@ Nothing here imports torch, so the command starts fast.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import sys
@@ -93,7 +94,7 @@ def execute(cfg: RecipeConfig) -> None:
             print(render_plan(plan))
         return
 
-    from launcher.backends import LaunchError, run_local, submit_slurm
+    from launcher.backends import LaunchError, never_starts, run_local, submit_slurm
     from launcher.job import JobError, write_run_dir
 
     print(render_plan(plan))
@@ -111,6 +112,12 @@ def execute(cfg: RecipeConfig) -> None:
         if cfg.cluster.backend == "slurm":
             job = submit_slurm(files)
             print(f"submitted SLURM job {job.job_id}; log: {job.log_path}")
+            # The controller judges a job when it is submitted: one it can never start is
+            # said so now, not found pending days later (if the controller can be asked).
+            with contextlib.suppress(LaunchError):
+                cannot_start = never_starts(job.job_id)
+                if cannot_start:
+                    _fail(cannot_start)
             return
         code = run_local(files, cfg)
     except LaunchError as err:

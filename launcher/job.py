@@ -26,11 +26,15 @@ from pretrain_core.schema import RecipeConfig
 
 SBATCH_TEMPLATE = Path(__file__).resolve().parent.parent / "slurm" / "sbatch.template"
 
-NODE_RANK = "$SLURM_NODEID"
-"""torchrun argument the job script expands on each node (its index in the allocation)."""
 RDZV_ENDPOINT = "$MASTER_ADDR:$MASTER_PORT"
 """torchrun argument the job script expands to the first node's address and the port."""
-_SHELL_REFS = {NODE_RANK, RDZV_ENDPOINT}
+RDZV_ID = "$SLURM_JOB_ID"
+"""torchrun argument the job script expands to the job's id (the same after a requeue)."""
+_SHELL_REFS = {RDZV_ENDPOINT, RDZV_ID}
+
+AGENT = ["python3", "-m", "trainer.agent"]
+"""The per-node agent: torchrun, except that a stop signal after which the ranks saved is a
+clean exit (see trainer/agent.py)."""
 
 _ENV_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
@@ -57,30 +61,32 @@ class _ScriptTemplate(Template):
 
 
 def torchrun_args(cfg: RecipeConfig, config_path: Path) -> list[str]:
-    """The torchrun command line that starts every rank of one node on `config_path`.
+    """The agent command line (torchrun's arguments) that starts every rank of one node.
 
-    One node: a standalone rendezvous. Several: a static rendezvous whose node rank and
-    endpoint are the shell references NODE_RANK and RDZV_ENDPOINT, which the job script
-    expands on each node (c10d would number nodes in arrival order).
+    One node: a standalone rendezvous. Several: torchrun's c10d rendezvous hosted on the
+    first node (RDZV_ENDPOINT, keyed by RDZV_ID, which the job script expands), so that with
+    `cluster.max_restarts` every node's agent restarts its ranks when one rank dies. The
+    ranks get `cluster.signal_seconds` to save after a stop signal before they are killed.
     """
     c = cfg.cluster
     per_node = ["--nproc-per-node", str(c.gpus_per_node)]
     if c.max_restarts:
         per_node += ["--max-restarts", str(c.max_restarts)]
+    per_node += ["--shutdown-timeout", str(c.signal_seconds)]
     program = ["-m", "trainer", str(config_path)]
     if c.nodes == 1:
-        return ["torchrun", "--standalone", *per_node, *program]
+        return [*AGENT, "--standalone", *per_node, *program]
     return [
-        "torchrun",
+        *AGENT,
         "--nnodes",
         str(c.nodes),
         *per_node,
-        "--node-rank",
-        NODE_RANK,
         "--rdzv-backend",
-        "static",
+        "c10d",
         "--rdzv-endpoint",
         RDZV_ENDPOINT,
+        "--rdzv-id",
+        RDZV_ID,
         *program,
     ]
 

@@ -28,6 +28,9 @@ BLOCK_NAMES = {
     "feed_forward.w2.weight": "mlp.down_proj.weight",
 }
 """Our parameter names after "layers.{i}." -> Hugging Face Llama's after "model.layers.{i}."."""
+MOE_NAMES = {"feed_forward.router.weight": "block_sparse_moe.gate.weight"}
+"""The same for a MoE layer's router, in Mixtral's layout (its stacked experts are split
+into one tensor per expert by the exporter)."""
 TOP_NAMES = {
     "tok_embeddings.weight": "model.embed_tokens.weight",
     "norm.weight": "model.norm.weight",
@@ -38,11 +41,12 @@ SINGLE_FILE = "model.safetensors"
 
 
 def hf_name(name: str) -> str:
-    """The Hugging Face Llama name of one of our parameters."""
+    """The Hugging Face Llama (or Mixtral) name of one of our parameters that is not a
+    stacked expert weight."""
     if name in TOP_NAMES:
         return TOP_NAMES[name]
     _, index, rest = name.split(".", 2)
-    return f"model.layers.{index}.{BLOCK_NAMES[rest]}"
+    return f"model.layers.{index}.{BLOCK_NAMES.get(rest) or MOE_NAMES[rest]}"
 
 
 def expected_shapes(m: ModelConfig) -> dict[str, tuple[int, ...]]:

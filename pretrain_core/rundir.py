@@ -22,6 +22,9 @@ LOGS_DIR = "logs"
 PREEMPTED_MARKER = "preempted"
 """File the trainer leaves when it saved and stopped on SIGTERM/SIGUSR1; the sbatch script
 requeues the job when it finds it."""
+HANGS_DIR = "hangs"
+"""Each rank's last collectives, written when it stalls or a collective fails (and, on CUDA,
+NCCL's flight recorder dumps)."""
 WANDB_ID_FILE = "wandb_run_id"
 """The W&B run id, kept so that a resumed run continues the same W&B run."""
 PREPARE_CONFIG = "prepare.yaml"

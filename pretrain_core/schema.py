@@ -376,7 +376,8 @@ class FaultConfig:
     collective_timeout_s: float = 600.0
     """A collective that waits longer than this fails with an error instead of hanging."""
     straggler_lag: float = 0.25
-    """Name the slowest rank when its step time exceeds the median by this fraction."""
+    """Name a rank whose own compute per step exceeds the median of the other ranks doing the
+    same work by this fraction (and by more than 50 ms)."""
 
 
 @dataclass

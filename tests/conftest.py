@@ -1,5 +1,7 @@
 """Shared test settings: one cache for tokenized corpora, a private temp dir, no W&B cloud,
-and the `slow` mark on every test that launches torchrun or needs SLURM."""
+the `slow` mark on every test that launches torchrun or needs SLURM, and the one
+single-process reference run of the harness model that every FP32 layout (local or on
+SLURM) compares against."""
 
 from __future__ import annotations
 
@@ -7,6 +9,8 @@ import os
 from pathlib import Path
 
 import pytest
+
+from tests.distributed.harness import Curve, run_pretrain
 
 REPO = Path(__file__).resolve().parent.parent
 SLOW_DIRS = (REPO / "tests" / "distributed", REPO / "tests" / "slurm")
@@ -30,3 +34,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         in_slow_dir = any(item.path.is_relative_to(d) for d in SLOW_DIRS)
         if in_slow_dir or item.get_closest_marker("distributed"):
             item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture(scope="session")
+def harness_reference(tmp_path_factory: pytest.TempPathFactory) -> Curve:
+    """The harness model trained by one process: the curve every FP32 layout must match."""
+    return run_pretrain(tmp_path_factory.mktemp("reference") / "run", [], nproc=1)

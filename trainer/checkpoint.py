@@ -306,6 +306,18 @@ class Checkpointer:
         for _, old in complete_checkpoints(self.root)[: -self.cfg.keep]:
             shutil.rmtree(old, ignore_errors=True)
 
+    def close(self) -> None:
+        """Wait for the pending save, then end DCP's background save process (process mode)
+        with its terminate request, so that it does not die noisily on a closed pipe when this
+        rank exits."""
+        self.wait()
+        if self.cfg.async_mode == "process":
+            from torch.distributed.checkpoint import _async_process_executor
+
+            # Private, but DCP keeps its one background process here; dropping the last
+            # reference sends the request and joins the process (its __del__).
+            _async_process_executor._CHECKPOINT_PROCESS = None
+
     def restore(self, state: TrainState, loader: DataLoader, step: int | None = None) -> int:
         """Load the newest complete checkpoint (or that of `step`) into `state` and `loader`
         and return its step; 0 (nothing loaded) when there is none. Collective."""

@@ -1,7 +1,13 @@
-"""`pretrain-export RUN_DIR [--step N] OUT_DIR`: a checkpoint as a Hugging Face Llama directory.
+"""`pretrain-export RUN_DIR [--step N] OUT_DIR`: a checkpoint as a Hugging Face directory.
 
-Writes `model.safetensors`, `config.json` (LlamaForCausalLM), `generation_config.json` and
-the tokenizer (`tokenizer.json` + `tokenizer_config.json`). Our rotary embedding uses the
+Writes `model.safetensors`, `config.json`, `generation_config.json` and the tokenizer
+(`tokenizer.json` + `tokenizer_config.json`). A dense model is a LlamaForCausalLM; a
+mixture-of-experts model is a MixtralForCausalLM in Mixtral's own file layout (each layer's
+router as `block_sparse_moe.gate`, each stacked expert as `block_sparse_moe.experts.{j}.w1/w2/
+w3`), which Mixtral can hold only when every layer is MoE with a softmax router over
+renormalized top-k weights and no shared experts; any other MoE model is refused, before
+anything is written, with what stands in the way. Mixtral routes without dropping tokens, as a
+model trained with a capacity factor does at inference. Our rotary embedding uses the
 half-split layout that Hugging Face's Llama uses, so the attention weights are copied
 unpermuted. Runs in one process without a process group (DCP reads any layout's shards,
 pipeline stages included; vocabulary rows padded for tensor parallelism are dropped).
@@ -14,17 +20,61 @@ import json
 import sys
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 from torch import nn
 
 import models
 from pretrain_core.hf_llama import config_json, hf_name
+from pretrain_core.model_config import ModelConfig
 from pretrain_core.rundir import CHECKPOINTS_DIR, CONFIG_FILE
 from pretrain_core.schema import RecipeConfig, load_config
 from trainer.checkpoint import find_checkpoint
 from trainer.tokenizer import eos_id, load_tokenizer
 from trainer.vocab_resize import load_resizing_vocab
+
+_EXPERT_WEIGHTS = ("w1", "w2", "w3")
+"""Stacked [experts, ...] weights under feed_forward.experts; Mixtral names them alike."""
+
+
+class ExportError(ValueError):
+    """The run's model has no Hugging Face equivalent; the message says what stands in the way."""
+
+
+def hf_tensors(name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+    """One of our parameters under its Hugging Face name(s): a stacked expert weight becomes
+    one tensor per expert."""
+    _, index, rest = name.split(".", 2) if name.startswith("layers.") else ("", "", name)
+    stacked, _, weight = rest.rpartition(".")
+    if stacked == "feed_forward.experts" and weight in _EXPERT_WEIGHTS:
+        prefix = f"model.layers.{index}.block_sparse_moe.experts"
+        return {f"{prefix}.{j}.{weight}.weight": t.contiguous() for j, t in enumerate(tensor)}
+    return {hf_name(name): tensor.contiguous()}
+
+
+def mixtral_problems(m: ModelConfig) -> list[str]:
+    """Why this MoE model cannot be written as Mixtral (empty when it can)."""
+    problems = []
+    if m.moe_shared_experts:
+        problems.append(
+            f"model.moe_shared_experts={m.moe_shared_experts}: Mixtral has no shared experts "
+            "(always-on experts beside the routed ones), and no Llama-family format transformers "
+            "loads has them without a gate of its own; export a model trained without them"
+        )
+    if m.n_moe_layers != m.n_layers:
+        problems.append(
+            f"model.moe_layers={m.moe_layers}: {m.n_layers - m.n_moe_layers} of {m.n_layers} "
+            "layers are dense, and every Mixtral layer is MoE; export a model with "
+            "model.moe_layers=all"
+        )
+    if m.moe_router != "softmax" or not m.moe_normalize_topk:
+        problems.append(
+            f"model.moe_router={m.moe_router} with model.moe_normalize_topk="
+            f"{m.moe_normalize_topk}: Mixtral weights the top-k experts by their softmax scores "
+            "renormalized to sum to 1 (softmax, true)"
+        )
+    return problems
 
 
 def load_model(run_dir: Path, step: int | None = None) -> tuple[nn.Module, RecipeConfig, int]:
@@ -47,18 +97,40 @@ def load_model(run_dir: Path, step: int | None = None) -> tuple[nn.Module, Recip
 
 
 def hf_config(cfg: RecipeConfig, eos: int | None) -> dict:
-    """config.json of the equivalent LlamaForCausalLM."""
-    return config_json(cfg.model, eos)
+    """config.json of the equivalent LlamaForCausalLM or MixtralForCausalLM."""
+    m = cfg.model
+    config = config_json(m, eos)
+    if not m.moe_experts:
+        return config
+    del config["mlp_bias"]
+    return {
+        **config,
+        "architectures": ["MixtralForCausalLM"],
+        "model_type": "mixtral",
+        "intermediate_size": m.expert_ffn_dim,
+        "num_local_experts": m.moe_experts,
+        "num_experts_per_tok": m.moe_top_k,
+        "router_aux_loss_coef": m.moe_aux_loss_coef,
+        "sliding_window": None,
+    }
 
 
 def export(run_dir: Path, out_dir: Path, step: int | None = None) -> Path:
-    """Write the Hugging Face directory for a run's checkpoint; returns `out_dir`."""
+    """Write the Hugging Face directory for a run's checkpoint; returns `out_dir`. Raises
+    ExportError, before reading the checkpoint, for a model no Hugging Face format holds."""
+    cfg = load_config(str(Path(run_dir) / CONFIG_FILE))
+    problems = mixtral_problems(cfg.model) if cfg.model.moe_experts else []
+    if problems:
+        raise ExportError(
+            f"{cfg.name} cannot be exported as a Hugging Face MixtralForCausalLM:\n"
+            + "\n".join(problems)
+        )
     model, cfg, _ = load_model(run_dir, step)
     tensors = {}
     for name, tensor in model.state_dict().items():
         if name == "output.weight" and cfg.model.tie_embeddings:
             continue  # Hugging Face ties lm_head to embed_tokens itself
-        tensors[hf_name(name)] = tensor.contiguous()
+        tensors.update(hf_tensors(name, tensor))
     tokenizer = (
         None if cfg.data.tokenizer == "none" else load_tokenizer(cfg.data, cfg.model.vocab_size)
     )
@@ -87,7 +159,7 @@ def main(argv: list[str] | None = None) -> None:
     """Console entry point of `pretrain-export`."""
     parser = argparse.ArgumentParser(
         prog="pretrain-export",
-        description="Write a run's checkpoint as a Hugging Face Llama directory.",
+        description="Write a run's checkpoint as a Hugging Face Llama (or Mixtral) directory.",
     )
     parser.add_argument("run_dir", type=Path, help="the run dir (holds config.yaml, checkpoints/)")
     parser.add_argument("out_dir", type=Path, help="where to write the Hugging Face directory")
@@ -95,7 +167,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     try:
         out = export(args.run_dir, args.out_dir, args.step)
-    except FileNotFoundError as err:
+    except (FileNotFoundError, ExportError) as err:
         sys.exit(f"pretrain-export: {err}")
     print(f"wrote {out}")
 

@@ -6,6 +6,9 @@
   first attempt only (TORCHELASTIC_RESTART_COUNT=0), so a restarted group runs through;
 - PRETRAIN_FAULT_HANG=RANK:STEP: that rank stops responding after that step, so the others
   wait in a collective until faults.collective_timeout_s;
+- PRETRAIN_FAULT_SLOW_RANK=RANK:SECONDS: that rank's compute takes SECONDS longer in every
+  step: its first loss computation of the step busy-waits that long, as a slow device
+  computes (a sleep would be a wait, which the straggler detector rightly leaves out);
 - PRETRAIN_FAULT_CRASH_IN_SAVE=6: rank 0 dies after writing the checkpoint of step 6 but
   before marking it complete (see trainer/checkpoint.py).
 
@@ -21,7 +24,7 @@ import os
 import signal
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -37,6 +40,20 @@ def _rank_step(raw: str | None) -> tuple[int, int] | None:
     return int(rank), int(step)
 
 
+def _rank_seconds(raw: str | None) -> tuple[int, float] | None:
+    if not raw:
+        return None
+    rank, _, seconds = raw.partition(":")
+    return int(rank), float(seconds)
+
+
+def busy_wait(seconds: float) -> None:
+    """Keep this thread computing for `seconds` of its own CPU time."""
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
+
+
 @dataclass
 class FaultInjector:
     """The faults this rank was asked to inject, and the step it is on."""
@@ -46,9 +63,11 @@ class FaultInjector:
     kill: tuple[int, int] | None = None
     hang: tuple[int, int] | None = None
     crash_in_save: int | None = None
+    slow: tuple[int, float] | None = None
     first_attempt: bool = True
     step: int = 0
     """The 1-based step being trained (set by `begin_step`)."""
+    _slowed_step: int = field(default=0, init=False, repr=False)
 
     @classmethod
     def from_env(cls, rank: int, environ: Mapping[str, str] = os.environ) -> FaultInjector:
@@ -61,6 +80,7 @@ class FaultInjector:
             kill=_rank_step(environ.get("PRETRAIN_FAULT_KILL")),
             hang=_rank_step(environ.get("PRETRAIN_FAULT_HANG")),
             crash_in_save=int(crash) if crash else None,
+            slow=_rank_seconds(environ.get("PRETRAIN_FAULT_SLOW_RANK")),
             first_attempt=environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0",
         )
 
@@ -68,14 +88,21 @@ class FaultInjector:
         """The loop starts training `step` (1-based)."""
         self.step = step
 
-    def poisoned(self, loss_fn: LossFn) -> LossFn:
-        """`loss_fn`, returning NaN on rank 0 at the steps PRETRAIN_FAULT_NAN_STEPS names."""
-        if self.rank != 0 or not self.nan_steps:
+    def wrap_loss(self, loss_fn: LossFn) -> LossFn:
+        """`loss_fn`, returning NaN on rank 0 at the steps PRETRAIN_FAULT_NAN_STEPS names and
+        computing longer on the rank PRETRAIN_FAULT_SLOW_RANK names."""
+        nan = self.rank == 0 and bool(self.nan_steps)
+        slow = self.slow is not None and self.slow[0] == self.rank
+        if not (nan or slow):
             return loss_fn
 
         def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+            if slow and self._slowed_step != self.step:
+                assert self.slow is not None
+                self._slowed_step = self.step
+                busy_wait(self.slow[1])
             value = loss_fn(logits, targets)
-            return value * float("nan") if self.step in self.nan_steps else value
+            return value * float("nan") if nan and self.step in self.nan_steps else value
 
         return loss
 

@@ -1,14 +1,26 @@
 """One logging window of steps: its timing and the metrics dict logged at its end.
 
-The loop tells the window when a step waits for data and when it finishes; at a logging
-step `collect` averages the loss over the data-parallel ranks, turns the window's wall time
-into throughput (`ThroughputMeter`), adds memory, loss-scaler, skipped-step and MoE routing
-metrics, names a straggler, and starts the next window.
+The loop tells the window when a step waits for data and runs the step through it; at a
+logging step `collect` averages the loss over the data-parallel ranks, turns the window's
+wall time into throughput (`ThroughputMeter`), adds memory, loss-scaler, skipped-step and MoE
+routing metrics, names stragglers, and starts the next window.
+
+A straggler is found by each rank's own compute, not its step time: every rank waits in the
+step's blocking collectives for the slowest, so their step times are all alike. The compute
+of a step (forward, backward, optimizer) is the CPU time of the rank's main thread while it
+runs the step: a rank blocked in a collective sleeps and adds nothing to it. Ranks are
+compared with their peers (the ranks of the same pipeline stage, which do the same work),
+and a rank is named when its extra compute is more than `faults.straggler_lag` of the
+median of the others (and more than a noise floor, STRAGGLER_MIN_S).
+On CUDA the host spins while it waits for the device, so this measure cannot tell the ranks
+apart there and names no one.
 """
 
 from __future__ import annotations
 
 import math
+import os
+import socket
 import time
 from collections.abc import Callable
 from typing import Any, ParamSpec, TypeVar
@@ -17,11 +29,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from trainer.faults import StepGuard, gather_step_times, slowest_rank
+from trainer.faults import StepGuard, gather_compute, stragglers
 from trainer.log import get_logger
 from trainer.metrics import ThroughputMeter, peak_memory_gib
 from trainer.moe_metrics import expert_load_metrics
-from trainer.step import StepResult, TrainState
+from trainer.step import MicroBatches, Stepper, StepResult, TrainState
 
 T = TypeVar("T")
 P = ParamSpec("P")
@@ -40,6 +52,7 @@ class MetricsWindow:
         dp_group: dist.ProcessGroup,
         log_every: int,
         straggler_lag: float,
+        stage: int = 0,
         moe_pp_group: dist.ProcessGroup | None = None,
         data_metrics: Callable[[int], dict[str, Any]] = lambda step: {},
     ) -> None:
@@ -53,6 +66,8 @@ class MetricsWindow:
         self.straggler_lag = straggler_lag
         self.moe_pp_group = moe_pp_group
         self.data_metrics = data_metrics
+        self.stage = stage
+        self.hosts = _hosts()
         self._model: nn.Module = state.plain
         self._lr = 0.0
         self._last: StepResult | None = None
@@ -61,6 +76,7 @@ class MetricsWindow:
     def _reset(self) -> None:
         self._start = time.perf_counter()
         self._data_wait = 0.0
+        self._compute = 0.0
         self._steps = 0
 
     def wait_for_data(self, next_batch: Callable[[], T]) -> T:
@@ -81,10 +97,15 @@ class MetricsWindow:
         finally:
             self._start += time.perf_counter() - start
 
-    def step_done(self, result: StepResult) -> None:
-        """Count a finished step and keep its loss and gradient norm for the log."""
+    def run_step(self, stepper: Stepper, micro_batches: MicroBatches) -> StepResult:
+        """Run one optimizer step, timing this rank's own compute in it; count the step and
+        keep its loss and gradient norm for the log."""
+        start = time.thread_time()
+        result = stepper.step(micro_batches)
+        self._compute += time.thread_time() - start
         self._steps += 1
         self._last = result
+        return result
 
     def due(self, step: int, last: bool, stop: bool) -> bool:
         """Whether `step` is logged: every `log_every` steps, the last one and a stop."""
@@ -97,7 +118,7 @@ class MetricsWindow:
         dist.all_reduce(loss, group=self.dp_group)
         loss_value = loss.item() / self.dp_size
         elapsed = time.perf_counter() - self._start
-        self._report_straggler(step, elapsed / self._steps)
+        self._report_stragglers(step, self._compute / self._steps)
         metrics = {
             # Non-finite values are written as null: metrics.jsonl stays strict JSON.
             "loss": loss_value if math.isfinite(loss_value) else None,
@@ -114,15 +135,25 @@ class MetricsWindow:
         self._reset()
         return metrics
 
-    def _report_straggler(self, step: int, mean_step_s: float) -> None:
-        """Name the slowest rank when it lags the median step time by more than the lag."""
-        times = gather_step_times(mean_step_s, self.device)
-        slow = slowest_rank(times, self.straggler_lag)
-        if slow is not None:
+    def _report_stragglers(self, step: int, compute_s: float) -> None:
+        """Name each rank whose compute lags its peers' median by more than the lag."""
+        compute, peers = gather_compute(compute_s, self.stage, self.device)
+        for rank, excess in stragglers(compute, peers, self.straggler_lag):
             get_logger().info(
-                "step %d: rank %d is a straggler: %.3f s/step, %.0f%% over the median",
+                "step %d: rank %d (host %s) is a straggler: %.3f s of compute per step, "
+                "%.0f%% over the median of its peers (ranks %s)",
                 step,
-                slow[0],
-                times[slow[0]],
-                100 * slow[1],
+                rank,
+                self.hosts[rank],
+                compute[rank],
+                100 * excess,
+                [r for r, p in enumerate(peers) if p == peers[rank] and r != rank],
             )
+
+
+def _hosts() -> list[str]:
+    """Every rank's node (SLURM's node name where there is one), indexed by rank."""
+    mine = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+    hosts: list[str] = [""] * dist.get_world_size()
+    dist.all_gather_object(hosts, mine)
+    return hosts

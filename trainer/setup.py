@@ -78,13 +78,18 @@ def setup(cfg: RecipeConfig, rank: RankInfo) -> Run:
     torch.manual_seed(cfg.seed)
     mesh = build_mesh(degrees, rank.device.type)
     run_dir = Path(cfg.run.dir)
+    if rank.is_main:
+        # This run is the resumed one. Cleared before the model, data and checkpoint are
+        # loaded, so that a run that cannot get that far is not requeued for ever on the
+        # marker of an earlier stop.
+        clear_preempted(run_dir)
     faults = FaultInjector.from_env(rank.rank)
     guard = StepGuard(cfg.faults.max_bad_steps, rank.device)
     data = packed_data(cfg, open_datasets(cfg, rank.is_main, get_logger().info))
     state = build_train_state(cfg, mesh, degrees, rank.device)
     if cfg.init.from_hf:
         load_hf_weights(state.plain, cfg.model, cfg.init.from_hf)
-    state.loss_fn = faults.poisoned(state.loss_fn)
+    state.loss_fn = faults.wrap_loss(state.loss_fn)
     doc_eos = data.eos_id if cfg.data.doc_mask else None
     stepper, moe_pp_group = _stepper(cfg, state, degrees, mesh, rank, guard, doc_eos)
     dp_rank = mesh.dp.get_local_rank()
@@ -103,8 +108,6 @@ def setup(cfg: RecipeConfig, rank: RankInfo) -> Run:
         run_dir, cfg.checkpoint, rank=rank.rank, world_size=rank.world_size, faults=faults
     )
     start = checkpointer.restore(state, loader)
-    if rank.is_main:
-        clear_preempted(run_dir)
     if start:
         get_logger().info("resumed from the checkpoint of step %d", start)
     peak = resolve_peak_flops(rank.device, peak_dtype(cfg.precision), cfg.hardware)
@@ -116,6 +119,7 @@ def setup(cfg: RecipeConfig, rank: RankInfo) -> Run:
         dp_group=mesh.dp.get_group(),
         log_every=cfg.logging.log_every,
         straggler_lag=cfg.faults.straggler_lag,
+        stage=mesh.world["pp"].get_local_rank() if degrees.pp > 1 else 0,
         moe_pp_group=moe_pp_group,
         data_metrics=lambda step: tokens_seen(
             training.sampler, data.labels, cfg.train.seq_len, step

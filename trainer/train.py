@@ -1,64 +1,85 @@
 """The per-rank training program: set up from the frozen config, then step and log.
 
 Everything is built before the loop (`trainer.setup`); the loop only calls components: the
-step of the layout, the fault guard and injector, the checkpointer (which decides when a
-save is due), the evaluator (the validation loss when due, untimed), the metrics window
-(timing and the metrics dict) and the metrics sinks.
+step of the layout (timed by the metrics window), the fault guard and injector, the
+checkpointer (which decides when a save is due), the evaluator (the validation loss when
+due, untimed), the metrics window (timing and the metrics dict), the metrics sinks and the
+hang watchdog, told where the loop is.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import torch.distributed as dist
 
 from pretrain_core.schema import RecipeConfig, load_config
 from trainer.dist import RankInfo, init_distributed
-from trainer.faults import mark_preempted
+from trainer.faults import install_stop_handlers, mark_preempted, stop_signal_name
 from trainer.log import get_logger
 from trainer.setup import Run, setup
+from trainer.watchdog import Watchdog, enable_flight_recorder
 
 
-def train(run: Run) -> None:
+def train(run: Run, watchdog: Watchdog) -> None:
     """Step `run` from its start to `train.steps`, logging and checkpointing on the way."""
     total = run.cfg.train.steps
     with run.metrics as metrics:
         for step in range(run.start + 1, total + 1):
+            watchdog.beat(step, "training")
             run.faults.begin_step(step)
             micro_batches = run.window.wait_for_data(run.loader.next_step)
-            result = run.stepper.step(micro_batches)
+            result = run.window.run_step(run.stepper, micro_batches)
             run.guard.record(step, result.bad)
             run.faults.after_step()
-            run.window.step_done(result)
+            watchdog.beat(step, "checkpoint")
             run.checkpointer.after_step(step, run.state, run.loader, result.stop)
+            watchdog.beat(step, "evaluation")
             val = run.window.untimed(run.evaluator.after_step, step, step == total, result.stop)
             if val or run.window.due(step, last=step == total, stop=result.stop):
+                watchdog.beat(step, "metrics")
                 metrics.log(step, {**run.window.collect(step), **val})
             if result.stop:
                 _stop_after_save(run, step)
                 return
+        watchdog.beat(total, "checkpoint")
         run.checkpointer.finish(total, run.state, run.loader)
+        run.checkpointer.close()
 
 
 def _stop_after_save(run: Run, step: int) -> None:
     """The job was asked to stop: the checkpoint of `step` is written; leave the marker the
     job script requeues on."""
-    run.checkpointer.wait()
+    run.checkpointer.close()
     if run.rank.is_main:
         mark_preempted(run.run_dir, step)
-    get_logger().info("stopped by a signal after step %d; saved", step)
+    get_logger().info("stopped by %s after step %d; saved", stop_signal_name(), step)
 
 
-def run(cfg: RecipeConfig, rank: RankInfo) -> None:
+def run(cfg: RecipeConfig, rank: RankInfo, watchdog: Watchdog) -> None:
     """Train `cfg` on this rank until `train.steps`."""
-    train(setup(cfg, rank))
+    train(setup(cfg, rank), watchdog)
 
 
 def main(config_path: str) -> None:
     """Run one rank of the job described by the run dir's config.yaml."""
+    install_stop_handlers()
     cfg = load_config(config_path)
-    rank = init_distributed(cfg.cluster, cfg.faults.collective_timeout_s)
+    run_dir = Path(cfg.run.dir)
+    enable_flight_recorder(run_dir, cfg.cluster.device)
+    timeout_s = cfg.faults.collective_timeout_s
+    rank = init_distributed(cfg.cluster, timeout_s)
     try:
-        run(cfg, rank)
-        # No rank tears down its connections while a peer still has work in flight.
-        dist.barrier()
+        with Watchdog(run_dir, rank.rank, rank.world_size, timeout_s) as watchdog:
+            try:
+                run(cfg, rank, watchdog)
+                # No rank tears down its connections while a peer still has work in flight.
+                watchdog.beat(cfg.train.steps, "exit")
+                dist.barrier()
+            except Exception as error:
+                explained = watchdog.explain(error)
+                if explained is None:
+                    raise
+                raise explained from error
     finally:
         dist.destroy_process_group()

@@ -1,20 +1,37 @@
 #!/usr/bin/env bash
-# Start a real single-node SLURM cluster on 127.0.0.1 (munged, slurmctld, slurmd) for tests
-# and CI. Needs root. Installs slurm-wlm and munge when they are missing.
+# Start a real SLURM cluster of N emulated nodes on 127.0.0.1 (munged, slurmctld and one slurmd
+# per node) for tests and CI. Needs root. Installs slurm-wlm and munge when they are missing.
 #
-#   slurm/local-cluster/start.sh [STATE_DIR]
+#   slurm/local-cluster/start.sh [--nodes N] [STATE_DIR]
 #
-# STATE_DIR (or $PRETRAIN_SLURM_DIR; default /tmp/pretrain-slurm, whatever TMPDIR says) holds the config,
-# munge key and socket, spool, state, logs and PID files. Afterwards `source STATE_DIR/env`
-# exports SLURM_CONF for the client commands (sbatch, squeue, scontrol). Running it again while
-# the daemons are up changes nothing. Ports: $PRETRAIN_SLURM_PORT (slurmctld, default 6817) and
-# the next one (slurmd).
+# N (or $PRETRAIN_SLURM_NODES; default 1) nodes named node1..nodeN, all on this machine: each
+# slurmd runs as `slurmd -N nodeI` on its own port (Debian's slurmd supports several per host),
+# each node offers this machine's CPUs. STATE_DIR (or $PRETRAIN_SLURM_DIR; default
+# /tmp/pretrain-slurm, whatever TMPDIR says) holds the config, munge key and socket, spool,
+# state, logs and PID files. Afterwards `source STATE_DIR/env` exports SLURM_CONF for the
+# client commands (sbatch, squeue, scontrol). Ports: $PRETRAIN_SLURM_PORT (slurmctld, default
+# 6817) and the next N (the nodes' slurmd).
+#
+# Running it again while the daemons are up with the same node count changes nothing. With
+# another node count it waits until no job is queued or running (other users' jobs are not
+# cut short; at most $PRETRAIN_SLURM_WAIT_S seconds, default 600), stops the daemons by their
+# PID files and starts the new cluster.
 set -euo pipefail
 
+nodes=${PRETRAIN_SLURM_NODES:-1}
+if [[ ${1:-} == --nodes ]]; then
+    nodes=${2:?start.sh: --nodes needs a count}
+    shift 2
+fi
 state_dir=${1:-${PRETRAIN_SLURM_DIR:-/tmp/pretrain-slurm}}
 ctld_port=${PRETRAIN_SLURM_PORT:-6817}
-slurmd_port=$((ctld_port + 1))
+wait_s=${PRETRAIN_SLURM_WAIT_S:-600}
+here=$(cd "$(dirname "$0")" && pwd -P)
 
+if ! [[ $nodes =~ ^[1-9][0-9]*$ ]]; then
+    echo "start.sh: --nodes $nodes: use a positive whole number" >&2
+    exit 2
+fi
 if [[ $(id -u) -ne 0 ]]; then
     echo "start.sh: must run as root (the daemons run as root on this test cluster)" >&2
     exit 1
@@ -47,15 +64,15 @@ if [[ ! -s $state_dir/munge/munge.key ]]; then
     chmod 0600 "$state_dir/munge/munge.key"
 fi
 
-if [[ ! -s $conf ]]; then
+render_conf() { # the slurm.conf of this cluster, on stdout
+    local host measured i
     host=$(hostname -s)
-    # The node line as slurmd measures it (CPUs, sockets, cores, memory), reached on loopback.
-    node_line=$(slurmd -C | head -n 1)
-    cat >"$conf" <<EOF
+    # What slurmd measures (CPUs, sockets, cores, memory), minus its own NodeName.
+    measured=$(slurmd -C | head -n 1 | sed 's/^NodeName=[^ ]* //')
+    cat <<EOF
 ClusterName=pretrain-local
 SlurmctldHost=$host(127.0.0.1)
 SlurmctldPort=$ctld_port
-SlurmdPort=$slurmd_port
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
@@ -78,12 +95,35 @@ MinJobAge=600
 StateSaveLocation=$state_dir/state
 SlurmdSpoolDir=$state_dir/spool/%n
 SlurmctldPidFile=$state_dir/run/slurmctld.pid
-SlurmdPidFile=$state_dir/run/slurmd.pid
+SlurmdPidFile=$state_dir/run/slurmd-%n.pid
 SlurmctldLogFile=$state_dir/log/slurmctld.log
-SlurmdLogFile=$state_dir/log/slurmd.log
-$node_line NodeAddr=127.0.0.1 State=UNKNOWN
-PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
+SlurmdLogFile=$state_dir/log/slurmd-%n.log
 EOF
+    # One line per node (NodeHostname may not be shared through NodeName=DEFAULT).
+    for i in $(seq 1 "$nodes"); do
+        echo "NodeName=node$i NodeHostname=$host NodeAddr=127.0.0.1 Port=$((ctld_port + i))" \
+            "$measured State=UNKNOWN"
+    done
+    echo "PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP"
+}
+
+wanted=$(render_conf)
+if [[ -s $conf && $(<"$conf") != "$wanted" ]]; then
+    # Another cluster shape is (or was) running: let its jobs finish, then restart as this one.
+    deadline=$((SECONDS + wait_s))
+    while alive slurmctld && [[ -n $(squeue -h -o %i 2>/dev/null) ]]; do
+        if ((SECONDS >= deadline)); then
+            echo "start.sh: jobs are still queued or running after ${wait_s} s; not" \
+                "restarting the cluster under them (squeue shows them)" >&2
+            exit 1
+        fi
+        sleep 2
+    done
+    echo "start.sh: restarting the cluster with $nodes node(s)" >&2
+    "$here/stop.sh" "$state_dir" >&2
+fi
+if [[ ! -s $conf || $(<"$conf") != "$wanted" ]]; then
+    printf '%s\n' "$wanted" >"$conf"
 fi
 
 printf 'export SLURM_CONF=%q\n' "$conf" >"$state_dir/env"
@@ -96,21 +136,21 @@ fi
 if ! alive slurmctld; then
     slurmctld -f "$conf"
 fi
-if ! alive slurmd; then
-    slurmd -f "$conf"
-fi
+for i in $(seq 1 "$nodes"); do
+    if ! alive "slurmd-node$i"; then
+        slurmd -f "$conf" -N "node$i"
+    fi
+done
 
-# Ready when the controller answers and the node is idle (or already running jobs).
+# Ready when the controller answers and every node is idle (or already running jobs).
 for _ in $(seq 1 150); do
-    node_state=$(sinfo -h -N -o '%t' 2>/dev/null | head -n 1 || true)
-    case $node_state in
-    idle | mix | alloc | comp)
-        echo "SLURM is up: source $state_dir/env"
+    ready=$(sinfo -h -N -o '%t' 2>/dev/null | grep -cE '^(idle|mix|alloc|comp)$' || true)
+    if [[ $ready -eq $nodes ]]; then
+        echo "SLURM is up with $nodes node(s): source $state_dir/env"
         exit 0
-        ;;
-    esac
+    fi
     sleep 0.2
 done
-echo "start.sh: the node did not become idle in 30 s (state: '${node_state:-none}');" \
+echo "start.sh: $nodes node(s) did not all become idle in 30 s ($ready ready);" \
     "see $state_dir/log/" >&2
 exit 1

@@ -25,8 +25,13 @@ stop() { # stop NAME: terminate the process named by run/NAME.pid, if it is aliv
     rm -f "$pid_file"
 }
 
-# Compute node first, controller next, authentication last (the others need it to shut down).
-stop slurmd
+# Compute nodes first (one slurmd per emulated node, and the single-node layout's slurmd.pid
+# of older state dirs), controller next, authentication last (the others need it to shut down).
+for pid_file in "$state_dir"/run/slurmd*.pid; do
+    [[ -e $pid_file ]] || continue
+    name=${pid_file##*/}
+    stop "${name%.pid}"
+done
 stop slurmctld
 stop munged
 echo "SLURM stopped ($state_dir)"

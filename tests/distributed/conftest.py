@@ -1,5 +1,6 @@
-"""Fixtures shared by the distributed tests: a work dir per test module and the one
-single-process reference run of the harness model that several layouts compare against."""
+"""Fixtures shared by the distributed tests: a work dir per test module and the single-process
+reference run of the harness model with experts that the MoE layouts compare against (the
+dense one, `harness_reference`, is in tests/conftest.py: the SLURM jobs match it too)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.distributed.harness import Curve, run_pretrain
+from tests.distributed.harness import Curve, read_curve, run_pretrain
 
 
 @pytest.fixture(scope="module")
@@ -16,7 +17,19 @@ def workdir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
     return tmp_path_factory.mktemp(request.module.__name__.rsplit(".", 1)[-1])
 
 
+MOE_REFERENCE = ["model.moe_ffn_dim=64"]
+"""The tiny_moe recipe on the harness model: first layer dense, then 8 experts of width 64."""
+
+
 @pytest.fixture(scope="session")
-def harness_reference(tmp_path_factory: pytest.TempPathFactory) -> Curve:
-    """The harness model trained by one process: the curve every FP32 layout must match."""
-    return run_pretrain(tmp_path_factory.mktemp("reference") / "run", [], nproc=1)
+def moe_reference_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The run dir of the harness model with tiny_moe's experts trained by one process."""
+    run_dir = tmp_path_factory.mktemp("moe_reference") / "run"
+    run_pretrain(run_dir, MOE_REFERENCE, nproc=1, recipe="tiny_moe")
+    return run_dir
+
+
+@pytest.fixture(scope="session")
+def moe_reference(moe_reference_run: Path) -> Curve:
+    """The curve of `moe_reference_run`: what every FP32 MoE layout must match."""
+    return read_curve(moe_reference_run / "metrics.jsonl")

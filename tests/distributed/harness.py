@@ -65,10 +65,13 @@ def run_pretrain(
     timeout: float = 300,
     recipe: str = "tiny",
     base: tuple[str, ...] = BASE_OVERRIDES,
+    keep_output: bool = False,
 ) -> Curve:
     """Train `recipe` through the CLI with `nproc` CPU ranks and return the logged curve.
 
     `base` shrinks the recipe to the harness model; pass () to train the recipe as shipped.
+    The output of a failed run, or of every run with `keep_output`, is written next to the
+    run dir (RUN_DIR.log).
     """
     cmd = [
         sys.executable,
@@ -83,9 +86,10 @@ def run_pretrain(
     ]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-    if result.returncode != 0:
-        log = run_dir.parent / f"{run_dir.name}.log"
+    log = run_dir.parent / f"{run_dir.name}.log"
+    if keep_output or result.returncode != 0:
         log.write_text(result.stdout + result.stderr)
+    if result.returncode != 0:
         raise AssertionError(
             f"pretrain failed ({result.returncode}), full output in {log}:\n{result.stderr[-3000:]}"
         )

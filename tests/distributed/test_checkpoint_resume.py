@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -172,14 +173,24 @@ def test_a_killed_rank_restarts_the_group_from_the_last_checkpoint(workdir, unin
     assert losses(run_dir) == uninterrupted
 
 
-def test_a_hung_rank_ends_the_run_at_the_collective_timeout(workdir) -> None:
+def test_a_hung_rank_ends_the_run_at_the_collective_timeout_and_is_named(workdir) -> None:
     run_dir = workdir / "hung_rank"
     overrides = ["parallel.zero=3", "faults.collective_timeout_s=5"]
     result = launch(run_dir, overrides, 2, {"PRETRAIN_FAULT_HANG": "1:3"})
     assert result.returncode != 0
     output = result.stdout + result.stderr
     assert "rank 1 hangs after step 3" in output
-    assert "[rank0]: RuntimeError" in output and "Timed out waiting 5000ms" in output
+    assert "Timed out waiting 5000ms" in output
+    # Rank 0 waits in step 3's metrics (the loss all-reduce); rank 1 hung after its step 3.
+    [error] = [line for line in output.splitlines() if "CollectiveTimeout: " in line]
+    waiting = re.search(r"ranks \[0\] entered collective #(\d+) \((\S+)\)", error)
+    stuck = re.search(r"ranks \[1\] never arrived: rank 1 \(host \S+\) last entered #(\d+)", error)
+    assert "rank 0 (host " in error and "step 3 (metrics)" in error
+    assert waiting and stuck and int(stuck[1]) == int(waiting[1]) - 1, error
+    assert "at step 3 (training; no progress for" in error
+    records = {p.name: json.loads(p.read_text()) for p in (run_dir / "hangs").iterdir()}
+    assert sorted(records) == ["rank_0.json", "rank_1.json"]
+    assert records["rank_1.json"]["step"] == 3
 
 
 # Model parallelism fills the 2-rank world (dp 1; TP with DP replicas needs ZeRO >= 2).

@@ -16,6 +16,7 @@ import pytest
 
 from tests.distributed.harness import (
     assert_same_curve,
+    read_curve,
     run_pretrain,
 )
 
@@ -31,18 +32,22 @@ def dropped_fractions(run_dir: Path) -> list[float]:
 
 
 @pytest.fixture(scope="module")
-def references(workdir: Path) -> dict:
-    return {
-        "dropless": run_pretrain(workdir / "dropless", MOE, nproc=1, recipe="tiny_moe"),
-        "capacity": run_pretrain(workdir / "capacity", MOE + CAPACITY, nproc=1, recipe="tiny_moe"),
-    }
+def reference_runs(workdir: Path, moe_reference_run: Path) -> dict[str, Path]:
+    """The one-process run dirs: the session's dropless reference and one with a capacity."""
+    run_pretrain(workdir / "capacity", MOE + CAPACITY, nproc=1, recipe="tiny_moe")
+    return {"dropless": moe_reference_run, "capacity": workdir / "capacity"}
 
 
-def test_references_train_and_only_the_capacity_run_drops(workdir, references) -> None:
+@pytest.fixture(scope="module")
+def references(reference_runs: dict[str, Path]) -> dict:
+    return {name: read_curve(path / "metrics.jsonl") for name, path in reference_runs.items()}
+
+
+def test_references_train_and_only_the_capacity_run_drops(reference_runs, references) -> None:
     for curve in references.values():
         assert curve.loss[-1] < curve.loss[0] - 0.1
-    assert max(dropped_fractions(workdir / "dropless")) == 0.0
-    assert min(dropped_fractions(workdir / "capacity")) > 0.0
+    assert max(dropped_fractions(reference_runs["dropless"])) == 0.0
+    assert min(dropped_fractions(reference_runs["capacity"])) > 0.0
 
 
 @pytest.mark.parametrize(
@@ -61,7 +66,7 @@ def test_references_train_and_only_the_capacity_run_drops(workdir, references) -
     ],
 )
 def test_expert_parallel_layout_matches_reference(
-    workdir, references, label, routing, overrides, nproc
+    workdir, reference_runs, references, label, routing, overrides, nproc
 ) -> None:
     routing_overrides = MOE + (CAPACITY if routing == "capacity" else [])
     curve = run_pretrain(
@@ -70,5 +75,5 @@ def test_expert_parallel_layout_matches_reference(
     expected = references[routing]
     assert_same_curve(curve, expected)
     assert dropped_fractions(workdir / label) == pytest.approx(
-        dropped_fractions(workdir / routing), rel=1e-12
+        dropped_fractions(reference_runs[routing]), rel=1e-12
     )

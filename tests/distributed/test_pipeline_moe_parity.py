@@ -38,11 +38,6 @@ def moe_metrics(run_dir: Path) -> list[dict]:
     return [{k: v for k, v in row.items() if k.startswith("moe_")} for row in rows]
 
 
-@pytest.fixture(scope="module")
-def reference(workdir: Path):
-    return run_pretrain(workdir / "reference", MOE, nproc=1, recipe="tiny_moe")
-
-
 @pytest.mark.parametrize(
     ("label", "overrides", "nproc"),
     [
@@ -54,10 +49,12 @@ def reference(workdir: Path):
         ("1f1b_pp2_ep2_zero2", ["parallel.pp=2", "parallel.ep=2", "parallel.zero=2"], 4),
     ],
 )
-def test_pipelined_moe_matches_reference(workdir, reference, label, overrides, nproc) -> None:
+def test_pipelined_moe_matches_reference(
+    workdir, moe_reference, moe_reference_run, label, overrides, nproc
+) -> None:
     curve = run_pretrain(workdir / label, MOE + overrides, nproc=nproc, recipe="tiny_moe")
-    assert_same_curve(curve, reference)
-    expected = moe_metrics(workdir / "reference")
+    assert_same_curve(curve, moe_reference)
+    expected = moe_metrics(moe_reference_run)
     got = moe_metrics(workdir / label)
     assert [{k: row[k] for k in COUNTS} for row in got] == [
         {k: row[k] for k in COUNTS} for row in expected

@@ -1,8 +1,10 @@
-"""`pretrain-export` writes a Hugging Face Llama directory that transformers loads into a
-model giving the same logits as ours, with the run's tokenizer."""
+"""`pretrain-export` writes a Hugging Face Llama (dense) or Mixtral (mixture-of-experts)
+directory that transformers loads into a model giving the same logits as ours, with the
+run's tokenizer."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -38,20 +40,52 @@ def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def test_exported_model_gives_our_logits_in_transformers(run_dir: Path, tmp_path: Path) -> None:
-    out = tmp_path / "hf"
-    result = export_cli(run_dir, out, "--step", "2")
-    assert result.returncode == 0, result.stderr
-    ours, cfg, step = load_model(run_dir, step=2)
-    assert step == 2
-    hf = transformers.LlamaForCausalLM.from_pretrained(out).eval()
+# Mixtral's shape: every layer MoE, no shared experts (tiny_moe has both otherwise).
+MIXTRAL_LIKE = [
+    "--config-name", "tiny_moe", "model.moe_ffn_dim=64", "model.moe_shared_experts=0",
+    "model.moe_layers=all",
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def moe_run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A one-rank mixture-of-experts run with a checkpoint at step 2."""
+    path = tmp_path_factory.mktemp("export_moe") / "run"
+    overrides = ["train.steps=2", "checkpoint.every=2", *MIXTRAL_LIKE[2:]]
+    run_pretrain(path, overrides, nproc=1, recipe="tiny_moe")
+    return path
+
+
+def assert_same_logits(hf_class: type, out: Path, run_dir: Path, step: int) -> None:
+    """transformers' model from `out` and the run's checkpoint of `step` give the same logits
+    on TEXT, tokenized alike by the exported tokenizer and ours."""
+    ours, cfg, loaded = load_model(run_dir, step=step)
+    assert loaded == step
+    hf = hf_class.from_pretrained(out).eval()
     hf_tokenizer = transformers.AutoTokenizer.from_pretrained(out)
     ids = hf_tokenizer(TEXT)["input_ids"]
     assert ids == load_tokenizer(cfg.data, cfg.model.vocab_size).encode(TEXT).ids
     tokens = torch.tensor([ids])
     with torch.no_grad():
         expected, actual = ours(tokens), hf(tokens).logits
+    print(f"{hf_class.__name__}: max |logits difference| {(actual - expected).abs().max():.2e}")
     torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_exported_model_gives_our_logits_in_transformers(run_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "hf"
+    result = export_cli(run_dir, out, "--step", "2")
+    assert result.returncode == 0, result.stderr
+    assert_same_logits(transformers.LlamaForCausalLM, out, run_dir, step=2)
+
+
+def test_exported_moe_model_is_a_mixtral_with_our_logits(moe_run_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "hf"
+    result = export_cli(moe_run_dir, out)
+    assert result.returncode == 0, result.stderr
+    config = json.loads((out / "config.json").read_text())
+    assert (config["architectures"], config["num_local_experts"]) == (["MixtralForCausalLM"], 8)
+    assert_same_logits(transformers.MixtralForCausalLM, out, moe_run_dir, step=2)
 
 
 def test_the_newest_checkpoint_is_exported_by_default(run_dir: Path, tmp_path: Path) -> None:

@@ -1,12 +1,16 @@
 """Fixtures of the SLURM tests: a real controller (slurm/local-cluster/start.sh on this
-machine, or the cluster that SLURM_CONF already names), the CPU recipe its jobs run, and
-its data, prepared by a CPU-only SLURM job of its own as `action=prepare` submits it."""
+machine with two emulated nodes, or the cluster that SLURM_CONF already names), the CPU
+recipe its jobs run and its data, prepared by a CPU-only SLURM job of its own as
+`action=prepare` submits it, and submission of the harness model through the `pretrain`
+CLI."""
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,10 +20,12 @@ from launcher.backends import wait_for_slurm_job
 from launcher.prepare_job import submit_prepare, write_prepare_files
 from pretrain_core.data_checks import unprepared
 from pretrain_core.schema import RecipeConfig
+from tests.distributed.harness import BASE_OVERRIDES
 
 REPO = Path(__file__).resolve().parents[2]
 CLUSTER_SCRIPTS = REPO / "slurm" / "local-cluster"
 JOB_TIMEOUT_S = 300
+CLUSTER_NODES = 2
 
 
 def _controller_answers() -> bool:
@@ -48,7 +54,9 @@ def slurm_cluster() -> Iterator[None]:
     previous_conf = os.environ.get("SLURM_CONF")
     os.environ["SLURM_CONF"] = str(state_dir / "slurm.conf")
     already_up = (state_dir / "slurm.conf").exists() and _controller_answers()
-    subprocess.run([CLUSTER_SCRIPTS / "start.sh", state_dir], check=True, timeout=300)
+    # Two nodes, as CI starts it; a one-node cluster is restarted once its queue is empty.
+    nodes = ["--nodes", str(CLUSTER_NODES)]
+    subprocess.run([CLUSTER_SCRIPTS / "start.sh", *nodes, state_dir], check=True, timeout=900)
     try:
         yield
     finally:
@@ -92,3 +100,49 @@ def prepare_on_slurm(cfg: RecipeConfig) -> None:
 def tiny_data(slurm_cluster: None, tmp_path_factory: pytest.TempPathFactory) -> None:
     """The data of cpu_recipe and of the tiny recipe (the same dataset), prepared."""
     prepare_on_slurm(cpu_recipe(tmp_path_factory.mktemp("prepare"), steps=1))
+
+
+@pytest.fixture(scope="module")
+def harness_data(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The harness model's data, prepared here with `action=prepare` (the nodes of the local
+    cluster share this machine's cache, as a cluster's nodes share a file system)."""
+    run_dir = tmp_path_factory.mktemp("harness_prepare") / "run"
+    result = subprocess.run(
+        [
+            sys.executable, "-m", "launcher", "--config-name", "tiny", *BASE_OVERRIDES,
+            "action=prepare", f"run.dir={run_dir}",
+        ],
+        capture_output=True, text=True, timeout=JOB_TIMEOUT_S,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.fixture(scope="module")
+def two_nodes(slurm_cluster: None) -> None:
+    """The cluster has at least two nodes that can take jobs."""
+    states = subprocess.run(
+        ["sinfo", "-h", "-N", "-o", "%t"], capture_output=True, text=True, check=True
+    ).stdout.split()
+    usable = [s for s in states if s.rstrip("*") in ("idle", "mix", "alloc", "comp")]
+    if len(usable) < 2:
+        pytest.skip(f"the SLURM cluster has {len(usable)} usable node(s); these tests need 2")
+
+
+SLURM_CPU = [
+    "cluster=slurm", "cluster.device=cpu", "cluster.gpu_type=cpu", "cluster.cpus_per_task=1",
+    "cluster.omp_num_threads=1",
+]  # fmt: skip
+"""The harness model's runs as SLURM jobs on the CPU test nodes."""
+
+
+def submit(run_dir: Path, overrides: list[str], cwd: Path) -> str:
+    """Submit the harness model with `overrides` through the `pretrain` CLI; the job id."""
+    result = subprocess.run(
+        [
+            sys.executable, "-m", "launcher", "--config-name", "tiny", *BASE_OVERRIDES,
+            *SLURM_CPU, f"run.dir={run_dir}", *overrides,
+        ],
+        cwd=cwd, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    return re.search(r"submitted SLURM job (\d+)", result.stdout)[1]

@@ -132,3 +132,22 @@ def test_a_pretrain_sweep_submits_one_job_per_point(tiny_data: None, tmp_path: P
         assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == steps
         seeds_run.add(load_config(str(run_dir / "config.yaml")).seed)
     assert seeds_run == set(seeds)
+
+
+@pytest.mark.e2e
+def test_a_job_no_node_can_take_is_reported_at_submission(
+    slurm_cluster: None, tmp_path: Path
+) -> None:
+    asks = [a for a in SLURM_TINY if not a.startswith("cluster.cpus_per_task=")]
+    result = subprocess.run(
+        [
+            sys.executable, "-m", "launcher", *asks, "cluster.cpus_per_task=64",
+            "train.steps=1", f"run.dir={tmp_path / 'run'}",
+        ],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    job_id = re.search(r"submitted SLURM job (\d+)", result.stdout)[1]
+    subprocess.run(["scancel", job_id], check=True)
+    assert result.returncode != 0
+    assert f"SLURM job {job_id} cannot start (Reason=PartitionConfig)" in result.stderr
+    assert "lower cluster.cpus_per_task" in result.stderr

@@ -1,16 +1,18 @@
-"""Which checkpoints count as complete, the Hugging Face names of our parameters, and how a
-straggler is named."""
+"""Which checkpoints count as complete, the Hugging Face names of our parameters (and which MoE
+models Mixtral cannot hold), and how a straggler is named."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
+import torch
 
 import models
+from pretrain_core.schema import RecipeConfig, dump_config
 from trainer.checkpoint import DCP_METADATA, META, complete_checkpoints, find_checkpoint, step_dir
-from trainer.export import hf_name
-from trainer.faults import slowest_rank
+from trainer.export import ExportError, export, hf_name, hf_tensors
+from trainer.faults import slowest_rank, stragglers
 
 
 def make_checkpoint(root: Path, step: int, *, meta: bool = True, suffix: str = "") -> Path:
@@ -63,3 +65,47 @@ def test_the_slowest_rank_is_named_only_past_the_lag(times, lag, expected) -> No
     else:
         assert found[0] == expected[0]
         assert found[1] == pytest.approx(expected[1])
+
+
+def test_stacked_experts_become_one_mixtral_tensor_per_expert() -> None:
+    cfg = models.ModelConfig(n_layers=2, moe_experts=4, moe_ffn_dim=16)
+    assert models.build(cfg).layers["1"].feed_forward.experts.w1.shape == (4, 16, cfg.dim)
+    w1 = torch.randn(4, 16, cfg.dim)
+    tensors = hf_tensors("layers.1.feed_forward.experts.w1", w1)
+    prefix = "model.layers.1.block_sparse_moe.experts"
+    assert list(tensors) == [f"{prefix}.{j}.w1.weight" for j in range(4)]
+    assert all(torch.equal(tensors[f"{prefix}.{j}.w1.weight"], w1[j]) for j in range(4))
+    assert hf_name("layers.0.feed_forward.router.weight") == (
+        "model.layers.0.block_sparse_moe.gate.weight"
+    )
+
+
+def test_a_moe_model_mixtral_cannot_hold_is_refused_before_anything_is_written(
+    tmp_path: Path,
+) -> None:
+    cfg = RecipeConfig(name="tiny_moe")
+    m = cfg.model
+    m.moe_experts, m.moe_shared_experts, m.moe_layers, m.moe_router = 8, 1, "after:1", "sigmoid"
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "config.yaml").write_text(dump_config(cfg))
+    with pytest.raises(ExportError) as err:
+        export(tmp_path / "run", tmp_path / "hf")
+    message = str(err.value)
+    assert message.startswith("tiny_moe cannot be exported as a Hugging Face MixtralForCausalLM")
+    assert "model.moe_shared_experts=1: Mixtral has no shared experts" in message
+    assert "model.moe_layers=after:1: 1 of 4 layers are dense" in message
+    assert "model.moe_router=sigmoid" in message
+    assert not (tmp_path / "hf").exists()
+
+
+def test_stragglers_are_named_among_the_ranks_of_their_pipeline_stage() -> None:
+    # Stage 1 (ranks 2, 3) computes twice as long as stage 0 by design: no straggler there.
+    compute = [1.0, 1.0, 2.0, 2.1, 1.0, 1.6, 2.0, 2.0]
+    stages = [0, 0, 1, 1, 0, 0, 1, 1]
+    [(rank, lag)] = stragglers(compute, stages, lag=0.25)
+    assert rank == 5 and lag == pytest.approx(0.6)
+    assert stragglers([1.0, 9.0], [0, 1], lag=0.25) == []  # one rank per stage: no peers
+    # Of two ranks, the slow one is compared with the other, not with their mean.
+    assert stragglers([0.03, 0.33], [0, 0], lag=0.25) == [(1, pytest.approx(10.0))]
+    # 40% more of a few milliseconds is measuring noise, not a straggler.
+    assert stragglers([0.025, 0.025, 0.025, 0.035], [0] * 4, lag=0.25) == []

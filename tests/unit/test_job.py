@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 
 from launcher.job import (
-    NODE_RANK,
+    AGENT,
     RDZV_ENDPOINT,
+    RDZV_ID,
     JobError,
     render_sbatch,
     torchrun_args,
@@ -57,26 +58,28 @@ def words_bash_passes(command_line: str, env: dict[str, str] | None = None) -> l
     return out.split("\0")[:-1]
 
 
-def test_one_node_runs_a_standalone_torchrun() -> None:
+def test_one_node_runs_a_standalone_torchrun_through_the_agent() -> None:
     cfg = RecipeConfig()
     cfg.cluster.gpus_per_node = 2
     args = torchrun_args(cfg, Path("/runs/a/config.yaml"))
     assert args == [
-        "torchrun", "--standalone", "--nproc-per-node", "2",
+        "python3", "-m", "trainer.agent", "--standalone", "--nproc-per-node", "2",
+        "--shutdown-timeout", str(cfg.cluster.signal_seconds),
         "-m", "trainer", "/runs/a/config.yaml",
     ]  # fmt: skip
 
 
-def test_two_nodes_use_a_static_rendezvous_ranked_by_slurm_node_id() -> None:
-    cfg = slurm_recipe(nodes=2, gpus_per_node=4)
+def test_two_nodes_meet_in_a_c10d_rendezvous_keyed_by_the_job_id() -> None:
+    cfg = slurm_recipe(nodes=2, gpus_per_node=4, max_restarts=3)
     args = torchrun_args(cfg, Path("/runs/a/config.yaml"))
     assert args == [
-        "torchrun", "--nnodes", "2", "--nproc-per-node", "4",
-        "--node-rank", "$SLURM_NODEID", "--rdzv-backend", "static",
-        "--rdzv-endpoint", "$MASTER_ADDR:$MASTER_PORT",
+        *AGENT, "--nnodes", "2", "--nproc-per-node", "4", "--max-restarts", "3",
+        "--shutdown-timeout", str(cfg.cluster.signal_seconds),
+        "--rdzv-backend", "c10d", "--rdzv-endpoint", "$MASTER_ADDR:$MASTER_PORT",
+        "--rdzv-id", "$SLURM_JOB_ID",
         "-m", "trainer", "/runs/a/config.yaml",
     ]  # fmt: skip
-    assert (NODE_RANK, RDZV_ENDPOINT) == ("$SLURM_NODEID", "$MASTER_ADDR:$MASTER_PORT")
+    assert (RDZV_ENDPOINT, RDZV_ID) == ("$MASTER_ADDR:$MASTER_PORT", "$SLURM_JOB_ID")
 
 
 def test_sbatch_for_a_llama3_70b_cluster_has_exactly_its_directives(tmp_path: Path) -> None:
@@ -94,6 +97,7 @@ def test_sbatch_for_a_llama3_70b_cluster_has_exactly_its_directives(tmp_path: Pa
         f"--output={log}",
         f"--error={log}",
         "--requeue",
+        "--open-mode=append",
         f"--signal=USR1@{c.signal_seconds}",
         f"--gpus-per-node={c.gpus_per_node}",
         f'--partition="{c.partition}"',
@@ -117,21 +121,23 @@ def test_cpu_job_requests_no_gpus_and_unset_fields_are_left_out(tmp_path: Path) 
     assert names.isdisjoint({"--gpus-per-node", "--partition", "--account", "--qos"})
 
 
-def test_the_job_ends_with_srun_of_torchrun_in_a_task_that_ignores_sigusr1(tmp_path: Path) -> None:
+def test_the_job_ends_with_srun_of_the_agent_in_a_task_that_ignores_sigusr1(
+    tmp_path: Path,
+) -> None:
     cfg = slurm_recipe(nodes=2, gpus_per_node=4)
     config = tmp_path / "config.yaml"
     srun_line = srun_line_of(render_sbatch(cfg, tmp_path, config))
     srun = words_bash_passes(srun_line)
     assert srun[:3] == ["--ntasks-per-node=1", "--kill-on-bad-exit=1", "bash"]
     assert srun[3] == "-c"
-    trap, exec_torchrun = srun[4].split("; ", 1)
+    trap, exec_agent = srun[4].split("; ", 1)
     assert trap == 'trap "" USR1'
-    assert exec_torchrun.startswith("exec torchrun ")
-    node = {**os.environ, "SLURM_NODEID": "1", "MASTER_ADDR": "10.0.0.7", "MASTER_PORT": "29500"}
+    assert exec_agent.startswith("exec python3 -m trainer.agent ")
+    node = {**os.environ, "SLURM_JOB_ID": "77", "MASTER_ADDR": "10.0.0.7", "MASTER_PORT": "29500"}
     expected = torchrun_args(cfg, config)
-    expected[expected.index(NODE_RANK)] = "1"
     expected[expected.index(RDZV_ENDPOINT)] = "10.0.0.7:29500"
-    assert words_bash_passes(exec_torchrun, node) == expected
+    expected[expected.index(RDZV_ID)] = "77"
+    assert words_bash_passes(exec_agent, node) == expected
 
 
 @pytest.mark.parametrize("attack", INJECTIONS)
@@ -285,3 +291,48 @@ def test_ctrl_c_reaches_torchrun_and_every_rank_stops(tmp_path: Path) -> None:
     with pytest.raises(ProcessLookupError):
         os.killpg(torchrun, 0)
     assert _processes_mentioning(str(run_dir / "config.yaml")) == []
+
+
+STUB_SLURM = """#!/bin/bash
+# A stand-in for srun and scontrol: records its arguments, answers what the job script asks.
+echo "$(basename "$0") $*" >>"$CALLS"
+case "$(basename "$0") $1 $2" in
+    "scontrol show hostnames") echo node1 ;;
+    "scontrol show node") echo "NodeName=node1 NodeAddr=10.0.0.7 State=IDLE" ;;
+    srun*) exit "$SRUN_STATUS" ;;
+esac
+"""
+
+
+@pytest.mark.parametrize(
+    ("srun_status", "marker", "requeued", "exit_code"),
+    [
+        (0, True, True, 0),
+        (1, True, True, 0),  # the ranks saved, yet a node's agent reported a failure
+        (0, False, False, 0),
+        (3, False, False, 3),
+    ],
+)
+def test_the_job_requeues_whenever_the_trainer_left_the_preempted_marker(
+    tmp_path: Path, srun_status: int, marker: bool, requeued: bool, exit_code: int
+) -> None:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name in ("srun", "scontrol"):
+        (bin_dir / name).write_text(STUB_SLURM)
+        (bin_dir / name).chmod(0o755)
+    files = write_run_dir(slurm_recipe(device="cpu", nodes=2), tmp_path / "run", "name: a\n")
+    if marker:
+        (files.run_dir / "preempted").write_text("7\n")
+    calls = tmp_path / "calls"
+    env = {
+        **os.environ,
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "CALLS": str(calls),
+        "SRUN_STATUS": str(srun_status),
+        "SLURM_JOB_ID": "42",
+        "SLURM_JOB_NODELIST": "node[1-2]",
+    }
+    result = subprocess.run(["bash", str(files.script_path)], env=env, capture_output=True)
+    assert result.returncode == exit_code
+    assert ("scontrol requeue 42" in calls.read_text().splitlines()) == requeued

@@ -1,0 +1,135 @@
+"""Jobs on two emulated nodes of the local SLURM cluster: one agent per node (torchrun in a
+c10d rendezvous hosted on the first node), the harness model, FP32 on CPU.
+
+- 2 nodes x 1 rank and 2 nodes x 2 ranks reproduce the single process within the FP32
+  tolerance;
+- a 2 x 1 job that loses a rank (the agents of both nodes restart their ranks from the last
+  checkpoint: cluster.max_restarts), is warned by SIGUSR1 (what SLURM sends before the time
+  limit) and then preempted by SIGTERM, saving and requeueing itself after each signal,
+  ends with the loss curve of the same job run uninterrupted, bit for bit, in one W&B run.
+
+The preempted jobs run 12 steps whose learning rate decays over the reference's 8, so that
+their first 8 steps are the reference's and there are steps left for three interruptions.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from launcher.backends import wait_for_slurm_job
+from tests.distributed.harness import FP32_TOLERANCE, Curve, max_relative_difference
+from tests.slurm.conftest import JOB_TIMEOUT_S, submit
+
+pytestmark = pytest.mark.slurm
+
+LONGER = ["train.steps=12", "schedule.decay_steps=6", "checkpoint.every=2", "checkpoint.keep=2"]
+"""12 steps with the reference's schedule (2 warmup + 6 decay) over the first 8."""
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    """Loss per step from metrics.jsonl; a step logged again after a resume counts last."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {row["step"]: row["loss"] for row in rows}
+
+
+def curve(run_dir: Path) -> Curve:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return Curve(loss=[r["loss"] for r in rows], grad_norm=[r["grad_norm"] for r in rows])
+
+
+def assert_matches_reference(run_dir: Path, reference: Curve) -> None:
+    measured = curve(run_dir)
+    for got, wanted in ((measured.loss, reference.loss), (measured.grad_norm, reference.grad_norm)):
+        difference = max_relative_difference(got[:8], wanted)
+        print(f"{run_dir.name}: max relative difference {difference:.2e}")
+        assert difference <= FP32_TOLERANCE
+
+
+def job_field(job_id: str, name: str) -> str:
+    out = subprocess.run(
+        ["scontrol", "--oneliner", "show", "job", job_id], capture_output=True, text=True
+    ).stdout
+    return out.split(f"{name}=", 1)[1].split()[0]
+
+
+def wait_until(condition, what: str, timeout_s: float = JOB_TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+
+
+def logged_beyond(run_dir: Path, step: int) -> bool:
+    metrics = run_dir / "metrics.jsonl"
+    return metrics.exists() and max(losses(run_dir), default=0) > step
+
+
+def log_of(run_dir: Path, job_id: str) -> str:
+    return (run_dir / "logs" / f"slurm-{job_id}.out").read_text()
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_2x1(
+    two_nodes: None, harness_data: None, tmp_path_factory: pytest.TempPathFactory
+) -> Path:
+    run_dir = tmp_path_factory.mktemp("multinode") / "uninterrupted_2x1"
+    job = submit(run_dir, ["cluster.nodes=2", "cluster.gpus_per_node=1", *LONGER], run_dir.parent)
+    assert wait_for_slurm_job(job, JOB_TIMEOUT_S) == "COMPLETED", log_of(run_dir, job)
+    assert "on node[1-2]" in log_of(run_dir, job)
+    return run_dir
+
+
+def test_two_nodes_of_one_rank_match_one_process(uninterrupted_2x1, harness_reference) -> None:
+    assert_matches_reference(uninterrupted_2x1, harness_reference)
+
+
+def test_two_nodes_of_two_ranks_match_one_process(
+    two_nodes: None, harness_data: None, tmp_path: Path, harness_reference
+) -> None:
+    run_dir = tmp_path / "run_2x2"
+    job = submit(run_dir, ["cluster.nodes=2", "cluster.gpus_per_node=2"], tmp_path)
+    assert wait_for_slurm_job(job, JOB_TIMEOUT_S) == "COMPLETED", log_of(run_dir, job)
+    assert "world 4 (dp 4" in log_of(run_dir, job)
+    assert_matches_reference(run_dir, harness_reference)
+
+
+def test_a_job_that_loses_a_rank_and_is_signalled_twice_resumes_bit_exactly(
+    uninterrupted_2x1, tmp_path: Path
+) -> None:
+    run_dir = tmp_path / "interrupted_2x1"
+    overrides = [
+        "cluster.nodes=2", "cluster.gpus_per_node=1", "cluster.max_restarts=1", *LONGER,
+        "logging.wandb=offline", "+cluster.env.PRETRAIN_FAULT_KILL=1:3",
+    ]  # fmt: skip
+    job = submit(run_dir, overrides, tmp_path)
+    # Rank 1 dies after step 3; both agents restart their ranks from the checkpoint of step 2.
+    wait_until(lambda: logged_beyond(run_dir, 3), "training past the killed rank's step")
+    subprocess.run(["scancel", "--signal=USR1", job], check=True)
+    wait_until(lambda: job_field(job, "Restarts") == "1", "the requeue after SIGUSR1")
+    first_stop = max(losses(run_dir))
+    wait_until(lambda: logged_beyond(run_dir, first_stop + 1), "the resumed job's steps")
+    subprocess.run(["scancel", "--signal=TERM", job], check=True)
+    state = wait_for_slurm_job(job, JOB_TIMEOUT_S)
+
+    log = log_of(run_dir, job)
+    assert state == "COMPLETED", log
+    assert job_field(job, "Restarts") == "2"
+    assert "rank 1 kills itself after step 3" in log
+    assert "resumed from the checkpoint of step 2" in log
+    assert f"stopped by SIGUSR1 after step {first_stop}; saved" in log
+    assert "stopped by SIGTERM after step" in log
+    # The run that SIGTERM stopped says so and no more (the elastic restart's run printed
+    # its lost peer's errors before).
+    terminated = log.split(f"job {job} (restart 1)")[1].split(f"job {job} (restart 2)")[0]
+    assert "[agent] stopped by SIGTERM; the ranks saved" in terminated
+    assert "Traceback" not in terminated
+    assert losses(run_dir) == losses(uninterrupted_2x1)
+    run_id = (run_dir / "wandb_run_id").read_text().strip()
+    wandb_runs = sorted((run_dir / "wandb").glob("offline-run-*"))
+    assert len(wandb_runs) >= 3  # the first job run, its elastic restart, two requeued runs
+    assert all(path.name.endswith(f"-{run_id}") for path in wandb_runs)

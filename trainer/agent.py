@@ -1,0 +1,50 @@
+"""The per-node agent: `python3 -m trainer.agent TORCHRUN_ARGS... -m trainer CONFIG`.
+
+It is torchrun, with two differences that matter for stopping and restarting a job:
+
+- A stop signal after which the ranks saved is a clean exit. On SIGTERM torchrun forwards the
+  signal to its ranks, waits for them (`--shutdown-timeout`), then raises, which prints a
+  traceback and exits 1, so a job script cannot tell a preempted job from a crashed one. The
+  ranks answer SIGTERM as they answer SIGUSR1: finish the step, save, leave the preempted
+  marker in the run dir. So when torchrun stops on a signal and the marker is there, this
+  exits 0 without a traceback; otherwise 128 + the signal's number, as a shell reports it.
+- Every rendezvous round gets its own store, hosted by the new rank 0, so the ranks of a
+  group that torchrun restarted never read the keys of the group that died, on every node
+  alike (torchrun's shared store would need a per-attempt prefix, and the attempt counters
+  of the nodes' agents need not agree: a node whose ranks were healthy restarts them
+  without counting an attempt).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from pretrain_core.rundir import PREEMPTED_MARKER
+
+
+def stopped_after_saving(argv: list[str]) -> bool:
+    """Whether the run whose config is the last argument left the preempted marker."""
+    return bool(argv) and (Path(argv[-1]).parent / PREEMPTED_MARKER).is_file()
+
+
+def main(argv: list[str]) -> int:
+    """Run torchrun with `argv`; its exit code, 0 for a stop after which the ranks saved."""
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.run import main as torchrun
+
+    try:
+        torchrun(argv)
+    except SignalException as stop:
+        # torchrun has already forwarded the signal and waited for its ranks to exit.
+        if stopped_after_saving(argv):
+            print(f"[agent] stopped by {stop.sigval.name}; the ranks saved", flush=True)
+            return 0
+        return 128 + int(stop.sigval)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

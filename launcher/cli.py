@@ -20,9 +20,11 @@ from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
+from launcher.compose import SHIPPED_RECIPES, checked_command_line, hydra_errors_as_problems
+from pretrain_core.problems import RecipeError
 from pretrain_core.schema import RecipeConfig, dump_config, to_recipe
 
-RECIPES_DIR = str(Path(__file__).resolve().parent.parent / "recipes")
+RECIPES_DIR = str(SHIPPED_RECIPES)
 DEFAULT_RECIPE = "tiny"
 
 ConfigStore.instance().store(name="recipe_schema", node=RecipeConfig)
@@ -117,5 +119,11 @@ def _hydra_main(node: DictConfig) -> None:
 
 
 def main() -> None:
-    """Console entry point of `pretrain`."""
-    _hydra_main()
+    """Console entry point of `pretrain`: the command line and recipe files are checked
+    before Hydra composes, and Hydra's errors are reported like the validator's."""
+    try:
+        sys.argv[1:] = checked_command_line(sys.argv[1:], DEFAULT_RECIPE)
+        with hydra_errors_as_problems():
+            _hydra_main()
+    except RecipeError as err:
+        _fail(f"The command line or a recipe is not valid:\n{err}")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator
-from dataclasses import dataclass, field, fields, is_dataclass
+from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from typing import Any, cast
 
 from pretrain_core.choices import CHOICES, one_of
@@ -405,8 +405,7 @@ def dump_config(cfg: RecipeConfig) -> str:
     """
     from omegaconf import OmegaConf
 
-    plain = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=False)
-    return OmegaConf.to_yaml(OmegaConf.create(_escape_interpolations(plain)))
+    return OmegaConf.to_yaml(OmegaConf.create(_escape_interpolations(asdict(cfg))))
 
 
 def _escape_interpolations(node: Any) -> Any:

@@ -53,9 +53,11 @@ def execute(cfg: RecipeConfig) -> None:
     from launcher.plan import make_plan, plan_to_dict
     from launcher.render import render_plan
     from launcher.rules_parallel import check_runnable
+    from launcher.short_run import fit_schedule_to_run
     from launcher.validate import validate
-    from pretrain_core.problems import RecipeError
 
+    for warning in fit_schedule_to_run(cfg):
+        print(f"warning: {warning}", file=sys.stderr)
     if cfg.action == "suggest":
         # The search chooses the layout: only problems that no layout fixes are refused.
         from launcher.suggest import report
@@ -66,7 +68,9 @@ def execute(cfg: RecipeConfig) -> None:
             _fail(f"Recipe '{cfg.name}' cannot be searched:\n{err}")
         return
     try:
-        validate(cfg, for_launch=cfg.action == "run")
+        launch = cfg.action == "run"
+        here = launch and cfg.cluster.backend == "local"
+        validate(cfg, for_launch=launch, run_dir=cfg.action in ("run", "script"), here=here)
         if cfg.action != "plan":
             # A job that would run out of memory is refused before it is written or submitted.
             check_fits(cfg)
@@ -85,30 +89,28 @@ def execute(cfg: RecipeConfig) -> None:
             print(render_plan(plan))
         return
 
-    from launcher.backends import LaunchError, run_local, submit_slurm
+    from launcher.backends import LaunchError, claimed_run_dir, run_local, submit_slurm
+    from launcher.failure_summary import failure_message
     from launcher.job import JobError, write_run_dir
 
     print(render_plan(plan))
     try:
-        files = write_run_dir(cfg, Path(cfg.run.dir), dump_config(cfg))
-    except JobError as err:
-        _fail(str(err))
-    print(f"run dir:    {files.run_dir}")
-    print(f"config:     {files.config_path}")
-    print(f"job script: {files.script_path}")
-    if cfg.action == "script":
-        return
-
-    try:
-        if cfg.cluster.backend == "slurm":
-            job = submit_slurm(files)
-            print(f"submitted SLURM job {job.job_id}; log: {job.log_path}")
-            return
-        code = run_local(files, cfg)
-    except LaunchError as err:
+        with claimed_run_dir(cfg) as lock_token:
+            files = write_run_dir(cfg, Path(cfg.run.dir), dump_config(cfg), plan_to_dict(plan))
+            print(f"run dir:    {files.run_dir}")
+            print(f"config:     {files.config_path}")
+            print(f"job script: {files.script_path}")
+            if cfg.action == "script":
+                return
+            if cfg.cluster.backend == "slurm":
+                job = submit_slurm(files)
+                print(f"submitted SLURM job {job.job_id}; log: {job.log_path}")
+                return
+            code = run_local(files, cfg, lock_token)
+    except (JobError, LaunchError) as err:
         _fail(str(err))
     if code != 0:
-        _fail(f"training exited with code {code}; see the output above", code)
+        _fail(failure_message(files.run_dir, code), code)
 
 
 @hydra.main(config_path=RECIPES_DIR, config_name=DEFAULT_RECIPE, version_base=None)

@@ -7,7 +7,9 @@
 - PRETRAIN_FAULT_HANG=RANK:STEP: that rank stops responding after that step, so the others
   wait in a collective until faults.collective_timeout_s;
 - PRETRAIN_FAULT_CRASH_IN_SAVE=6: rank 0 dies after writing the checkpoint of step 6 but
-  before marking it complete (see trainer/checkpoint.py).
+  before marking it complete (see trainer/checkpoint.py);
+- PRETRAIN_FAULT_OOM=RANK:STEP: that rank raises the device's out-of-memory error after
+  that step, as an allocation that does not fit would.
 
 Nothing is injected when none of them is set, which is every real run.
 """
@@ -43,6 +45,7 @@ class FaultInjector:
     kill: tuple[int, int] | None = None
     hang: tuple[int, int] | None = None
     crash_in_save: int | None = None
+    oom: tuple[int, int] | None = None
     first_attempt: bool = True
     step: int = 0
     """The 1-based step being trained (set by `begin_step`)."""
@@ -58,6 +61,7 @@ class FaultInjector:
             kill=_rank_step(environ.get("PRETRAIN_FAULT_KILL")),
             hang=_rank_step(environ.get("PRETRAIN_FAULT_HANG")),
             crash_in_save=int(crash) if crash else None,
+            oom=_rank_step(environ.get("PRETRAIN_FAULT_OOM")),
             first_attempt=environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0",
         )
 
@@ -77,8 +81,14 @@ class FaultInjector:
         return loss
 
     def after_step(self) -> None:
-        """Kill this rank (first attempt only) or hang it, if asked for this step."""
+        """Kill this rank (first attempt only), hang it or run it out of memory, if asked
+        for this step."""
         here = (self.rank, self.step)
+        if self.oom == here:
+            raise torch.OutOfMemoryError(
+                f"fault: rank {self.rank} out of memory after step {self.step}. Tried to "
+                "allocate 2.00 GiB (injected)"
+            )
         if self.first_attempt and self.kill == here:
             get_logger().warning("fault: rank %d kills itself after step %d", *here)
             os.kill(os.getpid(), signal.SIGKILL)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
+from pretrain_core import run_lock
 from pretrain_core.schema import RecipeConfig, load_config
 from trainer.dist import RankInfo, init_distributed
 from trainer.faults import mark_preempted
@@ -51,12 +52,16 @@ def run(cfg: RecipeConfig, rank: RankInfo) -> None:
 
 
 def main(config_path: str) -> None:
-    """Run one rank of the job described by the run dir's config.yaml."""
+    """Run one rank of the job described by the run dir's config.yaml; rank 0 holds the run
+    dir's lock meanwhile (unless the launcher holds it for this job)."""
     cfg = load_config(config_path)
     rank = init_distributed(cfg.cluster, cfg.faults.collective_timeout_s)
     try:
-        run(cfg, rank)
-        # No rank tears down its connections while a peer still has work in flight.
-        dist.barrier()
+        with run_lock.held(cfg.run.dir, enabled=rank.is_main) as took_over:
+            if took_over:
+                get_logger().warning("run dir %s: %s", cfg.run.dir, took_over)
+            run(cfg, rank)
+            # No rank tears down its connections while a peer still has work in flight.
+            dist.barrier()
     finally:
         dist.destroy_process_group()

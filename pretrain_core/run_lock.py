@@ -214,14 +214,15 @@ def acquire(
     over. Raises RunDirInUse naming a live holder.
     """
     run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
     lock = run_dir / LOCK_FILE
     note = None
     for _ in range(5):
-        if _create(lock, holder):
-            return True, note
         seen = _read_text(lock)
         if seen is None:
+            # Nothing is written while a live holder has the lock: look before creating.
+            run_dir.mkdir(parents=True, exist_ok=True)
+            if _create(lock, holder):
+                return True, note
             continue
         try:
             current: LockHolder | None = _parse(seen)

@@ -111,12 +111,21 @@ def _torchrun_command(cfg: RecipeConfig, files: JobFiles) -> list[str]:
     ]
 
 
-def run_local(files: JobFiles, cfg: RecipeConfig, lock_token: str | None = None) -> int:
-    """Run torchrun for this run dir in the foreground and return its exit code.
+@dataclass(frozen=True)
+class LocalRun:
+    """How a local run ended: torchrun's exit code, and the signal we forwarded, if any."""
+
+    code: int
+    stopped_by: str | None = None
+    """SIGINT, SIGTERM or SIGHUP when the user stopped the run; None when it ended itself."""
+
+
+def run_local(files: JobFiles, cfg: RecipeConfig, lock_token: str | None = None) -> LocalRun:
+    """Run torchrun for this run dir in the foreground until it exits.
 
     The child runs in its own process group and dies with this process; Ctrl-C, SIGTERM
-    and SIGHUP (as SIGTERM) are forwarded to its group. A child killed by signal N returns
-    128 + N, as a shell would report it.
+    and SIGHUP (as SIGTERM) are forwarded to its group. A child killed by signal N exits
+    with 128 + N, as a shell would report it.
     """
     args = _torchrun_command(cfg, files)
     env = {**os.environ, **job_env(cfg)}
@@ -125,6 +134,7 @@ def run_local(files: JobFiles, cfg: RecipeConfig, lock_token: str | None = None)
     logs = files.run_dir / LOGS_DIR
     clear_failures(files.run_dir)
     quiet = threading.Event()
+    stopped: list[str] = []
     with (logs / LAUNCH_LOG).open("ab") as log:
         log.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(args)}\n".encode())
         proc = subprocess.Popen(
@@ -133,17 +143,20 @@ def run_local(files: JobFiles, cfg: RecipeConfig, lock_token: str | None = None)
         )  # fmt: skip
         assert proc.stderr is not None
         tee = _StderrTee(proc.stderr, log, quiet, files.run_dir)
-        code = _wait_forwarding_signals(proc, quiet)
+        code = _wait_forwarding_signals(proc, quiet, stopped)
         tee.join()
-    return 128 - code if code < 0 else code
+    return LocalRun(128 - code if code < 0 else code, stopped[0] if stopped else None)
 
 
-def _wait_forwarding_signals(proc: subprocess.Popen, quiet: threading.Event) -> int:
-    """Wait for `proc`, forwarding stop signals to its group (which turns its stderr quiet:
-    the ranks' reactions to the signal are logged, not shown)."""
+def _wait_forwarding_signals(
+    proc: subprocess.Popen, quiet: threading.Event, stopped: list[str]
+) -> int:
+    """Wait for `proc`, forwarding stop signals to its group (noted in `stopped`; its stderr
+    turns quiet: the ranks' reactions to the signal are logged, not shown)."""
 
     def forward(signum: int, _frame: object) -> None:
         quiet.set()
+        stopped.append(signal.Signals(signum).name)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGTERM if signum == signal.SIGHUP else signum)
 

@@ -106,11 +106,13 @@ def execute(cfg: RecipeConfig) -> None:
                 job = submit_slurm(files)
                 print(f"submitted SLURM job {job.job_id}; log: {job.log_path}")
                 return
-            code = run_local(files, cfg, lock_token)
+            ended = run_local(files, cfg, lock_token)
     except (JobError, LaunchError) as err:
         _fail(str(err))
-    if code != 0:
-        _fail(failure_message(files.run_dir, code), code)
+    if ended.stopped_by:
+        _fail(f"stopped by {ended.stopped_by}; run the same command again to resume", ended.code)
+    if ended.code != 0:
+        _fail(failure_message(files.run_dir, ended.code), ended.code)
 
 
 @hydra.main(config_path=RECIPES_DIR, config_name=DEFAULT_RECIPE, version_base=None)

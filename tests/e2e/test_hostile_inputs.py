@@ -277,10 +277,14 @@ def environment(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 def skip_if_not_applicable(case: Case) -> None:
     if case.id == "cuda_without_cuda" and Path("/proc/driver/nvidia/gpus").exists():
         pytest.skip("this machine has CUDA")
-    if case.id == "run_dir_read_only" and os.geteuid() == 0:
-        # Root writes anywhere but to a read-only file system, which the fixture mounts.
-        if not os.path.ismount(Path(case.args[0].split("=", 1)[1]).parent):
-            pytest.skip("no read-only file system could be mounted")
+    # Root writes anywhere but to a read-only file system, which the fixture mounts.
+    root_without_mount = (
+        case.id == "run_dir_read_only"
+        and os.geteuid() == 0
+        and not (os.path.ismount(Path(case.args[0].split("=", 1)[1]).parent))
+    )
+    if root_without_mount:
+        pytest.skip("no read-only file system could be mounted")
 
 
 _COMPOSED: dict[tuple[str, ...], Any] = {}

@@ -55,7 +55,8 @@ def test_library_settings_pass_and_omp_threads_must_be_positive() -> None:
 
 
 def test_torchruns_own_variables_are_refused() -> None:
-    fields = [p.field for p in env_problems(with_env(RANK="1", MASTER_PORT="1", TORCHELASTIC_X="1"))]
+    cfg = with_env(RANK="1", MASTER_PORT="1", TORCHELASTIC_X="1")
+    fields = [p.field for p in env_problems(cfg)]
     assert fields == ["cluster.env.RANK", "cluster.env.MASTER_PORT", "cluster.env.TORCHELASTIC_X"]
 
 

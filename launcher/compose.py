@@ -25,6 +25,7 @@ from typing import Any
 from launcher.recipe_files import (
     HYDRA_SETTINGS_FILE,
     MAX_FILES,
+    check,
     content_problems,
     defaults_problems,
     file_problem,
@@ -95,9 +96,9 @@ def _primary_file(name: str, dirs: list[Path]) -> Path | None:
     return None
 
 
-def _file_problems(dirs: list[Path], user: list[Path], primary: Path | None) -> list[Problem]:
-    """Every YAML file of the search path read defensively; the user's files and the
-    primary recipe checked like the command line."""
+def _file_problems(dirs: list[Path], user: list[Path]) -> list[Problem]:
+    """Every YAML file of the search path read defensively; the user's own files checked
+    like the command line too (the shipped recipes are tested)."""
     problems: list[Problem] = []
     for directory in dirs:
         files = yaml_files(directory)
@@ -105,11 +106,11 @@ def _file_problems(dirs: list[Path], user: list[Path], primary: Path | None) -> 
             reason = f"holds more than {MAX_FILES} YAML files"
             problems.append(file_problem(directory, reason, "give a directory of recipes"))
             continue
+        own = directory in user
         for path in files:
-            content, found = load(path)
+            content, found = load(path) if own else (None, check(path)[1])
             problems += found
-            own = path == primary or any(path.is_relative_to(u) for u in user)
-            if content is None or not own:
+            if content is None:
                 continue
             section = package_of(path, directory)
             if section and section not in sections():
@@ -227,7 +228,7 @@ def checked_command_line(argv: list[str], default_recipe: str) -> list[str]:
     if primary is None:
         recipes = recipe_names(dirs)
         problems.append(unknown_option("--config-name", name, recipes, "no such recipe"))
-    problems += _file_problems(dirs, user, primary)
+    problems += _file_problems(dirs, user)
     problems += _override_problems(args.overrides, dirs, args.multirun)
     if problems:
         raise RecipeError(problems)

@@ -115,13 +115,19 @@ def _event_problems(path: Path, text: str) -> list[Problem]:
     return []
 
 
-def load(path: Path) -> tuple[Any, list[Problem]]:
-    """A recipe file's content once it is known to be safe to construct, or its problems."""
+def check(path: Path) -> tuple[str | None, list[Problem]]:
+    """A recipe file's text once it is known to be safe to construct, or its problems."""
     text, problems = read_text(path)
     if text is None:
         return None, problems
     problems = _event_problems(path, text)
-    if problems:
+    return (None, problems) if problems else (text, [])
+
+
+def load(path: Path) -> tuple[Any, list[Problem]]:
+    """A recipe file's content once it is known to be safe to construct, or its problems."""
+    text, problems = check(path)
+    if text is None:
         return None, problems
     content = yaml.load(text, Loader=_Loader)
     if content is not None and not isinstance(content, dict):

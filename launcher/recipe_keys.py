@@ -27,7 +27,7 @@ def leaf_types() -> dict[str, Any]:
     """Dotted path -> type of every leaf field of the recipe (dicts and lists are leaves)."""
     found: dict[str, Any] = {}
 
-    def walk(cls: type, prefix: str) -> None:
+    def walk(cls: Any, prefix: str) -> None:
         for name, hint in _hints(cls).items():
             if dataclasses.is_dataclass(hint):
                 walk(hint, f"{prefix}{name}.")
@@ -39,11 +39,11 @@ def leaf_types() -> dict[str, Any]:
 
 
 @functools.cache
-def sections() -> dict[str, type]:
+def sections() -> dict[str, Any]:
     """Dotted path -> dataclass of every section ('' is the whole recipe)."""
-    found: dict[str, type] = {"": RecipeConfig}
+    found: dict[str, Any] = {"": RecipeConfig}
 
-    def walk(cls: type, prefix: str) -> None:
+    def walk(cls: Any, prefix: str) -> None:
         for name, hint in _hints(cls).items():
             if dataclasses.is_dataclass(hint):
                 found[f"{prefix}{name}"] = hint
@@ -140,8 +140,13 @@ def value_problem(path: str, value: Any) -> Problem | None:
         elif value is None:
             raise ValueError("no value")
         else:
-            node = {int: IntegerNode, float: FloatNode, bool: BooleanNode, str: StringNode}[hint]
-            node(value)
+            nodes: dict[Any, Any] = {
+                int: IntegerNode,
+                float: FloatNode,
+                bool: BooleanNode,
+                str: StringNode,
+            }
+            nodes[hint](value)
     except (OmegaConfBaseException, ValueError, TypeError):
         return Problem(path, value, f"not {_type_name(hint)}", f"give {_type_name(hint)}")
     return None

@@ -61,7 +61,7 @@ def claimed_run_dir(cfg: RecipeConfig) -> Iterator[str | None]:
             run_lock.check_free(run_dir)
             yield None
             return
-        run_dir.mkdir(parents=True, exist_ok=True)
+        created = not run_dir.exists()
         holder = run_lock.LockHolder.this_process()
         _, note = run_lock.acquire(run_dir, holder)
     except run_lock.RunDirInUse as err:
@@ -72,8 +72,13 @@ def claimed_run_dir(cfg: RecipeConfig) -> Iterator[str | None]:
         print(f"run dir {run_dir}: {note}", file=sys.stderr)
     try:
         yield holder.token
-    finally:
+    except BaseException:
         run_lock.release(run_dir, holder.token)
+        if created:
+            with contextlib.suppress(OSError):
+                run_dir.rmdir()  # ours and left empty: as if nothing had happened
+        raise
+    run_lock.release(run_dir, holder.token)
 
 
 class _StderrTee:

@@ -91,12 +91,14 @@ def execute(cfg: RecipeConfig) -> None:
 
     from launcher.backends import LaunchError, claimed_run_dir, run_local, submit_slurm
     from launcher.failure_summary import failure_message
-    from launcher.job import JobError, write_run_dir
+    from launcher.job import JobError, check_run_dir, write_run_dir
 
     print(render_plan(plan))
+    config_yaml = dump_config(cfg)
     try:
+        check_run_dir(cfg, Path(cfg.run.dir), config_yaml)  # refuse before anything is written
         with claimed_run_dir(cfg) as lock_token:
-            files = write_run_dir(cfg, Path(cfg.run.dir), dump_config(cfg), plan_to_dict(plan))
+            files = write_run_dir(cfg, Path(cfg.run.dir), config_yaml, plan_to_dict(plan))
             print(f"run dir:    {files.run_dir}")
             print(f"config:     {files.config_path}")
             print(f"job script: {files.script_path}")

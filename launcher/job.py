@@ -242,9 +242,15 @@ def write_run_dir(
         ) from None
 
 
-def _write_run_dir(
-    cfg: RecipeConfig, run_dir: Path, config_yaml: str, plan: dict | None
-) -> JobFiles:
+@dataclass(frozen=True)
+class _Rendered:
+    files: JobFiles
+    script: str
+    old_yaml: str | None
+
+
+def _render_run_dir(cfg: RecipeConfig, run_dir: Path, config_yaml: str) -> _Rendered:
+    """Everything write_run_dir would write, or the JobError that refuses it; reads only."""
     backend = cfg.cluster.backend
     if backend not in ("local", "slurm"):
         raise JobError(f"cluster.backend={backend!r}: use local or slurm")
@@ -255,12 +261,10 @@ def _write_run_dir(
         )
     config_path = run_dir / CONFIG_FILE
     script_path = run_dir / (LOCAL_SCRIPT if backend == "local" else SLURM_SCRIPT)
-    # Render before touching the disk, so a rejected value leaves no half-made run dir.
     if backend == "local":
         script = render_local(cfg, config_path)
     else:
         script = render_sbatch(cfg, run_dir, config_path)
-
     old_yaml = config_path.read_text() if config_path.exists() else None
     if old_yaml is not None and old_yaml != config_yaml:
         frozen = frozen_changes(old_yaml, config_yaml)
@@ -270,13 +274,30 @@ def _write_run_dir(
                 f"resumed run may change its layout and train.steps, not {', '.join(frozen)}. "
                 f"Pick a new run.dir=... or remove {run_dir} to start over."
             )
+    return _Rendered(JobFiles(run_dir, config_path, script_path), script, old_yaml)
+
+
+def check_run_dir(cfg: RecipeConfig, run_dir: Path, config_yaml: str) -> None:
+    """Raise the JobError write_run_dir would raise before writing anything; write nothing."""
+    try:
+        _render_run_dir(cfg, Path(run_dir).expanduser().resolve(), config_yaml)
+    except OSError as err:
+        raise JobError(f"cannot read the run dir {run_dir}: {err.strerror or err}") from None
+
+
+def _write_run_dir(
+    cfg: RecipeConfig, run_dir: Path, config_yaml: str, plan: dict | None
+) -> JobFiles:
+    # Render before touching the disk, so a rejected value leaves no half-made run dir.
+    rendered = _render_run_dir(cfg, run_dir, config_yaml)
+    files, old_yaml = rendered.files, rendered.old_yaml
     (run_dir / LOGS_DIR).mkdir(parents=True, exist_ok=True)
     if old_yaml is not None and old_yaml != config_yaml:
         # Keep every config the run dir was trained under: config.1.yaml, config.2.yaml, ...
         n = 1 + sum(1 for _ in run_dir.glob("config.*.yaml"))
         _write_atomic(run_dir / f"config.{n}.yaml", old_yaml, 0o644)
-    _write_atomic(config_path, config_yaml, 0o644)
-    _write_atomic(script_path, script, 0o755)
+    _write_atomic(files.config_path, config_yaml, 0o644)
+    _write_atomic(files.script_path, rendered.script, 0o755)
     if plan is not None:
         _write_atomic(run_dir / PLAN_FILE, json.dumps(plan, indent=1) + "\n", 0o644)
-    return JobFiles(run_dir=run_dir, config_path=config_path, script_path=script_path)
+    return files

@@ -174,6 +174,8 @@ CASES = [
     rule("run_dir_long_name", "run.dir={root}/" + "n" * 300, field="run.dir="),
     rule("run_dir_long_path", "run.dir={root}" + "/p" * 2100, field="run.dir="),
     rule("run_dir_in_use", "run.dir={root}/busy", field="run.dir"),
+    rule("run_dir_of_another_recipe", "run.dir={root}/oldrun", field="seed"),
+    rule("local_run_on_several_nodes", "cluster.nodes=2", field="cluster.nodes=2"),
     rule(
         "run_dir_newline_on_slurm",
         "cluster=slurm",
@@ -227,11 +229,12 @@ CASES = [
 
 @pytest.fixture(scope="module")
 def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A sandbox: a working dir, a home, a file, a foreign folder, a run dir in use, a
-    read-only folder and the hostile recipe files."""
+    """A sandbox: a working dir, a home, a file, a foreign folder, a run dir in use, one of
+    another recipe, a read-only folder and the hostile recipe files."""
     root = tmp_path_factory.mktemp("hostile")
-    for name in ("work", "home", "photos", "busy", "ro"):
+    for name in ("work", "home", "photos", "busy", "oldrun", "ro"):
         (root / name).mkdir()
+    (root / "oldrun" / "config.yaml").write_text("name: tiny\nseed: 1\n")
     (root / "notes.txt").write_text("not a run dir\n")
     (root / "photos" / "cat.jpg").write_bytes(b"\xff\xd8")
     (root / "busy" / "config.yaml").write_text("name: tiny\n")

@@ -1,35 +1,37 @@
-"""Start a written run dir: torchrun in the foreground (local) or sbatch (SLURM)."""
+"""Start a written run dir: torchrun in the foreground (local) or sbatch (SLURM).
+
+A local run owns its run dir (the lock, `claimed_run_dir`) and its processes: torchrun dies
+with the launcher (a parent-death signal, and every rank asks for the same from torchrun),
+Ctrl-C, SIGTERM and a closed terminal are forwarded to it, and its stderr is kept in
+RUN_DIR/logs/torchrun.log. Once a rank has reported a failure (or the run is being
+stopped) the rest of that stderr goes to the log only: the launcher prints the summary.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import re
-import shutil
 import signal
 import subprocess
+import sys
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
+from launcher.failure_summary import clear_failures, has_failures
 from launcher.job import JobFiles, job_env, torchrun_args
-from pretrain_core.rundir import LOGS_DIR
+from pretrain_core import run_lock
+from pretrain_core.lifeline import child_dies_with_us
+from pretrain_core.run_lock import SLURM_FINAL_STATES
+from pretrain_core.rundir import LAUNCH_LOG, LOGS_DIR
 from pretrain_core.schema import RecipeConfig
 
-FINAL_STATES = frozenset(
-    {
-        "BOOT_FAIL",
-        "CANCELLED",
-        "COMPLETED",
-        "DEADLINE",
-        "FAILED",
-        "NODE_FAIL",
-        "OUT_OF_MEMORY",
-        "PREEMPTED",
-        "TIMEOUT",
-    }
-)
+FINAL_STATES = SLURM_FINAL_STATES
 """SLURM job states after which the job will not run again by itself."""
 
 _SUBMIT_TIMEOUT_S = 120
@@ -61,33 +63,131 @@ class SubmittedJob:
     log_path: Path
 
 
-def run_local(files: JobFiles, cfg: RecipeConfig) -> int:
-    """Run torchrun for this run dir in the foreground and return its exit code.
+@contextlib.contextmanager
+def claimed_run_dir(cfg: RecipeConfig) -> Iterator[str | None]:
+    """The run dir for this action: a local run takes its lock (creating the run dir) and
+    yields the token the ranks inherit; a script or a SLURM submission only checks that no
+    live trainer holds it (rank 0 of the job takes the lock). Nothing is written before a
+    refusal, which is a LaunchError naming the holder."""
+    run_dir = Path(cfg.run.dir)
+    try:
+        if cfg.action != "run" or cfg.cluster.backend != "local":
+            run_lock.check_free(run_dir)
+            yield None
+            return
+        created = not run_dir.exists()
+        holder = run_lock.LockHolder.this_process()
+        _, note = run_lock.acquire(run_dir, holder)
+    except run_lock.RunDirInUse as err:
+        raise LaunchError(str(err)) from None
+    except OSError as err:
+        raise LaunchError(f"cannot write the run dir {run_dir}: {err.strerror or err}") from None
+    if note:
+        print(f"run dir {run_dir}: {note}", file=sys.stderr)
+    try:
+        yield holder.token
+    except BaseException:
+        run_lock.release(run_dir, holder.token)
+        if created:
+            with contextlib.suppress(OSError):
+                run_dir.rmdir()  # ours and left empty: as if nothing had happened
+        raise
+    run_lock.release(run_dir, holder.token)
 
-    Output goes straight to this console. The child runs in its own process group and
-    Ctrl-C / SIGTERM are forwarded to the whole group, so torchrun can stop its workers
-    cleanly. A child killed by signal N returns 128 + N, as a shell would report it.
+
+class _StderrTee:
+    """Copies a child's stderr to a log file and, until the run turns quiet (a rank reported
+    a failure, or we are stopping it), to our stderr."""
+
+    def __init__(self, source: IO[bytes], log: IO[bytes], quiet: threading.Event, run_dir: Path):
+        self._source, self._log, self._quiet, self._run_dir = source, log, quiet, run_dir
+        self._thread = threading.Thread(target=self._copy, daemon=True)
+        self._thread.start()
+
+    def _copy(self) -> None:
+        for line in iter(self._source.readline, b""):
+            self._log.write(line)
+            self._log.flush()
+            if not self._quiet.is_set() and has_failures(self._run_dir):
+                self._quiet.set()
+            if not self._quiet.is_set():
+                sys.stderr.buffer.write(line)
+                sys.stderr.buffer.flush()
+
+    def join(self) -> None:
+        self._thread.join(timeout=10)
+
+
+def _torchrun_command(cfg: RecipeConfig, files: JobFiles) -> list[str]:
+    """torchrun as a module of this Python: the ranks run the same interpreter."""
+    if importlib.util.find_spec("torch") is None:
+        raise LaunchError(f"torch is not installed for {sys.executable}: install it to run here")
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        *torchrun_args(cfg, files.config_path)[1:],
+    ]
+
+
+@dataclass(frozen=True)
+class LocalRun:
+    """How a local run ended: torchrun's exit code, and the signal we forwarded, if any."""
+
+    code: int
+    stopped_by: str | None = None
+    """SIGINT, SIGTERM or SIGHUP when the user stopped the run; None when it ended itself."""
+
+
+def run_local(files: JobFiles, cfg: RecipeConfig, lock_token: str | None = None) -> LocalRun:
+    """Run torchrun for this run dir in the foreground until it exits.
+
+    The child runs in its own process group and dies with this process; Ctrl-C, SIGTERM
+    and SIGHUP (as SIGTERM) are forwarded to its group. A child killed by signal N exits
+    with 128 + N, as a shell would report it.
     """
-    args = torchrun_args(cfg, files.config_path)
-    if shutil.which(args[0]) is None:
-        raise LaunchError(f"{args[0]} is not on PATH: install torch in this environment")
+    args = _torchrun_command(cfg, files)
     env = {**os.environ, **job_env(cfg)}
-    proc = subprocess.Popen(args, env=env, start_new_session=True)
+    if lock_token:
+        env[run_lock.TOKEN_ENV] = lock_token
+    logs = files.run_dir / LOGS_DIR
+    clear_failures(files.run_dir)
+    quiet = threading.Event()
+    stopped: list[str] = []
+    with (logs / LAUNCH_LOG).open("ab") as log:
+        log.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(args)}\n".encode())
+        proc = subprocess.Popen(
+            args, env=env, start_new_session=True, stderr=subprocess.PIPE,
+            preexec_fn=child_dies_with_us(),
+        )  # fmt: skip
+        assert proc.stderr is not None
+        tee = _StderrTee(proc.stderr, log, quiet, files.run_dir)
+        code = _wait_forwarding_signals(proc, quiet, stopped)
+        tee.join()
+    return LocalRun(128 - code if code < 0 else code, stopped[0] if stopped else None)
+
+
+def _wait_forwarding_signals(
+    proc: subprocess.Popen, quiet: threading.Event, stopped: list[str]
+) -> int:
+    """Wait for `proc`, forwarding stop signals to its group (noted in `stopped`; its stderr
+    turns quiet: the ranks' reactions to the signal are logged, not shown)."""
 
     def forward(signum: int, _frame: object) -> None:
+        quiet.set()
+        stopped.append(signal.Signals(signum).name)
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signum)
+            os.killpg(proc.pid, signal.SIGTERM if signum == signal.SIGHUP else signum)
 
-    forwarded = (signal.SIGINT, signal.SIGTERM)
+    forwarded = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
     # Signal handlers can only be installed from the main thread.
     in_main = threading.current_thread() is threading.main_thread()
     previous = {s: signal.signal(s, forward) for s in forwarded} if in_main else {}
     try:
-        code = proc.wait()
+        return proc.wait()
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
-    return 128 - code if code < 0 else code
 
 
 def submit_slurm(files: JobFiles) -> SubmittedJob:

@@ -22,9 +22,11 @@ from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
+from launcher.compose import SHIPPED_RECIPES, checked_command_line, hydra_errors_as_problems
+from pretrain_core.problems import RecipeError
 from pretrain_core.schema import RecipeConfig, dump_config, to_recipe
 
-RECIPES_DIR = str(Path(__file__).resolve().parent.parent / "recipes")
+RECIPES_DIR = str(SHIPPED_RECIPES)
 DEFAULT_RECIPE = "tiny"
 
 ConfigStore.instance().store(name="recipe_schema", node=RecipeConfig)
@@ -54,9 +56,11 @@ def execute(cfg: RecipeConfig) -> None:
     from launcher.render import render_plan
     from launcher.rules_data import unprepared_problems
     from launcher.rules_parallel import check_runnable
+    from launcher.short_run import fit_schedule_to_run
     from launcher.validate import validate
-    from pretrain_core.problems import RecipeError
 
+    for warning in fit_schedule_to_run(cfg):
+        print(f"warning: {warning}", file=sys.stderr)
     if cfg.action == "suggest":
         # The search chooses the layout: only problems that no layout fixes are refused.
         from launcher.suggest import report
@@ -70,7 +74,9 @@ def execute(cfg: RecipeConfig) -> None:
         _prepare(cfg)
         return
     try:
-        validate(cfg, for_launch=cfg.action == "run")
+        launch = cfg.action == "run"
+        here = launch and cfg.cluster.backend == "local"
+        validate(cfg, for_launch=launch, run_dir=cfg.action in ("run", "script"), here=here)
         if cfg.action != "plan":
             # A job that would run out of memory is refused before it is written or submitted.
             check_fits(cfg)
@@ -94,36 +100,44 @@ def execute(cfg: RecipeConfig) -> None:
             print(render_plan(plan))
         return
 
-    from launcher.backends import LaunchError, never_starts, run_local, submit_slurm
-    from launcher.job import JobError, write_run_dir
+    from launcher.backends import (
+        LaunchError,
+        claimed_run_dir,
+        never_starts,
+        run_local,
+        submit_slurm,
+    )
+    from launcher.failure_summary import failure_message
+    from launcher.job import JobError, check_run_dir, write_run_dir
 
     print(render_plan(plan))
+    config_yaml = dump_config(cfg)
     try:
-        files = write_run_dir(cfg, Path(cfg.run.dir), dump_config(cfg))
-    except JobError as err:
+        check_run_dir(cfg, Path(cfg.run.dir), config_yaml)  # refuse before anything is written
+        with claimed_run_dir(cfg) as lock_token:
+            files = write_run_dir(cfg, Path(cfg.run.dir), config_yaml, plan_to_dict(plan))
+            print(f"run dir:    {files.run_dir}")
+            print(f"config:     {files.config_path}")
+            print(f"job script: {files.script_path}")
+            if cfg.action == "script":
+                return
+            if cfg.cluster.backend == "slurm":
+                job = submit_slurm(files)
+                print(f"submitted SLURM job {job.job_id}; log: {job.log_path}")
+                # The controller judges a job when it is submitted: one it can never start
+                # is said so now, not found pending days later (if it can be asked).
+                with contextlib.suppress(LaunchError):
+                    cannot_start = never_starts(job.job_id)
+                    if cannot_start:
+                        _fail(cannot_start)
+                return
+            ended = run_local(files, cfg, lock_token)
+    except (JobError, LaunchError) as err:
         _fail(str(err))
-    print(f"run dir:    {files.run_dir}")
-    print(f"config:     {files.config_path}")
-    print(f"job script: {files.script_path}")
-    if cfg.action == "script":
-        return
-
-    try:
-        if cfg.cluster.backend == "slurm":
-            job = submit_slurm(files)
-            print(f"submitted SLURM job {job.job_id}; log: {job.log_path}")
-            # The controller judges a job when it is submitted: one it can never start is
-            # said so now, not found pending days later (if the controller can be asked).
-            with contextlib.suppress(LaunchError):
-                cannot_start = never_starts(job.job_id)
-                if cannot_start:
-                    _fail(cannot_start)
-            return
-        code = run_local(files, cfg)
-    except LaunchError as err:
-        _fail(str(err))
-    if code != 0:
-        _fail(f"training exited with code {code}; see the output above", code)
+    if ended.stopped_by:
+        _fail(f"stopped by {ended.stopped_by}; run the same command again to resume", ended.code)
+    if ended.code != 0:
+        _fail(failure_message(files.run_dir, ended.code), ended.code)
 
 
 def _prepare(cfg: RecipeConfig) -> None:
@@ -166,5 +180,11 @@ def _hydra_main(node: DictConfig) -> None:
 
 
 def main() -> None:
-    """Console entry point of `pretrain`."""
-    _hydra_main()
+    """Console entry point of `pretrain`: the command line and recipe files are checked
+    before Hydra composes, and Hydra's errors are reported like the validator's."""
+    try:
+        sys.argv[1:] = checked_command_line(sys.argv[1:], DEFAULT_RECIPE)
+        with hydra_errors_as_problems():
+            _hydra_main()
+    except RecipeError as err:
+        _fail(f"The command line or a recipe is not valid:\n{err}")

@@ -12,6 +12,7 @@ Two parsers read what is rendered here, and each gets its own quoting:
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -21,7 +22,14 @@ from pathlib import Path
 from string import Template
 
 from launcher.resume import frozen_changes
-from pretrain_core.rundir import CONFIG_FILE, LOCAL_SCRIPT, LOGS_DIR, PREEMPTED_MARKER, SLURM_SCRIPT
+from pretrain_core.rundir import (
+    CONFIG_FILE,
+    LOCAL_SCRIPT,
+    LOGS_DIR,
+    PLAN_FILE,
+    PREEMPTED_MARKER,
+    SLURM_SCRIPT,
+)
 from pretrain_core.schema import RecipeConfig
 
 SBATCH_TEMPLATE = Path(__file__).resolve().parent.parent / "slurm" / "sbatch.template"
@@ -121,6 +129,11 @@ def _exports(cfg: RecipeConfig) -> str:
     return "\n".join(f"export {k}={shlex.quote(v)}" for k, v in env.items())
 
 
+def omp_num_threads(cfg: RecipeConfig) -> str:
+    """The ranks' OMP_NUM_THREADS: cluster.env's if it sets one, else cluster.omp_num_threads."""
+    return job_env(cfg)["OMP_NUM_THREADS"]
+
+
 def _directive(field: str, value: str) -> str:
     """An #SBATCH value quoted for sbatch's parser, or a JobError naming the field."""
     if _CONTROL.search(value) or "\\" in value:
@@ -156,7 +169,7 @@ def render_sbatch(cfg: RecipeConfig, run_dir: Path, config_path: Path) -> str:
         "log_pattern": _directive("run.dir", log_pattern),
         "signal_seconds": str(c.signal_seconds),
         "optional_directives": "\n".join(optional),
-        "omp_num_threads": str(c.omp_num_threads),
+        "omp_num_threads": shlex.quote(omp_num_threads(cfg)),
         "env_exports": _exports(cfg),
         "master_port": str(c.master_port),
         "config_path": shlex.quote(str(config_path)),
@@ -187,28 +200,63 @@ def render_local(cfg: RecipeConfig, config_path: Path) -> str:
     )
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def _write_atomic(path: Path, text: str, mode: int) -> None:
-    """Write `text` to `path` so that readers see the old file or the new, never half of one."""
+    """Write `text` to `path` so that readers see the old file or the new, never half of one.
+
+    `mode` is what the file may be at most: the user's umask takes away from it, as it does
+    for any file a program creates. A file that already holds `text` is left untouched.
+    """
+    if path.is_file() and path.read_text() == text:
+        return
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
-        os.chmod(tmp, mode)
+        os.chmod(tmp, mode & ~_umask())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
 
 
-def write_run_dir(cfg: RecipeConfig, run_dir: Path, config_yaml: str) -> JobFiles:
-    """Create the run dir with its frozen config.yaml and job script (run.sh or job.sbatch).
+def write_run_dir(
+    cfg: RecipeConfig, run_dir: Path, config_yaml: str, plan: dict | None = None
+) -> JobFiles:
+    """Create the run dir with its frozen config.yaml, job script (run.sh or job.sbatch) and
+    the plan (plan.json), leaving files that already hold the same text untouched.
 
     A run dir belongs to one config: if it already holds a config.yaml that differs in what
     is trained (see launcher/resume.py), nothing is written and a JobError says so. A change
-    of layout or length replaces it, the old one kept as config.N.yaml.
+    of layout or length replaces it, the old one kept as config.N.yaml. A file system error
+    (no space, no permission) is a JobError of one line.
     """
+    try:
+        return _write_run_dir(cfg, Path(run_dir).expanduser().resolve(), config_yaml, plan)
+    except OSError as err:
+        where = f" {err.filename}" if err.filename else ""
+        raise JobError(
+            f"cannot write the run dir{where}: {err.strerror or err}; free space or fix the "
+            "permissions, or pick another run.dir"
+        ) from None
+
+
+@dataclass(frozen=True)
+class _Rendered:
+    files: JobFiles
+    script: str
+    old_yaml: str | None
+
+
+def _render_run_dir(cfg: RecipeConfig, run_dir: Path, config_yaml: str) -> _Rendered:
+    """Everything write_run_dir would write, or the JobError that refuses it; reads only."""
     backend = cfg.cluster.backend
     if backend not in ("local", "slurm"):
         raise JobError(f"cluster.backend={backend!r}: use local or slurm")
@@ -217,15 +265,12 @@ def write_run_dir(cfg: RecipeConfig, run_dir: Path, config_yaml: str) -> JobFile
             f"cluster.nodes={cfg.cluster.nodes} with cluster.backend=local: the "
             "local backend runs one node; use cluster=slurm or cluster.nodes=1"
         )
-    run_dir = Path(run_dir).expanduser().resolve()
     config_path = run_dir / CONFIG_FILE
     script_path = run_dir / (LOCAL_SCRIPT if backend == "local" else SLURM_SCRIPT)
-    # Render before touching the disk, so a rejected value leaves no half-made run dir.
     if backend == "local":
         script = render_local(cfg, config_path)
     else:
         script = render_sbatch(cfg, run_dir, config_path)
-
     old_yaml = config_path.read_text() if config_path.exists() else None
     if old_yaml is not None and old_yaml != config_yaml:
         frozen = frozen_changes(old_yaml, config_yaml)
@@ -235,12 +280,30 @@ def write_run_dir(cfg: RecipeConfig, run_dir: Path, config_yaml: str) -> JobFile
                 f"resumed run may change its layout and train.steps, not {', '.join(frozen)}. "
                 f"Pick a new run.dir=... or remove {run_dir} to start over."
             )
+    return _Rendered(JobFiles(run_dir, config_path, script_path), script, old_yaml)
+
+
+def check_run_dir(cfg: RecipeConfig, run_dir: Path, config_yaml: str) -> None:
+    """Raise the JobError write_run_dir would raise before writing anything; write nothing."""
+    try:
+        _render_run_dir(cfg, Path(run_dir).expanduser().resolve(), config_yaml)
+    except OSError as err:
+        raise JobError(f"cannot read the run dir {run_dir}: {err.strerror or err}") from None
+
+
+def _write_run_dir(
+    cfg: RecipeConfig, run_dir: Path, config_yaml: str, plan: dict | None
+) -> JobFiles:
+    # Render before touching the disk, so a rejected value leaves no half-made run dir.
+    rendered = _render_run_dir(cfg, run_dir, config_yaml)
+    files, old_yaml = rendered.files, rendered.old_yaml
     (run_dir / LOGS_DIR).mkdir(parents=True, exist_ok=True)
     if old_yaml is not None and old_yaml != config_yaml:
         # Keep every config the run dir was trained under: config.1.yaml, config.2.yaml, ...
         n = 1 + sum(1 for _ in run_dir.glob("config.*.yaml"))
         _write_atomic(run_dir / f"config.{n}.yaml", old_yaml, 0o644)
-    if old_yaml != config_yaml:
-        _write_atomic(config_path, config_yaml, 0o644)
-    _write_atomic(script_path, script, 0o755)
-    return JobFiles(run_dir=run_dir, config_path=config_path, script_path=script_path)
+    _write_atomic(files.config_path, config_yaml, 0o644)
+    _write_atomic(files.script_path, rendered.script, 0o755)
+    if plan is not None:
+        _write_atomic(run_dir / PLAN_FILE, json.dumps(plan, indent=1) + "\n", 0o644)
+    return files

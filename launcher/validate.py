@@ -9,20 +9,35 @@ asked after this one.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import re
+from collections.abc import Iterator
+from typing import Any
 
 from launcher.rules_data import check_data
+from launcher.rules_env import check_env, check_local_device
 from launcher.rules_moe import check_moe
 from launcher.rules_parallel import SAFE_NAME, check_cluster, check_parallel, check_runnable
 from launcher.rules_precision import check_precision
+from launcher.rules_rundir import check_run_dir
 from pretrain_core.problems import Checks, divisors, nearby_multiples, or_list
 from pretrain_core.schema import RecipeConfig, choice_fields, field_value
 
+MAX_SEED = 2**32 - 1
+"""Seeds are 32-bit (numpy's limit)."""
+MAX_STEPS = 10**9
+MAX_GLOBAL_BATCH = 2**24
 
-def validate(cfg: RecipeConfig, for_launch: bool = False) -> None:
+
+def validate(
+    cfg: RecipeConfig, for_launch: bool = False, run_dir: bool = False, here: bool = False
+) -> None:
     """Raise RecipeError listing every problem of `cfg`; return None if there is none.
 
-    With `for_launch`, layouts this version's trainer cannot execute are problems too.
+    With `for_launch`, layouts this version's trainer cannot execute are problems too; with
+    `run_dir`, `run.dir` must be a directory the run may be written to; with `here` (the
+    job starts on this machine), its devices must exist here.
     """
     c = Checks()
     for path, allowed in choice_fields():
@@ -30,23 +45,45 @@ def validate(cfg: RecipeConfig, for_launch: bool = False) -> None:
     if not SAFE_NAME.match(cfg.name):
         safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", cfg.name).strip("_") or "run"
         c.add("name", cfg.name, "may hold only letters, digits, '_', '.' and '-'", f"use {safe}")
+    if not 0 <= cfg.seed <= MAX_SEED:
+        c.add("seed", cfg.seed, f"seeds are 32-bit: 0 to {MAX_SEED:,}", "use e.g. 1234")
     model_ok = _check_model(c, cfg)
-    train_ok = _check_train(c, cfg)
+    batch_ok = _check_train(c, cfg)
     cluster_ok = check_cluster(c, cfg)
-    check_parallel(c, cfg, model_ok, train_ok, cluster_ok)
+    check_env(c, cfg)
+    check_parallel(c, cfg, model_ok, batch_ok, cluster_ok)
     check_precision(c, cfg)
     check_moe(c, cfg, for_launch)
-    _check_optim(c, cfg, train_ok)
+    _check_optim(c, cfg)
     c.at_least("recompute.every", cfg.recompute.every, 1)
     c.at_least("logging.log_every", cfg.logging.log_every, 1)
     c.at_least("suggest.top", cfg.suggest.top, 1)
     c.at_least("hardware.peak_tflops", cfg.hardware.peak_tflops, 0)
     check_data(c, cfg, for_launch)
+    if here:
+        check_local_device(c, cfg)
+    if run_dir:
+        check_run_dir(c, cfg)
     _check_checkpoint(c, cfg)
     _check_speed(c, cfg)
     if for_launch:
         c.extend(check_runnable(cfg))
+    for path, value in _floats(cfg):
+        if not c.reported(path):
+            c.finite(path, value)
     c.raise_if_any()
+
+
+def _floats(node: Any, prefix: str = "") -> Iterator[tuple[str, float]]:
+    """(dotted path, value) of every float field, lists included."""
+    for f in dataclasses.fields(node):
+        value = getattr(node, f.name)
+        if dataclasses.is_dataclass(value):
+            yield from _floats(value, f"{prefix}{f.name}.")
+        elif isinstance(value, float):
+            yield f"{prefix}{f.name}", value
+        elif isinstance(value, list) and all(isinstance(v, float) for v in value):
+            yield from ((f"{prefix}{f.name}", v) for v in value if not math.isfinite(v))
 
 
 def _check_model(c: Checks, cfg: RecipeConfig) -> bool:
@@ -79,10 +116,17 @@ def _check_model(c: Checks, cfg: RecipeConfig) -> bool:
 
 
 def _check_train(c: Checks, cfg: RecipeConfig) -> bool:
+    """Length and batch rules; True when the batch shape is sound enough for the layout
+    rules (train.steps does not enter them, so a bad one hides none of them)."""
     t = cfg.train
+    if c.at_least("train.steps", t.steps, 1):
+        c.at_most("train.steps", t.steps, MAX_STEPS, "more optimizer steps than any run takes")
     ok = all(
-        [c.at_least(f"train.{f}", getattr(t, f), 1) for f in ("steps", "seq_len", "micro_batch")]
+        [c.at_least(f"train.{f}", getattr(t, f), 1) for f in ("seq_len", "micro_batch")]
         + [c.at_least("train.global_batch", t.global_batch, 1)]
+    )
+    ok = ok and c.at_most(
+        "train.global_batch", t.global_batch, MAX_GLOBAL_BATCH, "sequences per optimizer step"
     )
     if t.seq_len > cfg.model.max_seq_len:
         c.add(
@@ -94,7 +138,7 @@ def _check_train(c: Checks, cfg: RecipeConfig) -> bool:
     return ok
 
 
-def _check_optim(c: Checks, cfg: RecipeConfig, train_ok: bool) -> None:
+def _check_optim(c: Checks, cfg: RecipeConfig) -> None:
     o, s, steps = cfg.optim, cfg.schedule, cfg.train.steps
     for f in ("lr", "min_lr", "weight_decay", "grad_clip"):
         c.at_least(f"optim.{f}", getattr(o, f), 0)
@@ -119,7 +163,7 @@ def _check_optim(c: Checks, cfg: RecipeConfig, train_ok: bool) -> None:
         )
     warm_ok = c.at_least("schedule.warmup_steps", s.warmup_steps, 0)
     decay_ok = c.at_least("schedule.decay_steps", s.decay_steps, 0)
-    if not (train_ok and warm_ok and decay_ok):
+    if not (steps >= 1 and warm_ok and decay_ok):
         return
     if s.warmup_steps > steps:
         c.add(

@@ -119,10 +119,23 @@ def rank_groups(degrees: Degrees) -> dict[str, list[list[int]]]:
 def grad_accum_steps(cfg: RecipeConfig) -> int:
     """Micro-batches each rank runs per optimizer step: global / (micro_batch * dp).
 
-    Raises RecipeError (naming `train.global_batch`) when the division leaves a remainder.
+    Raises RecipeError naming `train.micro_batch` when one pass over the dp ranks is already
+    more than the global batch, and `train.global_batch` when the division leaves a remainder.
     """
     micro, dp, batch = cfg.train.micro_batch, resolve_degrees(cfg).dp, cfg.train.global_batch
     per_pass = micro * dp
+    if 1 <= batch < per_pass:
+        # One pass of micro-batches over the dp ranks already holds more than the whole batch.
+        fits = [m for m in range(1, micro) if batch % (m * dp) == 0]
+        _fail(
+            micro,
+            f"micro_batch*dp = {micro}*{dp} = {per_pass} sequences per pass is more than "
+            f"train.global_batch={batch}",
+            f"use train.micro_batch={or_list(fits[-2:])}"
+            if fits
+            else f"use train.global_batch >= {per_pass}",
+            field="train.micro_batch",
+        )
     if per_pass < 1 or batch < 1 or batch % per_pass:
         _fail(
             batch,

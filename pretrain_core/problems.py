@@ -7,6 +7,7 @@ in one pass. The small formatting helpers the messages share live here too.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -64,19 +65,41 @@ class Checks:
         self.add(field, value, f"unknown value {value!r}", f"use {or_list(list(allowed))}")
         return False
 
+    def finite(self, field: str, value: float) -> bool:
+        """`value` is a number, not nan or infinite; True when it is."""
+        if isinstance(value, int) or math.isfinite(value):
+            return True
+        self.add(field, value, "must be a finite number", "use a number such as 1 or 0.5")
+        return False
+
     def at_least(self, field: str, value: float, minimum: float) -> bool:
-        """`value` >= `minimum`; True when it is."""
+        """`value` >= `minimum` (and finite); True when it is."""
+        if not self.finite(field, value):
+            return False
         if value >= minimum:
             return True
         self.add(field, value, f"must be >= {minimum}", f"use a value >= {minimum}")
         return False
 
+    def at_most(self, field: str, value: float, maximum: float, why: str) -> bool:
+        """`value` <= `maximum`; `why` says what larger values would mean. True when it is."""
+        if value <= maximum:
+            return True
+        self.add(field, value, f"must be <= {maximum:,} ({why})", f"use a value <= {maximum:,}")
+        return False
+
     def positive(self, field: str, value: float) -> bool:
-        """`value` > 0; True when it is."""
+        """`value` > 0 (and finite); True when it is."""
+        if not self.finite(field, value):
+            return False
         if value > 0:
             return True
         self.add(field, value, "must be > 0", "use a positive value")
         return False
+
+    def reported(self, field: str) -> bool:
+        """Whether a problem of `field` is recorded already."""
+        return any(p.field == field for p in self.problems)
 
     def raise_if_any(self) -> None:
         """Raise one RecipeError listing every problem recorded, if there is any."""

@@ -31,3 +31,25 @@ PREPARE_CONFIG = "prepare.yaml"
 """The resolved recipe `action=prepare` tokenizes the data of."""
 PREPARE_SCRIPT = "prepare.sbatch"
 """The CPU-only SLURM job script of `action=prepare cluster=slurm`."""
+LOCK_FILE = "run.lock"
+"""Held while a trainer owns the run dir: JSON naming the holder (pretrain_core/run_lock.py)."""
+PLAN_FILE = "plan.json"
+"""The launcher's plan of the run (`plan_to_dict`); a rank that runs out of memory quotes
+its predicted peak beside the measured one."""
+LAUNCH_LOG = "torchrun.log"
+"""Under LOGS_DIR: everything torchrun and the ranks wrote to stderr in a local run."""
+
+
+def rank_log(rank: int) -> str:
+    """Under LOGS_DIR: the full traceback of each failure of `rank`."""
+    return f"rank_{rank}.log"
+
+
+def failure_record(rank: int) -> str:
+    """Under LOGS_DIR: the JSON summary of `rank`'s last failure (cause, fix, host), which
+    the launcher prints."""
+    return f"failure_rank_{rank}.json"
+
+
+FAILURE_RECORD_GLOB = "failure_rank_*.json"
+"""Matches every `failure_record` name."""

@@ -7,8 +7,9 @@ dir's resolved `config.yaml` into the same dataclasses with `load_config`.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
-from dataclasses import dataclass, field, fields, is_dataclass
+from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from typing import Any, cast
 
 from pretrain_core.choices import CHOICES, one_of
@@ -33,6 +34,7 @@ GPU_TYPES = tuple(GPUS)
 WANDB_MODES = ("auto", "online", "offline", "disabled")
 ASYNC_MODES = ("none", "thread", "process")
 PLAN_FORMATS = ("table", "json")
+_INTERPOLATION = re.compile(r"(\\*)\$\{")
 
 
 @dataclass
@@ -473,7 +475,23 @@ def load_config(path: str) -> RecipeConfig:
 
 
 def dump_config(cfg: RecipeConfig) -> str:
-    """The resolved recipe as YAML text."""
+    """The resolved recipe as YAML text that `load_config` reads back to an equal recipe.
+
+    A string that holds `${` (an interpolation the user escaped, so a literal) is written
+    escaped: the ranks must see the value the launcher validated, not resolve it again.
+    """
     from omegaconf import OmegaConf
 
-    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+    return OmegaConf.to_yaml(OmegaConf.create(_escape_interpolations(asdict(cfg))))
+
+
+def _escape_interpolations(node: Any) -> Any:
+    """`node` with every `${` in its strings escaped for OmegaConf (and the backslashes
+    right before one doubled, so they stay literal too)."""
+    if isinstance(node, dict):
+        return {key: _escape_interpolations(value) for key, value in node.items()}
+    if isinstance(node, list):
+        return [_escape_interpolations(value) for value in node]
+    if isinstance(node, str) and "${" in node:
+        return _INTERPOLATION.sub(lambda m: m.group(1) * 2 + "\\${", node)
+    return node

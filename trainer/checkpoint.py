@@ -10,7 +10,10 @@ never picks. Inside:
   any layout; vocabulary rows padded for another tp are fitted (`trainer/vocab_resize.py`);
 - `meta.json`: step, the data loader's position (layout-independent: stored once), the LR
   scheduler's state, the W&B run id and the layout it was saved under;
-- `rng/rank_R.pt`: the RNG states of rank R (restored only under the same world size).
+- `rng/rank_R.pt`: the RNG states of rank R (restored only under the same world size);
+- `manifest.json`: every file's size and SHA-256, written last before the rename, and
+  checked before a load; a checkpoint that fails is moved aside and the previous one is
+  used (`trainer/checkpoint_integrity.py`, which also checks the free space before a save).
 """
 
 from __future__ import annotations
@@ -40,8 +43,10 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from parallel.tied_embedding import head_copies
 from pretrain_core.rundir import CHECKPOINTS_DIR, WANDB_ID_FILE
 from pretrain_core.schema import CheckpointConfig
+from trainer import checkpoint_integrity as integrity
 from trainer.data import DataLoader
 from trainer.fault_injection import FaultInjector
+from trainer.log import get_logger
 from trainer.step import TrainState
 from trainer.vocab_resize import load_resizing_vocab
 
@@ -164,6 +169,13 @@ def read_tied_copy_from_embedding(
     return renamed(model_sd), renamed(optim_state)
 
 
+def _collective_device() -> torch.device:
+    """Where this rank's collectives take their tensors: its GPU under NCCL, else the CPU."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def _state_dicts(state: TrainState) -> dict[str, Any]:
     model = _named_model(state)
     if isinstance(state.optimizer, ZeroRedundancyOptimizer):
@@ -202,6 +214,9 @@ class _Pending:
     tmp: Path
     meta: dict[str, Any]
     future: Future | None
+    sums: dict[str, dict[str, Any]]
+    """Sizes and checksums of the files the ranks wrote (empty for a background save:
+    rank 0 computes them all for the manifest)."""
 
 
 class Checkpointer:
@@ -247,13 +262,14 @@ class Checkpointer:
     def save(self, step: int, state: TrainState, loader: DataLoader) -> None:
         """Write the checkpoint of `step` (asynchronously if configured); collective."""
         self.wait()
+        state_dict = _state_dicts(state)
+        integrity.check_free_space(self.root, step, state_dict, _collective_device())
         tmp = step_dir(self.root, step).with_name(step_dir(self.root, step).name + ".tmp")
         if self.rank == 0:
             # A previous attempt at this step that crashed mid-save: ours to clear.
             shutil.rmtree(tmp, ignore_errors=True)
             (tmp / "rng").mkdir(parents=True)
         dist.barrier()
-        torch.save(_rng_state(), tmp / "rng" / f"rank_{self.rank}.pt")
         wandb_id = self.root.parent / WANDB_ID_FILE
         full_meta = {
             "step": step,
@@ -263,22 +279,44 @@ class Checkpointer:
             "scheduler": state.scheduler.state_dict(),
             "loss_scaler": state.scaler.state_dict(),
         }
-        state_dict = _state_dicts(state)
         future = None
-        if self.cfg.async_mode == "none":
-            dcp.save(state_dict, checkpoint_id=str(tmp))
-        else:
-            kind = AsyncCheckpointerType(self.cfg.async_mode)
-            future = dcp.async_save(
-                state_dict,
-                checkpoint_id=str(tmp),
-                process_group=self._group,
-                async_checkpointer_type=kind,
-            )
-        self._pending = _Pending(step, tmp, full_meta, future)
+        try:
+            torch.save(_rng_state(), tmp / "rng" / f"rank_{self.rank}.pt")
+            if self.cfg.async_mode == "none":
+                dcp.save(state_dict, checkpoint_id=str(tmp))
+            else:
+                kind = AsyncCheckpointerType(self.cfg.async_mode)
+                future = dcp.async_save(
+                    state_dict,
+                    checkpoint_id=str(tmp),
+                    process_group=self._group,
+                    async_checkpointer_type=kind,
+                )
+        except Exception as error:
+            self._save_failed(step, tmp, error)
+            raise
+        sums = self._gathered_sums(tmp) if future is None else {}
+        self._pending = _Pending(step, tmp, full_meta, future, sums)
         self.saved_step = step
         if future is None:
             self.wait()
+
+    def _save_failed(self, step: int, tmp: Path, error: Exception) -> None:
+        """A save that failed on a full disk: rank 0 frees what it wrote, and the error
+        names the disk (re-raised by the caller otherwise)."""
+        full = integrity.disk_full_now(self.root, step, error)
+        if full is None:
+            return
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise full from error
+
+    def _gathered_sums(self, tmp: Path) -> dict[str, dict[str, Any]]:
+        """Each rank checksums the files it wrote; rank 0 receives them all (collective)."""
+        mine = integrity.checksums(tmp, integrity.own_files(tmp, self.rank))
+        gathered: list[dict | None] = [None] * self.world_size if self.rank == 0 else []
+        dist.gather_object(mine, gathered if self.rank == 0 else None, dst=0)
+        return {name: entry for part in gathered if part for name, entry in part.items()}
 
     def poll(self) -> None:
         """Finalize a background save that has finished; cheap, not collective."""
@@ -298,6 +336,7 @@ class Checkpointer:
             return
         # The DCP metadata is written only after every rank's shards: all data is on disk.
         (pending.tmp / META).write_text(json.dumps(pending.meta, indent=1) + "\n")
+        integrity.write_manifest(pending.tmp, pending.sums)
         if self.faults is not None:
             self.faults.before_commit(pending.step)
         final = step_dir(self.root, pending.step)
@@ -319,13 +358,57 @@ class Checkpointer:
             _async_process_executor._CHECKPOINT_PROCESS = None
 
     def restore(self, state: TrainState, loader: DataLoader, step: int | None = None) -> int:
-        """Load the newest complete checkpoint (or that of `step`) into `state` and `loader`
-        and return its step; 0 (nothing loaded) when there is none. Collective."""
-        path = find_checkpoint(self.root, step)
-        if path is None:
-            if step is not None:
-                raise FileNotFoundError(f"no complete checkpoint of step {step} in {self.root}")
-            return 0
+        """Load the newest usable checkpoint (or that of `step`) into `state` and `loader`
+        and return its step; 0 (nothing loaded) when there is none. Collective.
+
+        Unfinished saves are removed first. A checkpoint that fails verification or loading
+        is moved aside and named in the log, and the previous one is tried; when none is
+        left, NoUsableCheckpoint says which failed and why.
+        """
+        if self.rank == 0:
+            for path in integrity.remove_unfinished(self.root):
+                get_logger().info("removed %s, a save that never finished", path.name)
+        candidates = integrity.step_dirs(self.root)
+        if step is not None:
+            candidates = [(s, p) for s, p in candidates if s == step]
+            if not candidates:
+                raise FileNotFoundError(f"no checkpoint of step {step} in {self.root}")
+        failures = []
+        for _, path in candidates:
+            problems = integrity.verify(
+                path, META, DCP_METADATA, self.rank, self.world_size
+            ) or self._agreed_load(path, state, loader)
+            if not problems:
+                return self.saved_step
+            failures.append(f"{path.name}: {'; '.join(problems)}")
+            self._set_aside(path, problems)
+        if failures:
+            raise integrity.NoUsableCheckpoint(self.root, failures)
+        return 0
+
+    def _agreed_load(self, path: Path, state: TrainState, loader: DataLoader) -> list[str]:
+        """Load `path`; the problems if any rank failed to (all ranks agree)."""
+        try:
+            self._load(path, state, loader)
+            error = ""
+        except Exception as exc:  # a checkpoint that does not load is reported, not fatal
+            error = f"it does not load ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})"
+        errors: list[str | None] = [None] * self.world_size
+        dist.all_gather_object(errors, error)
+        return sorted({e for e in errors if e})
+
+    def _set_aside(self, path: Path, problems: list[str]) -> None:
+        """Rank 0 moves a bad checkpoint aside (kept for inspection) and says so."""
+        if self.rank == 0:
+            moved = integrity.set_aside(path)
+            get_logger().warning(
+                "checkpoint %s is unusable (%s); moved to %s, trying the previous one",
+                path.name, "; ".join(problems), moved.name,
+            )  # fmt: skip
+        dist.barrier()
+
+    def _load(self, path: Path, state: TrainState, loader: DataLoader) -> int:
+        """Load the checkpoint at `path` into `state` and `loader`; its step."""
         meta = read_meta(path)
         model = _named_model(state)
         # The optimizer's states only: its groups (which depend on the layout) and their

@@ -10,7 +10,9 @@
   step: its first loss computation of the step busy-waits that long, as a slow device
   computes (a sleep would be a wait, which the straggler detector rightly leaves out);
 - PRETRAIN_FAULT_CRASH_IN_SAVE=6: rank 0 dies after writing the checkpoint of step 6 but
-  before marking it complete (see trainer/checkpoint.py).
+  before marking it complete (see trainer/checkpoint.py);
+- PRETRAIN_FAULT_OOM=RANK:STEP: that rank raises the device's out-of-memory error after
+  that step, as an allocation that does not fit would.
 
 PRETRAIN_FAULT_PREPARE_STOP=N stops a data preparation as SIGTERM would once N units are
 done; `trainer/prepare.py` reads it, since preparation runs without torch.
@@ -64,6 +66,7 @@ class FaultInjector:
     hang: tuple[int, int] | None = None
     crash_in_save: int | None = None
     slow: tuple[int, float] | None = None
+    oom: tuple[int, int] | None = None
     first_attempt: bool = True
     step: int = 0
     """The 1-based step being trained (set by `begin_step`)."""
@@ -81,6 +84,7 @@ class FaultInjector:
             hang=_rank_step(environ.get("PRETRAIN_FAULT_HANG")),
             crash_in_save=int(crash) if crash else None,
             slow=_rank_seconds(environ.get("PRETRAIN_FAULT_SLOW_RANK")),
+            oom=_rank_step(environ.get("PRETRAIN_FAULT_OOM")),
             first_attempt=environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0",
         )
 
@@ -107,8 +111,14 @@ class FaultInjector:
         return loss
 
     def after_step(self) -> None:
-        """Kill this rank (first attempt only) or hang it, if asked for this step."""
+        """Kill this rank (first attempt only), hang it or run it out of memory, if asked
+        for this step."""
         here = (self.rank, self.step)
+        if self.oom == here:
+            raise torch.OutOfMemoryError(
+                f"fault: rank {self.rank} out of memory after step {self.step}. Tried to "
+                "allocate 2.00 GiB (injected)"
+            )
         if self.first_attempt and self.kill == here:
             get_logger().warning("fault: rank %d kills itself after step %d", *here)
             os.kill(os.getpid(), signal.SIGKILL)

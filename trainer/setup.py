@@ -8,11 +8,10 @@ checkpoint), the fault guard and injector, the metrics window and the metrics si
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from omegaconf import OmegaConf
 
 from models.flops import count_params, flops_per_token
 from parallel.mesh import JobMesh, build_mesh
@@ -129,7 +128,7 @@ def setup(cfg: RecipeConfig, rank: RankInfo) -> Run:
         run_dir,
         is_main=rank.is_main,
         logging=cfg.logging,
-        config=OmegaConf.to_container(OmegaConf.structured(cfg)),
+        config=asdict(cfg),
         run_name=cfg.name,
         total_steps=cfg.train.steps,
     )

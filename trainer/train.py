@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from pretrain_core import run_lock
 from pretrain_core.schema import RecipeConfig, load_config
 from trainer.dist import RankInfo, init_distributed
 from trainer.faults import install_stop_handlers, mark_preempted, stop_signal_name
@@ -62,7 +63,8 @@ def run(cfg: RecipeConfig, rank: RankInfo, watchdog: Watchdog) -> None:
 
 
 def main(config_path: str) -> None:
-    """Run one rank of the job described by the run dir's config.yaml."""
+    """Run one rank of the job described by the run dir's config.yaml; rank 0 holds the run
+    dir's lock meanwhile (unless the launcher holds it for this job)."""
     install_stop_handlers()
     cfg = load_config(config_path)
     run_dir = Path(cfg.run.dir)
@@ -70,7 +72,12 @@ def main(config_path: str) -> None:
     timeout_s = cfg.faults.collective_timeout_s
     rank = init_distributed(cfg.cluster, timeout_s)
     try:
-        with Watchdog(run_dir, rank.rank, rank.world_size, timeout_s) as watchdog:
+        with (
+            run_lock.held(cfg.run.dir, enabled=rank.is_main) as took_over,
+            Watchdog(run_dir, rank.rank, rank.world_size, timeout_s) as watchdog,
+        ):
+            if took_over:
+                get_logger().warning("run dir %s: %s", cfg.run.dir, took_over)
             try:
                 run(cfg, rank, watchdog)
                 # No rank tears down its connections while a peer still has work in flight.

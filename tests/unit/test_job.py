@@ -254,7 +254,7 @@ cfg = RecipeConfig()
 cfg.cluster.device, cfg.cluster.gpu_type, cfg.cluster.gpus_per_node = "cpu", "cpu", 2
 cfg.train.steps, cfg.logging.wandb, cfg.run.dir = 100_000, "disabled", sys.argv[1]
 files = write_run_dir(cfg, Path(cfg.run.dir), dump_config(cfg))
-sys.exit(run_local(files, cfg))
+sys.exit(run_local(files, cfg).code)
 """
 
 

@@ -1,0 +1,371 @@
+"""Hostile and careless input, table-driven: every case must exit with code 2, print no
+traceback, name the field (or file) at fault, and write nothing anywhere.
+
+The CLI runs in this process (a subprocess costs half a second each). Cases refused before
+Hydra composes run the whole command (`main`); cases refused by the validator or the run
+dir run everything after composition (`execute`) on the tiny recipe composed once with
+their overrides applied, since each Hydra composition costs about a second here; a few of
+them, and a few of the others as real `pretrain` processes, run the whole way too.
+Data-source and tokenizer values are checked by the data rules and have their own tests.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import io
+import json
+import os
+import socket
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from launcher import cli as pretrain_cli
+from pretrain_core.rundir import LOCK_FILE
+from pretrain_core.schema import to_recipe
+from tests.helpers import pretrain, pretrain_in_process, tree
+
+pytestmark = pytest.mark.e2e
+
+SECRET = "planted-secret-8f2a1c"
+"""The value of PRETRAIN_TEST_TOKEN in every case's environment."""
+
+
+@dataclass(frozen=True)
+class Case:
+    id: str
+    args: tuple[str, ...]
+    """Arguments after `pretrain`; {root} is the sandbox."""
+    field: str
+    """Must appear in stderr: the field, key or file at fault ({root} allowed)."""
+    composed: bool = False
+    """Refused after composition: run `execute` on the composed recipe (see the module doc)."""
+
+
+def bomb() -> str:
+    rows = ['a: &a ["x","x","x","x","x","x","x","x","x"]']
+    for prev, name in zip("abcde", "bcdef", strict=True):
+        rows.append(f"{name}: &{name} [{', '.join([f'*{prev}'] * 9)}]")
+    return "\n".join(rows) + "\n"
+
+
+HEADER = "defaults:\n  - recipe_schema\n  - _self_\n"
+RECIPE_FILES: dict[str, bytes] = {
+    "bomb": bomb().encode(),
+    "deep": ("a: " + "[" * 5000 + "]" * 5000 + "\n").encode(),
+    "latin1": (HEADER + "name: caf\xe9\n").encode("latin-1"),
+    "binary": bytes(range(256)) * 4,
+    "syntax": (HEADER + "train: {steps: 5\n").encode(),
+    "toplist": b"- model\n- parallel\n",
+    "huge": (HEADER + "# " + "x" * (2 << 20) + "\n").encode(),
+    "callbacks": (
+        HEADER + "hydra:\n  callbacks:\n    x:\n      _target_: builtins.open\n"
+        "      file: /tmp/owned\n      mode: w\n"
+    ).encode(),
+    "launcher": (
+        HEADER.replace("  - _self_", "  - override hydra/launcher: basic\n  - _self_")
+    ).encode(),
+    "unknownkey": (HEADER + "model:\n  hiddne: 3\n").encode(),
+    "wrongtype": (HEADER + "train:\n  steps: many\n").encode(),
+    "badoption": HEADER.replace("  - _self_", "  - model: tyni\n  - _self_").encode(),
+}
+"""Hostile recipe files, each alone in recipes/<name>/<name>.yaml."""
+
+
+def recipe(name: str, field: str = "") -> Case:
+    args = ("--config-dir", f"{{root}}/recipes/{name}", "--config-name", name)
+    return Case(f"recipe_{name}", args, field or f"{{root}}/recipes/{name}/{name}.yaml")
+
+
+def cli(case_id: str, *args: str, field: str = "") -> Case:
+    return Case(case_id, args, field or args[-1].lstrip("+~").split("=")[0])
+
+
+def rule(case_id: str, *args: str, field: str = "") -> Case:
+    """A case the validator or the run-dir checks refuse, after composition."""
+    return Case(case_id, args, field or args[-1].lstrip("+~").split("=")[0], composed=True)
+
+
+CASES = [
+    # Hydra-level: keys, types, groups, recipes, syntax
+    cli("unknown_key", "model.hidden=3"),
+    cli("typo_did_you_mean", "parallel.tpp=2", field="did you mean parallel.tp"),
+    cli("plus_unknown_key", "+parallel.tpp=2"),
+    cli("plus_unknown_top_level", "+foo=1"),
+    cli("plus_existing_key", "+parallel.tp=2", field="+parallel.tp"),
+    cli("int_not_a_number", "train.steps=many"),
+    cli("float_not_a_number", "optim.lr=fast"),
+    cli("bool_not_a_bool", "logging.all_ranks=maybe"),
+    cli("float_for_an_int", "train.steps=1e12"),
+    cli("list_for_an_int", "model.dim=[1,2]"),
+    cli("scalar_for_a_mapping", "cluster.env=5"),
+    cli("bad_list_element", "optim.betas=[0.9,x]"),
+    cli("unparsable_override", "model.dim=[1,"),
+    cli("unknown_group_option", "precision=bf61"),
+    cli("unknown_model", "model=huge"),
+    cli("mapping_for_a_group", "parallel={tp:2}"),
+    cli("unknown_recipe", "--config-name", "tyni", field="--config-name=tyni"),
+    cli("sweep_without_multirun", "seed=1,2"),
+    cli("group_at_package", "model@x=tiny", field="model@x"),
+    cli("deep_list_argument", "model.dim=" + "[" * 5000 + "]" * 5000, field="model.dim"),
+    cli("overlong_argument", "name=" + "x" * 20000, field="name"),
+    cli("not_utf8_argument", "name=caf\udce9", field="name"),
+    # Hydra's own settings, which run code or write files
+    cli("hydra_callbacks", "+hydra.callbacks.x._target_=builtins.open", field="hydra.callbacks"),
+    cli("hydra_launcher", "hydra/launcher=basic", field="hydra/launcher"),
+    cli("hydra_run_dir", "hydra.run.dir={root}/elsewhere", field="hydra.run.dir"),
+    cli("hydra_searchpath", "hydra.searchpath=[pkg://os]", field="hydra.searchpath"),
+    cli("hydra_job_logging", "hydra/job_logging=default", field="hydra/job_logging"),
+    # recipe files read defensively
+    recipe("bomb"),
+    recipe("deep"),
+    recipe("latin1"),
+    recipe("binary"),
+    recipe("syntax"),
+    recipe("toplist"),
+    recipe("huge"),
+    recipe("callbacks", "hydra.callbacks.x._target_"),
+    recipe("launcher", "defaults: override hydra/launcher"),
+    recipe("unknownkey", "model.hiddne"),
+    recipe("wrongtype", "train.steps=many"),
+    recipe("badoption", "defaults: model=tyni"),
+    cli(
+        "config_dir_package", "--config-dir", "pkg://os", "--config-name", "x", field="--config-dir"
+    ),
+    cli(
+        "config_dir_missing",
+        "--config-dir",
+        "{root}/nowhere",
+        "--config-name",
+        "x",
+        field="--config-dir",
+    ),
+    # cluster.env: secrets, the job script's own variables, torchrun's
+    rule("env_wandb_api_key", "+cluster.env.WANDB_API_KEY=abcdef0123456789"),
+    rule("env_hf_token", "+cluster.env.HF_TOKEN=hf_abcdef0123456789"),
+    rule("env_service_key", "+cluster.env.MY_SERVICE_KEY=abc"),
+    rule("env_password", "+cluster.env.DB_PASSWORD=hunter2"),
+    rule("env_aws_secret", "+cluster.env.AWS_SECRET_ACCESS_KEY=abc"),
+    rule("env_path", "+cluster.env.PATH=/evil"),
+    rule("env_ld_preload", "+cluster.env.LD_PRELOAD=/evil.so"),
+    rule("env_ld_library_path", "+cluster.env.LD_LIBRARY_PATH=/evil"),
+    rule("env_bash_env", "+cluster.env.BASH_ENV=/evil.sh"),
+    rule("env_env", "+cluster.env.ENV=/evil.sh"),
+    rule("env_pythonpath", "+cluster.env.PYTHONPATH=/evil"),
+    rule("env_pythonstartup", "+cluster.env.PYTHONSTARTUP=/evil.py"),
+    cli("env_bad_name", "+cluster.env.1BAD=x", field="cluster.env.1BAD"),
+    rule("env_omp_zero", "+cluster.env.OMP_NUM_THREADS=0"),
+    rule("env_torchrun_rank", "+cluster.env.RANK=3"),
+    rule("secret_via_oc_env", "+cluster.env.MY_VAR=${oc.env:PRETRAIN_TEST_TOKEN}"),
+    rule("secret_in_another_field", "logging.wandb_project=${oc.env:PRETRAIN_TEST_TOKEN}"),
+    # run.dir
+    rule("run_dir_root", "run.dir=/", field="run.dir=/"),
+    rule("run_dir_home", "run.dir='~'", field="run.dir="),
+    rule("run_dir_cwd", "run.dir=.", field="run.dir="),
+    rule("run_dir_a_file", "run.dir={root}/notes.txt", field="run.dir="),
+    rule("run_dir_foreign_folder", "run.dir={root}/photos", field="run.dir="),
+    rule("run_dir_under_a_file", "run.dir={root}/notes.txt/run", field="run.dir="),
+    rule("run_dir_read_only", "run.dir={root}/ro/run", field="run.dir="),
+    rule("run_dir_long_name", "run.dir={root}/" + "n" * 300, field="run.dir="),
+    rule("run_dir_long_path", "run.dir={root}" + "/p" * 2100, field="run.dir="),
+    rule("run_dir_in_use", "run.dir={root}/busy", field="run.dir"),
+    rule("run_dir_of_another_recipe", "run.dir={root}/oldrun", field="seed"),
+    rule("local_run_on_several_nodes", "cluster.nodes=2", field="cluster.nodes=2"),
+    rule(
+        "run_dir_newline_on_slurm",
+        "cluster=slurm",
+        "action=script",
+        "run.dir='{root}/a\nb'",
+        field="run.dir=",
+    ),
+    # values the ranks would die on
+    rule("seed_negative", "seed=-1"),
+    rule("seed_too_large", "seed=4294967296"),
+    rule("lr_infinite", "optim.lr=inf"),
+    rule("lr_nan", "optim.lr=nan"),
+    rule("norm_eps_nan", "model.norm_eps=nan"),
+    rule("peak_tflops_infinite", "hardware.peak_tflops=inf"),
+    rule("timeout_nan", "faults.collective_timeout_s=nan"),
+    rule("port_zero", "cluster.master_port=0"),
+    rule("port_too_large", "cluster.master_port=70000"),
+    rule("cpus_per_task_zero", "cluster.cpus_per_task=0"),
+    rule("signal_seconds_negative", "cluster.signal_seconds=-5"),
+    rule("omp_threads_zero", "cluster.omp_num_threads=0"),
+    rule("steps_absurd", "train.steps=1000000000000"),
+    rule("global_batch_absurd", "train.global_batch=100000000000000000000000"),
+    rule("micro_batch_above_global", "train.micro_batch=32", field="train.micro_batch=32"),
+    rule("cuda_without_cuda", "cluster.device=cuda", field="cluster.device"),
+    rule("gpus_per_node_zero", "cluster.gpus_per_node=0"),
+    rule("unknown_action", "action=fly"),
+    rule("name_with_spaces", "name='a b'", field="name="),
+    rule("warmup_negative", "schedule.warmup_steps=-1"),
+    rule("betas_one_value", "optim.betas=[0.9]"),
+    rule("tp_not_dividing_heads", "parallel.tp=3"),
+    rule("slurm_time", "cluster=slurm", "action=script", "cluster.time=forever"),
+    rule(
+        "slurm_partition",
+        "cluster=slurm",
+        "action=script",
+        "cluster.partition='a;b'",
+        field="cluster.partition",
+    ),
+    # the same refusals through the whole command
+    cli("run_dir_in_use_through_main", "run.dir={root}/busy", field="run.dir"),
+    cli("env_path_through_main", "+cluster.env.PATH=/evil", field="cluster.env.PATH"),
+    # several problems, each still reported (train.steps does not hide the batch rule)
+    rule(
+        "dependent_checks_still_run",
+        "train.steps=0",
+        "train.global_batch=15",
+        field="train.global_batch=15",
+    ),
+]
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A sandbox: a working dir, a home, a file, a foreign folder, a run dir in use, one of
+    another recipe, a read-only folder and the hostile recipe files."""
+    root = tmp_path_factory.mktemp("hostile")
+    for name in ("work", "home", "photos", "busy", "oldrun", "ro"):
+        (root / name).mkdir()
+    (root / "oldrun" / "config.yaml").write_text("name: tiny\nseed: 1\n")
+    (root / "notes.txt").write_text("not a run dir\n")
+    (root / "photos" / "cat.jpg").write_bytes(b"\xff\xd8")
+    (root / "busy" / "config.yaml").write_text("name: tiny\n")
+    holder = {
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "started": "now",
+        "token": "someone-else",
+        "slurm_job_id": "",
+        "pid_start": 0,
+    }
+    (root / "busy" / LOCK_FILE).write_text(json.dumps(holder))
+    for name, content in RECIPE_FILES.items():
+        (root / "recipes" / name).mkdir(parents=True)
+        (root / "recipes" / name / f"{name}.yaml").write_bytes(content)
+    mounted = (
+        os.geteuid() == 0
+        and not subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(root / "ro")],
+            capture_output=True,
+        ).returncode
+    )
+    if not mounted:
+        (root / "ro").chmod(0o555)
+    yield root
+    if mounted:
+        subprocess.run(["umount", str(root / "ro")], check=True)
+
+
+@pytest.fixture(autouse=True)
+def environment(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A planted secret and a home of our own; launching or submitting would be a failure."""
+    monkeypatch.setenv("PRETRAIN_TEST_TOKEN", SECRET)
+    monkeypatch.setenv("HOME", str(root / "home"))
+
+    def launched(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a hostile case reached the launch")
+
+    monkeypatch.setattr("launcher.backends.run_local", launched)
+    monkeypatch.setattr("launcher.backends.submit_slurm", launched)
+
+
+def skip_if_not_applicable(case: Case) -> None:
+    if case.id == "cuda_without_cuda" and Path("/proc/driver/nvidia/gpus").exists():
+        pytest.skip("this machine has CUDA")
+    # Root writes anywhere but to a read-only file system, which the fixture mounts.
+    root_without_mount = (
+        case.id == "run_dir_read_only"
+        and os.geteuid() == 0
+        and not (os.path.ismount(Path(case.args[0].split("=", 1)[1]).parent))
+    )
+    if root_without_mount:
+        pytest.skip("no read-only file system could be mounted")
+
+
+_COMPOSED: dict[tuple[str, ...], Any] = {}
+
+
+def _composed(groups: tuple[str, ...]) -> Any:
+    """The tiny recipe composed by Hydra with these group choices (once per choice)."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    if groups not in _COMPOSED:
+        GlobalHydra.instance().clear()
+        with initialize_config_dir(config_dir=pretrain_cli.RECIPES_DIR, version_base=None):
+            _COMPOSED[groups] = compose(config_name="tiny", overrides=list(groups))
+        GlobalHydra.instance().clear()
+    return copy.deepcopy(_COMPOSED[groups])
+
+
+def execute_composed(args: list[str], cwd: Path) -> tuple[int, str, str]:
+    """What `pretrain ARGS` does after Hydra composed: the overrides applied to the composed
+    tiny recipe, then the CLI's `execute`, in `cwd`. (exit code, stdout, stderr)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from omegaconf import OmegaConf, open_dict
+
+    overrides = OverridesParser.create().parse_overrides(args)
+    groups = tuple(o.input_line for o in overrides if o.key_or_group == "cluster")
+    node = _composed(groups)
+    with open_dict(node):
+        for o in overrides:
+            if o.key_or_group != "cluster":
+                OmegaConf.update(node, o.key_or_group, o.value(), merge=True, force_add=True)
+    out, err, old_cwd, code = io.StringIO(), io.StringIO(), os.getcwd(), 0
+    os.chdir(cwd)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            cfg = to_recipe(node)
+            cfg.run.dir = str(pretrain_cli._run_dir(cfg))
+            pretrain_cli.execute(cfg)
+    except SystemExit as exit_:
+        code = exit_.code if isinstance(exit_.code, int) else 1
+    finally:
+        os.chdir(old_cwd)
+    return code, out.getvalue(), err.getvalue()
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_hostile_input_is_refused_cleanly_and_writes_nothing(root: Path, case: Case) -> None:
+    args = [a.replace("{root}", str(root)) for a in case.args]
+    skip_if_not_applicable(Case(case.id, tuple(args), case.field))
+    if not any(a.startswith("run.dir=") for a in args):
+        args.append(f"run.dir={root}/run")
+    before = tree(root)
+    run = execute_composed if case.composed else pretrain_in_process
+    code, out, err = (
+        run(*args, cwd=root / "work") if not case.composed else run(args, root / "work")
+    )
+    assert code == 2, f"exit {code}\n{out[-2000:]}\n{err[-2000:]}"
+    assert "Traceback" not in out + err
+    assert case.field.replace("{root}", str(root)) in err, err[-3000:]
+    assert SECRET not in out + err
+    assert tree(root) == before, "something was written"
+
+
+def test_the_suite_is_large_enough() -> None:
+    assert len(CASES) >= 60 and len({c.id for c in CASES}) == len(CASES)
+
+
+@pytest.mark.parametrize(
+    "case_id", ["recipe_bomb", "deep_list_argument", "hydra_callbacks", "not_utf8_argument"]
+)
+def test_a_real_pretrain_process_refuses_cleanly_and_quickly(root: Path, case_id: str) -> None:
+    case = next(c for c in CASES if c.id == case_id)
+    args = [a.replace("{root}", str(root)) for a in case.args]
+    before = tree(root)
+    start = time.monotonic()
+    result = pretrain(*args, f"run.dir={root}/run", cwd=root / "work", timeout=60)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert time.monotonic() - start < 30
+    assert "Traceback" not in result.stdout + result.stderr
+    assert case.field.replace("{root}", str(root)) in result.stderr
+    assert tree(root) == before

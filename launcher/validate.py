@@ -13,6 +13,7 @@ import glob
 import os
 import re
 
+from launcher.rules_attention import check_attention
 from launcher.rules_moe import check_moe
 from launcher.rules_parallel import SAFE_NAME, check_cluster, check_parallel, check_runnable
 from launcher.rules_precision import check_precision
@@ -32,6 +33,7 @@ def validate(cfg: RecipeConfig, for_launch: bool = False) -> None:
         safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", cfg.name).strip("_") or "run"
         c.add("name", cfg.name, "may hold only letters, digits, '_', '.' and '-'", f"use {safe}")
     model_ok = _check_model(c, cfg)
+    check_attention(c, cfg, model_ok)
     train_ok = _check_train(c, cfg)
     cluster_ok = check_cluster(c, cfg)
     check_parallel(c, cfg, model_ok, train_ok, cluster_ok)
@@ -70,7 +72,7 @@ def _check_model(c: Checks, cfg: RecipeConfig) -> bool:
             f"use a multiple of {m.n_heads}, e.g. {or_list(nearby_multiples(m.dim, m.n_heads))}",
         )
         ok = False
-    if m.n_heads % m.kv_heads:
+    if m.n_heads % m.kv_heads and not m.is_mla:
         c.add(
             "model.n_kv_heads",
             m.n_kv_heads,
@@ -113,6 +115,13 @@ def _check_optim(c: Checks, cfg: RecipeConfig, train_ok: bool) -> None:
         c.add("optim.momentum", o.momentum, "must lie in [0, 1)", "use 0.9, or 0 for plain SGD")
     if len(o.betas) != 2 or not all(0 <= b < 1 for b in o.betas):
         c.add("optim.betas", o.betas, "need two values in [0, 1)", "use [0.9, 0.95]")
+    if o.state_dtype != "fp32" and o.name == "sgd":
+        c.add(
+            "optim.state_dtype",
+            o.state_dtype,
+            "SGD is torch's, with its momentum in FP32",
+            "use optim.state_dtype=fp32 with sgd, or adamw, lion or muon for low-precision states",
+        )
     if o.lr_scaling != "none" and o.base_batch <= 0:
         c.add(
             "optim.base_batch",

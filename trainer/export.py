@@ -97,8 +97,19 @@ def hf_config(cfg: RecipeConfig, eos: int) -> dict:
     }
 
 
+def refuse_unexportable(cfg: RecipeConfig) -> None:
+    """Raise ValueError for a model this exporter cannot write as a Hugging Face Llama."""
+    if cfg.model.is_mla:
+        raise ValueError(
+            "model.attention=mla: multi-head latent attention is DeepSeek-V2's, not Llama's; "
+            "writing DeepSeek-V2's format (its MoE layout and rotary permutation) is not "
+            "implemented, so this run's checkpoints can be resumed but not exported"
+        )
+
+
 def export(run_dir: Path, out_dir: Path, step: int | None = None) -> Path:
     """Write the Hugging Face directory for a run's checkpoint; returns `out_dir`."""
+    refuse_unexportable(load_config(str(Path(run_dir) / CONFIG_FILE)))
     model, cfg, _ = load_model(run_dir, step)
     tensors = {}
     for name, tensor in model.state_dict().items():
@@ -137,7 +148,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     try:
         out = export(args.run_dir, args.out_dir, args.step)
-    except FileNotFoundError as err:
+    except (FileNotFoundError, ValueError) as err:
         sys.exit(f"pretrain-export: {err}")
     print(f"wrote {out}")
 

@@ -95,7 +95,7 @@ def test_sgd_uses_momentum_and_lion_is_the_in_repo_class() -> None:
     lion_cls, _ = optimizer_spec(OptimConfig(name="lion"), torch.device("cpu"))
     assert sgd_cls is torch.optim.SGD and sgd_kwargs["momentum"] == 0.7
     assert lion_cls is Lion
-    with pytest.raises(ValueError, match="adamw, lion or sgd"):
+    with pytest.raises(ValueError, match="adamw, lion, sgd or muon"):
         optimizer_spec(OptimConfig(name="adam"), torch.device("cpu"))
 
 
@@ -154,7 +154,7 @@ def single_rank_group(tmp_path: Path):
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("name", ["adamw", "lion", "sgd"])
+@pytest.mark.parametrize("name", ["adamw", "lion", "sgd", "muon"])
 def test_groups_never_mix_dtensors_and_plain_tensors_so_foreach_steps_work(
     single_rank_group: None, name: str
 ) -> None:

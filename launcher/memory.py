@@ -18,8 +18,16 @@ The trainer's bookkeeping (stated, because it differs from the ZeRO paper's):
   block unsharded from its forward to its backward, ZeRO-3 one block plus the prefetched
   next; the root's embedding, final norm and head stay unsharded through the step).
   Gradient accumulation without sync keeps FP32 unsharded gradients between micro-batches.
-- TP: RMSNorm weights stay replicated; column-wise projections keep their all-gathered
-  input under SP; the vocab-parallel loss keeps one more FP32 logits shard.
+- TP: RMSNorm weights (and MLA's latent down-projections) stay replicated; column-wise
+  projections keep their all-gathered input under SP; the vocab-parallel loss keeps one more
+  FP32 logits shard.
+- Experts: split over ep; under ZeRO-2/3 also sharded over the dp / ep ranks that hold the
+  same experts. Expert-parallel dispatch sends padded slots: ceil(c s k / N) per sequence
+  with a capacity factor c, `DROPLESS_SLOTS` times the mean load when dropless.
+- Optimizer states: `state_tensors` per parameter of `optim.state_dtype`'s bytes (codes
+  plus block scales for int8/int4); the in-repo optimizers (all but torch's FP32 AdamW and
+  SGD) step parameter by parameter, with temporaries of the largest parameter (and Muon's
+  gathered full matrix) instead of the foreach update's parameter-sized one.
 - PP: each pipeline rank is modelled apart (its layers, the embedding on the first, the
   head and the logits of every micro-batch in flight on the last, the stage's output kept
   until its backward elsewhere); under 1F1B gradients exist from the first backward on, so
@@ -39,7 +47,8 @@ from launcher.schedule_sim import warmup
 from models.flops import count_params
 from pretrain_core.layout import Degrees
 from pretrain_core.model_config import ModelConfig
-from pretrain_core.schema import RecipeConfig
+from pretrain_core.optim_states import state_bytes
+from pretrain_core.schema import OptimConfig, RecipeConfig
 from pretrain_core.stages import rank_layer_count
 
 GIB = 2**30
@@ -50,8 +59,12 @@ FRAGMENTATION = 0.05
 COMPUTE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 2}
 """Bytes of an activation in the compute dtype (FP8 runs keep BF16 activations)."""
 # Every precision.dtype the schema accepts must have an entry (tests/unit/test_memory.py).
-MOMENTS = {"adamw": 2, "lion": 1, "sgd": 1}
-"""FP32 state tensors per parameter (SGD without momentum keeps none)."""
+MOMENTS = {"adamw": 2, "lion": 1, "sgd": 1, "muon": 1}
+"""State tensors per parameter (SGD without momentum keeps none; Muon's one is on the blocks'
+weight matrices, the rest keep AdamW's two: `state_tensors`)."""
+DROPLESS_SLOTS = 2.0
+"""A dropless expert-parallel dispatch's slots, as a multiple of the mean load per expert:
+where they start (parallel/expert.py); they then follow the largest load with 25% headroom."""
 CATEGORIES = ("params", "grads", "optimizer", "activations", "transients", "logits", "framework")
 
 
@@ -120,45 +133,109 @@ def korthikanti_layer_activations(
 
 
 def llama_block_activations(
-    m: ModelConfig, s: int, b: int, compute: int, residual: int, t: int, sp: bool, policy: str
+    m: ModelConfig,
+    s: int,
+    b: int,
+    compute: int,
+    residual: int,
+    t: int,
+    sp: bool,
+    policy: str,
+    padding: float = 1.0,
 ) -> float:
     """Bytes one Llama block of models/llama.py saves for backward, per micro-batch.
 
     `compute` is the bytes of matmul outputs, `residual` of the residual stream (FP32 under
     autocast, whose additions promote). Head- and FFN-wide tensors split over tp; the norms'
     tensors split over tp only with sp. Column-parallel linears save their (gathered) input
-    whole, as DTensor's sequence parallelism does.
+    whole, as DTensor's sequence parallelism does. `padding`: see `mlp_width`.
     """
-    h, q, kv = m.dim, m.n_heads * m.head_dim, m.kv_heads * m.head_dim
+    h = m.dim
+    split, replicated, sdpa = attention_widths(m)
+    width = mlp_width(m, padding)
     seq = t if sp else 1
     if policy == "selective":
         # Only the checkpoint's input and the outputs of the matmuls are kept.
-        kept = residual * h / seq + compute * ((q + 2 * kv + 2 * mlp_width(m)) / t + 2 * h / seq)
+        kept = residual * h / seq + compute * ((split + 2 * width) / t + replicated + 2 * h / seq)
         return s * b * kept
     # Each RMSNorm keeps its FP32 input, its inverse RMS and its normalized output (in the
     # residual dtype); the linears after it keep their input, one cast copy per linear under
     # autocast. Rotary embedding multiplies by constants and keeps nothing of q and k.
     casts = compute < 4 and residual == 4
     norms = 2 * ((4 + residual) * h + 4) / seq
-    linear_inputs = compute * h * ((3 + 2) if casts else 2)
+    readers = 2 if m.is_mla else 3  # linears reading the attention norm's output
+    linear_inputs = compute * h * ((readers + 2) if casts else 2)
     attention = (
-        compute * (2 * q + 2 * kv)  # rotated q, k and v, and the output, as SDPA keeps them
+        compute * sdpa  # rotated q, k and v, and the output, as SDPA keeps them
         + 4 * m.n_heads  # SDPA's log-sum-exp per head; wo's input is a view of the output
     ) / t
-    mlp = compute * 4 * mlp_width(m) / t  # w1 and w3 outputs, silu output, w2's input
+    if m.is_mla:
+        # The latents' norms keep their FP32 input and normalized output (the up-projections'
+        # input) on every TP rank.
+        attention += (4 + compute) * (m.kv_rank + m.mla_q_rank) + 8
+    mlp = compute * 4 * width / t  # w1 and w3 outputs, silu output, w2's input
     return s * b * (norms + linear_inputs + attention + mlp)
 
 
-def mlp_width(m: ModelConfig) -> float:
+def state_tensors(optim: OptimConfig) -> tuple[int, int]:
+    """Optimizer state tensors per parameter: (the blocks' weight matrices, all others)."""
+    if optim.name == "muon":
+        return 1, 2  # Muon's momentum; AdamW's two moments on embeddings, head and norms
+    n = 0 if optim.name == "sgd" and not optim.momentum else MOMENTS[optim.name]
+    return n, n
+
+
+def stepped_per_parameter(optim: OptimConfig) -> bool:
+    """Whether the optimizer steps one parameter at a time (the in-repo ones)."""
+    return optim.name in ("lion", "muon") or (optim.name == "adamw" and optim.state_dtype != "fp32")
+
+
+def tp_replicated(m: ModelConfig) -> int:
+    """Weights of one block that tensor parallelism leaves whole on every rank: the norms,
+    and MLA's latent down-projections and their norms."""
+    if not m.is_mla:
+        return 2 * m.dim
+    latent = m.dim * (m.kv_rank + m.rope_dim) + m.kv_rank
+    return 2 * m.dim + latent + m.mla_q_rank * (m.dim + 1)
+
+
+def block_vectors(m: ModelConfig) -> int:
+    """1-D weights (norms) of one block."""
+    return 2 * m.dim + (m.kv_rank + m.mla_q_rank if m.is_mla else 0)
+
+
+def dispatch_padding(cfg: RecipeConfig) -> float:
+    """Rows an expert-parallel dispatch sends per kept assignment (1 without EP)."""
+    if cfg.parallel.ep == 1 or not cfg.model.moe_experts:
+        return 1.0
+    return cfg.model.moe_capacity_factor or DROPLESS_SLOTS
+
+
+def mlp_width(m: ModelConfig, padding: float = 1.0) -> float:
     """The MLP's hidden width per token, averaged over the layers.
 
     A MoE layer runs k routed and the shared experts, and its dispatch keeps about five
     h-wide copies of each of the k assignments (gathered, sent, received, expert output,
-    weighted), counted here as 5kh/4 of width.
+    weighted), counted here as 5kh/4 of width; `padding` scales what runs on padded slots
+    (the experts' hidden width and three of those copies).
     """
-    moe = (m.moe_top_k + m.moe_shared_experts) * m.expert_ffn_dim + 5 * m.moe_top_k * m.dim / 4
+    k = m.moe_top_k
+    moe = (k * padding + m.moe_shared_experts) * m.expert_ffn_dim + (
+        2 + 3 * padding
+    ) * k * m.dim / 4
     layers = m.n_moe_layers
     return ((m.n_layers - layers) * m.ffn_dim + layers * moe) / m.n_layers
+
+
+def attention_widths(m: ModelConfig) -> tuple[int, int, int]:
+    """Per token of one attention layer: (matmul output widths split over tp, replicated ones,
+    the widths SDPA keeps: its query, key, value and output)."""
+    if not m.is_mla:
+        q, kv = m.n_heads * m.head_dim, m.kv_heads * m.head_dim
+        return q + 2 * kv, 0, 2 * q + 2 * kv
+    qk, v = m.n_heads * m.qk_head_dim, m.n_heads * m.v_head_dim
+    split = qk + m.n_heads * (m.nope_dim + m.v_head_dim)
+    return split, m.kv_rank + m.rope_dim + m.mla_q_rank, 2 * qk + 2 * v
 
 
 def head_activations(
@@ -227,28 +304,35 @@ def memory_breakdown(
     else:
         accum = microbatches if cfg.parallel.pp_schedule != "gpipe" and microbatches > flight else 1
     block_params, root_params, blocks = stage_params(cfg, pp_rank)
-    # Routed experts: split over ep, not over tp, and outside ZeRO (parallel/expert.py).
-    experts = count_params(cfg.model).experts * blocks // cfg.model.n_layers if blocks else 0
+    m = cfg.model
+    # Routed experts: split over ep, not over tp; ZeRO-2/3 shard them over dp / ep too.
+    experts = count_params(m).experts * blocks // m.n_layers if blocks else 0
     block_params -= experts
     expert_local = experts / degrees.ep
-    # RMSNorm weights are replicated over tp; every other weight is split.
-    norms = 2 * cfg.model.dim * blocks + (cfg.model.dim if last else 0)
-    local = (block_params + root_params - norms) / t + norms
+    expert_resident = expert_local / (n // degrees.ep if fsdp else 1)
+    # Norms (and MLA's latent down-projections) are replicated over tp; the rest is split.
+    final_norm = m.dim if last else 0
+    replicated = tp_replicated(m) * blocks + final_norm
+    local = (block_params + root_params - replicated) / t + replicated
     per_block = block_params / blocks / t if blocks else 0.0
-    moments = MOMENTS[cfg.optim.name] if cfg.optim.name != "sgd" or cfg.optim.momentum else 0
+    # Under Muon, what is not a block's weight matrix keeps AdamW's states.
+    others = (root_params - final_norm) / t + block_vectors(m) * blocks + final_norm
+    on_matrices, on_others = state_tensors(cfg.optim)
+    per_state = state_bytes(cfg.optim.state_dtype)
     notes: dict[str, str] = {}
 
     shard = n if fsdp else 1
-    m = cfg.model
-    rope = 2 * m.max_seq_len * (m.head_dim // 2) * 4
+    rope = 2 * m.max_seq_len * (m.rope_dim // 2) * 4
     params = 4 * local / shard + rope
     notes["params"] = f"FP32 {'sharded over dp' if fsdp else 'replicated'}, + rotary tables"
     if degrees.pp > 1:
         notes["params"] += f", pipeline rank {pp_rank} of {degrees.pp}"
     opt_shard = n if fsdp else (degrees.dp_shard if cfg.parallel.zero == 1 else 1)
-    optimizer = 4 * moments * local / opt_shard
-    notes["optimizer"] = f"{moments} FP32 moment(s)/param" + (
-        f", sharded over {opt_shard}" if opt_shard > 1 else ""
+    states = on_matrices * (local - others) + on_others * others
+    optimizer = per_state * states / opt_shard
+    notes["optimizer"] = (
+        f"{on_matrices}/{on_others} {cfg.optim.state_dtype} state(s) per matrix/other param"
+        + (f", sharded over {opt_shard}" if opt_shard > 1 else "")
     )
     # FSDP's no-sync accumulation holds FP32 unsharded gradients between micro-batches.
     grads_held = 4 * local if accum > 1 else 0.0
@@ -306,16 +390,18 @@ def memory_breakdown(
     notes["activations"] = act_note
 
     if expert_local:
-        params += 4 * expert_local
-        optimizer += 4 * moments * expert_local
+        params += 4 * expert_resident
+        optimizer += per_state * on_matrices * expert_resident
         grads_held += 4 * expert_local if accum > 1 else 0.0
-        transients += compute * expert_local if dtype != "fp32" else 0.0
-        notes["params"] += f", experts split over ep={degrees.ep}"
+        unsharded = (fsdp and cfg.parallel.zero == 2) or (not fsdp and dtype != "fp32")
+        transients += compute * expert_local if unsharded else 0.0
+        notes["params"] += f", experts split over ep={degrees.ep}" + (
+            f" and dp/ep={n // degrees.ep}" if fsdp else ""
+        )
     forward = (params, grads_held + buckets, optimizer, activations, transients, logits)
-    # The optimizer step: FP32 gradients (sharded under FSDP) and one parameter-sized
-    # temporary of the foreach update.
-    step_grads = 4 * local / shard + (4 * local if ddp else 0.0) + 4 * expert_local
-    step_temp = (4 * local / opt_shard + 4 * expert_local) if moments else 0.0
+    # The optimizer step: FP32 gradients (sharded under FSDP) and the update's temporaries.
+    step_grads = 4 * local / shard + (4 * local if ddp else 0.0) + 4 * expert_resident
+    step_temp = _step_temporaries(cfg, degrees, local / opt_shard + expert_resident)
     step = (params, step_grads, optimizer + step_temp, 0.0, 0.0, 0.0)
     phase, chosen = ("forward", forward) if sum(forward) >= sum(step) else ("optimizer step", step)
     framework = 0.0
@@ -325,6 +411,21 @@ def memory_breakdown(
     else:
         notes["framework"] = "none counted on CPU"
     return MemoryBreakdown(*chosen, framework=framework, peak_phase=phase, notes=notes)
+
+
+def _step_temporaries(cfg: RecipeConfig, degrees: Degrees, stepped: float) -> float:
+    """Bytes the optimizer step allocates besides the states, for `stepped` local parameters:
+    torch's foreach AdamW (and SGD) one FP32 copy of them all; the in-repo optimizers four
+    FP32 tensors the size of the largest parameter (Muon: of the full matrix it gathers)."""
+    if not any(state_tensors(cfg.optim)):
+        return 0.0
+    if not stepped_per_parameter(cfg.optim):
+        return 4 * stepped
+    m = cfg.model
+    largest = max(m.dim * m.ffn_dim, m.dim * m.n_heads * m.qk_head_dim, m.dim * m.vocab_size)
+    if m.moe_experts:
+        largest = max(largest, m.moe_experts // degrees.ep * m.dim * m.expert_ffn_dim)
+    return 4 * 4 * largest
 
 
 def _residual_bytes(cfg: RecipeConfig, fsdp: bool) -> int:
@@ -337,7 +438,7 @@ def _block_backward(cfg: RecipeConfig, degrees: Degrees, compute: int, fsdp: boo
     three hidden-wide gradients (of w2's input and of the gate and up outputs)."""
     t, sp = degrees.tp, cfg.parallel.sp
     per_token = _residual_bytes(cfg, fsdp) * cfg.model.dim / (t if sp else 1)
-    per_token += 3 * compute * mlp_width(cfg.model) / t
+    per_token += 3 * compute * mlp_width(cfg.model, dispatch_padding(cfg)) / t
     return cfg.train.seq_len * cfg.train.micro_batch * per_token
 
 
@@ -352,9 +453,10 @@ def _activations(
     p = cfg.parallel
     blocks = rank_layer_count(m.n_layers, p.pp, p.vpp, p.pp_layers, pp_rank)
     policy, every = cfg.recompute.policy, cfg.recompute.every
-    whole = llama_block_activations(m, s, b, compute, residual, t, sp, "none")
+    pad = dispatch_padding(cfg)
+    whole = llama_block_activations(m, s, b, compute, residual, t, sp, "none", pad)
     if policy == "selective":
-        kept = llama_block_activations(m, s, b, compute, residual, t, sp, "selective")
+        kept = llama_block_activations(m, s, b, compute, residual, t, sp, "selective", pad)
         stage = blocks * kept
         note = "selective: matmul outputs kept"
     elif policy == "full":

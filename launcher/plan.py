@@ -12,11 +12,12 @@ import math
 from dataclasses import dataclass, field
 
 from launcher import schedule_sim
-from launcher.memory import MemoryBreakdown, peak_breakdown
+from launcher.memory import MemoryBreakdown, peak_breakdown, state_tensors
 from launcher.tp_comm import TPComm, tp_communication
 from models.flops import count_params, flops_per_token
 from pretrain_core import hardware
 from pretrain_core.layout import Degrees, grad_accum_steps, rank_groups, resolve_degrees
+from pretrain_core.optim_states import state_bytes
 from pretrain_core.precision import peak_dtype
 from pretrain_core.schema import OptimConfig, RecipeConfig
 
@@ -199,13 +200,15 @@ def model_states(
 
     bf16 follows the ZeRO paper's mixed-precision bookkeeping: 2 B bf16 params, 2 B bf16
     grads, and fp32 master weights plus the optimizer's fp32 moments (AdamW: 4+4+4 B).
-    fp32 keeps 4 B params, 4 B grads and the moments alone (AdamW: 4+4 B). ZeRO-1 shards
-    the optimizer states over dp_shard, ZeRO-2 the gradients too, ZeRO-3 the parameters too.
+    fp32 keeps 4 B params, 4 B grads and the moments alone (AdamW: 4+4 B). The moments take
+    `optim.state_dtype`'s bytes (Muon: its one state of the weight matrices, which dominate).
+    ZeRO-1 shards the optimizer states over dp_shard, ZeRO-2 the gradients too, ZeRO-3 the
+    parameters too.
     """
-    moments = {"adamw": 2, "lion": 1, "sgd": 1 if optim.momentum else 0}[optim.name]
+    moments = state_tensors(optim)[0]
     mixed = dtype in ("bf16", "fp16", "fp8")  # fp8: bf16 weights, FP8 only inside the matmuls
     param_bytes, grad_bytes = (2, 2) if mixed else (4, 4)
-    optimizer_bytes = 4 * moments + (4 if mixed else 0)
+    optimizer_bytes = state_bytes(optim.state_dtype) * moments + (4 if mixed else 0)
     shard = [1, 1, 1]
     for part in range(zero):
         shard[2 - part] = dp_shard  # optimizer first, then grads, then params

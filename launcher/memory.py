@@ -309,7 +309,8 @@ def memory_breakdown(
     experts = count_params(m).experts * blocks // m.n_layers if blocks else 0
     block_params -= experts
     expert_local = experts / degrees.ep
-    expert_resident = expert_local / (n // degrees.ep if fsdp else 1)
+    expert_fsdp = fsdp and n > degrees.ep  # one rank per set of experts: not sharded
+    expert_resident = expert_local / (n // degrees.ep if expert_fsdp else 1)
     # Norms (and MLA's latent down-projections) are replicated over tp; the rest is split.
     final_norm = m.dim if last else 0
     replicated = tp_replicated(m) * blocks + final_norm
@@ -393,10 +394,12 @@ def memory_breakdown(
         params += 4 * expert_resident
         optimizer += per_state * on_matrices * expert_resident
         grads_held += 4 * expert_local if accum > 1 else 0.0
-        unsharded = (fsdp and cfg.parallel.zero == 2) or (not fsdp and dtype != "fp32")
+        unsharded = (expert_fsdp and cfg.parallel.zero == 2) or (
+            not expert_fsdp and dtype != "fp32"
+        )
         transients += compute * expert_local if unsharded else 0.0
         notes["params"] += f", experts split over ep={degrees.ep}" + (
-            f" and dp/ep={n // degrees.ep}" if fsdp else ""
+            f" and dp/ep={n // degrees.ep}" if expert_fsdp else ""
         )
     forward = (params, grads_held + buckets, optimizer, activations, transients, logits)
     # The optimizer step: FP32 gradients (sharded under FSDP) and the update's temporaries.

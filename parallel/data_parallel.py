@@ -9,7 +9,8 @@
   with FP32 master weights and FP32 reduction. Expert-parallel experts are their own FSDP2
   unit inside their block, over the `edp` ranks that hold the same experts, sharded on dim 1
   (dim 0 is the experts, already split by ep, often one per rank), their reduce-scatter
-  divided by dp rather than edp (parallel/expert.py says why).
+  divided by dp rather than edp (parallel/expert.py says why); with a single such rank
+  (dp = ep) they stay outside FSDP.
 
 Overlap: FSDP2 issues the all-gathers of the next `parallel.fsdp_prefetch` blocks ahead
 (forward and backward); DDP reduces buckets of `parallel.ddp_bucket_mb` while backward
@@ -29,7 +30,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import Shard
 from torch.nn.parallel import DistributedDataParallel
 
-from parallel.expert import expert_parameter_names, expert_replicas
+from parallel.expert import expert_parameter_names, expert_parameters, expert_replicas
 from parallel.mesh import JobMesh, data_parallel_mesh
 from parallel.precision import compute_dtype
 from pretrain_core.layout import Degrees
@@ -58,6 +59,10 @@ def apply_fsdp(
     dp_mesh = data_parallel_mesh(mesh.world, degrees)
     reshard = parallel.zero == 3
     for experts, replicas in expert_replicas(model):
+        # With one rank per set of experts there is nothing to shard: they stay outside
+        # FSDP and are reduced by parallel/expert.py, as under DDP.
+        if replicas.mesh.size() == 1:
+            continue
         fully_shard(
             experts,
             mesh=replicas.mesh,
@@ -69,12 +74,25 @@ def apply_fsdp(
         # A sum, then the division: the premultiplied sum a custom factor asks for is NCCL's.
         experts.set_force_sum_reduction_for_comms(True)
         replicas.fsdp = True
+    ignored = set(expert_parameters(model)) or None
     blocks = [model.layers[key] for key in sorted(model.layers.keys(), key=int)]
     for block in blocks:
-        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp_policy)
+        fully_shard(
+            block,
+            mesh=dp_mesh,
+            reshard_after_forward=reshard,
+            mp_policy=mp_policy,
+            ignored_params=ignored,
+        )
     # The root's parameters (embedding, final norm, head) are needed again right at the
     # start of backward, so resharding them after forward would only add an all-gather.
-    fully_shard(model, mesh=dp_mesh, reshard_after_forward=False, mp_policy=mp_policy)
+    fully_shard(
+        model,
+        mesh=dp_mesh,
+        reshard_after_forward=False,
+        mp_policy=mp_policy,
+        ignored_params=ignored,
+    )
     set_fsdp_prefetch(blocks, parallel.fsdp_prefetch)
 
 

@@ -46,6 +46,35 @@ class Curve:
     grad_norm: list[float]
 
 
+def launch(
+    run_dir: Path,
+    overrides: list[str],
+    nproc: int,
+    timeout: float = 300,
+    recipe: str = "tiny",
+    base: tuple[str, ...] = BASE_OVERRIDES,
+    env: dict[str, str] | None = None,
+) -> subprocess.CompletedProcess:
+    """Train `recipe` through the CLI with `nproc` CPU ranks; the result, failed or not (its
+    output is kept beside the run dir as RUN.log). `env` adds environment variables."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "launcher",
+        "--config-name",
+        recipe,
+        *base,
+        f"cluster.gpus_per_node={nproc}",
+        f"run.dir={run_dir}",
+        *overrides,
+    ]
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env)
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    (run_dir.parent / f"{run_dir.name}.log").write_text(result.stdout + result.stderr)
+    return result
+
+
 def run_pretrain(
     run_dir: Path,
     overrides: list[str],
@@ -58,26 +87,19 @@ def run_pretrain(
 
     `base` shrinks the recipe to the harness model; pass () to train the recipe as shipped.
     """
-    cmd = [
-        sys.executable,
-        "-m",
-        "launcher",
-        "--config-name",
-        recipe,
-        *base,
-        f"cluster.gpus_per_node={nproc}",
-        f"run.dir={run_dir}",
-        *overrides,
-    ]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    result = launch(run_dir, overrides, nproc, timeout, recipe, base)
     if result.returncode != 0:
         log = run_dir.parent / f"{run_dir.name}.log"
-        log.write_text(result.stdout + result.stderr)
         raise AssertionError(
             f"pretrain failed ({result.returncode}), full output in {log}:\n{result.stderr[-3000:]}"
         )
     return read_curve(run_dir / "metrics.jsonl")
+
+
+def logged_losses(run_dir: Path) -> dict[int, float]:
+    """Loss per step from metrics.jsonl; a step logged again after a resume counts last."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {row["step"]: row["loss"] for row in rows}
 
 
 def read_curve(path: Path) -> Curve:

@@ -307,3 +307,39 @@ def test_dropless_slots_grow_past_an_overflow_and_shrink_when_twice_too_large() 
     assert bound.settle(largest=30) is True  # overflowed: the step runs again
     assert bound.rows(64, 8) == 40  # 30 with 25% headroom, aligned
     assert bound.settle(largest=9) is False and bound.rows(64, 8) == 16
+
+
+@pytest.mark.parametrize("capacity_factor", [0.0, 1.0])
+def test_slotted_dispatch_matches_the_local_experts_rerunning_past_an_overflow(
+    single_rank_group, capacity_factor
+) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from parallel.expert import AllToAllDispatch, settle_slot_bounds
+
+    cfg = moe_config(**HARNESS_MOE, moe_capacity_factor=capacity_factor)
+    local, slotted = models.build(cfg), models.build(cfg)
+    init_weights(local, seed=1)
+    init_weights(slotted, seed=1)
+    mesh = init_device_mesh("cpu", (1,))
+    for key, block in slotted.layers.items():
+        block.feed_forward.dispatch = AllToAllDispatch(block.feed_forward.experts, mesh, int(key))
+        block.feed_forward.dispatch.bound.factor = 0.25  # far below the load: overflows
+    tokens = torch.randint(0, 64, (2, 32), generator=torch.Generator().manual_seed(0))
+
+    def run(model: nn.Module) -> list[torch.Tensor]:
+        model.zero_grad(set_to_none=True)
+        loss = model(tokens).square().mean()
+        loss.backward()
+        return [loss, *(p.grad for p in model.parameters())]
+
+    expected = run(local)
+    first = run(slotted)
+    # With a capacity the slots hold every kept row by construction; dropless they learn.
+    assert settle_slot_bounds(slotted, cfg.n_layers, torch.device("cpu")) == (not capacity_factor)
+    rerun = run(slotted)
+    assert not settle_slot_bounds(slotted, cfg.n_layers, torch.device("cpu"))
+    for ours, reference in zip(rerun, expected, strict=True):
+        torch.testing.assert_close(ours, reference, rtol=1e-6, atol=1e-6)
+    if not capacity_factor:
+        assert not torch.allclose(first[0], expected[0], rtol=1e-6)  # dropped in overflow

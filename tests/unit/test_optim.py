@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from pretrain_core.schema import OptimConfig
@@ -141,17 +139,6 @@ def test_lion_converges_on_a_quadratic() -> None:
         optimizer.step()
     # Sign updates move every coordinate by lr per step: it ends oscillating within ~lr.
     assert (x.detach() - target).abs().max().item() < 2 * lr
-
-
-@pytest.fixture
-def single_rank_group(tmp_path: Path):
-    """A one-rank gloo process group, so DTensor parameters can exist in a unit test."""
-    if dist.is_initialized():
-        pytest.skip("a process group already exists in this test process")
-    store = dist.FileStore(str(tmp_path / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("name", ["adamw", "lion", "sgd", "muon"])

@@ -90,6 +90,8 @@ class MemoryBreakdown:
     peak_phase: str
     """'forward' or 'optimizer step': the moment the categories describe."""
     notes: dict[str, str] = field(default_factory=dict)
+    optimizer_states: float = 0.0
+    """The optimizer states alone (without the step's temporaries), at either moment."""
 
     @property
     def total(self) -> float:
@@ -413,7 +415,9 @@ def memory_breakdown(
         notes["framework"] = f"{CUDA_FIXED_GIB:g} GiB + {FRAGMENTATION:.0%} fragmentation"
     else:
         notes["framework"] = "none counted on CPU"
-    return MemoryBreakdown(*chosen, framework=framework, peak_phase=phase, notes=notes)
+    return MemoryBreakdown(
+        *chosen, framework=framework, peak_phase=phase, notes=notes, optimizer_states=optimizer
+    )
 
 
 def _step_temporaries(cfg: RecipeConfig, degrees: Degrees, stepped: float) -> float:

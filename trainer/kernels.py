@@ -81,16 +81,20 @@ def kernels_line(cfg: RecipeConfig, state: TrainState, device: torch.device) -> 
     states = f" ({cfg.optim.state_dtype} states)" if cfg.optim.state_dtype != "fp32" else ""
     return (
         f"[trainer] kernels: attention {attention}, optimizer {optimizer_path(state.optimizer)}"
-        f"{states}, {experts_path(cfg.model, device, dtype)}compile {compile_text}, "
+        f"{states}, {experts_path(cfg, device, dtype)}compile {compile_text}, "
         f"data prefetch {prefetch}, gradient reduction {cfg.precision.reduce_dtype}"
     )
 
 
-def experts_path(model: ModelConfig, device: torch.device, dtype: torch.dtype) -> str:
+def experts_path(cfg: RecipeConfig, device: torch.device, dtype: torch.dtype) -> str:
     """'experts grouped GEMM, ' or 'experts loop, ' for a MoE model (empty for a dense one):
-    whether the device runs `torch._grouped_mm` for the dtype and the experts' widths."""
+    whether the device runs `torch._grouped_mm` for the dtype and the experts' widths (and,
+    in compiled blocks, whether torch.compile can trace it: bf16 only)."""
+    model = cfg.model
     if not model.moe_experts:
         return ""
     rows = torch.empty(1, model.dim, device=device, dtype=dtype)
     grouped = model.moe_gemm == "grouped" and grouped_mm_supported(rows, model.expert_ffn_dim)
+    if cfg.compile.enabled and cfg.compile.blocks and dtype != torch.bfloat16:
+        grouped = False
     return f"experts {'grouped GEMM' if grouped else 'loop'}, "

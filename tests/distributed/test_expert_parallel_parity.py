@@ -92,6 +92,7 @@ def relative_differences(ours: dict[int, float], reference: list[float]) -> floa
     return max(abs(ours[step] - reference[step - 1]) / abs(reference[step - 1]) for step in ours)
 
 
+@pytest.mark.slow
 def test_experts_sharded_by_zero_and_ep_match_and_resume_under_another_ep_and_zero(
     workdir, references
 ) -> None:

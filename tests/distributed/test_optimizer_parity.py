@@ -27,6 +27,7 @@ def relative_differences(ours: dict[int, float], reference: list[float]) -> floa
     return max(abs(ours[step] - reference[step - 1]) / abs(reference[step - 1]) for step in ours)
 
 
+@pytest.mark.slow
 def test_muon_with_int8_states_matches_under_fsdp2_and_resumes_under_tp(workdir: Path) -> None:
     expected = run_pretrain(workdir / "reference", MUON_INT8, nproc=1).loss
     run_dir = workdir / "zero3_then_tp2"

@@ -212,18 +212,25 @@ def dropless_dispatch(model: ModelConfig, parallel: ParallelConfig) -> bool:
 
 def settle_slot_bounds(model: nn.Module, n_layers: int, device: torch.device) -> bool:
     """Agree on every dropless layer's largest load of the step over all ranks (one
-    all-reduce and one host sync) and adapt the slots; True when one overflowed, so the step
-    must run again. Collective over the world: call on every rank or on none."""
+    all-reduce and one host sync) and adapt the slots; True when a slot of any layer on any
+    rank overflowed, so the step must run again everywhere. Collective over the world: call
+    on every rank or on none."""
     bounds = [
         m.dispatch.bound for m in moe_modules(model) if isinstance(m.dispatch, AllToAllDispatch)
     ]
-    seen = torch.zeros(n_layers, dtype=torch.long, device=device)
+    # Per layer: the largest load, and by how much it exceeded the slots (a pipeline stage
+    # holds only its own layers, so the overflow is agreed on with the loads).
+    seen = torch.zeros(2, n_layers, dtype=torch.long, device=device)
+    seen[1] = -1
     for bound in bounds:
         if bound.seen is not None:
-            seen[bound.layer] = bound.seen
+            seen[0, bound.layer] = bound.seen
+            seen[1, bound.layer] = bound.seen - bound.used
     dist.all_reduce(seen, op=dist.ReduceOp.MAX)
-    largest = seen.tolist()
-    return any([bound.settle(largest[bound.layer]) for bound in bounds])
+    largest, excess = seen.tolist()
+    for bound in bounds:
+        bound.settle(largest[bound.layer])
+    return max(excess) > 0
 
 
 @torch.no_grad()

@@ -146,9 +146,16 @@ def keep_mask(experts: torch.Tensor, n_experts: int, limit: int | None) -> torch
     if limit is None:
         return torch.ones_like(experts, dtype=torch.bool)
     b = experts.shape[0]
-    one_hot = F.one_hot(experts.reshape(b, -1), n_experts)  # [b, s*k, N]
+    one_hot = _one_hot(experts.reshape(b, -1), n_experts)  # [b, s*k, N]
     position = (one_hot.cumsum(1) * one_hot).sum(-1) - 1  # place in its expert's queue
     return (position < limit).view_as(experts)
+
+
+def _one_hot(ids: torch.Tensor, n: int) -> torch.Tensor:
+    # F.one_hot validates the ids' range, which reads them back to the host on some devices.
+    return torch.zeros(*ids.shape, n, dtype=torch.long, device=ids.device).scatter_(
+        -1, ids.unsqueeze(-1), 1
+    )
 
 
 def expert_counts(ids: torch.Tensor, n: int) -> torch.Tensor:
@@ -169,7 +176,7 @@ def load_balancing_loss(
     chosen ones; f_i counts assignments before any dropping.
     """
     b, s, k = experts.shape
-    counts = F.one_hot(experts.reshape(b, -1), n_experts).sum(1).float()  # [b, N]
+    counts = _one_hot(experts.reshape(b, -1), n_experts).sum(1).float()  # [b, N]
     fraction = counts / (s * k)
     probability = scores.mean(1)  # [b, N]
     return (n_experts * (fraction * probability).sum(-1)).mean()

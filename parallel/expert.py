@@ -21,7 +21,8 @@ that share one set of tokens' experts) and `edp` (the ranks that hold the same e
   summed over `edp` and divided by dp, matching the mean the data-parallel wrappers take of
   every other gradient. Under DDP and ZeRO-1 they are left out of the wrapper and
   all-reduced here once per step (`reduce_expert_grads`); under ZeRO-2/3 FSDP2 shards each
-  layer's experts over `edp` too (parallel/data_parallel.py), so they are sharded by ep x edp.
+  layer's experts over `edp` too (parallel/data_parallel.py), so they are sharded by ep x edp
+  (with edp = 1 there is nothing to shard and they are reduced here, as under DDP).
 - Tensor parallelism: a MoE layer is not split over tp (`parallel/tensor.py` hands it the
   full sequence, replicated): every TP rank routes the same tokens and dispatches within its
   own EP group, which holds the ranks of the same tp index.

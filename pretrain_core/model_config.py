@@ -87,7 +87,9 @@ class ModelConfig:
     not trained on) or both (the bias and the loss)."""
     moe_bias_rate: float = 1e-3
     """moe_balance=bias|both: the bias step per optimizer step (gamma in DeepSeek-V3): each
-    expert's bias moves by it towards balance, up when under the mean load, down when over."""
+    expert's bias moves by it towards balance, up when under the mean load, down when over.
+    Keep it well below the spread of the router's scores (softmax scores of many experts are
+    close to 1/N at first), or the loads swing from step to step instead of settling."""
     moe_gemm: str = one_of("grouped", MOE_GEMMS)
     """How the experts compute: grouped (one `torch._grouped_mm` per projection over all local
     experts, no host sync; falls back to the loop where the device lacks the kernel for the

@@ -26,8 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from launcher.plan import bubble_fraction
-from launcher.schedule_sim import simulate
+from launcher.schedule_sim import bubble_fraction, simulate
 from parallel.pipeline import build_schedule
 from pretrain_core.schema import ParallelConfig
 

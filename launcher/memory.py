@@ -13,10 +13,11 @@ The trainer's bookkeeping (stated, because it differs from the ZeRO paper's):
   as the gradients: `gradient_as_bucket_view` is off). BF16 runs under autocast, which keeps
   a BF16 copy of every weight it casts from the forward until that layer's backward.
 - ZeRO-1: the same, with optimizer states sharded over dp_shard (ZeroRedundancyOptimizer).
-- ZeRO-2/3 (FSDP2): FP32 parameters, gradients and optimizer states sharded over the dp
-  ranks; unsharded parameters in the compute dtype exist transiently (ZeRO-2 keeps every
-  block unsharded from its forward to its backward, ZeRO-3 one block plus the prefetched
-  next; the root's embedding, final norm and head stay unsharded through the step).
+- ZeRO-2/3 (FSDP2): FP32 parameters, gradients and optimizer states sharded over dp_shard
+  (hybrid sharding replicates them over dp_replicate); unsharded parameters in the compute
+  dtype exist transiently (ZeRO-2 keeps every block unsharded from its forward to its
+  backward, ZeRO-3 one block plus the prefetched next; the root's embedding, final norm
+  and head stay unsharded through the step).
   Gradient accumulation without sync keeps FP32 unsharded gradients between micro-batches.
 - TP: RMSNorm weights (and MLA's latent down-projections) stay replicated; column-wise
   projections keep their all-gathered input under SP; the vocab-parallel loss keeps one more
@@ -43,15 +44,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from launcher.schedule_sim import warmup
-from models.flops import count_params
+from launcher.schedule_sim import held_in_flight
+from models.flops import ParamCount, count_params
+from pretrain_core.hardware import GIB
 from pretrain_core.layout import Degrees
 from pretrain_core.model_config import ModelConfig
 from pretrain_core.optim_states import state_bytes
+from pretrain_core.recompute import recomputed_blocks
 from pretrain_core.schema import OptimConfig, RecipeConfig
-from pretrain_core.stages import rank_layer_count
+from pretrain_core.stages import rank_layer_count, rank_layer_counts, rank_layer_indices
 
-GIB = 2**30
 CUDA_FIXED_GIB = 1.5
 """CUDA context, cuBLAS workspaces and NCCL buffers per GPU (typical, H100, NCCL 2.2x)."""
 FRAGMENTATION = 0.05
@@ -106,17 +108,31 @@ class MemoryBreakdown:
         return [(name, getattr(self, name), self.notes.get(name, "")) for name in CATEGORIES]
 
 
-def textbook_model_states(params: int, optim: str, zero: int, dp: int) -> tuple[float, ...]:
-    """ZeRO paper (Rajbhandari et al. 2020) mixed-precision bytes: (params, grads, optimizer).
+def textbook_model_states(
+    params: float,
+    optim: str,
+    zero: int,
+    dp: int,
+    dtype: str = "bf16",
+    moments: int | None = None,
+    moment_bytes: float = 4,
+) -> tuple[float, float, float]:
+    """ZeRO paper (Rajbhandari et al. 2020) bytes of (params, grads, optimizer states).
 
-    2 B BF16 params + 2 B BF16 grads + K B of FP32 master weights and moments (AdamW K = 12);
-    stage 1 shards the K bytes over dp, stage 2 the grads too, stage 3 the params too.
+    Mixed precision: 2 B 16-bit params + 2 B 16-bit grads + K B of FP32 master weights and
+    moments (AdamW K = 12); FP32: 4 B + 4 B + the moments alone. Stage 1 shards the
+    optimizer states over dp, stage 2 the grads too, stage 3 the params too. `moments`
+    overrides the optimizer's states per parameter (SGD without momentum keeps none), and
+    `moment_bytes` their bytes (`optim.state_dtype`'s: codes plus block scales when low-bit).
     """
-    k = 4 + 4 * MOMENTS[optim]
+    mixed = dtype != "fp32"
+    moments = MOMENTS[optim] if moments is None else moments
+    param_bytes = grad_bytes = 2 if mixed else 4
+    optimizer_bytes = moment_bytes * moments + (4 if mixed else 0)
     return (
-        2 * params / (dp if zero >= 3 else 1),
-        2 * params / (dp if zero >= 2 else 1),
-        k * params / (dp if zero >= 1 else 1),
+        param_bytes * params / (dp if zero >= 3 else 1),
+        grad_bytes * params / (dp if zero >= 2 else 1),
+        optimizer_bytes * params / (dp if zero >= 1 else 1),
     )
 
 
@@ -132,6 +148,31 @@ def korthikanti_layer_activations(
     if sp:
         return s * b * h / t * (34 + core)
     return s * b * h * (10 + (24 + core) / t)
+
+
+def textbook_activations(cfg: RecipeConfig, degrees: Degrees, microbatches: int) -> float:
+    """Korthikanti et al. 2022 activation bytes of pipeline rank 0 (the textbook figure the
+    plan prints beside `memory_breakdown`): the per-layer formula on the rank's layers
+    (16-bit, doubled for FP32; full recompute keeps only the 2sbh layer input of the blocks
+    it recomputes) times the micro-batches in flight, plus one micro-batch of FP32 logits."""
+    m, t = cfg.model, degrees.tp
+    s, b = cfg.train.seq_len, cfg.train.micro_batch
+    selective = cfg.recompute.policy == "selective"
+    per_layer = korthikanti_layer_activations(s, b, m.dim, m.n_heads, t, cfg.parallel.sp, selective)
+    layer_input = 2 * s * b * m.dim / (t if cfg.parallel.sp else 1)
+    layers = rank_layers(cfg, 0)
+    kept = len(recomputed_blocks(cfg.recompute, layers)) if cfg.recompute.policy == "full" else 0
+    stage = kept * layer_input + (len(layers) - kept) * per_layer
+    scale = 2 if cfg.precision.dtype == "fp32" else 1
+    logits = s * b * m.vocab_size * 4 / t
+    flight = in_flight(cfg.parallel.pp_schedule, degrees.pp, microbatches, cfg.parallel.vpp)
+    return stage * scale * flight + logits
+
+
+def rank_layers(cfg: RecipeConfig, pp_rank: int) -> tuple[int, ...]:
+    """Global indices of the layers pipeline rank `pp_rank` holds, over all its chunks."""
+    p = cfg.parallel
+    return rank_layer_indices(cfg.model.n_layers, p.pp, p.vpp, p.pp_layers, pp_rank)
 
 
 def llama_block_activations(
@@ -250,163 +291,194 @@ def head_activations(
 
 
 def in_flight(schedule: str, pp: int, microbatches: int, vpp: int = 1, rank: int = 0) -> float:
-    """Micro-batches whose activations pipeline rank `rank` holds at its peak.
-
-    The schedule's warm-up forwards plus the one before its first backward: 1F1B p - r on
-    rank r (p on the first); GPipe all m; interleaved 1F1B p + (p - 1 - 2r)/v stage-sized
-    micro-batches (each chunk holds 1/v of the rank's layers).
-    """
+    """Micro-batches whose activations pipeline rank `rank` holds at its peak, in whole
+    stages, counted on the order of the schedule torch runs (`schedule_sim.held_in_flight`):
+    1F1B p - r on rank r; GPipe all m; interleaved 1F1B p + (p - 1 - 2r)/v; zero-bubble p on
+    every rank (its weight gradients hold their inputs)."""
     if pp == 1:
         return 1.0
-    if schedule == "gpipe":
-        return float(microbatches)
-    chunks = vpp if schedule == "interleaved_1f1b" else 1
-    held = min(warmup(schedule, pp, microbatches, rank, chunks) + 1, microbatches * chunks)
-    return held / chunks
+    return held_in_flight(schedule, pp, microbatches, rank, vpp)
 
 
-def stage_params(cfg: RecipeConfig, pp_rank: int = 0) -> tuple[int, int, int]:
+def stage_params(
+    cfg: RecipeConfig, pp_rank: int = 0, counts: ParamCount | None = None
+) -> tuple[int, int, int]:
     """(blocks' params, root params, blocks) of pipeline rank `pp_rank`.
 
     The root holds the embedding on the first rank, the final norm and head on the last.
+    `counts` saves recounting the model's parameters (`count_params(cfg.model)`).
     """
-    counts = count_params(cfg.model)
+    counts = counts or count_params(cfg.model)
     p = cfg.parallel
     blocks = rank_layer_count(cfg.model.n_layers, p.pp, p.vpp, p.pp_layers, pp_rank)
     root = counts.embedding if pp_rank == 0 else 0
-    root += counts.final_norm + counts.lm_head if pp_rank == p.pp - 1 else 0
+    if pp_rank == p.pp - 1:
+        # A tied LM head on a separate last stage keeps its own copy of the embedding.
+        head = counts.lm_head or (counts.embedding if p.pp > 1 else 0)
+        root += counts.final_norm + head
     # MoE layers are spread evenly over the stages (exact with one stage).
     return counts.layers * blocks // cfg.model.n_layers, root, blocks
 
 
 def peak_breakdown(cfg: RecipeConfig, degrees: Degrees, microbatches: int) -> MemoryBreakdown:
     """The breakdown of the pipeline rank with the largest peak (the only one without PP)."""
-    ranks = [memory_breakdown(cfg, degrees, microbatches, r) for r in range(degrees.pp)]
+    ranks = [
+        memory_breakdown(cfg, degrees, microbatches, r)
+        for r in candidate_ranks(cfg, degrees, microbatches)
+    ]
     return max(ranks, key=lambda b: b.total)
+
+
+def candidate_ranks(cfg: RecipeConfig, degrees: Degrees, microbatches: int) -> list[int]:
+    """The pipeline ranks whose peak may be the largest: the first and the last, and of the
+    middle ranks alike in layers, recomputed layers and gradients held, the one with the
+    most micro-batches in flight (each category grows with it; the rest is equal)."""
+    p, policy = cfg.parallel, cfg.recompute.policy
+    best: dict[tuple, tuple[float, int]] = {}
+    counts = rank_layer_counts(cfg.model.n_layers, p.pp, p.vpp, p.pp_layers)
+    for r, layers in enumerate(counts):
+        flight = in_flight(p.pp_schedule, degrees.pp, microbatches, p.vpp, r)
+        recomputed = layers if policy == "full" else 0
+        if policy == "full" and cfg.recompute.every > 1:
+            recomputed = len(recomputed_blocks(cfg.recompute, rank_layers(cfg, r)))
+        held = _accumulation(cfg, degrees, microbatches, flight) > 1
+        key = (r if r in (0, degrees.pp - 1) else -1, layers, recomputed, held)
+        if key not in best or flight > best[key][0]:
+            best[key] = (flight, r)
+    return sorted(r for _, r in best.values())
+
+
+def state_floor(cfg: RecipeConfig, degrees: Degrees) -> float:
+    """Bytes no micro-batch size or recompute policy takes off the peak: the FP32 parameters
+    and optimizer states (and DDP's buckets) of the pipeline rank holding the most."""
+    counts = rank_layer_counts(
+        cfg.model.n_layers, degrees.pp, cfg.parallel.vpp, cfg.parallel.pp_layers
+    )
+    floor = 0.0
+    for r in {0, degrees.pp - 1, counts.index(max(counts))}:
+        params, _, buckets, optimizer = _model_states(_rank_shape(cfg, degrees, 1, r), {})
+        floor = max(floor, params + buckets + optimizer)
+    return floor
+
+
+def _accumulation(cfg: RecipeConfig, degrees: Degrees, microbatches: int, flight: float) -> int:
+    """Micro-batches whose gradients a rank accumulates before the step (1: none held).
+
+    Gradients live from a micro-batch's backward to the step: at the peak when accumulation
+    runs micro-batches one after another, or when a pipeline's steady state runs a forward
+    after its first backward (not under GPipe, whose first backward is its peak)."""
+    if degrees.pp == 1:
+        return microbatches
+    steady = cfg.parallel.pp_schedule != "gpipe" and microbatches > flight
+    return microbatches if steady else 1
+
+
+@dataclass(frozen=True)
+class _RankShape:
+    """What every category of one pipeline rank's peak is counted from."""
+
+    cfg: RecipeConfig
+    degrees: Degrees
+    pp_rank: int
+    compute: int
+    """Bytes of an activation or cast weight in the compute dtype."""
+    fsdp: bool
+    ddp: bool
+    last: bool
+    flight: float
+    """Micro-batches whose activations the rank holds at its peak."""
+    accum: int
+    """Micro-batches whose gradients accumulate before the step (1: none held)."""
+    root_params: int
+    blocks: int
+    local: float
+    """Dense parameters on the rank (tp-split, norms replicated), before ZeRO sharding."""
+    per_block: float
+    others: float
+    """Of `local`, the parameters that are not a block's weight matrix (embedding, head,
+    norms): Muon leaves them to AdamW's states."""
+    expert_local: float
+    """Routed-expert parameters on the rank (split over ep)."""
+    expert_fsdp: bool
+    """Whether ZeRO-2/3 shards the experts over the dp / ep ranks holding the same ones."""
+    expert_resident: float
+    """Of `expert_local`, the FP32 share the rank keeps (sharded when `expert_fsdp`)."""
+    shard: int
+    """Ranks the FP32 parameters and gradients are sharded over."""
+    opt_shard: int
+    """Ranks the optimizer states are sharded over."""
+
+
+def _rank_shape(cfg: RecipeConfig, degrees: Degrees, microbatches: int, pp_rank: int) -> _RankShape:
+    t, n = degrees.tp, degrees.dp
+    fsdp = cfg.parallel.zero >= 2 and n > 1
+    last = pp_rank == degrees.pp - 1
+    flight = in_flight(
+        cfg.parallel.pp_schedule, degrees.pp, microbatches, cfg.parallel.vpp, pp_rank
+    )
+    accum = _accumulation(cfg, degrees, microbatches, flight)
+    counts = count_params(cfg.model)
+    block_params, root_params, blocks = stage_params(cfg, pp_rank, counts)
+    m = cfg.model
+    # Routed experts: split over ep, not over tp; ZeRO-2/3 shard them over dp / ep too.
+    experts = counts.experts * blocks // m.n_layers if blocks else 0
+    block_params -= experts
+    expert_local = experts / degrees.ep
+    expert_fsdp = fsdp and n > degrees.ep  # one rank per set of experts: not sharded
+    # Norms (and MLA's latent down-projections) are replicated over tp; the rest is split.
+    final_norm = m.dim if last else 0
+    replicated = tp_replicated(m) * blocks + final_norm
+    return _RankShape(
+        cfg=cfg,
+        degrees=degrees,
+        pp_rank=pp_rank,
+        compute=COMPUTE_BYTES[cfg.precision.dtype],
+        fsdp=fsdp,
+        ddp=not fsdp and n > 1,
+        last=last,
+        flight=flight,
+        accum=accum,
+        root_params=root_params,
+        blocks=blocks,
+        local=(block_params + root_params - replicated) / t + replicated,
+        per_block=block_params / blocks / t if blocks else 0.0,
+        # Under Muon, what is not a block's weight matrix keeps AdamW's states.
+        others=(root_params - final_norm) / t + block_vectors(m) * blocks + final_norm,
+        expert_local=expert_local,
+        expert_fsdp=expert_fsdp,
+        expert_resident=expert_local / (n // degrees.ep if expert_fsdp else 1),
+        # Hybrid sharding replicates over dp_replicate: state is split over dp_shard only.
+        shard=degrees.dp_shard if fsdp else 1,
+        opt_shard=degrees.dp_shard if fsdp or cfg.parallel.zero == 1 else 1,
+    )
 
 
 def memory_breakdown(
     cfg: RecipeConfig, degrees: Degrees, microbatches: int, pp_rank: int = 0
 ) -> MemoryBreakdown:
     """Peak bytes per rank of pipeline rank `pp_rank` under `cfg`, by category."""
-    t, n = degrees.tp, degrees.dp
-    dtype = cfg.precision.dtype
-    compute = COMPUTE_BYTES[dtype]
-    fsdp = cfg.parallel.zero >= 2 and n > 1
-    ddp = not fsdp and n > 1
-    last = pp_rank == degrees.pp - 1
-    flight = in_flight(
-        cfg.parallel.pp_schedule, degrees.pp, microbatches, cfg.parallel.vpp, pp_rank
-    )
-    # Gradients live from a micro-batch's backward to the step: at the peak when accumulation
-    # runs micro-batches one after another, or when a pipeline's steady state runs a forward
-    # after its first backward (not under GPipe, whose first backward is its peak).
-    if degrees.pp == 1:
-        accum = microbatches
-    else:
-        accum = microbatches if cfg.parallel.pp_schedule != "gpipe" and microbatches > flight else 1
-    block_params, root_params, blocks = stage_params(cfg, pp_rank)
-    m = cfg.model
-    # Routed experts: split over ep, not over tp; ZeRO-2/3 shard them over dp / ep too.
-    experts = count_params(m).experts * blocks // m.n_layers if blocks else 0
-    block_params -= experts
-    expert_local = experts / degrees.ep
-    expert_fsdp = fsdp and n > degrees.ep  # one rank per set of experts: not sharded
-    expert_resident = expert_local / (n // degrees.ep if expert_fsdp else 1)
-    # Norms (and MLA's latent down-projections) are replicated over tp; the rest is split.
-    final_norm = m.dim if last else 0
-    replicated = tp_replicated(m) * blocks + final_norm
-    local = (block_params + root_params - replicated) / t + replicated
-    per_block = block_params / blocks / t if blocks else 0.0
-    # Under Muon, what is not a block's weight matrix keeps AdamW's states.
-    others = (root_params - final_norm) / t + block_vectors(m) * blocks + final_norm
-    on_matrices, on_others = state_tensors(cfg.optim)
-    per_state = state_bytes(cfg.optim.state_dtype)
+    r = _rank_shape(cfg, degrees, microbatches, pp_rank)
     notes: dict[str, str] = {}
-
-    shard = n if fsdp else 1
-    rope = 2 * m.max_seq_len * (m.rope_dim // 2) * 4
-    params = 4 * local / shard + rope
-    notes["params"] = f"FP32 {'sharded over dp' if fsdp else 'replicated'}, + rotary tables"
-    if degrees.pp > 1:
-        notes["params"] += f", pipeline rank {pp_rank} of {degrees.pp}"
-    opt_shard = n if fsdp else (degrees.dp_shard if cfg.parallel.zero == 1 else 1)
-    states = on_matrices * (local - others) + on_others * others
-    optimizer = per_state * states / opt_shard
-    notes["optimizer"] = (
-        f"{on_matrices}/{on_others} {cfg.optim.state_dtype} state(s) per matrix/other param"
-        + (f", sharded over {opt_shard}" if opt_shard > 1 else "")
-    )
-    # FSDP's no-sync accumulation holds FP32 unsharded gradients between micro-batches.
-    grads_held = 4 * local if accum > 1 else 0.0
-    buckets = 4 * local if ddp else 0.0
-    # Measured on CPU: DDP's synced backward after no-sync micro-batches holds one more
-    # FP32 gradient-sized buffer.
-    ddp_extra = 4 * local if ddp and accum > 1 else 0.0
-    notes["grads"] = (
-        "FP32"
-        + (", + DDP buckets" if ddp else "")
-        + (", held unsharded across micro-batches" if fsdp and accum > 1 else "")
-    )
-
-    # Parameter copies alive at the end of forward.
-    if fsdp and cfg.parallel.zero == 2:
-        transients = compute * local
-        notes["transients"] = "every block and the root unsharded (ZeRO-2)"
-    elif fsdp:
-        # At the start of backward only the root is unsharded; a block's all-gather (and the
-        # prefetched next) comes once the logits' buffers are freed, and is smaller.
-        transients = compute * root_params / t
-        notes["transients"] = "the root unsharded (ZeRO-3)"
-    elif dtype != "fp32":
-        transients = compute * local
-        notes["transients"] = "autocast's BF16 weight casts"
-    else:
-        transients = 0.0
-    if ddp_extra:
-        transients += ddp_extra
-        notes["transients"] = notes.get("transients", "") + " + DDP's accumulation buffer"
-
-    s, b, v = cfg.train.seq_len, cfg.train.micro_batch, cfg.model.vocab_size
-    # Per micro-batch in flight the last stage keeps the logits and the FP32 log-softmax
-    # (the vocab-parallel loss one more FP32 shard); the start of backward adds its gradient
-    # and the gradient of the logits (in FP32 before the cast back).
-    kept_logits = s * b * v / t * (compute + 4 + (4 if t > 1 else 0)) if last else 0.0
-    logit_grads = s * b * v / t * 8 if last else 0.0
-    logits = flight * kept_logits + logit_grads
-    notes["logits"] = (
-        "logits, log-softmax, 2 FP32 gradients"
-        + (f", x{flight:g} in flight" if flight != 1 else "")
-        if last
-        else "on the last stage"
-    )
-    activations, recomputed_block, act_note = _activations(cfg, degrees, flight, pp_rank, fsdp)
-    # Later in backward the logits' buffers are gone and a block's backward holds its
-    # gradient temporaries (and, recomputed, its activations again; under ZeRO-3 that block
-    # and the prefetched next unsharded, and the block's unsharded FP32 gradients): the
-    # peak holds the larger of the two moments.
-    block_work = 2 * compute * per_block + 4 * per_block if fsdp and cfg.parallel.zero == 3 else 0
-    backward = recomputed_block + block_work + _block_backward(cfg, degrees, compute, fsdp)
-    if blocks and backward > kept_logits + logit_grads:
-        activations += backward - kept_logits - logit_grads
-        act_note += ", + one block's backward" + (" recomputing" if recomputed_block else "")
-    notes["activations"] = act_note
-
-    if expert_local:
-        params += 4 * expert_resident
-        optimizer += per_state * on_matrices * expert_resident
-        grads_held += 4 * expert_local if accum > 1 else 0.0
-        unsharded = (expert_fsdp and cfg.parallel.zero == 2) or (
-            not expert_fsdp and dtype != "fp32"
+    params, grads_held, buckets, optimizer = _model_states(r, notes)
+    transients = _transients(r, notes)
+    logits, logits_backward = _logits(r, notes)
+    activations = _peak_activations(r, logits_backward, notes)
+    if r.expert_local:
+        params += 4 * r.expert_resident
+        expert_states = state_tensors(cfg.optim)[0] * r.expert_resident
+        optimizer += state_bytes(cfg.optim.state_dtype) * expert_states
+        grads_held += 4 * r.expert_local if r.accum > 1 else 0.0
+        unsharded = (r.expert_fsdp and cfg.parallel.zero == 2) or (
+            not r.expert_fsdp and cfg.precision.dtype != "fp32"
         )
-        transients += compute * expert_local if unsharded else 0.0
+        transients += r.compute * r.expert_local if unsharded else 0.0
         notes["params"] += f", experts split over ep={degrees.ep}" + (
-            f" and dp/ep={n // degrees.ep}" if expert_fsdp else ""
+            f" and dp/ep={degrees.dp // degrees.ep}" if r.expert_fsdp else ""
         )
     forward = (params, grads_held + buckets, optimizer, activations, transients, logits)
     # The optimizer step: FP32 gradients (sharded under FSDP) and the update's temporaries.
-    step_grads = 4 * local / shard + (4 * local if ddp else 0.0) + 4 * expert_resident
-    step_temp = _step_temporaries(cfg, degrees, local / opt_shard + expert_resident)
+    step_grads = 4 * r.local / r.shard + (4 * r.local if r.ddp else 0.0) + 4 * r.expert_resident
+    step_temp = _step_temporaries(cfg, degrees, r.local / r.opt_shard + r.expert_resident)
     step = (params, step_grads, optimizer + step_temp, 0.0, 0.0, 0.0)
     phase, chosen = ("forward", forward) if sum(forward) >= sum(step) else ("optimizer step", step)
     framework = 0.0
@@ -435,6 +507,96 @@ def _step_temporaries(cfg: RecipeConfig, degrees: Degrees, stepped: float) -> fl
     return 4 * 4 * largest
 
 
+def _model_states(r: _RankShape, notes: dict[str, str]) -> tuple[float, float, float, float]:
+    """(params, gradients held at the forward's end, DDP buckets, optimizer states), dense."""
+    m, degrees = r.cfg.model, r.degrees
+    rope = 2 * m.max_seq_len * (m.rope_dim // 2) * 4
+    params = 4 * r.local / r.shard + rope
+    notes["params"] = (
+        f"FP32 {f'sharded over dp_shard={r.shard}' if r.shard > 1 else 'replicated'}"
+        + ", + rotary tables"
+    )
+    if degrees.pp > 1:
+        notes["params"] += f", pipeline rank {r.pp_rank} of {degrees.pp}"
+    on_matrices, on_others = state_tensors(r.cfg.optim)
+    states = on_matrices * (r.local - r.others) + on_others * r.others
+    optimizer = state_bytes(r.cfg.optim.state_dtype) * states / r.opt_shard
+    notes["optimizer"] = (
+        f"{on_matrices}/{on_others} {r.cfg.optim.state_dtype} state(s) per matrix/other param"
+        + (f", sharded over {r.opt_shard}" if r.opt_shard > 1 else "")
+    )
+    # FSDP's no-sync accumulation holds FP32 unsharded gradients between micro-batches.
+    grads_held = 4 * r.local if r.accum > 1 else 0.0
+    buckets = 4 * r.local if r.ddp else 0.0
+    notes["grads"] = (
+        "FP32"
+        + (", + DDP buckets" if r.ddp else "")
+        + (", held unsharded across micro-batches" if r.fsdp and r.accum > 1 else "")
+    )
+    return params, grads_held, buckets, optimizer
+
+
+def _transients(r: _RankShape, notes: dict[str, str]) -> float:
+    """Parameter copies alive at the end of forward, and DDP's accumulation buffer."""
+    zero = r.cfg.parallel.zero
+    if r.fsdp and zero == 2:
+        transients = r.compute * r.local
+        notes["transients"] = "every block and the root unsharded (ZeRO-2)"
+    elif r.fsdp:
+        # At the start of backward only the root is unsharded; a block's all-gather (and the
+        # prefetched next) comes once the logits' buffers are freed, and is smaller.
+        transients = r.compute * r.root_params / r.degrees.tp
+        notes["transients"] = "the root unsharded (ZeRO-3)"
+    elif r.cfg.precision.dtype != "fp32":
+        transients = r.compute * r.local
+        notes["transients"] = "autocast's BF16 weight casts"
+    else:
+        transients = 0.0
+    # Measured on CPU: DDP's synced backward after no-sync micro-batches holds one more
+    # FP32 gradient-sized buffer.
+    if r.ddp and r.accum > 1:
+        transients += 4 * r.local
+        notes["transients"] = notes.get("transients", "") + " + DDP's accumulation buffer"
+    return transients
+
+
+def _logits(r: _RankShape, notes: dict[str, str]) -> tuple[float, float]:
+    """(logit bytes at the peak, the part the start of backward holds for one micro-batch)."""
+    t = r.degrees.tp
+    s, b, v = r.cfg.train.seq_len, r.cfg.train.micro_batch, r.cfg.model.vocab_size
+    # Per micro-batch in flight the last stage keeps the logits and the FP32 log-softmax
+    # (the vocab-parallel loss one more FP32 shard); the start of backward adds its gradient
+    # and the gradient of the logits (in FP32 before the cast back).
+    kept_logits = s * b * v / t * (r.compute + 4 + (4 if t > 1 else 0)) if r.last else 0.0
+    logit_grads = s * b * v / t * 8 if r.last else 0.0
+    notes["logits"] = (
+        "logits, log-softmax, 2 FP32 gradients"
+        + (f", x{r.flight:g} in flight" if r.flight != 1 else "")
+        if r.last
+        else "on the last stage"
+    )
+    return r.flight * kept_logits + logit_grads, kept_logits + logit_grads
+
+
+def _peak_activations(r: _RankShape, logits_backward: float, notes: dict[str, str]) -> float:
+    """Saved activations, plus what a block's backward adds over the logits' moment."""
+    activations, recomputed_block, note = _activations(
+        r.cfg, r.degrees, r.flight, r.pp_rank, r.fsdp
+    )
+    # Later in backward the logits' buffers are gone and a block's backward holds its
+    # gradient temporaries (and, recomputed, its activations again; under ZeRO-3 that block
+    # and the prefetched next unsharded, and the block's unsharded FP32 gradients): the
+    # peak holds the larger of the two moments.
+    zero3 = r.fsdp and r.cfg.parallel.zero == 3
+    block_work = 2 * r.compute * r.per_block + 4 * r.per_block if zero3 else 0
+    backward = recomputed_block + block_work + _block_backward(r.cfg, r.degrees, r.compute, r.fsdp)
+    if r.blocks and backward > logits_backward:
+        activations += backward - logits_backward
+        note += ", + one block's backward" + (" recomputing" if recomputed_block else "")
+    notes["activations"] = note
+    return activations
+
+
 def _residual_bytes(cfg: RecipeConfig, fsdp: bool) -> int:
     # Autocast leaves the residual stream in FP32; FSDP's BF16 parameters keep it BF16.
     return 4 if cfg.precision.dtype == "fp32" or not fsdp else COMPUTE_BYTES[cfg.precision.dtype]
@@ -459,7 +621,7 @@ def _activations(
     compute, residual = COMPUTE_BYTES[cfg.precision.dtype], _residual_bytes(cfg, fsdp)
     p = cfg.parallel
     blocks = rank_layer_count(m.n_layers, p.pp, p.vpp, p.pp_layers, pp_rank)
-    policy, every = cfg.recompute.policy, cfg.recompute.every
+    policy = cfg.recompute.policy
     pad = dispatch_padding(cfg)
     whole = llama_block_activations(m, s, b, compute, residual, t, sp, "none", pad)
     if policy == "selective":
@@ -467,7 +629,7 @@ def _activations(
         stage = blocks * kept
         note = "selective: matmul outputs kept"
     elif policy == "full":
-        recomputed = blocks // every
+        recomputed = len(recomputed_blocks(cfg.recompute, rank_layers(cfg, pp_rank)))
         kept_input = s * b * m.dim * residual / (t if sp else 1)
         stage = recomputed * kept_input + (blocks - recomputed) * whole
         note = f"full on {recomputed}/{blocks} blocks: inputs kept"

@@ -1,4 +1,5 @@
-"""Shared test settings: one cache for tokenized corpora, a private temp dir, no W&B cloud."""
+"""Shared test settings: one cache for tokenized corpora, a private temp dir, no W&B cloud,
+and the `slow` mark on every test that launches torchrun or needs SLURM."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 import torch.distributed as dist
 
 REPO = Path(__file__).resolve().parent.parent
+SLOW_DIRS = (REPO / "tests" / "distributed", REPO / "tests" / "slurm")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -32,3 +34,11 @@ def single_rank_group(tmp_path: Path):
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     yield
     dist.destroy_process_group()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # Each torchrun launch costs 5-9 s and a SLURM job more: `-m "not slow"` leaves them out.
+    for item in items:
+        in_slow_dir = any(item.path.is_relative_to(d) for d in SLOW_DIRS)
+        if in_slow_dir or item.get_closest_marker("distributed"):
+            item.add_marker(pytest.mark.slow)

@@ -80,7 +80,7 @@ def kernels_line(cfg: RecipeConfig, state: TrainState, device: torch.device) -> 
     prefetch = f"{cfg.data.prefetch} steps ahead" if cfg.data.prefetch else "off"
     states = f" ({cfg.optim.state_dtype} states)" if cfg.optim.state_dtype != "fp32" else ""
     return (
-        f"[trainer] kernels: attention {attention}, optimizer {optimizer_path(state.optimizer)}"
+        f"kernels: attention {attention}, optimizer {optimizer_path(state.optimizer)}"
         f"{states}, {experts_path(cfg, device, dtype)}compile {compile_text}, "
         f"data prefetch {prefetch}, gradient reduction {cfg.precision.reduce_dtype}"
     )

@@ -17,7 +17,9 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from pretrain_core.schema import OptimConfig
+from parallel.tied_embedding import head_copies
+from pretrain_core.problems import or_list
+from pretrain_core.schema import LR_SCALINGS, OPTIMIZERS, OptimConfig
 from trainer.muon import Muon
 from trainer.optim_states import AdamW, StoredStateOptimizer, local_grad
 
@@ -31,18 +33,19 @@ def param_groups(model: nn.Module, weight_decay: float, muon: bool = False) -> l
     """Split the trainable parameters into optimizer groups; each parameter appears once.
 
     Weight decay goes to the 2-D+ weights of linear (and other matmul) layers only: never to
-    embeddings (`nn.Embedding`, including an LM head tied to one), norms or biases. With
-    `muon`, those weights but the LM head (the model's `output`) form groups marked
-    `muon: True`. Groups are further split by DeviceMesh so a group never mixes DTensors with
-    plain tensors (the foreach/fused kernels reject such a mix, e.g. TP without sequence
-    parallelism leaves the norms as plain tensors). Group order follows `named_parameters`,
-    so it is stable across runs and checkpoints.
+    embeddings (`nn.Embedding`, including an LM head tied to one, or a pipeline stage's copy
+    of a tied embedding), norms or biases. With `muon`, those weights but the LM head (the
+    model's `output`) form groups marked `muon: True`. Groups are further split by
+    DeviceMesh so a group never mixes DTensors with plain tensors (the foreach/fused kernels
+    reject such a mix, e.g. TP without sequence parallelism leaves the norms as plain
+    tensors). Group order follows `named_parameters`, so it is stable across runs and
+    checkpoints.
     """
     # Collect embedding weights first: a tied head is reached through a Linear too, and the
     # traversal may meet the head before the embedding.
     embedding_params = {
         id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters()
-    }
+    } | {id(p) for p in head_copies(model)}
     head = getattr(model, "output", None)
     head_params = {id(p) for p in head.parameters()} if isinstance(head, nn.Module) else set()
     groups: dict[tuple[bool, bool, Any], dict] = {}
@@ -68,8 +71,8 @@ def scaled_lr(cfg: OptimConfig, global_batch: int) -> float:
     """Peak lr for this global batch: lr * G/base (linear), lr * sqrt(G/base) (sqrt) or lr."""
     if cfg.lr_scaling == "none":
         return cfg.lr
-    if cfg.lr_scaling not in ("linear", "sqrt"):
-        raise ValueError(f"optim.lr_scaling={cfg.lr_scaling!r}: use none, linear or sqrt")
+    if cfg.lr_scaling not in LR_SCALINGS:
+        raise ValueError(f"optim.lr_scaling={cfg.lr_scaling!r}: use {or_list(list(LR_SCALINGS))}")
     if cfg.base_batch <= 0:
         raise ValueError(
             f"optim.lr_scaling={cfg.lr_scaling} needs optim.base_batch > 0 "
@@ -153,7 +156,7 @@ def optimizer_spec(cfg: OptimConfig, device: torch.device) -> tuple[type[Optimiz
     if cfg.name == "muon":
         kwargs = {"lr": cfg.lr, "momentum": cfg.momentum, "betas": tuple(cfg.betas)}
         return Muon, {**kwargs, "eps": cfg.eps, **states}
-    raise ValueError(f"optim.name={cfg.name!r}: use adamw, lion, sgd or muon")
+    raise ValueError(f"optim.name={cfg.name!r}: use {or_list(list(OPTIMIZERS))}")
 
 
 def build_optimizer(

@@ -6,7 +6,9 @@ them) are concatenated and the schedule splits them into `parallel.pp_microbatch
 parts (by default the accumulation count, so the micro-batches are the same). The loss runs
 on the last stage, divided by the micro-batch count as accumulation does; the mean loss is
 summed over the pipeline group so every stage, rank 0 included, reports the last stage's.
-Gradient norms are summed over stages. A mixture-of-experts stage attaches its router
+Gradient norms are summed over stages. Tied embeddings: the last stage's copy of the
+embedding and the first stage's have their gradients summed after the schedule
+(`parallel/tied_embedding.py`). A mixture-of-experts stage attaches its router
 losses to its output (`parallel/pipeline_moe.py`), so they join the objective of the
 micro-batch that produced them; the reported loss is the LM loss alone, as in the plain
 step, and expert gradients are reduced over their data-parallel ranks before clipping.
@@ -26,10 +28,18 @@ from parallel.pipeline import build_schedule, in_context, stage_indices
 from parallel.pipeline_moe import attach_router_losses
 from parallel.precision import forward_context
 from parallel.tensor import local_value, vocab_parallel_loss
+from parallel.tied_embedding import embedding_group, reduce_tied_grads
 from pretrain_core.layout import Degrees, grad_accum_steps
 from pretrain_core.schema import RecipeConfig
 from trainer.faults import StepGuard
-from trainer.step import SLOT_RETRIES, TrainState, apply_gradients, run_again_for_slots
+from trainer.step import (
+    SLOT_RETRIES,
+    MicroBatches,
+    StepResult,
+    TrainState,
+    apply_gradients,
+    run_again_for_slots,
+)
 
 
 class PipelineStep:
@@ -42,8 +52,10 @@ class PipelineStep:
         degrees: Degrees,
         mesh: JobMesh,
         device: torch.device,
+        guard: StepGuard | None = None,
     ) -> None:
         self.state, self.cfg, self.degrees, self.device = state, cfg, degrees, device
+        self.guard = guard
         pp_mesh = mesh.world["pp"]
         self.group = pp_mesh.get_group()
         stages = stage_indices(pp_mesh.get_local_rank(), cfg.parallel)
@@ -56,6 +68,7 @@ class PipelineStep:
             inner = getattr(chunk, "module", chunk)  # inside DDP, which calls it
             in_context(inner, lambda: forward_context(cfg.precision, device, weights_cast))
             attach_router_losses(inner, self._term_weight)
+        self.embedding_group = embedding_group(cfg, degrees)
         self.schedule = build_schedule(
             list(state.model),
             stages,
@@ -77,9 +90,7 @@ class PipelineStep:
         self.losses.append(local_value(loss.detach()))
         return self.state.scaler.scale_loss(loss / self.n_microbatches)
 
-    def step(
-        self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], guard: StepGuard
-    ) -> tuple[torch.Tensor, torch.Tensor, bool, bool]:
+    def step(self, micro_batches: MicroBatches) -> StepResult:
         """Forward and backward of this rank's micro-batches through the pipeline, then the
         optimizer; returns the step's mean loss (on every stage), the global grad norm and
         what all ranks agreed (bad, stop), as `train_step` does."""
@@ -98,9 +109,12 @@ class PipelineStep:
         else:
             raise RuntimeError(f"the MoE dispatch slots overflowed {SLOT_RETRIES} runs of one step")
         reduce_expert_grads(self.state.plain)
+        reduce_tied_grads(self.state.plain, self.embedding_group)
         loss = torch.zeros((), device=self.device)
         if self.has_last:
             # The first step's shape inference calls the loss function once more, first.
             loss += torch.stack(self.losses[-self.n_microbatches :]).sum() / self.n_microbatches
         dist.all_reduce(loss, group=self.group)
-        return (loss, *apply_gradients(self.state, self.cfg, guard, loss, self.group))
+        return StepResult(
+            loss, *apply_gradients(self.state, self.cfg, self.guard, loss, self.group)
+        )

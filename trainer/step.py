@@ -15,6 +15,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple, Protocol
 
 import torch
 import torch.distributed as dist
@@ -33,6 +34,7 @@ from parallel.expert import (
 )
 from parallel.precision import LossScaler, after_optimizer_step, forward_context
 from parallel.tensor import local_value, vocab_parallel_loss
+from parallel.tied_embedding import head_copies
 from pretrain_core.layout import Degrees
 from pretrain_core.schema import RecipeConfig
 from trainer.faults import StepGuard
@@ -78,6 +80,27 @@ def run_again_for_slots(state: TrainState, cfg: RecipeConfig, device: torch.devi
     return True
 
 
+MicroBatches = list[tuple[torch.Tensor, torch.Tensor]]
+"""This rank's (inputs, targets) of one optimizer step, one pair per micro-batch."""
+
+
+class StepResult(NamedTuple):
+    """What one optimizer step reports: this rank's mean loss, the global gradient norm
+    before clipping, and what all ranks agreed: whether the step was bad (skipped) and
+    whether the job was asked to stop."""
+
+    loss: torch.Tensor
+    grad_norm: torch.Tensor
+    bad: bool
+    stop: bool
+
+
+class Stepper(Protocol):
+    """Runs one optimizer step of the run's layout (`LocalStep` or `PipelineStep`)."""
+
+    def step(self, micro_batches: MicroBatches) -> StepResult: ...
+
+
 def _autocast(cfg: RecipeConfig, degrees: Degrees, device: torch.device):
     """Autocast where FSDP's mixed-precision policy does not already cast (and TE's FP8)."""
     return forward_context(cfg.precision, device, weights_cast=uses_fsdp(cfg.parallel, degrees))
@@ -85,13 +108,12 @@ def _autocast(cfg: RecipeConfig, degrees: Degrees, device: torch.device):
 
 def train_step(
     state: TrainState,
-    micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
+    micro_batches: MicroBatches,
     cfg: RecipeConfig,
     degrees: Degrees,
     device: torch.device,
     guard: StepGuard | None = None,
-    poison: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, bool, bool]:
+) -> StepResult:
     """One optimizer step over this rank's accumulation micro-batches.
 
     Returns this rank's mean loss, the global gradient norm (before clipping) and what all
@@ -100,22 +122,21 @@ def train_step(
     a `guard` (one-process tools and benchmarks) badness is decided locally and stop is False.
     """
     for _ in range(SLOT_RETRIES):
-        loss = _forward_backward(state, micro_batches, cfg, degrees, device, poison)
+        loss = _forward_backward(state, micro_batches, cfg, degrees, device)
         if not run_again_for_slots(state, cfg, device):
             break
     else:
         raise RuntimeError(f"the MoE dispatch slots overflowed {SLOT_RETRIES} runs of one step")
     reduce_expert_grads(state.plain)
-    return (loss, *apply_gradients(state, cfg, guard, loss))
+    return StepResult(loss, *apply_gradients(state, cfg, guard, loss))
 
 
 def _forward_backward(
     state: TrainState,
-    micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
+    micro_batches: MicroBatches,
     cfg: RecipeConfig,
     degrees: Degrees,
     device: torch.device,
-    poison: bool,
 ) -> torch.Tensor:
     """Forward and backward of every micro-batch; returns this rank's mean loss."""
     accum = len(micro_batches)
@@ -129,13 +150,28 @@ def _forward_backward(
                 logits = state.model(inputs)
             with vocab_parallel_loss(enabled=degrees.tp > 1):
                 loss = state.loss_fn(logits, targets)
-                if poison:
-                    loss = loss * float("nan")
                 objective = add_router_losses(loss, state.plain)
                 state.scaler.scale_loss(objective / accum).backward()
         # Every TP rank holds the same (replicated) loss.
         loss_sum += local_value(loss.detach())
     return loss_sum / accum
+
+
+@dataclass
+class LocalStep:
+    """`train_step` of a layout without pipeline parallelism, bound to its run."""
+
+    state: TrainState
+    cfg: RecipeConfig
+    degrees: Degrees
+    device: torch.device
+    guard: StepGuard | None = None
+
+    def step(self, micro_batches: MicroBatches) -> StepResult:
+        """One optimizer step over this rank's micro-batches."""
+        return train_step(
+            self.state, micro_batches, self.cfg, self.degrees, self.device, self.guard
+        )
 
 
 def apply_gradients(
@@ -152,7 +188,9 @@ def apply_gradients(
     applies no update, and under fp16 neither does a step whose gradients overflowed.
     """
     state.scaler.unscale_(state.plain.parameters())
-    norm = clip_grad_norm_(state.plain.parameters(), cfg.optim.grad_clip, extra_group)
+    norm = clip_grad_norm_(
+        state.plain.parameters(), cfg.optim.grad_clip, extra_group, head_copies(state.plain)
+    )
     # An fp16 overflow is the loss scaler's to handle (back off and retry), not a fault.
     scaled_ok = state.scaler.update(norm)
     checked = norm if scaled_ok else torch.zeros_like(norm)

@@ -19,8 +19,16 @@ The trainer's bookkeeping (stated, because it differs from the ZeRO paper's):
   backward, ZeRO-3 one block plus the prefetched next; the root's embedding, final norm
   and head stay unsharded through the step).
   Gradient accumulation without sync keeps FP32 unsharded gradients between micro-batches.
-- TP: RMSNorm weights stay replicated; column-wise projections keep their all-gathered
-  input under SP; the vocab-parallel loss keeps one more FP32 logits shard.
+- TP: RMSNorm weights (and MLA's latent down-projections) stay replicated; column-wise
+  projections keep their all-gathered input under SP; the vocab-parallel loss keeps one more
+  FP32 logits shard.
+- Experts: split over ep; under ZeRO-2/3 also sharded over the dp / ep ranks that hold the
+  same experts. Expert-parallel dispatch sends padded slots: ceil(c s k / N) per sequence
+  with a capacity factor c, `DROPLESS_SLOTS` times the mean load when dropless.
+- Optimizer states: `state_tensors` per parameter of `optim.state_dtype`'s bytes (codes
+  plus block scales for int8/int4); the in-repo optimizers (all but torch's FP32 AdamW and
+  SGD) step parameter by parameter, with temporaries of the largest parameter (and Muon's
+  gathered full matrix) instead of the foreach update's parameter-sized one.
 - PP: each pipeline rank is modelled apart (its layers, the embedding on the first, the
   head and the logits of every micro-batch in flight on the last, the stage's output kept
   until its backward elsewhere); under 1F1B gradients exist from the first backward on, so
@@ -41,8 +49,9 @@ from models.flops import ParamCount, count_params
 from pretrain_core.hardware import GIB
 from pretrain_core.layout import Degrees
 from pretrain_core.model_config import ModelConfig
+from pretrain_core.optim_states import state_bytes
 from pretrain_core.recompute import recomputed_blocks
-from pretrain_core.schema import RecipeConfig
+from pretrain_core.schema import OptimConfig, RecipeConfig
 from pretrain_core.stages import rank_layer_count, rank_layer_counts, rank_layer_indices
 
 CUDA_FIXED_GIB = 1.5
@@ -52,8 +61,12 @@ FRAGMENTATION = 0.05
 COMPUTE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 2}
 """Bytes of an activation in the compute dtype (FP8 runs keep BF16 activations)."""
 # Every precision.dtype the schema accepts must have an entry (tests/unit/test_memory.py).
-MOMENTS = {"adamw": 2, "lion": 1, "sgd": 1}
-"""FP32 state tensors per parameter (SGD without momentum keeps none)."""
+MOMENTS = {"adamw": 2, "lion": 1, "sgd": 1, "muon": 1}
+"""State tensors per parameter (SGD without momentum keeps none; Muon's one is on the blocks'
+weight matrices, the rest keep AdamW's two: `state_tensors`)."""
+DROPLESS_SLOTS = 2.0
+"""A dropless expert-parallel dispatch's slots, as a multiple of the mean load per expert:
+where they start (parallel/expert.py); they then follow the largest load with 25% headroom."""
 CATEGORIES = ("params", "grads", "optimizer", "activations", "transients", "logits", "framework")
 
 
@@ -79,6 +92,8 @@ class MemoryBreakdown:
     peak_phase: str
     """'forward' or 'optimizer step': the moment the categories describe."""
     notes: dict[str, str] = field(default_factory=dict)
+    optimizer_states: float = 0.0
+    """The optimizer states alone (without the step's temporaries), at either moment."""
 
     @property
     def total(self) -> float:
@@ -94,19 +109,26 @@ class MemoryBreakdown:
 
 
 def textbook_model_states(
-    params: float, optim: str, zero: int, dp: int, dtype: str = "bf16", moments: int | None = None
+    params: float,
+    optim: str,
+    zero: int,
+    dp: int,
+    dtype: str = "bf16",
+    moments: int | None = None,
+    moment_bytes: float = 4,
 ) -> tuple[float, float, float]:
     """ZeRO paper (Rajbhandari et al. 2020) bytes of (params, grads, optimizer states).
 
     Mixed precision: 2 B 16-bit params + 2 B 16-bit grads + K B of FP32 master weights and
     moments (AdamW K = 12); FP32: 4 B + 4 B + the moments alone. Stage 1 shards the
     optimizer states over dp, stage 2 the grads too, stage 3 the params too. `moments`
-    overrides the optimizer's FP32 states per parameter (SGD without momentum keeps none).
+    overrides the optimizer's states per parameter (SGD without momentum keeps none), and
+    `moment_bytes` their bytes (`optim.state_dtype`'s: codes plus block scales when low-bit).
     """
     mixed = dtype != "fp32"
     moments = MOMENTS[optim] if moments is None else moments
     param_bytes = grad_bytes = 2 if mixed else 4
-    optimizer_bytes = 4 * moments + (4 if mixed else 0)
+    optimizer_bytes = moment_bytes * moments + (4 if mixed else 0)
     return (
         param_bytes * params / (dp if zero >= 3 else 1),
         grad_bytes * params / (dp if zero >= 2 else 1),
@@ -154,45 +176,109 @@ def rank_layers(cfg: RecipeConfig, pp_rank: int) -> tuple[int, ...]:
 
 
 def llama_block_activations(
-    m: ModelConfig, s: int, b: int, compute: int, residual: int, t: int, sp: bool, policy: str
+    m: ModelConfig,
+    s: int,
+    b: int,
+    compute: int,
+    residual: int,
+    t: int,
+    sp: bool,
+    policy: str,
+    padding: float = 1.0,
 ) -> float:
     """Bytes one Llama block of models/llama.py saves for backward, per micro-batch.
 
     `compute` is the bytes of matmul outputs, `residual` of the residual stream (FP32 under
     autocast, whose additions promote). Head- and FFN-wide tensors split over tp; the norms'
     tensors split over tp only with sp. Column-parallel linears save their (gathered) input
-    whole, as DTensor's sequence parallelism does.
+    whole, as DTensor's sequence parallelism does. `padding`: see `mlp_width`.
     """
-    h, q, kv = m.dim, m.n_heads * m.head_dim, m.kv_heads * m.head_dim
+    h = m.dim
+    split, replicated, sdpa = attention_widths(m)
+    width = mlp_width(m, padding)
     seq = t if sp else 1
     if policy == "selective":
         # Only the checkpoint's input and the outputs of the matmuls are kept.
-        kept = residual * h / seq + compute * ((q + 2 * kv + 2 * mlp_width(m)) / t + 2 * h / seq)
+        kept = residual * h / seq + compute * ((split + 2 * width) / t + replicated + 2 * h / seq)
         return s * b * kept
     # Each RMSNorm keeps its FP32 input, its inverse RMS and its normalized output (in the
     # residual dtype); the linears after it keep their input, one cast copy per linear under
     # autocast. Rotary embedding multiplies by constants and keeps nothing of q and k.
     casts = compute < 4 and residual == 4
     norms = 2 * ((4 + residual) * h + 4) / seq
-    linear_inputs = compute * h * ((3 + 2) if casts else 2)
+    readers = 2 if m.is_mla else 3  # linears reading the attention norm's output
+    linear_inputs = compute * h * ((readers + 2) if casts else 2)
     attention = (
-        compute * (2 * q + 2 * kv)  # rotated q, k and v, and the output, as SDPA keeps them
+        compute * sdpa  # rotated q, k and v, and the output, as SDPA keeps them
         + 4 * m.n_heads  # SDPA's log-sum-exp per head; wo's input is a view of the output
     ) / t
-    mlp = compute * 4 * mlp_width(m) / t  # w1 and w3 outputs, silu output, w2's input
+    if m.is_mla:
+        # The latents' norms keep their FP32 input and normalized output (the up-projections'
+        # input) on every TP rank.
+        attention += (4 + compute) * (m.kv_rank + m.mla_q_rank) + 8
+    mlp = compute * 4 * width / t  # w1 and w3 outputs, silu output, w2's input
     return s * b * (norms + linear_inputs + attention + mlp)
 
 
-def mlp_width(m: ModelConfig) -> float:
+def state_tensors(optim: OptimConfig) -> tuple[int, int]:
+    """Optimizer state tensors per parameter: (the blocks' weight matrices, all others)."""
+    if optim.name == "muon":
+        return 1, 2  # Muon's momentum; AdamW's two moments on embeddings, head and norms
+    n = 0 if optim.name == "sgd" and not optim.momentum else MOMENTS[optim.name]
+    return n, n
+
+
+def stepped_per_parameter(optim: OptimConfig) -> bool:
+    """Whether the optimizer steps one parameter at a time (the in-repo ones)."""
+    return optim.name in ("lion", "muon") or (optim.name == "adamw" and optim.state_dtype != "fp32")
+
+
+def tp_replicated(m: ModelConfig) -> int:
+    """Weights of one block that tensor parallelism leaves whole on every rank: the norms,
+    and MLA's latent down-projections and their norms."""
+    if not m.is_mla:
+        return 2 * m.dim
+    latent = m.dim * (m.kv_rank + m.rope_dim) + m.kv_rank
+    return 2 * m.dim + latent + m.mla_q_rank * (m.dim + 1)
+
+
+def block_vectors(m: ModelConfig) -> int:
+    """1-D weights (norms) of one block."""
+    return 2 * m.dim + (m.kv_rank + m.mla_q_rank if m.is_mla else 0)
+
+
+def dispatch_padding(cfg: RecipeConfig) -> float:
+    """Rows an expert-parallel dispatch sends per kept assignment (1 without EP)."""
+    if cfg.parallel.ep == 1 or not cfg.model.moe_experts:
+        return 1.0
+    return cfg.model.moe_capacity_factor or DROPLESS_SLOTS
+
+
+def mlp_width(m: ModelConfig, padding: float = 1.0) -> float:
     """The MLP's hidden width per token, averaged over the layers.
 
     A MoE layer runs k routed and the shared experts, and its dispatch keeps about five
     h-wide copies of each of the k assignments (gathered, sent, received, expert output,
-    weighted), counted here as 5kh/4 of width.
+    weighted), counted here as 5kh/4 of width; `padding` scales what runs on padded slots
+    (the experts' hidden width and three of those copies).
     """
-    moe = (m.moe_top_k + m.moe_shared_experts) * m.expert_ffn_dim + 5 * m.moe_top_k * m.dim / 4
+    k = m.moe_top_k
+    moe = (k * padding + m.moe_shared_experts) * m.expert_ffn_dim + (
+        2 + 3 * padding
+    ) * k * m.dim / 4
     layers = m.n_moe_layers
     return ((m.n_layers - layers) * m.ffn_dim + layers * moe) / m.n_layers
+
+
+def attention_widths(m: ModelConfig) -> tuple[int, int, int]:
+    """Per token of one attention layer: (matmul output widths split over tp, replicated ones,
+    the widths SDPA keeps: its query, key, value and output)."""
+    if not m.is_mla:
+        q, kv = m.n_heads * m.head_dim, m.kv_heads * m.head_dim
+        return q + 2 * kv, 0, 2 * q + 2 * kv
+    qk, v = m.n_heads * m.qk_head_dim, m.n_heads * m.v_head_dim
+    split = qk + m.n_heads * (m.nope_dim + m.v_head_dim)
+    return split, m.kv_rank + m.rope_dim + m.mla_q_rank, 2 * qk + 2 * v
 
 
 def head_activations(
@@ -308,9 +394,15 @@ class _RankShape:
     local: float
     """Dense parameters on the rank (tp-split, norms replicated), before ZeRO sharding."""
     per_block: float
+    others: float
+    """Of `local`, the parameters that are not a block's weight matrix (embedding, head,
+    norms): Muon leaves them to AdamW's states."""
     expert_local: float
-    """Routed-expert parameters on the rank (split over ep, outside ZeRO)."""
-    moments: int
+    """Routed-expert parameters on the rank (split over ep)."""
+    expert_fsdp: bool
+    """Whether ZeRO-2/3 shards the experts over the dp / ep ranks holding the same ones."""
+    expert_resident: float
+    """Of `expert_local`, the FP32 share the rank keeps (sharded when `expert_fsdp`)."""
     shard: int
     """Ranks the FP32 parameters and gradients are sharded over."""
     opt_shard: int
@@ -327,12 +419,15 @@ def _rank_shape(cfg: RecipeConfig, degrees: Degrees, microbatches: int, pp_rank:
     accum = _accumulation(cfg, degrees, microbatches, flight)
     counts = count_params(cfg.model)
     block_params, root_params, blocks = stage_params(cfg, pp_rank, counts)
-    # Routed experts: split over ep, not over tp, and outside ZeRO (parallel/expert.py).
-    experts = counts.experts * blocks // cfg.model.n_layers if blocks else 0
+    m = cfg.model
+    # Routed experts: split over ep, not over tp; ZeRO-2/3 shard them over dp / ep too.
+    experts = counts.experts * blocks // m.n_layers if blocks else 0
     block_params -= experts
-    # RMSNorm weights are replicated over tp; every other weight is split.
-    norms = 2 * cfg.model.dim * blocks + (cfg.model.dim if last else 0)
-    o = cfg.optim
+    expert_local = experts / degrees.ep
+    expert_fsdp = fsdp and n > degrees.ep  # one rank per set of experts: not sharded
+    # Norms (and MLA's latent down-projections) are replicated over tp; the rest is split.
+    final_norm = m.dim if last else 0
+    replicated = tp_replicated(m) * blocks + final_norm
     return _RankShape(
         cfg=cfg,
         degrees=degrees,
@@ -345,10 +440,13 @@ def _rank_shape(cfg: RecipeConfig, degrees: Degrees, microbatches: int, pp_rank:
         accum=accum,
         root_params=root_params,
         blocks=blocks,
-        local=(block_params + root_params - norms) / t + norms,
+        local=(block_params + root_params - replicated) / t + replicated,
         per_block=block_params / blocks / t if blocks else 0.0,
-        expert_local=experts / degrees.ep,
-        moments=MOMENTS[o.name] if o.name != "sgd" or o.momentum else 0,
+        # Under Muon, what is not a block's weight matrix keeps AdamW's states.
+        others=(root_params - final_norm) / t + block_vectors(m) * blocks + final_norm,
+        expert_local=expert_local,
+        expert_fsdp=expert_fsdp,
+        expert_resident=expert_local / (n // degrees.ep if expert_fsdp else 1),
         # Hybrid sharding replicates over dp_replicate: state is split over dp_shard only.
         shard=degrees.dp_shard if fsdp else 1,
         opt_shard=degrees.dp_shard if fsdp or cfg.parallel.zero == 1 else 1,
@@ -366,16 +464,21 @@ def memory_breakdown(
     logits, logits_backward = _logits(r, notes)
     activations = _peak_activations(r, logits_backward, notes)
     if r.expert_local:
-        params += 4 * r.expert_local
-        optimizer += 4 * r.moments * r.expert_local
+        params += 4 * r.expert_resident
+        expert_states = state_tensors(cfg.optim)[0] * r.expert_resident
+        optimizer += state_bytes(cfg.optim.state_dtype) * expert_states
         grads_held += 4 * r.expert_local if r.accum > 1 else 0.0
-        transients += r.compute * r.expert_local if cfg.precision.dtype != "fp32" else 0.0
-        notes["params"] += f", experts split over ep={degrees.ep}"
+        unsharded = (r.expert_fsdp and cfg.parallel.zero == 2) or (
+            not r.expert_fsdp and cfg.precision.dtype != "fp32"
+        )
+        transients += r.compute * r.expert_local if unsharded else 0.0
+        notes["params"] += f", experts split over ep={degrees.ep}" + (
+            f" and dp/ep={degrees.dp // degrees.ep}" if r.expert_fsdp else ""
+        )
     forward = (params, grads_held + buckets, optimizer, activations, transients, logits)
-    # The optimizer step: FP32 gradients (sharded under FSDP) and one parameter-sized
-    # temporary of the foreach update.
-    step_grads = 4 * r.local / r.shard + (4 * r.local if r.ddp else 0.0) + 4 * r.expert_local
-    step_temp = (4 * r.local / r.opt_shard + 4 * r.expert_local) if r.moments else 0.0
+    # The optimizer step: FP32 gradients (sharded under FSDP) and the update's temporaries.
+    step_grads = 4 * r.local / r.shard + (4 * r.local if r.ddp else 0.0) + 4 * r.expert_resident
+    step_temp = _step_temporaries(cfg, degrees, r.local / r.opt_shard + r.expert_resident)
     step = (params, step_grads, optimizer + step_temp, 0.0, 0.0, 0.0)
     phase, chosen = ("forward", forward) if sum(forward) >= sum(step) else ("optimizer step", step)
     framework = 0.0
@@ -384,13 +487,30 @@ def memory_breakdown(
         notes["framework"] = f"{CUDA_FIXED_GIB:g} GiB + {FRAGMENTATION:.0%} fragmentation"
     else:
         notes["framework"] = "none counted on CPU"
-    return MemoryBreakdown(*chosen, framework=framework, peak_phase=phase, notes=notes)
+    return MemoryBreakdown(
+        *chosen, framework=framework, peak_phase=phase, notes=notes, optimizer_states=optimizer
+    )
+
+
+def _step_temporaries(cfg: RecipeConfig, degrees: Degrees, stepped: float) -> float:
+    """Bytes the optimizer step allocates besides the states, for `stepped` local parameters:
+    torch's foreach AdamW (and SGD) one FP32 copy of them all; the in-repo optimizers four
+    FP32 tensors the size of the largest parameter (Muon: of the full matrix it gathers)."""
+    if not any(state_tensors(cfg.optim)):
+        return 0.0
+    if not stepped_per_parameter(cfg.optim):
+        return 4 * stepped
+    m = cfg.model
+    largest = max(m.dim * m.ffn_dim, m.dim * m.n_heads * m.qk_head_dim, m.dim * m.vocab_size)
+    if m.moe_experts:
+        largest = max(largest, m.moe_experts // degrees.ep * m.dim * m.expert_ffn_dim)
+    return 4 * 4 * largest
 
 
 def _model_states(r: _RankShape, notes: dict[str, str]) -> tuple[float, float, float, float]:
     """(params, gradients held at the forward's end, DDP buckets, optimizer states), dense."""
     m, degrees = r.cfg.model, r.degrees
-    rope = 2 * m.max_seq_len * (m.head_dim // 2) * 4
+    rope = 2 * m.max_seq_len * (m.rope_dim // 2) * 4
     params = 4 * r.local / r.shard + rope
     notes["params"] = (
         f"FP32 {f'sharded over dp_shard={r.shard}' if r.shard > 1 else 'replicated'}"
@@ -398,9 +518,12 @@ def _model_states(r: _RankShape, notes: dict[str, str]) -> tuple[float, float, f
     )
     if degrees.pp > 1:
         notes["params"] += f", pipeline rank {r.pp_rank} of {degrees.pp}"
-    optimizer = 4 * r.moments * r.local / r.opt_shard
-    notes["optimizer"] = f"{r.moments} FP32 moment(s)/param" + (
-        f", sharded over {r.opt_shard}" if r.opt_shard > 1 else ""
+    on_matrices, on_others = state_tensors(r.cfg.optim)
+    states = on_matrices * (r.local - r.others) + on_others * r.others
+    optimizer = state_bytes(r.cfg.optim.state_dtype) * states / r.opt_shard
+    notes["optimizer"] = (
+        f"{on_matrices}/{on_others} {r.cfg.optim.state_dtype} state(s) per matrix/other param"
+        + (f", sharded over {r.opt_shard}" if r.opt_shard > 1 else "")
     )
     # FSDP's no-sync accumulation holds FP32 unsharded gradients between micro-batches.
     grads_held = 4 * r.local if r.accum > 1 else 0.0
@@ -484,7 +607,7 @@ def _block_backward(cfg: RecipeConfig, degrees: Degrees, compute: int, fsdp: boo
     three hidden-wide gradients (of w2's input and of the gate and up outputs)."""
     t, sp = degrees.tp, cfg.parallel.sp
     per_token = _residual_bytes(cfg, fsdp) * cfg.model.dim / (t if sp else 1)
-    per_token += 3 * compute * mlp_width(cfg.model) / t
+    per_token += 3 * compute * mlp_width(cfg.model, dispatch_padding(cfg)) / t
     return cfg.train.seq_len * cfg.train.micro_batch * per_token
 
 
@@ -499,9 +622,10 @@ def _activations(
     p = cfg.parallel
     blocks = rank_layer_count(m.n_layers, p.pp, p.vpp, p.pp_layers, pp_rank)
     policy = cfg.recompute.policy
-    whole = llama_block_activations(m, s, b, compute, residual, t, sp, "none")
+    pad = dispatch_padding(cfg)
+    whole = llama_block_activations(m, s, b, compute, residual, t, sp, "none", pad)
     if policy == "selective":
-        kept = llama_block_activations(m, s, b, compute, residual, t, sp, "selective")
+        kept = llama_block_activations(m, s, b, compute, residual, t, sp, "selective", pad)
         stage = blocks * kept
         note = "selective: matmul outputs kept"
     elif policy == "full":

@@ -17,6 +17,7 @@ from launcher.memory import (
     MemoryBreakdown,
     peak_breakdown,
     stage_params,
+    state_tensors,
     textbook_activations,
     textbook_model_states,
 )
@@ -25,6 +26,7 @@ from models.flops import count_params, flops_per_token
 from pretrain_core import hardware
 from pretrain_core.hardware import GIB
 from pretrain_core.layout import Degrees, grad_accum_steps, rank_groups, resolve_degrees
+from pretrain_core.optim_states import state_bytes
 from pretrain_core.precision import peak_dtype
 from pretrain_core.recompute import recomputed_blocks
 from pretrain_core.schema import OptimConfig, RecipeConfig
@@ -183,9 +185,14 @@ def model_states(
     params: int, dtype: str, optim: OptimConfig, zero: int, dp_shard: int
 ) -> ModelStates:
     """The ZeRO paper's bytes of params, grads and optimizer states on one rank holding
-    `params` parameters (`launcher.memory.textbook_model_states`), sharded over dp_shard."""
-    moments = None if optim.name != "sgd" else (1 if optim.momentum else 0)
-    return ModelStates(*textbook_model_states(params, optim.name, zero, dp_shard, dtype, moments))
+    `params` parameters (`launcher.memory.textbook_model_states`), sharded over dp_shard;
+    the moments take `optim.state_dtype`'s bytes (Muon: its one state of the weight
+    matrices, which dominate)."""
+    moments = state_tensors(optim)[0]
+    states = textbook_model_states(
+        params, optim.name, zero, dp_shard, dtype, moments, state_bytes(optim.state_dtype)
+    )
+    return ModelStates(*states)
 
 
 def _assumptions(cfg: RecipeConfig) -> list[str]:

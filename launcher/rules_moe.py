@@ -54,6 +54,14 @@ def check_moe(c: Checks, cfg: RecipeConfig, for_launch: bool) -> None:
     for f in ("moe_shared_experts", "moe_ffn_dim", "moe_aux_loss_coef", "moe_z_loss_coef"):
         if getattr(m, f) < 0:
             add(f, getattr(m, f), "must be >= 0", "use a value >= 0")
+    if m.balance_bias and m.moe_bias_rate <= 0:
+        add(
+            "moe_bias_rate",
+            m.moe_bias_rate,
+            f"moe_balance={m.moe_balance} balances by a bias that moves by this rate per step; "
+            "at 0 or below it never balances",
+            "use a small positive rate such as 0.001 (DeepSeek-V3's), or moe_balance=aux",
+        )
     if m.moe_capacity_factor < 0:
         add(
             "moe_capacity_factor",

@@ -15,6 +15,7 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
+from launcher.rules_attention import check_attention
 from launcher.rules_data import check_data
 from launcher.rules_env import check_env, check_local_device
 from launcher.rules_moe import check_moe
@@ -48,6 +49,7 @@ def validate(
     if not 0 <= cfg.seed <= MAX_SEED:
         c.add("seed", cfg.seed, f"seeds are 32-bit: 0 to {MAX_SEED:,}", "use e.g. 1234")
     model_ok = _check_model(c, cfg)
+    check_attention(c, cfg, model_ok)
     batch_ok = _check_train(c, cfg)
     cluster_ok = check_cluster(c, cfg)
     check_env(c, cfg)
@@ -104,7 +106,7 @@ def _check_model(c: Checks, cfg: RecipeConfig) -> bool:
             f"use a multiple of {m.n_heads}, e.g. {or_list(nearby_multiples(m.dim, m.n_heads))}",
         )
         ok = False
-    if m.n_heads % m.kv_heads:
+    if m.n_heads % m.kv_heads and not m.is_mla:
         c.add(
             "model.n_kv_heads",
             m.n_kv_heads,
@@ -154,6 +156,13 @@ def _check_optim(c: Checks, cfg: RecipeConfig) -> None:
         c.add("optim.momentum", o.momentum, "must lie in [0, 1)", "use 0.9, or 0 for plain SGD")
     if len(o.betas) != 2 or not all(0 <= b < 1 for b in o.betas):
         c.add("optim.betas", o.betas, "need two values in [0, 1)", "use [0.9, 0.95]")
+    if o.state_dtype != "fp32" and o.name == "sgd":
+        c.add(
+            "optim.state_dtype",
+            o.state_dtype,
+            "SGD is torch's, with its momentum in FP32",
+            "use optim.state_dtype=fp32 with sgd, or adamw, lion or muon for low-precision states",
+        )
     if o.lr_scaling != "none" and o.base_batch <= 0:
         c.add(
             "optim.base_batch",

@@ -11,6 +11,9 @@ Conventions (the same as `torch.utils.flop_counter.FlopCounterMode`):
 - A mixture-of-experts layer counts the router and the experts a token runs through (k routed
   plus the shared ones): FLOPs and active parameters follow those, total parameters count all
   N experts. Capacity dropping is not subtracted (MFU counts the model's nominal work).
+- Multi-head latent attention counts its latent projections (down to the latent, up to each
+  head's key and value) and scores over query/key heads of nope + rope dims and value heads
+  of v dims; its latent norms are parameters without FLOPs.
 """
 
 from __future__ import annotations
@@ -62,10 +65,23 @@ class ParamCount:
         return self.layers + self.final_norm
 
 
+def attention_weights(cfg: ModelConfig) -> tuple[int, int]:
+    """(matmul weights, norm weights) of one attention layer."""
+    h, heads = cfg.dim, cfg.n_heads
+    if not cfg.is_mla:
+        q, kv = heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+        return 2 * h * q + 2 * h * kv, 0
+    q_rank, kv_rank = cfg.mla_q_rank, cfg.kv_rank
+    q_width = heads * cfg.qk_head_dim
+    queries = h * q_rank + q_rank * q_width if q_rank else h * q_width
+    latent = h * (kv_rank + cfg.rope_dim) + kv_rank * heads * (cfg.nope_dim + cfg.v_head_dim)
+    return queries + latent + heads * cfg.v_head_dim * h, q_rank + kv_rank
+
+
 def count_params(cfg: ModelConfig) -> ParamCount:
     """Count every parameter of the model; a tied LM head adds none of its own."""
-    h, hd = cfg.dim, cfg.head_dim
-    attention = h * (cfg.n_heads * hd) + 2 * h * (cfg.kv_heads * hd) + (cfg.n_heads * hd) * h
+    h = cfg.dim
+    attention = sum(attention_weights(cfg))
     mlp = 3 * h * cfg.ffn_dim
     norms = 2 * h
     embedding = cfg.vocab_size * h
@@ -141,11 +157,10 @@ def block_flops_per_token(cfg: ModelConfig, seq_len: int, layer: int) -> FlopsPe
 
 def _block_terms(cfg: ModelConfig, seq_len: int) -> tuple[int, int, int, int]:
     """One block's (attention projections, attention scores, dense MLP, MoE MLP) FLOPs."""
-    h, hd = cfg.dim, cfg.head_dim
-    q_width, kv_width = cfg.n_heads * hd, cfg.kv_heads * hd
-    projections = 2 * h * q_width + 2 * 2 * h * kv_width + 2 * q_width * h
+    h = cfg.dim
+    projections = 2 * attention_weights(cfg)[0]
     # Q @ K^T and P @ V: each query meets seq_len keys in every head.
-    scores = 2 * 2 * seq_len * q_width
+    scores = 2 * seq_len * cfg.n_heads * (cfg.qk_head_dim + cfg.v_head_dim)
     mlp = 3 * 2 * h * cfg.ffn_dim
     # A MoE layer: the router's logits plus the k routed and the shared experts' SwiGLUs.
     experts = cfg.moe_top_k + cfg.moe_shared_experts

@@ -17,7 +17,12 @@ import torch
 from models.llama import Transformer
 from pretrain_core.model_config import ModelConfig
 
-_NORM_SUFFIXES = ("attention_norm.weight", "ffn_norm.weight")
+_NORM_SUFFIXES = (
+    "attention_norm.weight",
+    "ffn_norm.weight",
+    "attention.q_norm.weight",
+    "attention.kv_norm.weight",
+)
 # Stacked expert weights are drawn whole ([N, ...]) and sliced by expert parallelism.
 _RESIDUAL_OUT_SUFFIXES = (
     "attention.wo.weight",
@@ -29,6 +34,10 @@ _LINEAR_SUFFIXES = (
     "attention.wq.weight",
     "attention.wk.weight",
     "attention.wv.weight",
+    "attention.wq_a.weight",
+    "attention.wq_b.weight",
+    "attention.wkv_a.weight",
+    "attention.wkv_b.weight",
     "feed_forward.w1.weight",
     "feed_forward.w3.weight",
     "feed_forward.router.weight",

@@ -1,7 +1,8 @@
 """A Llama-style decoder in plain single-device PyTorch.
 
-RMSNorm, rotary position embeddings, grouped-query attention and a SwiGLU MLP with
-pre-norm residuals. Parallelism is applied from outside (see `parallel/`), which is why:
+RMSNorm, rotary position embeddings, grouped-query (or multi-head latent, models/mla.py)
+attention and a SwiGLU MLP with pre-norm residuals. Parallelism is applied from outside (see
+`parallel/`), which is why:
 - blocks live in a `ModuleDict` keyed by layer index, so a pipeline stage can drop
   blocks and keep the parameter names of the ones it holds;
 - attention reads the number of local heads from the projections' output shapes, so
@@ -14,8 +15,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from models.layers import Attention, AttentionMask, FeedForward, RMSNorm, document_mask, rope_tables
-from models.moe import MoEFeedForward
+from models.layers import (
+    Attention,
+    AttentionMask,
+    FeedForward,
+    RMSNorm,
+    document_mask,
+    rope_tables,
+)
+from models.mla import MultiHeadLatentAttention
+from models.moe import MoEFeedForward, moe_modules
 from pretrain_core.model_config import ModelConfig
 
 
@@ -28,7 +37,7 @@ class TransformerBlock(nn.Module):
     def __init__(self, cfg: ModelConfig, index: int = 0) -> None:
         super().__init__()
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.attention = Attention(cfg)
+        self.attention: nn.Module = MultiHeadLatentAttention(cfg) if cfg.is_mla else Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.feed_forward: nn.Module = (
             MoEFeedForward(cfg) if cfg.is_moe_layer(index) else FeedForward(cfg.dim, cfg.ffn_dim)
@@ -58,7 +67,7 @@ class Transformer(nn.Module):
         self.output: nn.Linear | None = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self._tie_head()
         # Derived from the config, so not saved in checkpoints (persistent=False).
-        cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+        cos, sin = rope_tables(cfg.rope_dim, cfg.max_seq_len, cfg.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
@@ -67,15 +76,18 @@ class Transformer(nn.Module):
             self.output.weight = self.tok_embeddings.weight
 
     def init_buffers(self, device: torch.device | str | None = None) -> None:
-        """(Re)compute the rotary tables on `device` (default: where they are now).
+        """(Re)compute the rotary tables on `device` (default: where they are now) and zero
+        the experts' balancing biases.
 
         Needed after `to_empty`, which leaves buffers uninitialized.
         """
         device = self.rope_cos.device if device is None else device
         cfg = self.cfg
         self.rope_cos, self.rope_sin = rope_tables(
-            cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, device
+            cfg.rope_dim, cfg.max_seq_len, cfg.rope_theta, device
         )
+        for moe in moe_modules(self):
+            moe.reset_bias()
 
     def to_empty(self, *, device: torch.device | str | None, recurse: bool = True) -> Transformer:
         """Move to `device` without initializing, keeping a tied head tied.

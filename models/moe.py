@@ -10,20 +10,31 @@ computes the same function under any data- or expert-parallel layout:
   a dropped assignment contributes 0 and the token's residual carries it on;
 - the load-balancing loss (Switch/GShard form, N * sum_i f_i * P_i, with f_i the share of
   the sequence's k*s assignments routed to expert i before dropping and P_i its mean score)
-  is computed per sequence and averaged over the sequences, like the token loss.
+  is computed per sequence and averaged over the sequences, like the token loss;
+- aux-loss-free balancing (`moe_balance=bias|both`, DeepSeek-V3): a per-expert bias is added
+  to the scores to pick the k experts (their weights stay the unbiased scores); after each
+  optimizer step it moves by `moe_bias_rate` towards the mean load of the step's tokens,
+  summed over all data-parallel ranks (`parallel/expert.py`), so it is the same everywhere.
+  It is a buffer, not a parameter: no gradient, but saved in checkpoints.
 
 Experts are stored stacked (w1, w3: [N, f, h], w2: [N, h, f]) so expert parallelism shards
-dim 0. The experts run through `dispatch(tokens_by_expert, counts)`; locally that is
-`GroupedExperts`, and `parallel/expert.py` swaps in an all-to-all over the EP group.
+dim 0. The kept assignments are grouped by expert with static shapes (dropped ones last, as
+zero rows), so nothing here waits for the host: `dispatch(Grouped)` runs them; locally that
+is `GroupedExperts` over cumulative row offsets on the device, and `parallel/expert.py`
+swaps in an all-to-all over the EP group.
 
 Each forward leaves its weighted router losses in `aux_loss` for the trainer to add to the
-loss, and accumulates detached routing statistics in `stats` for the metrics.
+loss, and accumulates detached routing statistics in `stats` for the metrics and the bias,
+once per forward: a forward that activation recompute runs again inside backward counts
+nothing.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -38,28 +49,85 @@ def _local(weight: torch.Tensor) -> torch.Tensor:
     return weight.to_local() if hasattr(weight, "to_local") else weight
 
 
-class GroupedExperts(nn.Module):
-    """N SwiGLU experts with stacked weights; runs tokens already grouped by expert."""
+@functools.cache
+def _grouped_mm_runs(device_type: str, dtype: torch.dtype) -> bool:
+    """Whether `torch._grouped_mm` has a kernel for `dtype` on this kind of device (probed once
+    on tiny aligned inputs: some devices implement only bf16)."""
+    x = torch.zeros(8, 8, device=device_type, dtype=dtype)
+    w = torch.zeros(2, 8, 8, device=device_type, dtype=dtype)
+    try:
+        torch._grouped_mm(x, w, offs=torch.tensor([4, 8], device=device_type, dtype=torch.int32))
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True
 
-    def __init__(self, n_experts: int, dim: int, ffn_dim: int) -> None:
+
+def grouped_mm_supported(x: torch.Tensor, ffn_dim: int) -> bool:
+    """Whether the grouped GEMM can run the experts on rows `x` [T, h]: a kernel for the dtype
+    and row strides of h and ffn_dim elements that are multiples of 16 bytes."""
+    align = 16 // x.element_size()
+    if x.shape[-1] % align or ffn_dim % align or not x.is_floating_point():
+        return False
+    if torch.compiler.is_compiling():
+        # What torch.compile traces with: the grouped GEMM's meta kernel takes bf16 only.
+        return x.dtype == torch.bfloat16
+    return _grouped_mm_runs(x.device.type, x.dtype)
+
+
+class GroupedExperts(nn.Module):
+    """N SwiGLU experts with stacked weights; runs rows already grouped by expert."""
+
+    def __init__(self, n_experts: int, dim: int, ffn_dim: int, gemm: str = "grouped") -> None:
         super().__init__()
+        self.gemm = gemm
         self.w1 = nn.Parameter(torch.empty(n_experts, ffn_dim, dim))
         self.w3 = nn.Parameter(torch.empty(n_experts, ffn_dim, dim))
         self.w2 = nn.Parameter(torch.empty(n_experts, dim, ffn_dim))
 
-    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """x [sum(counts), h]: counts[e] rows for each expert this module holds, in order."""
+    def uses_grouped_mm(self, x: torch.Tensor) -> bool:
+        """Whether rows like `x` run through the grouped GEMM (else the reference loop)."""
+        return self.gemm == "grouped" and grouped_mm_supported(x, self.w1.shape[1])
+
+    def forward(
+        self, x: torch.Tensor, ends: torch.Tensor, sizes: list[int] | None = None
+    ) -> torch.Tensor:
+        """x [T, h]: each local expert's rows in turn; ends [E] the cumulative row counts
+        (int32, on x's device; ends[-1] == T). `sizes`, the same counts on the host when the
+        caller knows them, spares the loop path its host sync."""
         # Cast like the rest of the block: FSDP's policy does not cover EP-sharded experts.
         w1, w2, w3 = (_local(w).to(x.dtype) for w in (self.w1, self.w2, self.w3))
-        if len(counts) != w1.shape[0]:
-            raise ValueError(f"{len(counts)} token counts for {w1.shape[0]} local experts")
-        # A loop of matmuls: every expert (even one without tokens) stays in the graph, so
+        if ends.numel() != w1.shape[0]:
+            raise ValueError(f"{ends.numel()} expert groups for {w1.shape[0]} local experts")
+        if self.uses_grouped_mm(x):
+            offs = ends.to(torch.int32)
+            gate = torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs)
+            up = torch._grouped_mm(x, w3.transpose(-2, -1), offs=offs)
+            return torch._grouped_mm(F.silu(gate) * up, w2.transpose(-2, -1), offs=offs)
+        if sizes is None:
+            sizes = torch.diff(ends, prepend=ends.new_zeros(1)).tolist()  # a host sync
+        # A loop of matmuls: every expert (even one without rows) stays in the graph, so
         # data parallelism sees all parameters used in every step.
         outputs = [
             (F.silu(chunk @ w1[e].T) * (chunk @ w3[e].T)) @ w2[e].T
-            for e, chunk in enumerate(x.split(counts))
+            for e, chunk in enumerate(x.split(sizes))
         ]
         return torch.cat(outputs)
+
+
+@dataclass
+class Grouped:
+    """One MoE layer's assignments grouped by expert, for a dispatch to run."""
+
+    rows: torch.Tensor
+    """[T, h] token rows, T = tokens x k: the kept assignments of expert 0, then of 1, ...,
+    then the dropped ones as zero rows."""
+    experts: torch.Tensor
+    """[T] the expert of each row (N for a dropped one)."""
+    counts: torch.Tensor
+    """[N] kept rows per expert (on the device)."""
+    slot_rows: int | None
+    """With a capacity: the most rows one expert can receive from this rank (sequences x
+    per-sequence capacity), so buffers of that size never overflow; None when dropless."""
 
 
 def capacity(cfg: ModelConfig, seq_len: int) -> int | None:
@@ -78,9 +146,25 @@ def keep_mask(experts: torch.Tensor, n_experts: int, limit: int | None) -> torch
     if limit is None:
         return torch.ones_like(experts, dtype=torch.bool)
     b = experts.shape[0]
-    one_hot = F.one_hot(experts.reshape(b, -1), n_experts)  # [b, s*k, N]
+    one_hot = _one_hot(experts.reshape(b, -1), n_experts)  # [b, s*k, N]
     position = (one_hot.cumsum(1) * one_hot).sum(-1) - 1  # place in its expert's queue
     return (position < limit).view_as(experts)
+
+
+def _one_hot(ids: torch.Tensor, n: int) -> torch.Tensor:
+    # F.one_hot validates the ids' range, which reads them back to the host on some devices.
+    return torch.zeros(*ids.shape, n, dtype=torch.long, device=ids.device).scatter_(
+        -1, ids.unsqueeze(-1), 1
+    )
+
+
+def expert_counts(ids: torch.Tensor, n: int) -> torch.Tensor:
+    """How many of `ids` (values in [0, n)) name each of n experts; no host sync (unlike
+    `bincount` on CUDA, which reads the maximum first)."""
+    flat = ids.flatten()
+    return torch.zeros(n, dtype=torch.long, device=ids.device).scatter_add_(
+        0, flat, torch.ones_like(flat)
+    )
 
 
 def load_balancing_loss(
@@ -92,7 +176,7 @@ def load_balancing_loss(
     chosen ones; f_i counts assignments before any dropping.
     """
     b, s, k = experts.shape
-    counts = F.one_hot(experts.reshape(b, -1), n_experts).sum(1).float()  # [b, N]
+    counts = _one_hot(experts.reshape(b, -1), n_experts).sum(1).float()  # [b, N]
     fraction = counts / (s * k)
     probability = scores.mean(1)  # [b, N]
     return (n_experts * (fraction * probability).sum(-1)).mean()
@@ -103,8 +187,14 @@ def z_loss(logits: torch.Tensor) -> torch.Tensor:
     return torch.logsumexp(logits, dim=-1).pow(2).mean()
 
 
+def recomputing() -> bool:
+    """Whether this forward runs inside a backward pass: activation recompute repeating it."""
+    return torch._C._current_graph_task_id() != -1
+
+
 class RoutingStats:
-    """Detached routing counts accumulated over forwards until read (for the metrics)."""
+    """Detached routing counts accumulated over forwards until read (for the metrics), and the
+    share of them since the current optimizer step began (for the bias, or to take back)."""
 
     def __init__(self) -> None:
         self.reset()
@@ -113,6 +203,8 @@ class RoutingStats:
         """Start counting anew."""
         self.totals: torch.Tensor | None = None
         self.forwards = 0
+        self.step: torch.Tensor | None = None
+        self.step_forwards = 0
 
     @torch.no_grad()
     def add(
@@ -122,7 +214,25 @@ class RoutingStats:
         # One float64 vector [N + 3], so reading it costs one reduction and no syncs before.
         row = torch.cat([routed.double(), torch.stack([dropped, balance, z]).double()])
         self.totals = row if self.totals is None else self.totals + row
+        self.step = row if self.step is None else self.step + row
         self.forwards += 1
+        self.step_forwards += 1
+
+    def step_routed(self) -> torch.Tensor | None:
+        """Assignments per expert [N] routed since the step began (None: no forward yet)."""
+        return None if self.step is None else self.step[:-3]
+
+    def end_step(self) -> None:
+        """Keep the step's counts in the totals and begin the next step."""
+        self.step, self.step_forwards = None, 0
+
+    @torch.no_grad()
+    def drop_step(self) -> None:
+        """Take the step's counts back out of the totals (a step that is run again)."""
+        if self.step is not None and self.totals is not None:
+            self.totals = self.totals - self.step
+            self.forwards -= self.step_forwards
+        self.end_step()
 
 
 class MoEFeedForward(nn.Module):
@@ -133,56 +243,99 @@ class MoEFeedForward(nn.Module):
         self.cfg = cfg
         ffn = cfg.expert_ffn_dim
         self.router = nn.Linear(cfg.dim, cfg.moe_experts, bias=False)
-        self.experts = GroupedExperts(cfg.moe_experts, cfg.dim, ffn)
+        self.experts = GroupedExperts(cfg.moe_experts, cfg.dim, ffn, cfg.moe_gemm)
         self.shared: nn.Module | None = None
         if cfg.moe_shared_experts:
             self.shared = FeedForward(cfg.dim, cfg.moe_shared_experts * ffn)
-        self.dispatch: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = self._local_dispatch
+        if cfg.balance_bias:
+            # Only models that balance by bias carry it, so other checkpoints keep their keys.
+            self.register_buffer("expert_bias", torch.zeros(cfg.moe_experts))
+        self.dispatch: Callable[[Grouped], torch.Tensor] = self._local_dispatch
         self.aux_loss: torch.Tensor | None = None
         self.stats = RoutingStats()
 
-    def _local_dispatch(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        return self.experts(x, counts.tolist())
+    def _local_dispatch(self, grouped: Grouped) -> torch.Tensor:
+        # The dropped (zero) rows at the end join the last expert's group: they add nothing.
+        ends = grouped.counts.cumsum(0)
+        ends[-1] = grouped.rows.shape[0]
+        return self.experts(grouped.rows, ends)
+
+    def reset_bias(self) -> None:
+        """Zero the balancing bias (after `to_empty` left the buffer uninitialized)."""
+        if self.cfg.balance_bias:
+            self.expert_bias.zero_()
+
+    def step_load(self) -> torch.Tensor:
+        """Assignments per expert [N] (float64) routed since the optimizer step began."""
+        routed = self.stats.step_routed()
+        if routed is None:
+            return torch.zeros(
+                self.cfg.moe_experts, dtype=torch.float64, device=self.router.weight.device
+            )
+        return routed
+
+    @torch.no_grad()
+    def nudge_bias(self, load: torch.Tensor) -> None:
+        """Move each expert's bias by the rate towards the mean of `load` [N] (assignments of
+        the step, over all ranks): up when below it, down when above, unchanged at it."""
+        step = torch.sign(load.mean() - load).to(self.expert_bias.dtype)
+        self.expert_bias.add_(step, alpha=self.cfg.moe_bias_rate)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Top-k expert ids [b, s, k], their weights [b, s, k] and the router logits [b, s, N]."""
         cfg = self.cfg
         logits = self.router(x).float()
         scores = logits.softmax(-1) if cfg.moe_router == "softmax" else logits.sigmoid()
-        weights, experts = scores.topk(cfg.moe_top_k, dim=-1)
+        if cfg.balance_bias:
+            # The bias decides which experts, never how much they weigh.
+            experts = (scores + self.expert_bias).topk(cfg.moe_top_k, dim=-1).indices
+            weights = scores.gather(-1, experts)
+        else:
+            weights, experts = scores.topk(cfg.moe_top_k, dim=-1)
         if cfg.moe_normalize_topk:
             weights = weights / weights.sum(-1, keepdim=True)
         return experts, weights, logits
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _losses(
+        self, experts: torch.Tensor, logits: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         cfg = self.cfg
-        b, s, h = x.shape
-        n = cfg.moe_experts
-        experts, weights, logits = self.route(x)
-        keep = keep_mask(experts, n, capacity(cfg, s))
         # The balance loss wants probabilities; sigmoid scores are normalized per token for it.
         scores = logits.softmax(-1) if cfg.moe_router == "softmax" else logits.sigmoid()
         probs = scores / scores.sum(-1, keepdim=True)
-        balance, zl = load_balancing_loss(probs, experts, n), z_loss(logits)
-        self.aux_loss = cfg.moe_aux_loss_coef * balance + cfg.moe_z_loss_coef * zl
-        self.stats.add(
-            torch.bincount(experts.flatten(), minlength=n),
-            (~keep).sum(),
-            balance.detach(),
-            zl.detach(),
-        )
+        balance, zl = load_balancing_loss(probs, experts, cfg.moe_experts), z_loss(logits)
+        aux = cfg.moe_z_loss_coef * zl
+        self.aux_loss = cfg.moe_aux_loss_coef * balance + aux if cfg.balance_loss else aux
+        return balance, zl
 
-        k = cfg.moe_top_k
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        cfg = self.cfg
+        b, s, h = x.shape
+        n, k = cfg.moe_experts, cfg.moe_top_k
+        experts, weights, logits = self.route(x)
+        limit = capacity(cfg, s)
+        keep = keep_mask(experts, n, limit)
+        balance, zl = self._losses(experts, logits)
+        if not recomputing():
+            routed = expert_counts(experts, n)
+            self.stats.add(routed, (~keep).sum(), balance.detach(), zl.detach())
+
         tokens = x.reshape(-1, h)
         flat_keep = keep.flatten()
-        expert_ids = experts.flatten()[flat_keep]
-        token_ids = torch.arange(b * s, device=x.device).repeat_interleave(k)[flat_keep]
-        gate = weights.flatten()[flat_keep]
-        # Group the kept assignments by expert (stable: token order inside each expert).
-        order = torch.argsort(expert_ids, stable=True)
-        token_ids, gate = token_ids[order], gate[order]
-        counts = torch.bincount(expert_ids, minlength=n)
-        routed = self.dispatch(tokens[token_ids], counts)
+        # Group the assignments by expert (stable: token order inside each expert), the
+        # dropped ones last; shapes depend on b, s and k only.
+        keys = torch.where(flat_keep, experts.flatten(), n)
+        order = torch.argsort(keys, stable=True)
+        keys = keys[order]
+        token_ids = torch.arange(b * s, device=x.device).repeat_interleave(k)[order]
+        gate = (weights.flatten() * flat_keep)[order]
+        rows = tokens[token_ids]
+        if limit is not None:
+            rows = rows * (keys < n).unsqueeze(-1).to(rows.dtype)
+        counts = torch.zeros(n + 1, dtype=torch.long, device=x.device)
+        counts = counts.scatter_add_(0, keys, torch.ones_like(keys))[:n]
+        slot_rows = None if limit is None else b * limit
+        routed = self.dispatch(Grouped(rows, keys, counts, slot_rows))
         out = torch.zeros_like(tokens).index_add(0, token_ids, routed * gate[:, None].to(routed))
         if self.shared is not None:
             out = out + self.shared(tokens)

@@ -6,7 +6,11 @@
 - ZeRO-2/3: FSDP2 `fully_shard` per transformer block and on the root, over the (replicate,
   shard) mesh; ZeRO-3 reshards parameters after forward, ZeRO-2 keeps them unsharded until
   backward. BF16, FP16 and FP8 (bf16 outside its FP8 matmuls) use a MixedPrecisionPolicy
-  with FP32 master weights and FP32 reduction.
+  with FP32 master weights and FP32 reduction. Expert-parallel experts are their own FSDP2
+  unit inside their block, over the `edp` ranks that hold the same experts, sharded on dim 1
+  (dim 0 is the experts, already split by ep, often one per rank), their reduce-scatter
+  divided by dp rather than edp (parallel/expert.py says why); with a single such rank
+  (dp = ep) they stay outside FSDP.
 
 Overlap: FSDP2 issues the all-gathers of the next `parallel.fsdp_prefetch` blocks ahead
 (forward and backward); DDP reduces buckets of `parallel.ddp_bucket_mb` while backward
@@ -23,9 +27,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed.tensor import Shard
 from torch.nn.parallel import DistributedDataParallel
 
-from parallel.expert import expert_parameter_names, expert_parameters
+from parallel.expert import expert_parameter_names, expert_parameters, expert_replicas
 from parallel.mesh import JobMesh, data_parallel_mesh
 from parallel.precision import compute_dtype
 from pretrain_core.layout import Degrees
@@ -53,7 +58,22 @@ def apply_fsdp(
     )
     dp_mesh = data_parallel_mesh(mesh.world, degrees)
     reshard = parallel.zero == 3
-    # Expert-parallel weights are reduced over their own ranks (parallel/expert.py).
+    for experts, replicas in expert_replicas(model):
+        # With one rank per set of experts there is nothing to shard: they stay outside
+        # FSDP and are reduced by parallel/expert.py, as under DDP.
+        if replicas.mesh.size() == 1:
+            continue
+        fully_shard(
+            experts,
+            mesh=replicas.mesh,
+            reshard_after_forward=reshard,
+            shard_placement_fn=_shard_within_experts,
+            mp_policy=mp_policy,
+        )
+        experts.set_gradient_divide_factor(float(replicas.dp))
+        # A sum, then the division: the premultiplied sum a custom factor asks for is NCCL's.
+        experts.set_force_sum_reduction_for_comms(True)
+        replicas.fsdp = True
     ignored = set(expert_parameters(model)) or None
     blocks = [model.layers[key] for key in sorted(model.layers.keys(), key=int)]
     for block in blocks:
@@ -74,6 +94,11 @@ def apply_fsdp(
         ignored_params=ignored,
     )
     set_fsdp_prefetch(blocks, parallel.fsdp_prefetch)
+
+
+def _shard_within_experts(param: nn.Parameter) -> Shard:
+    # Stacked experts [local experts, rows, cols]: dim 1, as dim 0 may hold a single expert.
+    return Shard(1)
 
 
 def set_fsdp_prefetch(blocks: list[nn.Module], depth: int) -> None:

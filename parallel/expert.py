@@ -9,21 +9,31 @@ that share one set of tokens' experts) and `edp` (the ranks that hold the same e
   `ep`, so rank i holds experts [i*N/ep, (i+1)*N/ep). Initialization draws the full stacked
   tensor by name and slices it (parallel/materialize.py), gradient clipping sums their norms
   over `ep` (parallel/clip.py), both through DTensor.
-- Dispatch, per MoE layer and micro-batch: the block groups its kept assignments by expert;
-  here the per-expert counts are exchanged, tokens travel to their experts' ranks with an
-  `all_to_all_single` of uneven splits (the functional autograd form, so the backward sends
-  the gradients home), are regrouped by local expert, run, and travel back the same way.
+- Dispatch, per MoE layer and micro-batch, with static shapes and no host sync: each rank
+  sends every expert a slot of R rows (its kept assignments, then zero rows) with one even
+  `all_to_all_single` (the functional autograd form, so the backward sends the gradients
+  home); the experts run their ep slots as one group each (zero rows add nothing) and the
+  outputs travel back the same way. With a capacity, R = sequences x per-sequence capacity,
+  which no expert can exceed. Dropless, R follows the largest load seen so far with 25%
+  headroom (`SlotBound`); a load above it is found once per step (`settle_slot_bounds`, the
+  step's one host sync), R grows and the step runs again, so results are always dropless.
 - Gradients: expert weights see the tokens of the whole EP group, so their gradients are
-  reduced over `edp` only. They are left out of DDP and FSDP (which reduce over all of dp)
-  and all-reduced here once per step (`reduce_expert_grads`), summed and divided by dp to
-  match the mean the data-parallel wrappers take of every other gradient. ZeRO therefore
-  shards the dense parameters; the experts are sharded by ep alone.
+  summed over `edp` and divided by dp, matching the mean the data-parallel wrappers take of
+  every other gradient. Under DDP and ZeRO-1 they are left out of the wrapper and
+  all-reduced here once per step (`reduce_expert_grads`); under ZeRO-2/3 FSDP2 shards each
+  layer's experts over `edp` too (parallel/data_parallel.py), so they are sharded by ep x edp
+  (with edp = 1 there is nothing to shard and they are reduced here, as under DDP).
 - Tensor parallelism: a MoE layer is not split over tp (`parallel/tensor.py` hands it the
   full sequence, replicated): every TP rank routes the same tokens and dispatches within its
   own EP group, which holds the ranks of the same tp index.
+- Balancing bias (`model.moe_balance=bias|both`): after each optimizer step the step's loads
+  are summed over dp and every rank nudges its layers' biases alike (`finish_routing_step`).
 """
 
 from __future__ import annotations
+
+import math
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -32,11 +42,18 @@ from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from models.moe import GroupedExperts, moe_modules, router_losses
+from models.moe import Grouped, GroupedExperts, MoEFeedForward, moe_modules, router_losses
 from parallel.mesh import JobMesh
+from pretrain_core.model_config import ModelConfig
 from pretrain_core.schema import ParallelConfig
 
 EXPERT_MESH_DIMS = ("ep_pp", "edp", "ep", "ep_tp")
+SLOT_HEADROOM = 1.25
+"""Dropless slots hold the largest load seen times this."""
+SLOT_START = 2.0
+"""Dropless slots start at this multiple of the mean load per expert."""
+SLOT_ALIGN = 8
+"""Slot rows are rounded up to a multiple of this (aligned grouped-GEMM groups)."""
 
 
 def expert_mesh(mesh: JobMesh, ep: int) -> DeviceMesh:
@@ -47,34 +64,88 @@ def expert_mesh(mesh: JobMesh, ep: int) -> DeviceMesh:
     )
 
 
-class AllToAllDispatch:
-    """Runs tokens grouped by (global) expert on the experts' ranks of the EP group."""
+@dataclass
+class ExpertReplicas:
+    """Where an EP-sharded expert module's copies live: the `edp` ranks holding the same
+    experts, the dp size its gradients are averaged over, and whether FSDP2 reduces them."""
 
-    def __init__(self, experts: GroupedExperts, ep_mesh: DeviceMesh) -> None:
+    mesh: DeviceMesh
+    dp: int
+    fsdp: bool = False
+
+
+class SlotBound:
+    """The dropless slot size of one MoE layer: rows per (source rank, expert), learned."""
+
+    def __init__(self, layer: int) -> None:
+        self.layer = layer
+        self.factor = SLOT_START
+        self.used = 0
+        self.mean = 1.0
+        self.seen: torch.Tensor | None = None
+
+    def rows(self, assignments: int, experts: int) -> int:
+        """Slot rows for a forward of `assignments` rows over `experts` experts."""
+        self.mean = assignments / experts
+        rows = math.ceil(self.factor * self.mean / SLOT_ALIGN) * SLOT_ALIGN
+        self.used = min(rows, assignments)
+        return self.used
+
+    def observe(self, largest: torch.Tensor) -> None:
+        """Remember the largest slot this forward needed (on the device: no sync)."""
+        self.seen = largest if self.seen is None else torch.maximum(self.seen, largest)
+
+    def settle(self, largest: int) -> bool:
+        """Adapt to the step's largest load over all ranks; True when a slot overflowed."""
+        self.seen = None
+        if not self.used:
+            return False
+        overflowed = largest > self.used
+        needed = largest / self.mean * SLOT_HEADROOM
+        if overflowed or needed < self.factor / 2:
+            self.factor = needed
+        return overflowed
+
+
+class AllToAllDispatch:
+    """Runs the rows grouped by (global) expert on the experts' ranks of the EP group."""
+
+    def __init__(self, experts: GroupedExperts, ep_mesh: DeviceMesh, layer: int) -> None:
         self.experts = experts
         self.group = ep_mesh.get_group()
         self.ep = ep_mesh.size()
+        self.bound = SlotBound(layer)
 
-    def __call__(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        ep = self.ep
-        local = counts.numel() // ep
-        # received[r, e]: rows source rank r sends for my local expert e.
-        received = torch.empty_like(counts)
-        dist.all_to_all_single(received, counts, group=self.group)
-        send_splits = counts.view(ep, local).sum(1).tolist()
-        received_rows = received.view(ep, local)
-        recv_splits = received_rows.sum(1).tolist()
-        tokens = all_to_all_single_autograd(x, recv_splits, send_splits, self.group)
-        # Arrived grouped by (source rank, expert); the experts want (expert, source rank).
-        blocks = received_rows.flatten().tolist()
-        chunks = tokens.split(blocks)
-        by_expert = [chunks[r * local + e] for e in range(local) for r in range(ep)]
-        out = self.experts(torch.cat(by_expert), received_rows.sum(0).tolist())
-        out_chunks = out.split([blocks[r * local + e] for e in range(local) for r in range(ep)])
-        by_source = [out_chunks[e * ep + r] for r in range(ep) for e in range(local)]
-        return all_to_all_single_autograd(
-            torch.cat(by_source), send_splits, recv_splits, self.group
-        )
+    def __call__(self, grouped: Grouped) -> torch.Tensor:
+        rows, counts = grouped.rows, grouped.counts
+        total, h = rows.shape
+        n = counts.numel()
+        local, ep = n // self.ep, self.ep
+        if grouped.slot_rows is None:
+            slot = self.bound.rows(total, n)
+            self.bound.observe(counts.max())
+        else:
+            slot = grouped.slot_rows
+        device = rows.device
+        starts = counts.cumsum(0) - counts
+        place = torch.arange(slot, device=device)
+        # Slot (e, j) takes the expert's j-th kept row, or the zero row appended at `total`.
+        source = torch.where(place < counts[:, None], starts[:, None] + place, total)
+        padded = torch.cat([rows, rows.new_zeros(1, h)])[source.flatten()]
+        received = all_to_all_single_autograd(padded, None, None, self.group)
+        # Arrived as (source rank, local expert, slot); the experts want (expert, source rank).
+        by_expert = received.view(ep, local, slot, h).transpose(0, 1).reshape(-1, h)
+        group_rows = ep * slot
+        ends = torch.arange(1, local + 1, device=device) * group_rows
+        out = self.experts(by_expert, ends, [group_rows] * local)
+        back = out.view(local, ep, slot, h).transpose(0, 1).reshape(-1, h)
+        returned = all_to_all_single_autograd(back, None, None, self.group)
+        # Each kept row's output is at (expert, its place among the expert's rows).
+        experts = grouped.experts.clamp(max=n - 1)
+        offset = torch.arange(total, device=device) - starts.gather(0, experts)
+        kept = (grouped.experts < n) & (offset < slot)
+        index = torch.where(kept, experts * slot + offset, n * slot)
+        return torch.cat([returned, returned.new_zeros(1, h)])[index]
 
 
 def apply_expert_parallel(model: nn.Module, mesh: JobMesh, parallel: ParallelConfig) -> None:
@@ -82,24 +153,31 @@ def apply_expert_parallel(model: nn.Module, mesh: JobMesh, parallel: ParallelCon
     if parallel.ep == 1 or not moe_modules(model):
         return
     emesh = expert_mesh(mesh, parallel.ep)
-    ep_mesh, edp_group = emesh["ep"], emesh["edp"].get_group()
-    for moe in moe_modules(model):
+    ep_mesh = emesh["ep"]
+    for key, block in model.layers.items():
+        moe = block.feed_forward
+        if not isinstance(moe, MoEFeedForward):
+            continue
         experts = moe.experts
         for name, param in list(experts.named_parameters(recurse=False)):
             sharded = distribute_tensor(param.data, ep_mesh, [Shard(0)], src_data_rank=None)
             setattr(experts, name, nn.Parameter(sharded))
-        experts.grad_reduce = (edp_group, mesh.dp.size())
-        moe.dispatch = AllToAllDispatch(experts, ep_mesh)
+        experts.replicas = ExpertReplicas(emesh["edp"], mesh.dp.size())
+        moe.dispatch = AllToAllDispatch(experts, ep_mesh, int(key))
+
+
+def expert_replicas(model: nn.Module) -> list[tuple[GroupedExperts, ExpertReplicas]]:
+    """The model's EP-sharded expert modules with where their copies live."""
+    return [
+        (m, m.replicas)
+        for m in model.modules()
+        if isinstance(m, GroupedExperts) and hasattr(m, "replicas")
+    ]
 
 
 def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
-    """Parameters sharded by expert parallelism, which data parallelism must leave alone."""
-    return [
-        p
-        for m in model.modules()
-        if isinstance(m, GroupedExperts) and hasattr(m, "grad_reduce")
-        for p in m.parameters()
-    ]
+    """EP-sharded parameters that DDP must leave alone (reduced here, not by FSDP)."""
+    return [p for m, r in expert_replicas(model) if not r.fsdp for p in m.parameters()]
 
 
 def expert_parameter_names(model: nn.Module) -> list[str]:
@@ -112,19 +190,73 @@ def expert_parameter_names(model: nn.Module) -> list[str]:
 def reduce_expert_grads(model: nn.Module) -> None:
     """Average expert gradients over the ranks that hold the same experts, as dp averages.
 
-    Call once per step after the last backward; a no-op without expert parallelism.
+    Call once per step after the last backward; a no-op without expert parallelism and for
+    experts that FSDP2 reduces.
     """
-    for module in model.modules():
-        if not (isinstance(module, GroupedExperts) and hasattr(module, "grad_reduce")):
+    for module, replicas in expert_replicas(model):
+        if replicas.fsdp:
             continue
-        group, dp = module.grad_reduce
+        group = replicas.mesh.get_group()
         for param in module.parameters():
             if param.grad is None:
                 continue
             grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
             if dist.get_world_size(group) > 1:
                 dist.all_reduce(grad, group=group)
-            grad.div_(dp)
+            grad.div_(replicas.dp)
+
+
+def dropless_dispatch(model: ModelConfig, parallel: ParallelConfig) -> bool:
+    """Whether the EP dispatch sizes its slots by learning (and may rerun a step)."""
+    return model.moe_experts > 0 and parallel.ep > 1 and model.moe_capacity_factor <= 0
+
+
+def settle_slot_bounds(model: nn.Module, n_layers: int, device: torch.device) -> bool:
+    """Agree on every dropless layer's largest load of the step over all ranks (one
+    all-reduce and one host sync) and adapt the slots; True when a slot of any layer on any
+    rank overflowed, so the step must run again everywhere. Collective over the world: call
+    on every rank or on none."""
+    bounds = [
+        m.dispatch.bound for m in moe_modules(model) if isinstance(m.dispatch, AllToAllDispatch)
+    ]
+    # Per layer: the largest load, and by how much it exceeded the slots (a pipeline stage
+    # holds only its own layers, so the overflow is agreed on with the loads).
+    seen = torch.zeros(2, n_layers, dtype=torch.long, device=device)
+    seen[1] = -1
+    for bound in bounds:
+        if bound.seen is not None:
+            seen[0, bound.layer] = bound.seen
+            seen[1, bound.layer] = bound.seen - bound.used
+    dist.all_reduce(seen, op=dist.ReduceOp.MAX)
+    largest, excess = seen.tolist()
+    for bound in bounds:
+        bound.settle(largest[bound.layer])
+    return max(excess) > 0
+
+
+@torch.no_grad()
+def finish_routing_step(
+    model: nn.Module, group: dist.ProcessGroup | None, applied: bool = True
+) -> None:
+    """Close the step's routing counts: with an applied update, nudge the balancing biases by
+    the step's loads summed over `group` (the data-parallel ranks; one all-reduce for all
+    layers). Every rank of the group must call it."""
+    layers = moe_modules(model)
+    biased = [m for m in layers if m.cfg.balance_bias]
+    if applied and biased:
+        loads = torch.stack([m.step_load() for m in biased])
+        if group is not None and dist.get_world_size(group) > 1:
+            dist.all_reduce(loads, group=group)
+        for moe, load in zip(biased, loads, strict=True):
+            moe.nudge_bias(load)
+    for moe in layers:
+        moe.stats.end_step()
+
+
+def drop_routing_step(model: nn.Module) -> None:
+    """Forget the routing counts of a step that runs again."""
+    for moe in moe_modules(model):
+        moe.stats.drop_step()
 
 
 def add_router_losses(loss: torch.Tensor, model: nn.Module) -> torch.Tensor:

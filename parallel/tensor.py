@@ -11,6 +11,15 @@ With sequence parallelism the norms and residuals run on sequence-sharded activa
 reduction after attention and after the MLP becomes a reduce-scatter over the sequence, and
 each column-wise projection all-gathers its input, for the same communication volume.
 
+Multi-head latent attention (models/mla.py) splits its heads the same way: the query
+projection (wq, or wq_b after a query latent) and the latent's up-projection wkv_b
+column-wise, wo row-wise. The down-projections to the latents (wkv_a, wq_a) and their norms
+are small and stay replicated plain tensors: the attention takes its input as a local
+(replicated) tensor, and each column-wise projection's input gradient is summed over tp as
+it leaves, so the replicated weights get the full gradient on every TP rank. The rotary key,
+shared by all heads, reaches a rank's heads through `shared_key`, whose gradient (from this
+rank's heads only) is summed over tp the same way.
+
 Vocabulary padding: a vocabulary that tp does not divide is padded to the next multiple of
 tp. The padded rows start at zero and their logits are masked to -inf before the softmax,
 so they never receive a gradient and the loss is exactly that of the unpadded model. The
@@ -25,9 +34,17 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import (
+    DTensor,
+    Partial,
+    Placement,
+    Replicate,
+    Shard,
+    distribute_tensor,
+)
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
+    ParallelStyle,
     PrepareModuleInput,
     PrepareModuleInputOutput,
     RowwiseParallel,
@@ -36,6 +53,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from models.mla import MultiHeadLatentAttention
 from models.moe import MoEFeedForward
 from parallel.mesh import JobMesh
 from pretrain_core.schema import ParallelConfig
@@ -59,16 +77,9 @@ def apply_tensor_parallel(model: nn.Module, mesh: JobMesh, parallel: ParallelCon
     # Between blocks the residual stream is sequence-sharded with SP, replicated without.
     residual = Shard(1) if sp else Replicate()
     for block in model.layers.values():
-        plan = {
-            "attention": PrepareModuleInput(
-                input_layouts=(residual, None, None),
-                desired_input_layouts=(Replicate(), None, None),
-            ),
-            "attention.wq": ColwiseParallel(),
-            "attention.wk": ColwiseParallel(),
-            "attention.wv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(output_layouts=residual),
-        }
+        plan = _attention_plan(block.attention, residual)
+        if isinstance(block.attention, MultiHeadLatentAttention):
+            block.attention.shared_key.register_forward_hook(_SumGradient(tp_mesh))
         if isinstance(block.feed_forward, MoEFeedForward):
             # Not split over tp: every TP rank routes the whole (gathered) sequence, so
             # capacity counts per sequence as without TP (parallel/expert.py).
@@ -109,6 +120,28 @@ def apply_tensor_parallel(model: nn.Module, mesh: JobMesh, parallel: ParallelCon
         model.output.register_forward_hook(_VocabMask(model.cfg.vocab_size, tp_mesh))
 
 
+def _attention_plan(attention: nn.Module, residual: Placement) -> dict[str, ParallelStyle]:
+    """The attention's styles, keyed by path within the block (GQA or MLA)."""
+    latent = isinstance(attention, MultiHeadLatentAttention)
+    plan: dict[str, ParallelStyle] = {
+        "attention": PrepareModuleInput(
+            input_layouts=(residual, None, None),
+            desired_input_layouts=(Replicate(), None, None),
+            # MLA's replicated latent projections take plain tensors.
+            use_local_output=latent,
+        ),
+        "attention.wo": RowwiseParallel(output_layouts=residual),
+    }
+    if latent:
+        query = "attention.wq_b" if hasattr(attention, "wq_b") else "attention.wq"
+        plan[query] = ColwiseParallel()
+        plan["attention.wkv_b"] = ColwiseParallel()
+    else:
+        for name in ("wq", "wk", "wv"):
+            plan[f"attention.{name}"] = ColwiseParallel()
+    return plan
+
+
 def _pad_vocab(model: nn.Module, tp: int) -> None:
     vocab = padded_vocab(model.cfg.vocab_size, tp)
     if vocab == model.cfg.vocab_size:
@@ -120,6 +153,18 @@ def _pad_vocab(model: nn.Module, tp: int) -> None:
     if model.output is not None:
         device = model.output.weight.device
         model.output = nn.Linear(model.cfg.dim, vocab, bias=False, device=device)
+
+
+class _SumGradient:
+    """Forward hook: the output unchanged, its gradient summed over the mesh in backward."""
+
+    def __init__(self, mesh: DeviceMesh) -> None:
+        self.mesh = mesh
+
+    def __call__(self, module: nn.Module, inputs: tuple, output: torch.Tensor) -> torch.Tensor:
+        shared = DTensor.from_local(output, self.mesh, [Replicate()], run_check=False)
+        # A partial gradient leaving to_local is reduced to a replicated one by from_local.
+        return shared.to_local(grad_placements=[Partial()])
 
 
 class _VocabMask:

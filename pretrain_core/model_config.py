@@ -7,7 +7,10 @@ from dataclasses import dataclass
 from pretrain_core.choices import one_of
 
 ARCHITECTURES = ("llama",)
+ATTENTIONS = ("gqa", "mla")
 MOE_ROUTERS = ("softmax", "sigmoid")
+MOE_GEMMS = ("grouped", "loop")
+MOE_BALANCES = ("aux", "bias", "both")
 
 
 @dataclass
@@ -26,6 +29,23 @@ class ModelConfig:
     """Attention (query) heads a; head_dim = dim / n_heads."""
     n_kv_heads: int = 0
     """Key/value heads for grouped-query attention; 0 means n_heads (plain multi-head)."""
+    attention: str = one_of("gqa", ATTENTIONS)
+    """gqa (grouped-query attention over n_kv_heads) or mla (DeepSeek-V2's multi-head latent
+    attention: keys and values decompressed per head from a shared low-rank latent, plus a
+    decoupled rotary key shared by all heads; models/mla.py)."""
+    mla_q_rank: int = 0
+    """MLA: rank of the compressed query (DeepSeek-V2: 1536); 0 projects queries directly from
+    the hidden state (DeepSeek-V2-Lite)."""
+    mla_kv_rank: int = 0
+    """MLA: rank of the key/value latent; 0 means 4 x head_dim (DeepSeek-V2: 512)."""
+    mla_rope_dim: int = 0
+    """MLA: rotary dims of each query and of the shared rotary key; 0 means head_dim / 2
+    (DeepSeek-V2: 64)."""
+    mla_nope_dim: int = 0
+    """MLA: dims of each query and key head without rotary position; 0 means head_dim
+    (DeepSeek-V2: 128)."""
+    mla_v_dim: int = 0
+    """MLA: dims of each value head; 0 means head_dim (DeepSeek-V2: 128)."""
     ffn_dim: int = 384
     """Hidden size of the SwiGLU MLP (the gate and up projections' output width)."""
     max_seq_len: int = 2048
@@ -60,11 +80,69 @@ class ModelConfig:
     moe_capacity_factor: float = 0.0
     """Tokens an expert takes per sequence: ceil(factor * seq_len * k / N), later ones are
     dropped (their expert output is 0, the residual carries them); 0 = dropless."""
+    moe_balance: str = one_of("aux", MOE_BALANCES)
+    """Load balancing: aux (the load-balancing loss, weighted by moe_aux_loss_coef), bias
+    (DeepSeek-V3's auxiliary-loss-free balancing: a per-expert bias on the routing scores picks
+    the experts, nudged after every step towards the mean load; the loss is still reported,
+    not trained on) or both (the bias and the loss)."""
+    moe_bias_rate: float = 1e-3
+    """moe_balance=bias|both: the bias step per optimizer step (gamma in DeepSeek-V3): each
+    expert's bias moves by it towards balance, up when under the mean load, down when over.
+    Keep it well below the spread of the router's scores (softmax scores of many experts are
+    close to 1/N at first), or the loads swing from step to step instead of settling."""
+    moe_gemm: str = one_of("grouped", MOE_GEMMS)
+    """How the experts compute: grouped (one `torch._grouped_mm` per projection over all local
+    experts, no host sync; falls back to the loop where the device lacks the kernel for the
+    dtype) or loop (one matmul per expert, the reference path for debugging)."""
 
     @property
     def kv_heads(self) -> int:
-        """Effective number of key/value heads."""
+        """Effective number of key/value heads (MLA decompresses one per query head)."""
+        if self.attention == "mla":
+            return self.n_heads
         return self.n_kv_heads or self.n_heads
+
+    @property
+    def is_mla(self) -> bool:
+        """Whether attention is multi-head latent attention."""
+        return self.attention == "mla"
+
+    @property
+    def kv_rank(self) -> int:
+        """MLA: rank of the key/value latent."""
+        return self.mla_kv_rank or 4 * self.head_dim
+
+    @property
+    def rope_dim(self) -> int:
+        """Width of the rotary part of a query (and key) head: all of it under GQA."""
+        if not self.is_mla:
+            return self.head_dim
+        return self.mla_rope_dim or self.head_dim // 2
+
+    @property
+    def nope_dim(self) -> int:
+        """MLA: width of the position-free part of a query and key head."""
+        return self.mla_nope_dim or self.head_dim
+
+    @property
+    def qk_head_dim(self) -> int:
+        """Width of one query (and key) head."""
+        return self.nope_dim + self.rope_dim if self.is_mla else self.head_dim
+
+    @property
+    def v_head_dim(self) -> int:
+        """Width of one value head."""
+        return (self.mla_v_dim or self.head_dim) if self.is_mla else self.head_dim
+
+    @property
+    def balance_loss(self) -> bool:
+        """Whether the load-balancing loss is part of the objective."""
+        return self.moe_balance in ("aux", "both")
+
+    @property
+    def balance_bias(self) -> bool:
+        """Whether routing adds the aux-loss-free per-expert bias."""
+        return self.moe_experts > 0 and self.moe_balance in ("bias", "both")
 
     @property
     def expert_ffn_dim(self) -> int:

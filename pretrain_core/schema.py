@@ -15,6 +15,7 @@ from typing import Any, cast
 from pretrain_core.choices import CHOICES, one_of
 from pretrain_core.hardware import GPUS
 from pretrain_core.model_config import ModelConfig
+from pretrain_core.optim_states import STATE_DTYPES
 
 ACTIONS = ("run", "plan", "script", "suggest", "prepare")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
@@ -24,7 +25,7 @@ FP8_SCALINGS = ("current", "rowwise", "delayed", "mxfp8")
 REDUCE_DTYPES = ("fp32", "bf16")
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
 RECOMPUTE_POLICIES = ("none", "full", "selective")
-OPTIMIZERS = ("adamw", "lion", "sgd")
+OPTIMIZERS = ("adamw", "lion", "sgd", "muon")
 LR_SCALINGS = ("none", "linear", "sqrt")
 LR_SCHEDULES = ("cosine", "linear", "constant", "wsd")
 DATA_FORMATS = ("auto", "text", "jsonl", "parquet", "hf_disk", "nanogpt", "megatron", "prepared")
@@ -144,7 +145,8 @@ class OptimConfig:
     """Optimizer and gradient clipping."""
 
     name: str = one_of("adamw", OPTIMIZERS)
-    """adamw, lion or sgd."""
+    """adamw, lion, sgd or muon (Muon on the blocks' weight matrices, AdamW with `betas` and
+    `eps` on embeddings, head, norms and biases; trainer/muon.py)."""
     lr: float = 3e-4
     """Peak learning rate (after warmup, before any batch-size scaling)."""
     min_lr: float = 3e-5
@@ -154,7 +156,7 @@ class OptimConfig:
     eps: float = 1e-8
     """Adam epsilon."""
     momentum: float = 0.9
-    """SGD momentum."""
+    """SGD momentum; Muon's (Nesterov) momentum (its authors use 0.95)."""
     weight_decay: float = 0.1
     """Decoupled weight decay; never applied to norms, biases or embeddings."""
     grad_clip: float = 1.0
@@ -163,6 +165,10 @@ class OptimConfig:
     """Scale lr with the global batch: none, linear or sqrt (relative to base_batch)."""
     base_batch: int = 0
     """Global batch (sequences) that `lr` was tuned for; needed when lr_scaling != none."""
+    state_dtype: str = one_of("fp32", STATE_DTYPES)
+    """Dtype of the optimizer states (adamw, lion, muon): fp32; bf16; int8 or int4 (blocks of
+    32 along the last dim with an FP32 scale each, dynamic code maps; trainer/optim_states.py).
+    The update itself runs in FP32; checkpoints hold the states in FP32."""
 
 
 @dataclass

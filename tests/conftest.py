@@ -9,6 +9,7 @@ import os
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
 
 from tests.distributed.harness import Curve, run_pretrain
 
@@ -26,6 +27,17 @@ def pytest_configure(config: pytest.Config) -> None:
     # torchrun leaves a folder per launch under TMPDIR; keep them out of /tmp.
     os.environ.setdefault("TMPDIR", str(tmp))
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(REPO / ".cache" / "inductor"))
+
+
+@pytest.fixture
+def single_rank_group(tmp_path: Path):
+    """A one-rank gloo process group, so DTensors and collectives can exist in a unit test."""
+    if dist.is_initialized():
+        pytest.skip("a process group already exists in this test process")
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -80,7 +80,7 @@ def build_train_state(
     """Model, optimizer and LR schedule for this rank."""
     model, plain = build_model(cfg, mesh, degrees, device)
     if cfg.parallel.zero == 1 and degrees.dp_shard > 1:
-        groups = param_groups(plain, cfg.optim.weight_decay)
+        groups = param_groups(plain, cfg.optim.weight_decay, muon=cfg.optim.name == "muon")
         lr = scaled_lr(cfg.optim, cfg.train.global_batch)
         for group in groups:
             group["lr"] = lr
@@ -98,6 +98,7 @@ def build_train_state(
         optimizer=optimizer,
         scheduler=scheduler,
         scaler=LossScaler(cfg.precision),
+        routing_group=mesh.dp.get_group() if degrees.dp > 1 else None,
         # The vocab-parallel loss works on DTensor logits under loss_parallel: left eager.
         loss_fn=compile_loss(lm_loss, cfg.compile) if degrees.tp == 1 else lm_loss,
     )

@@ -47,6 +47,7 @@ from trainer import checkpoint_integrity as integrity
 from trainer.data import DataLoader
 from trainer.fault_injection import FaultInjector
 from trainer.log import get_logger
+from trainer.optim_states import StoredStateOptimizer
 from trainer.step import TrainState
 from trainer.vocab_resize import load_resizing_vocab
 
@@ -115,8 +116,10 @@ def _zero1_optim_state(optimizer: ZeroRedundancyOptimizer, plain: nn.Module) -> 
     """
     names = _names(plain)
     local = optimizer.optim
+    stored = isinstance(local, StoredStateOptimizer)
     state = {
-        names[id(p)]: local.state[p]
+        # States kept in another dtype are saved in FP32 (trainer/optim_states.py).
+        names[id(p)]: local.float_state(p) if stored else local.state[p]
         for group in local.param_groups
         for p in group["params"]
         if p in local.state
@@ -127,6 +130,21 @@ def _zero1_optim_state(optimizer: ZeroRedundancyOptimizer, plain: nn.Module) -> 
         hyper.update((k, v) for k, v in global_group.items() if k != "params")
         groups.append({**hyper, "params": [names[id(p)] for p in global_group["params"]]})
     return {"state": state, "param_groups": groups}
+
+
+def _store_zero1_states(
+    optimizer: ZeroRedundancyOptimizer, plain: nn.Module, loaded: dict[str, Any]
+) -> None:
+    """Put loaded FP32 states back into an optimizer that keeps them in another dtype (the
+    loaded tensors of the others are the live states, filled in place)."""
+    local = optimizer.optim
+    if not isinstance(local, StoredStateOptimizer):
+        return
+    names = _names(plain)
+    for group in local.param_groups:
+        for p in group["params"]:
+            if names[id(p)] in loaded:
+                local.load_float_state(p, loaded[names[id(p)]])
 
 
 @torch.no_grad()
@@ -420,6 +438,7 @@ class Checkpointer:
             # Only this rank's optimizer states: the shares of other ranks stay on disk.
             load_resizing_vocab({"model": model_sd, "optim": {"state": optim_sd["state"]}}, path)
             set_model_state_dict(model, model_sd)
+            _store_zero1_states(state.optimizer, state.plain, optim_sd["state"])
         else:
             model_sd, optim_sd = get_state_dict(model, state.optimizer)
             read = read_tied_copy_from_embedding(model, model_sd, optim_sd["state"])

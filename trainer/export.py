@@ -115,10 +115,21 @@ def hf_config(cfg: RecipeConfig, eos: int | None) -> dict:
     }
 
 
+def refuse_unexportable(cfg: RecipeConfig) -> None:
+    """Raise ExportError for an attention this exporter cannot write in a Hugging Face format."""
+    if cfg.model.is_mla:
+        raise ExportError(
+            "model.attention=mla: multi-head latent attention is DeepSeek-V2's, not Llama's; "
+            "writing DeepSeek-V2's format (its MoE layout and rotary permutation) is not "
+            "implemented, so this run's checkpoints can be resumed but not exported"
+        )
+
+
 def export(run_dir: Path, out_dir: Path, step: int | None = None) -> Path:
     """Write the Hugging Face directory for a run's checkpoint; returns `out_dir`. Raises
     ExportError, before reading the checkpoint, for a model no Hugging Face format holds."""
     cfg = load_config(str(Path(run_dir) / CONFIG_FILE))
+    refuse_unexportable(cfg)
     problems = mixtral_problems(cfg.model) if cfg.model.moe_experts else []
     if problems:
         raise ExportError(

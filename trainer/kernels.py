@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from models.moe import grouped_mm_supported
 from pretrain_core.model_config import ModelConfig
 
 if TYPE_CHECKING:
@@ -46,12 +47,11 @@ def sdpa_backend(model: ModelConfig, seq_len: int, device: torch.device, dtype: 
     ones accepted the inputs).
     """
 
-    def tensor(heads: int) -> torch.Tensor:
-        return torch.randn(
-            1, heads, seq_len, model.head_dim, device=device, dtype=dtype, requires_grad=True
-        )
+    def tensor(heads: int, width: int) -> torch.Tensor:
+        return torch.randn(1, heads, seq_len, width, device=device, dtype=dtype, requires_grad=True)
 
-    q, k, v = tensor(model.n_heads), tensor(model.kv_heads), tensor(model.kv_heads)
+    q, k = tensor(model.n_heads, model.qk_head_dim), tensor(model.kv_heads, model.qk_head_dim)
+    v = tensor(model.kv_heads, model.v_head_dim)
     with _RecordOps() as record:
         F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     for op in record.ops:
@@ -82,8 +82,23 @@ def kernels_line(cfg: RecipeConfig, state: TrainState, device: torch.device) -> 
     compiled = [name for name, on in (("blocks", k.blocks), ("loss", k.loss)) if on]
     compile_text = f"{'+'.join(compiled)} ({k.backend})" if k.enabled else "off"
     prefetch = f"{cfg.data.prefetch} steps ahead" if cfg.data.prefetch else "off"
+    states = f" ({cfg.optim.state_dtype} states)" if cfg.optim.state_dtype != "fp32" else ""
     return (
-        f"kernels: attention {attention}, optimizer {optimizer_path(state.optimizer)}, "
-        f"compile {compile_text}, data prefetch {prefetch}, "
-        f"gradient reduction {cfg.precision.reduce_dtype}"
+        f"kernels: attention {attention}, optimizer {optimizer_path(state.optimizer)}"
+        f"{states}, {experts_path(cfg, device, dtype)}compile {compile_text}, "
+        f"data prefetch {prefetch}, gradient reduction {cfg.precision.reduce_dtype}"
     )
+
+
+def experts_path(cfg: RecipeConfig, device: torch.device, dtype: torch.dtype) -> str:
+    """'experts grouped GEMM, ' or 'experts loop, ' for a MoE model (empty for a dense one):
+    whether the device runs `torch._grouped_mm` for the dtype and the experts' widths (and,
+    in compiled blocks, whether torch.compile can trace it: bf16 only)."""
+    model = cfg.model
+    if not model.moe_experts:
+        return ""
+    rows = torch.empty(1, model.dim, device=device, dtype=dtype)
+    grouped = model.moe_gemm == "grouped" and grouped_mm_supported(rows, model.expert_ffn_dim)
+    if cfg.compile.enabled and cfg.compile.blocks and dtype != torch.bfloat16:
+        grouped = False
+    return f"experts {'grouped GEMM' if grouped else 'loop'}, "

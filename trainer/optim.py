@@ -1,14 +1,17 @@
-"""Optimizers: parameter groups (which weights decay), batch-size lr scaling, AdamW/SGD/Lion.
+"""Optimizers: parameter groups (which weights decay, which Muon updates), batch-size lr
+scaling, AdamW/SGD/Lion/Muon, and optimizer states in `optim.state_dtype`.
 
 Works on plain models and on models whose parameters are DTensors (FSDP2, tensor parallel):
-decisions use module types and parameter names, never the shapes of local shards.
+decisions use module types and parameter names, never the shapes of local shards. AdamW with
+FP32 states is torch's (fused on CUDA, foreach elsewhere); with other state dtypes, and Lion
+and Muon always, the in-repo optimizers of trainer/optim_states.py and trainer/muon.py.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -17,6 +20,8 @@ from torch.optim import Optimizer
 from parallel.tied_embedding import head_copies
 from pretrain_core.problems import or_list
 from pretrain_core.schema import LR_SCALINGS, OPTIMIZERS, OptimConfig
+from trainer.muon import Muon
+from trainer.optim_states import AdamW, StoredStateOptimizer, local_grad
 
 
 def _mesh_of(param: torch.Tensor) -> Any:
@@ -24,23 +29,26 @@ def _mesh_of(param: torch.Tensor) -> Any:
     return getattr(param, "device_mesh", None)
 
 
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+def param_groups(model: nn.Module, weight_decay: float, muon: bool = False) -> list[dict]:
     """Split the trainable parameters into optimizer groups; each parameter appears once.
 
     Weight decay goes to the 2-D+ weights of linear (and other matmul) layers only: never to
     embeddings (`nn.Embedding`, including an LM head tied to one, or a pipeline stage's copy
-    of a tied embedding), norms or biases. Groups are
-    further split by DeviceMesh so a group never mixes DTensors with plain tensors (the
-    foreach/fused kernels reject such a mix, e.g. TP without sequence parallelism leaves the
-    norms as plain tensors). Group order follows `named_parameters`, so it is stable across
-    runs and checkpoints.
+    of a tied embedding), norms or biases. With `muon`, those weights but the LM head (the
+    model's `output`) form groups marked `muon: True`. Groups are further split by
+    DeviceMesh so a group never mixes DTensors with plain tensors (the foreach/fused kernels
+    reject such a mix, e.g. TP without sequence parallelism leaves the norms as plain
+    tensors). Group order follows `named_parameters`, so it is stable across runs and
+    checkpoints.
     """
     # Collect embedding weights first: a tied head is reached through a Linear too, and the
     # traversal may meet the head before the embedding.
     embedding_params = {
         id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters()
     } | {id(p) for p in head_copies(model)}
-    groups: dict[tuple[bool, Any], dict] = {}
+    head = getattr(model, "output", None)
+    head_params = {id(p) for p in head.parameters()} if isinstance(head, nn.Module) else set()
+    groups: dict[tuple[bool, bool, Any], dict] = {}
     seen: set[int] = set()
     for module in model.modules():
         for name, param in module.named_parameters(recurse=False):
@@ -49,9 +57,12 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
             seen.add(id(param))
             # DTensor.ndim is the global (logical) rank, unchanged by sharding.
             decay = id(param) not in embedding_params and name != "bias" and param.ndim >= 2
-            key = (decay, _mesh_of(param))
+            matrix = muon and decay and id(param) not in head_params
+            key = (decay, matrix, _mesh_of(param))
             if key not in groups:
                 groups[key] = {"params": [], "weight_decay": weight_decay if decay else 0.0}
+                if muon:
+                    groups[key]["muon"] = matrix
             groups[key]["params"].append(param)
     return list(groups.values())
 
@@ -71,15 +82,17 @@ def scaled_lr(cfg: OptimConfig, global_batch: int) -> float:
     return cfg.lr * (ratio if cfg.lr_scaling == "linear" else math.sqrt(ratio))
 
 
-class Lion(Optimizer):
+class Lion(StoredStateOptimizer):
     """Lion (Chen et al., 2023, "Symbolic Discovery of Optimization Algorithms").
 
     Per step, with gradient g and momentum m:
         update = sign(beta1 * m + (1 - beta1) * g)
         p     <- p * (1 - lr * weight_decay) - lr * update      (decoupled weight decay)
         m     <- beta2 * m + (1 - beta2) * g
-    Only elementwise ops, so DTensor parameters work unchanged.
+    Only elementwise ops, on each parameter's local shard; m is kept in `state_dtype`.
     """
+
+    STATES: ClassVar[dict[str, bool]] = {"exp_avg": True}
 
     def __init__(
         self,
@@ -87,12 +100,14 @@ class Lion(Optimizer):
         lr: float = 1e-4,
         betas: tuple[float, float] = (0.9, 0.99),
         weight_decay: float = 0.0,
+        state_dtype: str = "fp32",
     ) -> None:
         if lr < 0:
             raise ValueError(f"Lion: lr={lr} must be >= 0")
         if not all(0.0 <= b < 1.0 for b in betas):
             raise ValueError(f"Lion: betas={betas} must lie in [0, 1)")
-        super().__init__(params, {"lr": lr, "betas": tuple(betas), "weight_decay": weight_decay})
+        defaults = {"lr": lr, "betas": tuple(betas), "weight_decay": weight_decay}
+        super().__init__(params, defaults, state_dtype)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
@@ -107,31 +122,40 @@ class Lion(Optimizer):
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                state = self.state[p]
-                if not state:
-                    state["exp_avg"] = torch.zeros_like(p)
-                exp_avg = state["exp_avg"]
-                update = exp_avg.mul(beta1).add_(p.grad, alpha=1 - beta1).sign_()
+                grad = local_grad(p)
+                stored = self.stored(p, "exp_avg")
+                exp_avg = stored.get()
+                update = exp_avg.mul(beta1).add_(grad, alpha=1 - beta1).sign_()
+                local = p.to_local() if hasattr(p, "to_local") else p
                 if wd != 0:
-                    p.mul_(1 - lr * wd)
-                p.add_(update, alpha=-lr)
-                exp_avg.mul_(beta2).add_(p.grad, alpha=1 - beta2)
+                    local.mul_(1 - lr * wd)
+                local.add_(update, alpha=-lr)
+                stored.set(exp_avg.mul_(beta2).add_(grad, alpha=1 - beta2))
         return loss
 
 
 def optimizer_spec(cfg: OptimConfig, device: torch.device) -> tuple[type[Optimizer], dict]:
     """The optimizer class and its keyword arguments (lr = the unscaled `cfg.lr`).
 
-    AdamW uses the fused kernel on CUDA and the foreach (multi-tensor) path elsewhere.
+    AdamW with FP32 states uses torch's fused kernel on CUDA and the foreach (multi-tensor)
+    path elsewhere; other state dtypes the in-repo AdamW.
     """
-    if cfg.name == "adamw":
+    states = {"state_dtype": cfg.state_dtype}
+    if cfg.name == "adamw" and cfg.state_dtype == "fp32":
         impl = {"fused": True} if device.type == "cuda" else {"foreach": True}
         kwargs = {"lr": cfg.lr, "betas": tuple(cfg.betas), "eps": cfg.eps, **impl}
         return torch.optim.AdamW, kwargs
+    if cfg.name == "adamw":
+        return AdamW, {"lr": cfg.lr, "betas": tuple(cfg.betas), "eps": cfg.eps, **states}
     if cfg.name == "sgd":
+        if cfg.state_dtype != "fp32":
+            raise ValueError(f"optim.state_dtype={cfg.state_dtype}: SGD keeps FP32 states")
         return torch.optim.SGD, {"lr": cfg.lr, "momentum": cfg.momentum, "foreach": True}
     if cfg.name == "lion":
-        return Lion, {"lr": cfg.lr, "betas": tuple(cfg.betas)}
+        return Lion, {"lr": cfg.lr, "betas": tuple(cfg.betas), **states}
+    if cfg.name == "muon":
+        kwargs = {"lr": cfg.lr, "momentum": cfg.momentum, "betas": tuple(cfg.betas)}
+        return Muon, {**kwargs, "eps": cfg.eps, **states}
     raise ValueError(f"optim.name={cfg.name!r}: use {or_list(list(OPTIMIZERS))}")
 
 
@@ -144,4 +168,4 @@ def build_optimizer(
     """
     cls, kwargs = optimizer_spec(cfg, device)
     kwargs["lr"] = scaled_lr(cfg, global_batch)
-    return cls(param_groups(model, cfg.weight_decay), **kwargs)
+    return cls(param_groups(model, cfg.weight_decay, muon=cfg.name == "muon"), **kwargs)

@@ -32,7 +32,15 @@ from parallel.tied_embedding import embedding_group, reduce_tied_grads
 from pretrain_core.layout import Degrees, grad_accum_steps
 from pretrain_core.schema import RecipeConfig
 from trainer.faults import StepGuard
-from trainer.step import MicroBatches, StepResult, TrainState, apply_gradients, lm_loss
+from trainer.step import (
+    SLOT_RETRIES,
+    MicroBatches,
+    StepResult,
+    TrainState,
+    apply_gradients,
+    lm_loss,
+    run_again_for_slots,
+)
 
 
 class PipelineStep:
@@ -92,12 +100,17 @@ class PipelineStep:
         inputs = torch.cat([x for x, _ in micro_batches]).to(self.device)
         targets = torch.cat([y for _, y in micro_batches]).to(self.device)
         args = (inputs,) if self.has_first else ()
-        self.losses = []
-        with vocab_parallel_loss(enabled=self.degrees.tp > 1):
-            # The last stage's outputs (the logits) are not merged and kept to the step's end.
-            self.schedule.step(
-                *args, target=targets if self.has_last else None, return_outputs=False
-            )
+        for _ in range(SLOT_RETRIES):
+            self.losses = []
+            with vocab_parallel_loss(enabled=self.degrees.tp > 1):
+                # The last stage's outputs (the logits) are not merged and kept to the end.
+                self.schedule.step(
+                    *args, target=targets if self.has_last else None, return_outputs=False
+                )
+            if not run_again_for_slots(self.state, self.cfg, self.device):
+                break
+        else:
+            raise RuntimeError(f"the MoE dispatch slots overflowed {SLOT_RETRIES} runs of one step")
         reduce_expert_grads(self.state.plain)
         reduce_tied_grads(self.state.plain, self.embedding_group)
         loss = torch.zeros((), device=self.device)

@@ -2,6 +2,11 @@
 then unscale, clip, agree on bad steps, update and advance the LR schedule; and the
 forward-only loss of validation micro-batches.
 
+A mixture-of-experts model closes its routing counts after the update (the balancing biases
+move by the step's loads), and a dropless expert-parallel dispatch whose slots overflowed
+runs the step's micro-batches again with larger slots (`parallel/expert.py`), so an update
+never sees a dropped assignment.
+
 The pipelined step (`trainer/pipeline_step.py`) runs its schedule instead of the
 micro-batch loop and shares `apply_gradients` and the state's loss function with it.
 With `data.doc_mask` the model is given each position's document (`document_ids`).
@@ -21,7 +26,14 @@ from torch import nn
 
 from parallel.clip import clip_grad_norm_
 from parallel.data_parallel import gradient_sync, uses_fsdp
-from parallel.expert import add_router_losses, reduce_expert_grads
+from parallel.expert import (
+    add_router_losses,
+    drop_routing_step,
+    dropless_dispatch,
+    finish_routing_step,
+    reduce_expert_grads,
+    settle_slot_bounds,
+)
 from parallel.precision import LossScaler, after_optimizer_step, forward_context
 from parallel.tensor import local_value, vocab_parallel_loss
 from parallel.tied_embedding import head_copies
@@ -45,6 +57,29 @@ class TrainState:
     scheduler: torch.optim.lr_scheduler.LRScheduler
     scaler: LossScaler
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = lm_loss
+    routing_group: dist.ProcessGroup | None = None
+    """The data-parallel group whose loads the MoE balancing biases follow (None: one rank)."""
+
+
+SLOT_RETRIES = 3
+"""Runs of one step a dropless dispatch may take to size its slots (one rerun suffices: the
+rerun routes exactly as the first run did)."""
+
+
+def run_again_for_slots(state: TrainState, cfg: RecipeConfig, device: torch.device) -> bool:
+    """After a step's backward: whether its dropless dispatch overflowed a slot, in which
+    case the gradients and routing counts are cleared for a rerun with the grown slots."""
+    if not dropless_dispatch(cfg.model, cfg.parallel):
+        return False
+    if not settle_slot_bounds(state.plain, cfg.model.n_layers, device):
+        return False
+    state.optimizer.zero_grad(set_to_none=True)
+    drop_routing_step(state.plain)
+    if dist.get_rank() == 0:
+        print(
+            "[trainer] a dropless MoE dispatch slot overflowed: slots grown, step rerun", flush=True
+        )
+    return True
 
 
 MicroBatches = list[tuple[torch.Tensor, torch.Tensor]]
@@ -104,6 +139,25 @@ def train_step(
     a `guard` (one-process tools and benchmarks) badness is decided locally and stop is False.
     `doc_eos` (the end-of-sequence id) turns on document-aware attention.
     """
+    for _ in range(SLOT_RETRIES):
+        loss = _forward_backward(state, micro_batches, cfg, degrees, device, doc_eos)
+        if not run_again_for_slots(state, cfg, device):
+            break
+    else:
+        raise RuntimeError(f"the MoE dispatch slots overflowed {SLOT_RETRIES} runs of one step")
+    reduce_expert_grads(state.plain)
+    return StepResult(loss, *apply_gradients(state, cfg, guard, loss))
+
+
+def _forward_backward(
+    state: TrainState,
+    micro_batches: MicroBatches,
+    cfg: RecipeConfig,
+    degrees: Degrees,
+    device: torch.device,
+    doc_eos: int | None,
+) -> torch.Tensor:
+    """Forward and backward of every micro-batch; returns this rank's mean loss."""
     accum = len(micro_batches)
     loss_sum = torch.zeros((), device=device)
     for i, (inputs, targets) in enumerate(micro_batches):
@@ -119,9 +173,7 @@ def train_step(
                 state.scaler.scale_loss(objective / accum).backward()
         # Every TP rank holds the same (replicated) loss.
         loss_sum += local_value(loss.detach())
-    reduce_expert_grads(state.plain)
-    loss = loss_sum / accum
-    return StepResult(loss, *apply_gradients(state, cfg, guard, loss))
+    return loss_sum / accum
 
 
 @torch.no_grad()
@@ -199,9 +251,11 @@ def apply_gradients(
         bad, stop = not bool(torch.isfinite(loss) and torch.isfinite(checked)), False
     else:
         bad, stop = guard.agree(loss, checked)
-    if scaled_ok and not bad:
+    applied = scaled_ok and not bad
+    if applied:
         state.optimizer.step()
         after_optimizer_step(state.plain, cfg.precision)
+    finish_routing_step(state.plain, state.routing_group, applied)
     # A skipped step still consumes its data and its place in the LR schedule.
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step", UserWarning)

@@ -58,21 +58,17 @@ class Curve:
     """At the steps that evaluated, in order."""
 
 
-def run_pretrain(
+def launch(
     run_dir: Path,
     overrides: list[str],
     nproc: int,
     timeout: float = 300,
     recipe: str = "tiny",
     base: tuple[str, ...] = BASE_OVERRIDES,
-    keep_output: bool = False,
-) -> Curve:
-    """Train `recipe` through the CLI with `nproc` CPU ranks and return the logged curve.
-
-    `base` shrinks the recipe to the harness model; pass () to train the recipe as shipped.
-    The output of a failed run, or of every run with `keep_output`, is written next to the
-    run dir (RUN_DIR.log).
-    """
+    env: dict[str, str] | None = None,
+) -> subprocess.CompletedProcess:
+    """Train `recipe` through the CLI with `nproc` CPU ranks; the result, failed or not (its
+    output is kept beside the run dir as RUN.log). `env` adds environment variables."""
     cmd = [
         sys.executable,
         "-m",
@@ -84,16 +80,39 @@ def run_pretrain(
         f"run.dir={run_dir}",
         *overrides,
     ]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-    log = run_dir.parent / f"{run_dir.name}.log"
-    if keep_output or result.returncode != 0:
-        log.write_text(result.stdout + result.stderr)
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env)
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    (run_dir.parent / f"{run_dir.name}.log").write_text(result.stdout + result.stderr)
+    return result
+
+
+def run_pretrain(
+    run_dir: Path,
+    overrides: list[str],
+    nproc: int,
+    timeout: float = 300,
+    recipe: str = "tiny",
+    base: tuple[str, ...] = BASE_OVERRIDES,
+) -> Curve:
+    """Train `recipe` through the CLI with `nproc` CPU ranks and return the logged curve.
+
+    `base` shrinks the recipe to the harness model; pass () to train the recipe as shipped.
+    The output of every run is written next to the run dir (RUN_DIR.log).
+    """
+    result = launch(run_dir, overrides, nproc, timeout, recipe, base)
     if result.returncode != 0:
+        log = run_dir.parent / f"{run_dir.name}.log"
         raise AssertionError(
             f"pretrain failed ({result.returncode}), full output in {log}:\n{result.stderr[-3000:]}"
         )
     return read_curve(run_dir / "metrics.jsonl")
+
+
+def logged_losses(run_dir: Path) -> dict[int, float]:
+    """Loss per step from metrics.jsonl; a step logged again after a resume counts last."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {row["step"]: row["loss"] for row in rows}
 
 
 def read_curve(path: Path) -> Curve:

@@ -5,6 +5,11 @@ parallelism. The model is the harness's with the tiny_moe recipe's experts (8 ro
 width 64, top-2, one shared, first layer dense). With a capacity factor of 1 the early,
 unbalanced router drops assignments; the drop decision is taken per sequence, so every
 layout must drop the same share, which the expert-load metrics report.
+
+Experts sharded by ZeRO-3 over the ranks that hold the same experts as well as by ep, with
+the aux-loss-free balancing bias: the run is interrupted while saving step 6, matches the
+single process up to there, and resumes from step 4 under another ep and ZeRO stage,
+balancing bias included (its value at step 8 equals the single process's).
 """
 
 from __future__ import annotations
@@ -13,17 +18,24 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.distributed.harness import (
+    FP32_TOLERANCE,
     assert_same_curve,
+    launch,
+    logged_losses,
     read_curve,
     run_pretrain,
 )
+from trainer.export import load_model
 
 pytestmark = pytest.mark.distributed
 
 MOE = ["model.moe_ffn_dim=64"]
 CAPACITY = ["model.moe_capacity_factor=1.0"]
+BIAS = ["model.moe_balance=bias", "model.moe_bias_rate=0.002"]
+CHECKPOINTS = ["checkpoint.every=2", "checkpoint.keep=3"]
 
 
 def dropped_fractions(run_dir: Path) -> list[float]:
@@ -33,9 +45,15 @@ def dropped_fractions(run_dir: Path) -> list[float]:
 
 @pytest.fixture(scope="module")
 def reference_runs(workdir: Path, moe_reference_run: Path) -> dict[str, Path]:
-    """The one-process run dirs: the session's dropless reference and one with a capacity."""
+    """The one-process run dirs: the session's dropless reference, one with a capacity and
+    one balanced by the expert bias."""
     run_pretrain(workdir / "capacity", MOE + CAPACITY, nproc=1, recipe="tiny_moe")
-    return {"dropless": moe_reference_run, "capacity": workdir / "capacity"}
+    run_pretrain(workdir / "bias", MOE + BIAS, nproc=1, recipe="tiny_moe")
+    return {
+        "dropless": moe_reference_run,
+        "capacity": workdir / "capacity",
+        "bias": workdir / "bias",
+    }
 
 
 @pytest.fixture(scope="module")
@@ -77,3 +95,36 @@ def test_expert_parallel_layout_matches_reference(
     assert dropped_fractions(workdir / label) == pytest.approx(
         dropped_fractions(reference_runs[routing]), rel=1e-12
     )
+
+
+def relative_differences(ours: dict[int, float], reference: list[float]) -> float:
+    return max(abs(ours[step] - reference[step - 1]) / abs(reference[step - 1]) for step in ours)
+
+
+@pytest.mark.slow
+def test_experts_sharded_by_zero_and_ep_match_and_resume_under_another_ep_and_zero(
+    workdir, references
+) -> None:
+    run_dir = workdir / "ep2_zero3_bias"
+    saved_under = [*MOE, *BIAS, *CHECKPOINTS, "parallel.ep=2", "parallel.zero=3"]
+    crash = {"PRETRAIN_FAULT_CRASH_IN_SAVE": "6"}
+    assert launch(run_dir, saved_under, 4, recipe="tiny_moe", env=crash).returncode != 0
+    expected = references["bias"].loss
+    before = logged_losses(run_dir)
+    assert sorted(before) == [1, 2, 3, 4, 5]
+    assert relative_differences(before, expected) <= FP32_TOLERANCE
+
+    resumed_under = [*MOE, *BIAS, *CHECKPOINTS, "parallel.ep=4", "parallel.zero=2"]
+    result = launch(run_dir, resumed_under, 4, recipe="tiny_moe")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "resumed from the checkpoint of step 4" in result.stdout
+    after = logged_losses(run_dir)
+    assert sorted(after) == list(range(1, 9))
+    assert relative_differences(after, expected) <= FP32_TOLERANCE
+    ours, _, _ = load_model(run_dir, step=8)
+    reference, _, _ = load_model(workdir / "bias", step=8)
+    for key, block in reference.layers.items():
+        bias = block.feed_forward.state_dict().get("expert_bias")
+        if bias is not None:
+            assert bias.abs().max() > 0
+            assert torch.equal(ours.layers[key].feed_forward.expert_bias, bias)

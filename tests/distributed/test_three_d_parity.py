@@ -53,7 +53,7 @@ def last_run_output(run_dir: Path) -> str:
 
 def train(run_dir: Path, overrides: list[str], nproc: int, recipe: str = "tiny") -> Curve:
     """run_pretrain that keeps the run's output next to the run dir, failed or not."""
-    return run_pretrain(run_dir, overrides, nproc=nproc, recipe=recipe, keep_output=True)
+    return run_pretrain(run_dir, overrides, nproc=nproc, recipe=recipe)
 
 
 def resume_from_step_4(saved: Path, resumed: Path) -> None:

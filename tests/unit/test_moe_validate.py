@@ -30,6 +30,13 @@ def test_a_moe_recipe_with_ep_dividing_experts_and_dp_is_valid_for_launch() -> N
         ({"model.moe_layers": "every:0"}, "model.moe_layers", "every:K needs 1 <= K"),
         ({"model.moe_layers": "after:40"}, "model.moe_layers", "leaves no MoE layer"),
         ({"model.moe_layers": "some"}, "model.moe_layers", "not a layer policy"),
+        ({"model.moe_balance": "loss"}, "model.moe_balance", "unknown value 'loss'"),
+        ({"model.moe_gemm": "bmm"}, "model.moe_gemm", "unknown value 'bmm'"),
+        (
+            {"model.moe_balance": "bias", "model.moe_bias_rate": 0.0},
+            "model.moe_bias_rate",
+            "it never balances",
+        ),
     ],
 )
 def test_bad_moe_value_is_refused_with_its_reason(overrides, field, message) -> None:

@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from pretrain_core.schema import OptimConfig
@@ -95,7 +93,7 @@ def test_sgd_uses_momentum_and_lion_is_the_in_repo_class() -> None:
     lion_cls, _ = optimizer_spec(OptimConfig(name="lion"), torch.device("cpu"))
     assert sgd_cls is torch.optim.SGD and sgd_kwargs["momentum"] == 0.7
     assert lion_cls is Lion
-    with pytest.raises(ValueError, match="adamw, lion or sgd"):
+    with pytest.raises(ValueError, match="adamw, lion, sgd or muon"):
         optimizer_spec(OptimConfig(name="adam"), torch.device("cpu"))
 
 
@@ -143,18 +141,7 @@ def test_lion_converges_on_a_quadratic() -> None:
     assert (x.detach() - target).abs().max().item() < 2 * lr
 
 
-@pytest.fixture
-def single_rank_group(tmp_path: Path):
-    """A one-rank gloo process group, so DTensor parameters can exist in a unit test."""
-    if dist.is_initialized():
-        pytest.skip("a process group already exists in this test process")
-    store = dist.FileStore(str(tmp_path / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
-@pytest.mark.parametrize("name", ["adamw", "lion", "sgd"])
+@pytest.mark.parametrize("name", ["adamw", "lion", "sgd", "muon"])
 def test_groups_never_mix_dtensors_and_plain_tensors_so_foreach_steps_work(
     single_rank_group: None, name: str
 ) -> None:

@@ -108,7 +108,7 @@ CASES = [
     ({"optim.betas": [0.9, 1.0]}, "optim.betas", "two values in [0, 1)", "[0.9, 0.95]"),
     ({"optim.betas": [0.9]}, "optim.betas", "two values in [0, 1)", "[0.9, 0.95]"),
     ({"optim.betas": [-0.1, 0.95]}, "optim.betas", "two values in [0, 1)", "[0.9, 0.95]"),
-    ({"optim.name": "adam"}, "optim.name", "unknown value 'adam'", "use adamw, lion or sgd"),
+    ({"optim.name": "adam"}, "optim.name", "unknown value 'adam'", "use adamw, lion, sgd or muon"),
     ({"optim.lr_scaling": "cubic"}, "optim.lr_scaling", "unknown value",
      "use none, linear or sqrt"),
     ({"optim.lr_scaling": "sqrt"}, "optim.base_batch", "lr_scaling=sqrt scales relative",

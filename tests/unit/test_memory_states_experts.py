@@ -1,0 +1,56 @@
+"""The memory model follows the optimizer-state dtype, Muon's split and ZeRO-sharded experts."""
+
+from __future__ import annotations
+
+import pytest
+
+from launcher.memory import memory_breakdown, tp_replicated
+from models.flops import count_params
+from pretrain_core.layout import resolve_degrees
+from pretrain_core.optim_states import state_bytes
+from tests.helpers import configure
+
+MOE = {"model.moe_experts": 8, "model.moe_ffn_dim": 512, "model.moe_top_k": 2}
+
+
+def breakdown(overrides: dict):
+    cfg = configure(overrides)
+    return memory_breakdown(cfg, resolve_degrees(cfg), microbatches=1)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "int8", "int4"])
+def test_optimizer_bytes_scale_with_the_state_dtype(dtype) -> None:
+    fp32 = breakdown({"parallel.zero": 3}).optimizer
+    ours = breakdown({"parallel.zero": 3, "optim.state_dtype": dtype}).optimizer
+    assert ours / fp32 == pytest.approx(state_bytes(dtype) / 4)
+
+
+def test_muon_keeps_one_state_on_the_blocks_matrices_and_two_elsewhere() -> None:
+    cfg = configure({"optim.name": "muon"})
+    counts = count_params(cfg.model)
+    m = cfg.model
+    vectors = 2 * m.dim * m.n_layers + m.dim
+    others = counts.embedding + counts.lm_head + vectors
+    expected = 4 * (1 * (counts.total - others) + 2 * others)
+    assert breakdown({"optim.name": "muon"}).optimizer == pytest.approx(expected)
+
+
+def test_zero3_shards_experts_over_the_ranks_holding_the_same_ones() -> None:
+    # 8 ranks, ep=2: each rank holds 4 experts, shared with 3 other ranks (dp / ep = 4).
+    ddp = breakdown({**MOE, "parallel.ep": 2, "parallel.zero": 0})
+    zero3 = breakdown({**MOE, "parallel.ep": 2, "parallel.zero": 3})
+    cfg = configure(MOE)
+    experts = count_params(cfg.model).experts
+    dense = count_params(cfg.model).total - experts
+    rope = ddp.params - 4 * (dense + experts / 2)
+    assert zero3.params - rope == pytest.approx(4 * (dense / 8 + experts / 2 / 4))
+
+
+def test_mla_keeps_its_latent_down_projections_whole_under_tp() -> None:
+    cfg = configure({"model.attention": "mla", "model.n_kv_heads": 0})
+    m = cfg.model
+    assert tp_replicated(m) == 2 * m.dim + m.dim * (m.kv_rank + m.rope_dim) + m.kv_rank
+    tp1 = breakdown({"model.attention": "mla", "model.n_kv_heads": 0}).params
+    tp2 = breakdown({"model.attention": "mla", "model.n_kv_heads": 0, "parallel.tp": 2}).params
+    replicated = tp_replicated(m) * m.n_layers + m.dim
+    assert tp2 == pytest.approx((tp1 - 4 * replicated) / 2 + 4 * replicated, rel=1e-3)

@@ -16,8 +16,8 @@ import models
 from models.init import init_weights
 from parallel.clip import clip_grad_norm_
 from pretrain_core.model_config import ModelConfig
-from pretrain_core.schema import DataConfig, OptimConfig, ScheduleConfig
-from trainer.data import DataLoader, GlobalBatchSampler, prepare_dataset
+from pretrain_core.schema import OptimConfig, RecipeConfig, ScheduleConfig
+from trainer.data import one_process_loader
 from trainer.optim import build_optimizer
 from trainer.schedule import build_lr_scheduler
 from trainer.step import lm_loss
@@ -46,10 +46,10 @@ def final_loss(optim: OptimConfig) -> float:
     init_weights(model, seed=1234)
     optimizer = build_optimizer(model, optim, global_batch=BATCH, device=torch.device("cpu"))
     schedule = build_lr_scheduler(optimizer, optim, ScheduleConfig(warmup_steps=2), STEPS)
-    data = DataConfig(max_bytes=400_000, cache_dir=os.environ["PRETRAIN_CACHE_DIR"])
-    dataset = prepare_dataset(data, vocab_size=MODEL.vocab_size, seq_len=SEQ_LEN)
-    sampler = GlobalBatchSampler(len(dataset), BATCH, 1234)
-    loader = DataLoader(dataset, sampler, dp_rank=0, dp_size=1, micro_batch=BATCH)
+    cfg = RecipeConfig(model=MODEL)
+    cfg.data.max_bytes, cfg.data.cache_dir = 400_000, os.environ["PRETRAIN_CACHE_DIR"]
+    cfg.train.seq_len, cfg.train.micro_batch, cfg.train.global_batch = SEQ_LEN, BATCH, BATCH
+    loader = one_process_loader(cfg)
     losses = []
     for _ in range(STEPS):
         ((inputs, targets),) = loader.next_step()

@@ -49,8 +49,14 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return rotated.type_as(x)
 
 
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal grouped-query attention of q [b, heads, s, d] over k, v [b, kv_heads, s, d]."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+
 class Attention(nn.Module):
-    """Causal grouped-query self-attention over `scaled_dot_product_attention`."""
+    """Causal grouped-query self-attention; its core is `causal_attention` unless a parallel
+    layout swaps in another with the same signature (context parallelism's ring)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -60,6 +66,7 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.dim, kv_width, bias=False)
         self.wv = nn.Linear(cfg.dim, kv_width, bias=False)
         self.wo = nn.Linear(q_width, cfg.dim, bias=False)
+        self.core = causal_attention
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
@@ -68,9 +75,7 @@ class Attention(nn.Module):
         k = self.wk(x).view(b, s, -1, self.head_dim)
         v = self.wv(x).view(b, s, -1, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True
-        )
+        out = self.core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
 

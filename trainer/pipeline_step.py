@@ -85,6 +85,8 @@ class PipelineStep:
         what all ranks agreed (bad, stop), as `train_step` does."""
         inputs = torch.cat([x for x, _ in micro_batches]).to(self.device)
         targets = torch.cat([y for _, y in micro_batches]).to(self.device)
+        if self.state.context is not None:
+            inputs, targets = self.state.context.shard(inputs), self.state.context.shard(targets)
         args = (inputs,) if self.has_first else ()
         self.losses = []
         with vocab_parallel_loss(enabled=self.degrees.tp > 1):
@@ -98,4 +100,6 @@ class PipelineStep:
             # The first step's shape inference calls the loss function once more, first.
             loss += torch.stack(self.losses[-self.n_microbatches :]).sum() / self.n_microbatches
         dist.all_reduce(loss, group=self.group)
+        if self.state.context is not None:
+            loss = self.state.context.mean(loss)
         return (loss, *apply_gradients(self.state, self.cfg, guard, loss, self.group))

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from parallel.clip import clip_grad_norm_
+from parallel.context import ContextSplit
 from parallel.data_parallel import gradient_sync, uses_fsdp
 from parallel.expert import add_router_losses, reduce_expert_grads
 from parallel.precision import LossScaler, after_optimizer_step, forward_context
@@ -41,6 +42,8 @@ class TrainState:
     scheduler: torch.optim.lr_scheduler.LRScheduler
     scaler: LossScaler
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = lm_loss
+    context: ContextSplit | None = None
+    """Context parallelism: which chunks of each sequence this rank computes (None: all)."""
 
 
 def _autocast(cfg: RecipeConfig, degrees: Degrees, device: torch.device):
@@ -70,6 +73,8 @@ def train_step(
         # Asynchronous from pinned memory (the prefetching loader pins on CUDA).
         inputs = inputs.to(device, non_blocking=True)
         targets = targets.to(device, non_blocking=True)
+        if state.context is not None:
+            inputs, targets = state.context.shard(inputs), state.context.shard(targets)
         with gradient_sync(state.model, enabled=i == accum - 1):
             with _autocast(cfg, degrees, device):
                 logits = state.model(inputs)
@@ -83,6 +88,8 @@ def train_step(
         loss_sum += local_value(loss.detach())
     reduce_expert_grads(state.plain)
     loss = loss_sum / accum
+    if state.context is not None:
+        loss = state.context.mean(loss)
     return (loss, *apply_gradients(state, cfg, guard, loss))
 
 

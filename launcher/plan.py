@@ -19,6 +19,7 @@ from pretrain_core import hardware
 from pretrain_core.layout import Degrees, grad_accum_steps, rank_groups, resolve_degrees
 from pretrain_core.precision import peak_dtype
 from pretrain_core.schema import OptimConfig, RecipeConfig
+from pretrain_core.stages import V_SCHEDULES
 
 MFU_ASSUMPTION = 0.40
 """Model FLOPs utilisation assumed for the expected step time."""
@@ -180,14 +181,22 @@ def recomputed_layers(layers: int, every: int) -> int:
     return math.ceil(layers / every)
 
 
-def bubble_fraction(schedule: str, pp: int, microbatches: int, vpp: int = 1) -> float:
+def bubble_fraction(
+    schedule: str, pp: int, microbatches: int, vpp: int = 1, steps: int = 1
+) -> float:
     """Idle fraction of a pipeline step: (p-1)/(m+p-1), divided by vpp when interleaved.
 
     zero_bubble gets the 1F1B value, an upper bound: how much of it the split backward
-    fills depends on the timing of each stage (see `Plan.assumptions`).
+    fills depends on the timing of each stage (see `Plan.assumptions`). The V schedules
+    get their simulated value (F = B = W), and 2bw that of a segment of `steps` steps
+    between two drains (the pipeline fills once per segment).
     """
     if pp == 1:
         return 0.0
+    if schedule in V_SCHEDULES:
+        return schedule_sim.simulate(schedule, pp, microbatches, vpp).bubble_fraction
+    if schedule == "2bw":
+        return schedule_sim.pipedream_bubble(pp, microbatches, steps)
     fraction = (pp - 1) / (microbatches + pp - 1)
     return fraction / vpp if schedule == "interleaved_1f1b" else fraction
 

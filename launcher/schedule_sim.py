@@ -14,6 +14,11 @@ dependencies with given op costs and returns when each op runs:
   gradients, on the critical path) and W (weight gradients); a W runs whenever the next op
   is not ready yet, filling the bubbles, or before a forward that would hold more
   micro-batches than 1F1B does, so memory stays that of 1F1B (ZB-H1 of Qi et al. 2023).
+- zbv, dualpipev: two chunks per rank in a V (chunk a is stage r, chunk b stage 2p-1-r),
+  in torch's own op order (`launcher/schedule_v.py`), W ops where torch places them.
+- 2bw (PipeDream-2BW): 1F1B over several steps with no flush between them, in the order
+  the trainer runs (`pretrain_core/pipedream.py`); micro-batches are numbered on across
+  steps, so step j's are jm ... jm+m-1.
 
 Costs are per op of one chunk (a chunk holds 1/v of a rank's layers); an unsplit backward
 costs b + w. In-flight counts the micro-batches whose activations a rank holds (from the
@@ -25,7 +30,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
+from launcher.schedule_v import dualpipev_order, zbv_order
+from pretrain_core import pipedream
+from pretrain_core.stages import placement, rank_stages
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv", "dualpipev", "2bw")
+V_ORDERS = {"zbv": zbv_order, "dualpipev": dualpipev_order}
+SIMULATED_STEPS = 3
+"""Steps of a 2bw segment simulated for its bubble; longer segments are extrapolated."""
 IDLE = "."
 
 
@@ -56,6 +68,8 @@ class Timeline:
     microbatches: int
     vpp: int
     rows: list[list[Slot]] = field(default_factory=list)
+    steps: int = 1
+    """Optimizer steps the timeline spans (2bw runs several without a flush)."""
 
     @property
     def makespan(self) -> float:
@@ -120,9 +134,16 @@ def warmup(schedule: str, pp: int, microbatches: int, rank: int, vpp: int = 1) -
     return min(2 * (pp - 1 - rank) + (vpp - 1) * pp, microbatches * vpp)
 
 
-def program(schedule: str, pp: int, microbatches: int, rank: int, vpp: int = 1) -> list[Op]:
-    """The order of F and B ops of rank `rank` (W ops of zero_bubble are added by simulate)."""
+def program(
+    schedule: str, pp: int, microbatches: int, rank: int, vpp: int = 1, steps: int = 1
+) -> list[Op]:
+    """The order of the ops of rank `rank` (W ops of zero_bubble are added by simulate; the
+    V schedules list theirs; 2bw spans `steps` steps and the drain after them)."""
     m = microbatches
+    if schedule in V_ORDERS:
+        return [Op(kind, mb, chunk) for kind, chunk, mb in V_ORDERS[schedule](pp, m, rank)]
+    if schedule == "2bw":
+        return [Op(kind, mb) for kind, mb in pipedream.segment_ops(pp, m, rank, steps)]
     if schedule == "gpipe":
         return [Op("F", i) for i in range(m)] + [Op("B", i) for i in range(m)]
     warm = warmup(schedule, pp, m, rank, vpp)
@@ -154,13 +175,17 @@ def simulate(
     f: float = 1.0,
     b: float = 1.0,
     w: float = 1.0,
+    steps: int = 1,
 ) -> Timeline:
     """Run every rank's program with op costs f (forward), b (input grads), w (weight
     grads); an unsplit backward costs b + w. Ops start as soon as their rank is free and
-    their inputs have arrived (no communication time)."""
+    their inputs have arrived (no communication time). `steps` counts 2bw's steps."""
     split = schedule == "zero_bubble" and w > 0
     last_stage = pp * vpp - 1
-    programs = [program(schedule, pp, microbatches, r, vpp) for r in range(pp)]
+    programs = [program(schedule, pp, microbatches, r, vpp, steps) for r in range(pp)]
+    chunks = [rank_stages(r, pp, vpp, placement(schedule)) for r in range(pp)]
+    # Backwards the program follows with an explicit W compute the input grads only.
+    weighed = [{(op.microbatch, op.chunk) for op in ops if op.kind == "W"} for ops in programs]
     position = [0] * pp
     free = [0.0] * pp
     pending_w: list[list[Op]] = [[] for _ in range(pp)]
@@ -171,12 +196,14 @@ def simulate(
     rows: list[list[Slot]] = [[] for _ in range(pp)]
 
     def stage_of(rank: int, op: Op) -> int:
-        return op.chunk * pp + rank
+        return chunks[rank][op.chunk]
 
     def ready_time(rank: int, op: Op) -> float | None:
         stage = stage_of(rank, op)
         if op.kind == "F":
             deps = [("F", stage - 1, op.microbatch)] if stage > 0 else []
+        elif op.kind == "W":
+            deps = [("B", stage, op.microbatch)]
         else:
             deps = [("F", stage, op.microbatch)]
             if stage < last_stage:
@@ -184,6 +211,13 @@ def simulate(
         if any(d not in done for d in deps):
             return None
         return max([done[d] for d in deps], default=0.0)
+
+    def cost(rank: int, op: Op) -> float:
+        if op.kind == "F":
+            return f
+        if op.kind == "W":
+            return w
+        return b if split or (op.microbatch, op.chunk) in weighed[rank] else b + w
 
     while any(position[r] < len(programs[r]) or pending_w[r] for r in range(pp)):
         best: tuple[float, int, int] | None = None  # (start, W last, rank)
@@ -202,18 +236,36 @@ def simulate(
         assert best is not None, "the schedule deadlocks"
         start, is_w, r = best
         if is_w:
-            op, cost = pending_w[r].pop(0), w
+            op = pending_w[r].pop(0)
         else:
             op = programs[r][position[r]]
             position[r] += 1
-            cost = f if op.kind == "F" else (b if split else b + w)
-        rows[r].append(Slot(op, start, start + cost))
-        held[r] += 1 if op.kind == "F" else -1 if op.kind == ("W" if split else "B") else 0
-        free[r] = start + cost
-        done[(op.kind, stage_of(r, op), op.microbatch)] = start + cost
+        end = start + cost(r, op)
+        rows[r].append(Slot(op, start, end))
+        # Activations are freed by the W of a split backward, else by the backward.
+        whole = op.kind == "B" and not split and (op.microbatch, op.chunk) not in weighed[r]
+        held[r] += 1 if op.kind == "F" else -1 if op.kind == "W" or whole else 0
+        free[r] = end
+        done[(op.kind, stage_of(r, op), op.microbatch)] = end
         if split and op.kind == "B":
             pending_w[r].append(Op("W", op.microbatch, op.chunk))
-    return Timeline(schedule, pp, microbatches, vpp, rows)
+    return Timeline(schedule, pp, microbatches, vpp, rows, steps)
+
+
+def pipedream_bubble(
+    pp: int, microbatches: int, steps: int, f: float = 1.0, b: float = 1.0, w: float = 1.0
+) -> float:
+    """Idle share of a 2bw segment of `steps` steps (from an empty pipeline to its drain).
+
+    Simulated over up to SIMULATED_STEPS steps; past the first, a step of the steady state
+    adds m(f+b+w) of work to every rank and no idle time, which extends the simulation to
+    any length exactly (tests/unit/test_pipedream.py checks it against longer simulations).
+    """
+    simulated = min(steps, SIMULATED_STEPS)
+    timeline = simulate("2bw", pp, microbatches, f=f, b=b, w=w, steps=simulated)
+    idle = sum(timeline.makespan - timeline.busy(r) for r in range(pp))
+    busy = pp * steps * microbatches * (f + b + w)
+    return idle / (idle + busy)
 
 
 def summary(schedule: str, pp: int, microbatches: int, vpp: int = 1) -> dict:

@@ -77,8 +77,11 @@ def _build_one(
 def build_train_state(
     cfg: RecipeConfig, mesh: JobMesh, degrees: Degrees, device: torch.device
 ) -> TrainState:
-    """Model, optimizer and LR schedule for this rank."""
+    """Model, optimizer and LR schedule for this rank (and, under PipeDream-2BW, the second
+    weight version, built alike: the same initial weights)."""
     model, plain = build_model(cfg, mesh, degrees, device)
+    two_versions = degrees.pp > 1 and cfg.parallel.pp_schedule == "2bw"
+    stash = build_model(cfg, mesh, degrees, device)[1] if two_versions else None
     if cfg.parallel.zero == 1 and degrees.dp_shard > 1:
         groups = param_groups(plain, cfg.optim.weight_decay)
         lr = scaled_lr(cfg.optim, cfg.train.global_batch)
@@ -101,4 +104,5 @@ def build_train_state(
         # The vocab-parallel loss works on DTensor logits under loss_parallel: left eager.
         loss_fn=compile_loss(lm_loss, cfg.compile) if degrees.tp == 1 else lm_loss,
         context=context_split(mesh, cfg.parallel),
+        stash=stash,
     )

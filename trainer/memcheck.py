@@ -95,9 +95,9 @@ def measure(cfg: RecipeConfig) -> dict:
 
     if degrees.pp > 1:
         # Each rank runs its stage's part of the schedule; the first step also infers shapes.
-        from trainer.pipeline_step import PipelineStep
+        from trainer.pipeline_step import pipeline_step
 
-        pipeline = PipelineStep(state, cfg, degrees, mesh, device)
+        pipeline = pipeline_step(state, cfg, degrees, mesh, device)
 
         def step(micro_batches: list) -> None:
             pipeline.step(micro_batches, None)

@@ -29,7 +29,18 @@ from parallel.tensor import local_value, vocab_parallel_loss
 from pretrain_core.layout import Degrees, grad_accum_steps
 from pretrain_core.schema import RecipeConfig
 from trainer.faults import StepGuard
+from trainer.pipeline_2bw import PipeDreamStep
 from trainer.step import TrainState, apply_gradients
+
+
+def pipeline_step(
+    state: TrainState, cfg: RecipeConfig, degrees: Degrees, mesh: JobMesh, device: torch.device
+):
+    """The step object of the recipe's schedule: torch's (`PipelineStep`) or, for
+    pp_schedule=2bw, the in-repo PipeDream-2BW (`trainer/pipeline_2bw.py`)."""
+    if cfg.parallel.pp_schedule == "2bw":
+        return PipeDreamStep(state, cfg, degrees, mesh, device)
+    return PipelineStep(state, cfg, degrees, mesh, device)
 
 
 class PipelineStep:

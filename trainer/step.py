@@ -44,6 +44,12 @@ class TrainState:
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = lm_loss
     context: ContextSplit | None = None
     """Context parallelism: which chunks of each sequence this rank computes (None: all)."""
+    stash: nn.Module | None = None
+    """PipeDream-2BW: the other weight version (a stage view like `plain`, which is the
+    newest); checkpoints save and restore both."""
+    settle: Callable[[], None] | None = None
+    """Called before a checkpoint is written, to bring the step to a state a checkpoint can
+    hold (2BW drains its pipeline and applies the last gradient)."""
 
 
 def _autocast(cfg: RecipeConfig, degrees: Degrees, device: torch.device):

@@ -59,9 +59,9 @@ def run(cfg: RecipeConfig, rank: RankInfo) -> None:
     state = build_train_state(cfg, mesh, degrees, rank.device)
     pipeline = None
     if degrees.pp > 1:
-        from trainer.pipeline_step import PipelineStep
+        from trainer.pipeline_step import pipeline_step
 
-        pipeline = PipelineStep(state, cfg, degrees, mesh, rank.device)
+        pipeline = pipeline_step(state, cfg, degrees, mesh, rank.device)
     moe_pp_group = pipeline.group if pipeline is not None and cfg.model.moe_experts else None
     dataset = prepare_dataset(cfg.data, vocab_size=cfg.model.vocab_size, seq_len=cfg.train.seq_len)
     sampler = GlobalBatchSampler(len(dataset), cfg.train.global_batch, cfg.seed)

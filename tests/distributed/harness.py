@@ -58,6 +58,26 @@ def run_pretrain(
 
     `base` shrinks the recipe to the harness model; pass () to train the recipe as shipped.
     """
+    result = launch(run_dir, overrides, nproc, timeout, recipe, base)
+    if result.returncode != 0:
+        log = run_dir.parent / f"{run_dir.name}.log"
+        raise AssertionError(
+            f"pretrain failed ({result.returncode}), full output in {log}:\n{result.stderr[-3000:]}"
+        )
+    return read_curve(run_dir / "metrics.jsonl")
+
+
+def launch(
+    run_dir: Path,
+    overrides: list[str],
+    nproc: int,
+    timeout: float = 300,
+    recipe: str = "tiny",
+    base: tuple[str, ...] = BASE_OVERRIDES,
+    env: dict[str, str] | None = None,
+) -> subprocess.CompletedProcess:
+    """The pretrain CLI on `nproc` CPU ranks, failed or not; its output goes to
+    RUN_DIR.log beside the run dir when it fails."""
     cmd = [
         sys.executable,
         "-m",
@@ -69,20 +89,19 @@ def run_pretrain(
         f"run.dir={run_dir}",
         *overrides,
     ]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    full_env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env)
     if result.returncode != 0:
-        log = run_dir.parent / f"{run_dir.name}.log"
-        log.write_text(result.stdout + result.stderr)
-        raise AssertionError(
-            f"pretrain failed ({result.returncode}), full output in {log}:\n{result.stderr[-3000:]}"
-        )
-    return read_curve(run_dir / "metrics.jsonl")
+        (run_dir.parent / f"{run_dir.name}.log").write_text(result.stdout + result.stderr)
+    return result
 
 
 def read_curve(path: Path) -> Curve:
-    """The loss and gradient-norm curves of a metrics.jsonl file."""
+    """The loss and gradient-norm curves of a metrics.jsonl file (a step logged again after
+    a resume counts once, as logged last)."""
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    last = {r["step"]: r for r in rows}
+    rows = [last[step] for step in sorted(last)]
     return Curve(loss=[r["loss"] for r in rows], grad_norm=[r["grad_norm"] for r in rows])
 
 

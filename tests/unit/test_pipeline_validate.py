@@ -93,3 +93,44 @@ def test_memory_model_counts_the_first_ranks_layers_of_an_uneven_split():
     assert (
         memory_breakdown(light_first, degrees, 8).total < memory_breakdown(even, degrees, 8).total
     )
+
+
+@pytest.mark.parametrize("schedule", ["zbv", "dualpipev"])
+def test_v_schedules_run_with_two_chunks_per_rank(schedule):
+    cfg = configure(
+        {"parallel.pp": 2, "parallel.vpp": 2, "parallel.pp_schedule": schedule, "parallel.zero": 2}
+    )
+    validate(cfg, for_launch=True)
+
+
+@pytest.mark.parametrize("schedule", ["zbv", "dualpipev"])
+def test_v_schedules_need_vpp_2(schedule):
+    cfg = configure({"parallel.pp": 2, "parallel.pp_schedule": schedule})
+    [problem] = problems(cfg)
+    assert problem.field == "parallel.vpp"
+    assert "exactly two chunks on each rank, in a V" in problem.reason
+    assert problem.fix == "set parallel.vpp=2"
+
+
+def test_dualpipev_needs_as_many_micro_batches_as_stages():
+    cfg = configure(
+        {
+            "parallel.pp": 4,
+            "parallel.vpp": 2,
+            "parallel.pp_schedule": "dualpipev",
+            "parallel.pp_microbatches": 4,
+        }
+    )
+    [problem] = problems(cfg)
+    assert problem.field == "parallel.pp_microbatches"
+    assert "as many micro-batches as stages (2pp = 8)" in problem.reason
+    assert "parallel.pp_microbatches >= 8" in problem.fix
+
+
+def test_2bw_needs_a_pipeline_and_one_chunk_per_rank():
+    [problem] = problems(configure({"parallel.pp_schedule": "2bw"}))
+    assert (problem.field, problem.value) == ("parallel.pp_schedule", "2bw")
+    assert "with pp=1 there is no pipeline" in problem.reason
+    cfg = configure({"parallel.pp": 2, "parallel.vpp": 2, "parallel.pp_schedule": "2bw"})
+    [problem] = problems(cfg)
+    assert problem.field == "parallel.vpp"

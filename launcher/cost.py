@@ -1,6 +1,6 @@
 """Estimated step time of a layout: a simple cost model, stated term by term.
 
-    step = (compute + tp + pp_p2p) / (1 - bubble fraction) + dp exposed
+    step = (compute + tp + cp + pp_p2p) / (1 - bubble fraction) + dp exposed
 
 - compute: the FLOPs each rank of the slowest pipeline stage runs (model FLOPs plus
   recomputation, from `models.flops`, the functions MFU uses; the last stage adds the LM
@@ -9,6 +9,10 @@
   and backward each move two all-reduces of the block's s*b*h activations in the compute
   dtype (with SP, a reduce-scatter and an all-gather each: the same bytes); full recompute
   repeats the forward's. A ring moves 2(t-1)/t of the message per rank for an all-reduce.
+- cp: context parallelism's K/V ring (`launcher.cp_comm`: every layer's hops, over the
+  link the ring crosses), hidden up to CP_OVERLAP of the attention-score compute it
+  overlaps; the rest is exposed. Under cp, every rank computes and sends 1/cp of each
+  sequence's tokens, and gradients are reduced over dp x cp.
 - pp_p2p: one activation forward and one gradient backward per micro-batch between stages
   (times vpp when interleaved; 1/t of it with SP), not overlapped.
 - bubble: `launcher.plan.bubble_fraction` of the pipelined time.
@@ -31,8 +35,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from launcher.cp_comm import cp_communication
 from launcher.memory import COMPUTE_BYTES
-from launcher.plan import bubble_fraction, recomputed_layers, stage_params
+from launcher.plan import bubble_fraction, recomputed_layers, segment_steps, stage_params
 from models.flops import flops_per_token
 from pretrain_core.hardware import Links
 from pretrain_core.layout import Degrees
@@ -44,6 +49,8 @@ LINK_EFFICIENCY = 0.8
 """Share of a link's nominal bandwidth that NCCL collectives reach (bus bandwidth)."""
 DP_OVERLAP = 0.8
 """Share of its overlap window that data-parallel traffic hides in."""
+CP_OVERLAP = 0.8
+"""Share of the attention-score compute a ring hop hides behind."""
 
 
 @dataclass(frozen=True)
@@ -58,21 +65,24 @@ class StepCost:
     """All data-parallel traffic, hidden or not."""
     dp_exposed: float
     """The part of `dp_total` the overlap windows do not hide."""
+    cp: float = 0.0
+    """Context parallelism's ring traffic the attention does not hide."""
 
     @property
     def total(self) -> float:
-        return self.compute + self.tp + self.pp_p2p + self.bubble + self.dp_exposed
+        return self.compute + self.tp + self.cp + self.pp_p2p + self.bubble + self.dp_exposed
 
     @property
     def communication(self) -> float:
         """Seconds of traffic of every kind, hidden or not (the ranking's tie-break)."""
-        return self.tp + self.pp_p2p + self.dp_total
+        return self.tp + self.cp + self.pp_p2p + self.dp_total
 
     def terms(self) -> dict[str, float]:
         """The terms that add up to `total`, by name."""
         return {
             "compute": self.compute,
             "tp": self.tp,
+            "cp": self.cp,
             "pp p2p": self.pp_p2p,
             "bubble": self.bubble,
             "dp exposed": self.dp_exposed,
@@ -92,15 +102,17 @@ def step_cost(
 ) -> StepCost:
     """Estimated seconds per optimizer step of `cfg`'s layout (see the module's model)."""
     m, p = cfg.model, cfg.parallel
-    t, pp, d, s_dp, r_dp = (
+    t, pp, d, s_dp, r_dp, cp = (
         degrees.tp,
         degrees.pp,
         degrees.dp,
         degrees.dp_shard,
         degrees.dp_replicate,
+        degrees.cp,
     )
     gpn = cfg.cluster.gpus_per_node
     seq, b, c = cfg.train.seq_len, cfg.train.micro_batch, COMPUTE_BYTES[cfg.precision.dtype]
+    local_seq = seq // cp
     policy = cfg.recompute.policy
 
     fpt = flops_per_token(m, seq)
@@ -112,10 +124,10 @@ def step_cost(
     stage_flops = (hardware_flops - head) / pp + head
     tokens = cfg.train.global_batch * seq
     rate = peak_tflops * 1e12 * COMPUTE_EFFICIENCY
-    compute = tokens / d * stage_flops / t / rate
+    compute = tokens / (d * cp) * stage_flops / t / rate
 
     blocks = m.n_layers // pp
-    activation = seq * b * m.dim * c
+    activation = local_seq * b * m.dim * c
     tp_time = 0.0
     if t > 1:
         passes = 2 + (1 if policy == "full" else 0)
@@ -128,12 +140,21 @@ def step_cost(
         per_rank = microbatches * 2 * vpp * activation / (t if p.sp else 1)
         p2p = per_rank / group_bandwidth(links, gpn, t * d, pp)
 
-    fraction = bubble_fraction(p.pp_schedule, pp, microbatches, p.vpp)
-    busy = compute + tp_time + p2p
+    ring = 0.0
+    comm = cp_communication(cfg, degrees)
+    if comm is not None:
+        scores = 3 * fpt.attention_scores * tokens / (d * cp) / t / pp / rate
+        traffic = blocks * comm.sent_bytes / group_bandwidth(links, gpn, t, cp)
+        ring = max(0.0, traffic - CP_OVERLAP * scores)
+
+    fraction = bubble_fraction(p.pp_schedule, pp, microbatches, p.vpp, segment_steps(cfg))
+    busy = compute + tp_time + ring + p2p
     bubble = busy / (1 - fraction) - busy
 
     local = max(stage_params(cfg)) / t
     grads = 4 * local
+    # cp joins the gradient reduction: dp x cp ranks, tp apart (FSDP shards over dp_shard x cp).
+    d, s_dp = d * cp, s_dp * cp
     dp_bw = group_bandwidth(links, gpn, t, d)
     shard_bw = group_bandwidth(links, gpn, t, s_dp)
     replicate_bw = group_bandwidth(links, gpn, t * s_dp, r_dp)
@@ -155,7 +176,7 @@ def step_cost(
         + max(0.0, gather - DP_OVERLAP * compute)
         + after_step
     )
-    return StepCost(compute, tp_time, p2p, bubble, reduce + gather + after_step, exposed)
+    return StepCost(compute, tp_time, p2p, bubble, reduce + gather + after_step, exposed, ring)
 
 
 def assumptions(gpu_type: str, links: Links, peak_tflops: float, dtype: str) -> list[str]:
@@ -170,4 +191,6 @@ def assumptions(gpu_type: str, links: Links, peak_tflops: float, dtype: str) -> 
         "parameter gathers: all compute); ZeRO-1's parameter all-gather after the step exposed",
         "1F1B (interleaved when vpp > 1) with the plan's bubble, at the pace of the last "
         "stage (its blocks and the LM head)",
+        f"context parallelism: each layer's K/V ring over the link its tp*cp ranks span, "
+        f"hidden up to {CP_OVERLAP:.0%} of the attention-score compute",
     ]

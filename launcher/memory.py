@@ -24,7 +24,13 @@ The trainer's bookkeeping (stated, because it differs from the ZeRO paper's):
   head and the logits of every micro-batch in flight on the last, the stage's output kept
   until its backward elsewhere); under 1F1B gradients exist from the first backward on, so
   the steady state's peak holds them; GPipe's peak is its first backward, without them.
+  The V schedules (zbv, dualpipev) hold the first and the last stage on rank 0; their and
+  2BW's micro-batches in flight come from the simulated schedule (the order that runs).
+  PipeDream-2BW keeps two versions of a stage's weights, and both hold gradients while the
+  previous step's last backwards run beside this step's (the optimizer states exist once).
   `peak_breakdown` is the largest rank's, which the plan and the fit check use.
+- CP: every per-token tensor holds s/cp tokens; the ring's backward adds a chunk pair's
+  FP32 scores, probabilities and their gradient, and its key/value and gradient buffers.
 
 `textbook_model_states` keeps the ZeRO paper's figures (2 + 2 + K bytes per parameter) as
 the reference the unit tests cross-check; `korthikanti_layer_activations` the per-layer
@@ -34,13 +40,17 @@ activation formula of Korthikanti et al. 2022 for a GPT block.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
 
-from launcher.schedule_sim import warmup
+from launcher.schedule_sim import simulate, warmup
 from models.flops import count_params
 from pretrain_core.layout import Degrees
 from pretrain_core.model_config import ModelConfig
 from pretrain_core.schema import RecipeConfig
-from pretrain_core.stages import rank_layer_count
+from pretrain_core.stages import V_SCHEDULES, head_rank, placement, rank_layer_count
+
+SIMULATED = (*V_SCHEDULES, "2bw")
+"""Schedules whose micro-batches in flight are read off their simulated order."""
 
 GIB = 2**30
 CUDA_FIXED_GIB = 1.5
@@ -181,21 +191,53 @@ def in_flight(schedule: str, pp: int, microbatches: int, vpp: int = 1, rank: int
         return 1.0
     if schedule == "gpipe":
         return float(microbatches)
+    if schedule in SIMULATED:
+        return _simulated_in_flight(schedule, pp, microbatches, vpp)[rank]
     chunks = vpp if schedule == "interleaved_1f1b" else 1
     held = min(warmup(schedule, pp, microbatches, rank, chunks) + 1, microbatches * chunks)
     return held / chunks
 
 
+@lru_cache(maxsize=64)
+def _simulated_in_flight(schedule: str, pp: int, microbatches: int, vpp: int) -> tuple:
+    """Per rank, the simulated peak in flight (2bw: over two steps, its steady state)."""
+    timeline = simulate(schedule, pp, microbatches, vpp, steps=2 if schedule == "2bw" else 1)
+    return tuple(timeline.peak_in_flight(r) for r in range(pp))
+
+
+def head_in_flight(cfg: RecipeConfig, degrees: Degrees, microbatches: int) -> float:
+    """Micro-batches whose logits the rank of the last stage holds at once: its in-flight
+    count, or under a V schedule that of its second chunk (the last stage) alone."""
+    p = cfg.parallel
+    if degrees.pp > 1 and p.pp_schedule in V_SCHEDULES:
+        return simulate(p.pp_schedule, degrees.pp, microbatches, p.vpp).peak_in_flight(0, 1)
+    rank = head_rank(degrees.pp, p.vpp, placement(p.pp_schedule))
+    return in_flight(p.pp_schedule, degrees.pp, microbatches, p.vpp, rank)
+
+
+def weight_versions(cfg: RecipeConfig) -> int:
+    """Copies of each stage's weights a rank holds: two under PipeDream-2BW."""
+    return 2 if cfg.parallel.pp > 1 and cfg.parallel.pp_schedule == "2bw" else 1
+
+
+def local_tokens(cfg: RecipeConfig) -> int:
+    """Tokens of each sequence one rank computes: all of them, or 1/cp under CP."""
+    return cfg.train.seq_len // cfg.parallel.cp
+
+
 def stage_params(cfg: RecipeConfig, pp_rank: int = 0) -> tuple[int, int, int]:
     """(blocks' params, root params, blocks) of pipeline rank `pp_rank`.
 
-    The root holds the embedding on the first rank, the final norm and head on the last.
+    The root holds the embedding on the first rank, the final norm and head on the rank of
+    the last stage (the last rank; the first under a V schedule).
     """
     counts = count_params(cfg.model)
     p = cfg.parallel
-    blocks = rank_layer_count(cfg.model.n_layers, p.pp, p.vpp, p.pp_layers, pp_rank)
+    style = placement(p.pp_schedule) if p.pp > 1 else "loop"
+    blocks = rank_layer_count(cfg.model.n_layers, p.pp, p.vpp, p.pp_layers, pp_rank, style)
     root = counts.embedding if pp_rank == 0 else 0
-    root += counts.final_norm + counts.lm_head if pp_rank == p.pp - 1 else 0
+    head = pp_rank == head_rank(p.pp, p.vpp, style)
+    root += counts.final_norm + counts.lm_head if head else 0
     # MoE layers are spread evenly over the stages (exact with one stage).
     return counts.layers * blocks // cfg.model.n_layers, root, blocks
 
@@ -210,15 +252,19 @@ def memory_breakdown(
     cfg: RecipeConfig, degrees: Degrees, microbatches: int, pp_rank: int = 0
 ) -> MemoryBreakdown:
     """Peak bytes per rank of pipeline rank `pp_rank` under `cfg`, by category."""
-    t, n = degrees.tp, degrees.dp
+    # Context-parallel ranks reduce gradients with the data-parallel ones, and FSDP shards
+    # over them too.
+    t, n = degrees.tp, degrees.grad_replicas
     dtype = cfg.precision.dtype
     compute = COMPUTE_BYTES[dtype]
     fsdp = cfg.parallel.zero >= 2 and n > 1
     ddp = not fsdp and n > 1
-    last = pp_rank == degrees.pp - 1
+    style = placement(cfg.parallel.pp_schedule) if degrees.pp > 1 else "loop"
+    last = pp_rank == head_rank(degrees.pp, cfg.parallel.vpp, style)
     flight = in_flight(
         cfg.parallel.pp_schedule, degrees.pp, microbatches, cfg.parallel.vpp, pp_rank
     )
+    versions = weight_versions(cfg)
     # Gradients live from a micro-batch's backward to the step: at the peak when accumulation
     # runs micro-batches one after another, or when a pipeline's steady state runs a forward
     # after its first backward (not under GPipe, whose first backward is its peak).
@@ -280,16 +326,17 @@ def memory_breakdown(
         transients += ddp_extra
         notes["transients"] = notes.get("transients", "") + " + DDP's accumulation buffer"
 
-    s, b, v = cfg.train.seq_len, cfg.train.micro_batch, cfg.model.vocab_size
+    s, b, v = local_tokens(cfg), cfg.train.micro_batch, cfg.model.vocab_size
     # Per micro-batch in flight the last stage keeps the logits and the FP32 log-softmax
     # (the vocab-parallel loss one more FP32 shard); the start of backward adds its gradient
     # and the gradient of the logits (in FP32 before the cast back).
     kept_logits = s * b * v / t * (compute + 4 + (4 if t > 1 else 0)) if last else 0.0
     logit_grads = s * b * v / t * 8 if last else 0.0
-    logits = flight * kept_logits + logit_grads
+    head_flight = head_in_flight(cfg, degrees, microbatches) if last else flight
+    logits = head_flight * kept_logits + logit_grads
     notes["logits"] = (
         "logits, log-softmax, 2 FP32 gradients"
-        + (f", x{flight:g} in flight" if flight != 1 else "")
+        + (f", x{head_flight:g} in flight" if head_flight != 1 else "")
         if last
         else "on the last stage"
     )
@@ -311,10 +358,20 @@ def memory_breakdown(
         grads_held += 4 * expert_local if accum > 1 else 0.0
         transients += compute * expert_local if dtype != "fp32" else 0.0
         notes["params"] += f", experts split over ep={degrees.ep}"
+    if versions > 1:
+        # PipeDream-2BW: a second copy of the stage, and gradients in both while the previous
+        # step's last backwards run beside this step's (reduce-scattered each micro-batch
+        # under FSDP, so sharded); both versions' unsharded or cast weights are in use.
+        params *= versions
+        grads_held = versions * 4 * (local / shard + expert_local)
+        transients *= versions
+        notes["params"] += ", x2 weight versions (2BW)"
+        notes["grads"] += ", in both weight versions (2BW)"
     forward = (params, grads_held + buckets, optimizer, activations, transients, logits)
     # The optimizer step: FP32 gradients (sharded under FSDP) and one parameter-sized
     # temporary of the foreach update.
     step_grads = 4 * local / shard + (4 * local if ddp else 0.0) + 4 * expert_local
+    step_grads *= versions
     step_temp = (4 * local / opt_shard + 4 * expert_local) if moments else 0.0
     step = (params, step_grads, optimizer + step_temp, 0.0, 0.0, 0.0)
     phase, chosen = ("forward", forward) if sum(forward) >= sum(step) else ("optimizer step", step)
@@ -338,7 +395,21 @@ def _block_backward(cfg: RecipeConfig, degrees: Degrees, compute: int, fsdp: boo
     t, sp = degrees.tp, cfg.parallel.sp
     per_token = _residual_bytes(cfg, fsdp) * cfg.model.dim / (t if sp else 1)
     per_token += 3 * compute * mlp_width(cfg.model) / t
-    return cfg.train.seq_len * cfg.train.micro_batch * per_token
+    tokens, b = local_tokens(cfg), cfg.train.micro_batch
+    return tokens * b * per_token + _ring_backward(cfg, degrees, compute)
+
+
+def _ring_backward(cfg: RecipeConfig, degrees: Degrees, compute: int) -> float:
+    """Context parallelism's backward temporaries: one chunk pair's FP32 scores,
+    probabilities and their gradient, and the keys and values received with their FP32
+    gradient accumulators (held and incoming); 0 without cp."""
+    if degrees.cp == 1:
+        return 0.0
+    m, b, t = cfg.model, cfg.train.micro_batch, degrees.tp
+    chunk = local_tokens(cfg) / 2
+    scores = 3 * 4 * b * m.n_heads / t * chunk**2
+    kv = 2 * b * local_tokens(cfg) * m.kv_heads * m.head_dim / t
+    return scores + kv * (compute + 2 * 2 * 4)
 
 
 def _activations(
@@ -347,10 +418,11 @@ def _activations(
     """Saved activations of pipeline rank `pp_rank` with `flight` micro-batches in flight,
     one recomputed block's activations (0 without recompute), and how they were counted."""
     m, t, sp = cfg.model, degrees.tp, cfg.parallel.sp
-    s, b = cfg.train.seq_len, cfg.train.micro_batch
+    s, b = local_tokens(cfg), cfg.train.micro_batch
     compute, residual = COMPUTE_BYTES[cfg.precision.dtype], _residual_bytes(cfg, fsdp)
     p = cfg.parallel
-    blocks = rank_layer_count(m.n_layers, p.pp, p.vpp, p.pp_layers, pp_rank)
+    style = placement(p.pp_schedule) if p.pp > 1 else "loop"
+    blocks = rank_layer_count(m.n_layers, p.pp, p.vpp, p.pp_layers, pp_rank, style)
     policy, every = cfg.recompute.policy, cfg.recompute.every
     whole = llama_block_activations(m, s, b, compute, residual, t, sp, "none")
     if policy == "selective":
@@ -365,7 +437,7 @@ def _activations(
     else:
         stage = blocks * whole
         note = "every block's saved tensors"
-    if pp_rank == degrees.pp - 1:
+    if pp_rank == head_rank(degrees.pp, p.vpp, style):
         stage += head_activations(m, s, b, compute, residual, t, sp)
     else:
         # The stage's output, kept by the schedule from its send until its backward.

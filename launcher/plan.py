@@ -12,7 +12,9 @@ import math
 from dataclasses import dataclass, field
 
 from launcher import schedule_sim
+from launcher.cp_comm import CPComm, cp_communication
 from launcher.memory import MemoryBreakdown, peak_breakdown
+from launcher.memory import in_flight as rank_in_flight
 from launcher.tp_comm import TPComm, tp_communication
 from models.flops import count_params, flops_per_token
 from pretrain_core import hardware
@@ -85,6 +87,8 @@ class Plan:
     """One layer's tensor-parallel collectives per step and rank (None without TP)."""
     pipeline: dict | None = None
     """The simulated schedule: chart, bubble, in-flight per stage (None without PP)."""
+    cp_comm: CPComm | None = None
+    """One layer's context-parallel ring exchanges per step and rank (None without CP)."""
 
     @property
     def memory_gib(self) -> float:
@@ -131,7 +135,7 @@ def make_plan(cfg: RecipeConfig) -> Plan:
         grad_accum=accum,
         pp_microbatches=micro,
         bubble_fraction=bubble_fraction(
-            cfg.parallel.pp_schedule, degrees.pp, micro, cfg.parallel.vpp
+            cfg.parallel.pp_schedule, degrees.pp, micro, cfg.parallel.vpp, segment_steps(cfg)
         ),
         zero=cfg.parallel.zero,
         model_states_by_zero={
@@ -148,9 +152,15 @@ def make_plan(cfg: RecipeConfig) -> Plan:
     plan.memory = peak_breakdown(cfg, degrees, micro)
     plan.assumptions = _assumptions(cfg)
     plan.tp_comm = tp_communication(cfg, degrees)
+    plan.cp_comm = cp_communication(cfg, degrees)
+    if plan.cp_comm is not None and plan.cp_comm.crosses_nodes:
+        plan.warnings.append(
+            f"the context-parallel ring spans tp*cp = {plan.cp_comm.ring_span} ranks, more than "
+            f"a node's {cfg.cluster.gpus_per_node}: every hop crosses the inter-node link"
+        )
     if degrees.pp > 1:
         plan.pipeline = schedule_sim.summary(
-            cfg.parallel.pp_schedule, degrees.pp, micro, cfg.parallel.vpp
+            cfg.parallel.pp_schedule, degrees.pp, micro, cfg.parallel.vpp, segment_steps(cfg)
         )
     if memory and max(plan.memory_gib, plan.memory.total_gib) > memory:
         peak = max(plan.memory_gib, plan.memory.total_gib)
@@ -174,6 +184,12 @@ def stage_params(cfg: RecipeConfig) -> tuple[int, int]:
     if pp == 1:
         return (counts.total,) * 2
     return counts.embedding + layers, layers + counts.final_norm + head
+
+
+def segment_steps(cfg: RecipeConfig) -> int:
+    """Steps PipeDream-2BW runs between two drains of its pipeline: a checkpoint drains it."""
+    every = cfg.checkpoint.every
+    return min(cfg.train.steps, every) if every > 0 else cfg.train.steps
 
 
 def recomputed_layers(layers: int, every: int) -> int:
@@ -234,7 +250,7 @@ def activation_bytes(cfg: RecipeConfig, degrees: Degrees, microbatches: int) -> 
     layers and micro-batches in flight, plus one micro-batch of fp32 logits.
     """
     m, t = cfg.model, degrees.tp
-    s, b, h, a = cfg.train.seq_len, cfg.train.micro_batch, m.dim, m.n_heads
+    s, b, h, a = cfg.train.seq_len // degrees.cp, cfg.train.micro_batch, m.dim, m.n_heads
     attention = 5 * a * s / h if cfg.recompute.policy != "selective" else 0.0
     if cfg.parallel.sp:
         per_layer = s * b * h * (34 + attention) / t
@@ -254,6 +270,8 @@ def in_flight(schedule: str, pp: int, microbatches: int, vpp: int = 1) -> float:
     """Micro-batches whose activations the first stage holds at its peak."""
     if pp == 1:
         return 1.0
+    if schedule in (*V_SCHEDULES, "2bw"):
+        return rank_in_flight(schedule, pp, microbatches, vpp, 0)
     if schedule == "gpipe":
         return float(microbatches)
     if schedule == "interleaved_1f1b":
@@ -278,8 +296,25 @@ def _assumptions(cfg: RecipeConfig) -> list[str]:
             "TP communication: bytes sent per rank on a ring; recompute repeats the forward "
             "collectives of recomputed layers, not counted"
         )
-    if cfg.parallel.pp > 1 and cfg.parallel.pp_schedule == "zero_bubble":
+    p = cfg.parallel
+    if p.pp > 1 and p.pp_schedule == "zero_bubble":
         notes.append("bubble: zero_bubble reported at the 1F1B value, an upper bound")
+    if p.pp > 1 and p.pp_schedule in V_SCHEDULES:
+        notes.append(
+            f"bubble and in-flight: {p.pp_schedule}'s own op order (torch's), simulated with "
+            "F = B = W; rank 0 holds the first and the last stage"
+        )
+    if p.pp > 1 and p.pp_schedule == "2bw":
+        notes.append(
+            f"2bw: the pipeline fills once per {segment_steps(cfg)} steps (a checkpoint drains "
+            "it); each step's gradient is applied one step late; two weight versions and "
+            "their gradients per stage in memory"
+        )
+    if p.cp > 1:
+        notes.append(
+            f"context parallelism: activations of s/cp = {cfg.train.seq_len // p.cp} tokens "
+            "per rank; the K/V ring's traffic per layer is listed (hops overlap the attention)"
+        )
     return notes
 
 

@@ -35,7 +35,7 @@ def render_plan(plan: Plan) -> str:
             (
                 "degrees",
                 f"pp={d.pp} dp_replicate={d.dp_replicate} dp_shard={d.dp_shard} "
-                f"tp={d.tp} ep={d.ep} (dp={d.dp})",
+                f"cp={d.cp} tp={d.tp} ep={d.ep} (dp={d.dp})",
             ),
         ]
         + [
@@ -80,6 +80,17 @@ def render_plan(plan: Plan) -> str:
                 ("collectives per micro-batch", kinds),
                 ("activations they carry", _bytes(tp.message_bytes)),
                 ("bytes sent (ring)", _bytes(tp.sent_bytes)),
+            ],
+        )
+    if plan.cp_comm is not None:
+        cp = plan.cp_comm
+        where = "crosses nodes" if cp.crosses_nodes else "inside a node"
+        section(
+            "CP ring per layer per step (one rank)",
+            [
+                ("hops per micro-batch", ", ".join(f"{n} {k}" for k, n in cp.hops.items())),
+                ("bytes sent", _bytes(cp.sent_bytes)),
+                ("ring", f"cp ranks tp apart, spanning {cp.ring_span} ranks: {where}"),
             ],
         )
     if plan.memory is not None:
@@ -128,7 +139,9 @@ def _pipeline_section(console, pipeline: dict) -> None:
         )
     )
     console.print(f"Pipeline schedule: {pipeline['schedule']}, {m} micro-batches")
-    console.print(f"  bubble (simulated): {pipeline['bubble_fraction']:.1%}")
+    segment = pipeline.get("segment_steps", 1)
+    over = f", over {segment} steps between drains" if pipeline["schedule"] == "2bw" else ""
+    console.print(f"  bubble (simulated{over}): {pipeline['bubble_fraction']:.1%}")
     console.print(f"  per stage, idle / peak micro-batches in flight: {per_stage}")
     console.print(f"  costs: {pipeline['costs']}")
     more = (
@@ -136,6 +149,8 @@ def _pipeline_section(console, pipeline: dict) -> None:
         if shown < m
         else ""
     )
+    if pipeline.get("charted_steps", 1) > 1:
+        more += f", {pipeline['charted_steps']} steps without a flush"
     console.print(f"  chart{more}; F/B/W + micro-batch (+ chunk), . idle:")
     console.print(pipeline["chart"], soft_wrap=True, highlight=False)
 

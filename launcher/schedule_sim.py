@@ -89,11 +89,14 @@ class Timeline:
         """Idle share of all ranks' time over the step."""
         return 1 - sum(self.busy(r) for r in range(self.pp)) / (self.pp * self.makespan)
 
-    def peak_in_flight(self, rank: int) -> float:
-        """Most micro-batches whose activations rank `rank` holds at once (whole stages)."""
+    def peak_in_flight(self, rank: int, chunk: int | None = None) -> float:
+        """Most micro-batches whose activations rank `rank` holds at once (whole stages), or
+        of one `chunk` alone (whole micro-batches of that chunk)."""
         events: list[tuple[float, int]] = []
         last_use: dict[tuple[int, int], float] = {}
         for slot in self.rows[rank]:
+            if chunk is not None and slot.op.chunk != chunk:
+                continue
             key = (slot.op.microbatch, slot.op.chunk)
             if slot.op.kind == "F":
                 events.append((slot.start, 1))
@@ -104,7 +107,7 @@ class Timeline:
         for _, delta in sorted(events):  # at equal times releases (-1) sort first
             held += delta
             peak = max(peak, held)
-        return peak / self.vpp
+        return peak if chunk is not None else peak / self.vpp
 
     def chart(self) -> str:
         """Rows = pipeline ranks, columns = unit time slots; each cell the op (kind,
@@ -268,18 +271,27 @@ def pipedream_bubble(
     return idle / (idle + busy)
 
 
-def summary(schedule: str, pp: int, microbatches: int, vpp: int = 1) -> dict:
+def summary(schedule: str, pp: int, microbatches: int, vpp: int = 1, steps: int = 1) -> dict:
     """What the plan reports: bubble, idle share and peak in-flight per stage at the real
-    micro-batch count, and the chart for at most 2p micro-batches (a multiple of p)."""
-    full = simulate(schedule, pp, microbatches, vpp)
+    micro-batch count, and the chart for at most 2p micro-batches (a multiple of p); 2bw is
+    charted over two steps and its bubble is that of a segment of `steps` steps."""
+    shown_steps = min(steps, 2) if schedule == "2bw" else 1
+    full = simulate(schedule, pp, microbatches, vpp, steps=shown_steps)
     charted = min(microbatches, 2 * pp)
-    shown = full if charted == microbatches else simulate(schedule, pp, charted, vpp)
+    shown = full
+    if charted != microbatches:
+        shown = simulate(schedule, pp, charted, vpp, steps=shown_steps)
+    bubble = full.bubble_fraction
+    if schedule == "2bw":
+        bubble = pipedream_bubble(pp, microbatches, steps)
     return {
         "schedule": schedule,
         "microbatches": microbatches,
         "charted_microbatches": charted,
+        "charted_steps": shown_steps,
+        "segment_steps": steps if schedule == "2bw" else 1,
         "costs": "F=1 B=1 W=1 per chunk (an unsplit backward is B+W=2), no communication time",
-        "bubble_fraction": full.bubble_fraction,
+        "bubble_fraction": bubble,
         "idle_fraction_per_stage": [full.idle_fraction(r) for r in range(pp)],
         "peak_in_flight_per_stage": [full.peak_in_flight(r) for r in range(pp)],
         "charted_bubble_fraction": shown.bubble_fraction,

@@ -10,9 +10,14 @@ layout and micro-batch are ignored. The search spans:
 - pp: divisors of the layers; vpp: divisors of the layers per stage (interleaved 1F1B);
 - ZeRO 0-3, and hybrid sharding (dp_replicate > 1) where a node holds a whole shard group
   and the dp group would otherwise leave the node;
-- recompute none, selective or full (every block); micro-batches dividing the per-rank batch.
+- recompute none, selective or full (every block); micro-batches dividing the per-rank batch;
+- for long sequences (train.seq_len >= LONG_CONTEXT), context parallelism: cp dividing the
+  data-parallel ranks with tp*cp inside a node (the K/V ring stays on NVLink).
 
-Ties in step time go to less traffic, then to more memory headroom.
+Ties in step time go to less traffic, then to more memory headroom. For long sequences each
+suggestion's reasons walk the long-context levers in the seeds' order (recompute, then SP,
+then CP, then a smaller micro-batch: cheapest first) and say which this layout pulls, and
+for a cp > 1 layout the peak the same layout would reach without it.
 """
 
 from __future__ import annotations
@@ -34,6 +39,8 @@ from pretrain_core.problems import Problem, RecipeError, divisors
 from pretrain_core.schema import RecipeConfig
 
 RECOMPUTE_POLICIES = ("none", "selective", "full")
+LONG_CONTEXT = 16384
+"""Sequences from this length on are searched with context parallelism as well."""
 HEADROOM = 0.05
 """Share of device memory a suggested layout leaves free beyond the predicted peak (which
 already counts the framework allowance): a margin for the memory model's error."""
@@ -54,6 +61,7 @@ class Layout:
     zero: int
     recompute: str
     micro_batch: int
+    cp: int = 1
 
     @property
     def pp_schedule(self) -> str:
@@ -64,6 +72,7 @@ class Layout:
         return [
             f"parallel.tp={self.tp}",
             f"parallel.sp={str(self.sp).lower()}",
+            f"parallel.cp={self.cp}",
             f"parallel.pp={self.pp}",
             f"parallel.vpp={self.vpp}",
             f"parallel.pp_schedule={self.pp_schedule}",
@@ -82,6 +91,7 @@ class Layout:
             cfg.parallel,
             tp=self.tp,
             sp=self.sp,
+            cp=self.cp,
             pp=self.pp,
             vpp=self.vpp,
             pp_schedule=self.pp_schedule,
@@ -107,6 +117,8 @@ class Suggestion:
     mfu: float
     runnable: bool
     """Whether this version's trainer executes the layout (else it can only be planned)."""
+    long_context: str = ""
+    """For long sequences: the long-context levers in order, and which this layout pulls."""
 
     @property
     def headroom_gib(self) -> float:
@@ -150,10 +162,8 @@ def layouts(cfg: RecipeConfig) -> Iterator[Layout]:
         if gpn % tp:
             continue
         sp = tp > 1 and cfg.train.seq_len % tp == 0
-        for pp in divisors(m.n_layers):
-            if world % (tp * pp):
-                continue
-            dp = world // (tp * pp)
+        for pp, cp in _pipelines_and_rings(cfg, tp):
+            dp = world // (tp * pp * cp)
             if cfg.train.global_batch % dp or dp % ep:
                 continue
             per_rank = cfg.train.global_batch // dp
@@ -162,10 +172,25 @@ def layouts(cfg: RecipeConfig) -> Iterator[Layout]:
                 micro_batches = per_rank // micro
                 if pp > 1 and (micro_batches < pp or (vpp > 1 and micro_batches % pp)):
                     continue
-                for replicate in _replicas(zero, tp, dp, gpn):
-                    yield Layout(
-                        tp, sp, pp, vpp, replicate, dp // replicate, zero, recompute, micro
-                    )
+                for replicate in _replicas(zero, tp, dp * cp, gpn):
+                    if replicate > 1 and dp % replicate:
+                        continue
+                    shard = dp // replicate
+                    yield Layout(tp, sp, pp, vpp, replicate, shard, zero, recompute, micro, cp)
+
+
+def _pipelines_and_rings(cfg: RecipeConfig, tp: int) -> Iterator[tuple[int, int]]:
+    """(pp, cp) pairs that tile the world with tp: cp > 1 only for long sequences, with
+    2cp chunks of the sequence (split over tp under SP) and the ring inside a node."""
+    k, seq = cfg.cluster, cfg.train.seq_len
+    world, gpn = k.nodes * k.gpus_per_node, k.gpus_per_node
+    rings = [1]
+    if seq >= LONG_CONTEXT:
+        rings += [c for c in divisors(gpn // tp) if c > 1 and seq % (2 * c * tp) == 0]
+    for pp in divisors(cfg.model.n_layers):
+        for cp in rings:
+            if world % (tp * pp * cp) == 0:
+                yield pp, cp
 
 
 def _product(vpps: list[int], zeros: range, micros: list[int]) -> Iterator[tuple]:
@@ -189,7 +214,13 @@ def degrees_of(layout: Layout, cfg: RecipeConfig) -> Degrees:
     """The resolved degrees of `layout` on `cfg`'s cluster."""
     world = cfg.cluster.nodes * cfg.cluster.gpus_per_node
     return Degrees(
-        layout.pp, layout.dp_replicate, layout.dp_shard, layout.tp, cfg.parallel.ep, world
+        layout.pp,
+        layout.dp_replicate,
+        layout.dp_shard,
+        layout.tp,
+        cfg.parallel.ep,
+        world,
+        layout.cp,
     )
 
 
@@ -258,7 +289,8 @@ def search(cfg: RecipeConfig, top: int | None = None) -> Search:
         except RecipeError:
             continue  # the search space should hold only valid layouts; never suggest one
         runnable = not check_runnable(candidate)
-        chosen.append(dataclasses.replace(suggestion, runnable=runnable))
+        note = long_context_note(cfg, layout, limit)
+        chosen.append(dataclasses.replace(suggestion, runnable=runnable, long_context=note))
         if len(chosen) == top:
             break
     return Search(
@@ -269,6 +301,39 @@ def search(cfg: RecipeConfig, top: int | None = None) -> Search:
         peak_tflops=peak,
         assumptions=assumptions(spec.name, links, peak, cfg.precision.dtype),
     )
+
+
+def long_context_note(cfg: RecipeConfig, layout: Layout, limit: float) -> str:
+    """The seeds' long-context decision order (recompute, then SP, then CP, then a smaller
+    micro-batch: cheapest first) and which levers `layout` pulls; for cp > 1, the peak the
+    same layout would reach with its cp ranks turned into data-parallel ones. Empty for
+    sequences shorter than LONG_CONTEXT."""
+    if cfg.train.seq_len < LONG_CONTEXT:
+        return ""
+    levers = [
+        ("recompute", layout.recompute != "none", f"recompute={layout.recompute}"),
+        ("SP", layout.sp, "sp"),
+        ("CP", layout.cp > 1, f"cp={layout.cp}"),
+        (
+            "smaller micro-batch",
+            layout.micro_batch < cfg.train.micro_batch,
+            f"micro_batch={layout.micro_batch}",
+        ),
+    ]
+    pulled = [setting for _, used, setting in levers if used] or ["none needed"]
+    note = (
+        f"{cfg.train.seq_len} tokens; levers cheapest first: "
+        + ", then ".join(name for name, _, _ in levers)
+        + f"; this layout: {', '.join(pulled)}"
+    )
+    if layout.cp > 1:
+        without = dataclasses.replace(layout, cp=1, dp_shard=layout.dp_shard * layout.cp)
+        degrees = degrees_of(without, cfg)
+        microbatches = cfg.train.global_batch // (layout.micro_batch * degrees.dp)
+        peak = peak_breakdown(without.apply(cfg), degrees, microbatches).total_gib
+        verdict = "does not fit" if peak > limit * (1 - HEADROOM) else "fits, slower"
+        note += f"; with cp=1 the peak would be {peak:.1f} GiB ({verdict})"
+    return note
 
 
 def _check_searchable(cfg: RecipeConfig) -> None:
@@ -321,6 +386,7 @@ def suggestion_to_dict(suggestion: Suggestion) -> dict:
         "headroom_gib": suggestion.headroom_gib,
         "runnable": suggestion.runnable,
         "why": suggestion.why(),
+        "long_context": suggestion.long_context,
     }
 
 
@@ -365,6 +431,8 @@ def render_search(cfg: RecipeConfig, result: Search) -> str:
             f"{s.tokens_per_s:>9,.0f} {s.mfu:>5.0%} {s.memory.total_gib:>8.1f}"
         )
         lines.append(f"   why: {s.why()}")
+        if s.long_context:
+            lines.append(f"   long context: {s.long_context}")
         lines.append(f"   use: {' '.join(lay.overrides())}")
         if not s.runnable:
             lines.append("   (this trainer version can only plan this layout: action=plan)")

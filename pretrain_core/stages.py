@@ -48,6 +48,11 @@ def rank_stages(pp_rank: int, pp: int, vpp: int = 1, style: str = "loop") -> lis
     return [chunk * pp + pp_rank for chunk in range(vpp)]
 
 
+def head_rank(pp: int, vpp: int = 1, style: str = "loop") -> int:
+    """The pipeline rank that holds the last stage (final norm, LM head and loss)."""
+    return 0 if style == "v" else pp - 1
+
+
 def rank_layer_count(
     n_layers: int,
     pp: int,

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from models.moe import moe_modules
 from parallel.data_parallel import uses_fsdp
 from parallel.expert import reduce_expert_grads
 from parallel.mesh import JobMesh
@@ -60,10 +61,13 @@ class PipeDreamStep:
             (chunk,) = view.chunks
             inner = getattr(chunk, "module", chunk)
             in_context(inner, lambda: forward_context(cfg.precision, device, weights_cast))
-            attach_router_losses(inner, self._term_weight)
+            attach_router_losses(inner, self._term_weight, inference_forward=False)
             version = Version(chunk, list(view.parameters()))
             self.versions[id(version)] = (version, view)
         stash, plain = (v for v, _ in self.versions.values())
+        # Whichever version routes a micro-batch, the expert-load metrics count it once.
+        for older, newer in zip(moe_modules(state.stash), moe_modules(state.plain), strict=True):
+            older.stats = newer.stats
         self.owner = plain  # the version the optimizer holds
         transport = P2PTransport(self.group, rank, degrees.pp, device)
         self.engine = PipeDream(

@@ -29,7 +29,7 @@ The trainer's bookkeeping (stated, because it differs from the ZeRO paper's):
   PipeDream-2BW keeps two versions of a stage's weights, and both hold gradients while the
   previous step's last backwards run beside this step's (the optimizer states exist once).
   `peak_breakdown` is the largest rank's, which the plan and the fit check use.
-- CP: every per-token tensor holds s/cp tokens; the ring's backward adds a chunk pair's
+- CP: every per-token tensor holds s/cp tokens; the ring's backward adds a query tile's
   FP32 scores, probabilities and their gradient, and its key/value and gradient buffers.
 
 `textbook_model_states` keeps the ZeRO paper's figures (2 + 2 + K bytes per parameter) as
@@ -50,6 +50,8 @@ from pretrain_core.schema import RecipeConfig
 from pretrain_core.stages import V_SCHEDULES, head_rank, placement, rank_layer_count
 
 SIMULATED = (*V_SCHEDULES, "2bw")
+RING_QUERY_TILE = 256
+"""Query rows the ring attention computes at once (parallel/context.py's QUERY_TILE)."""
 """Schedules whose micro-batches in flight are read off their simulated order."""
 
 GIB = 2**30
@@ -400,14 +402,14 @@ def _block_backward(cfg: RecipeConfig, degrees: Degrees, compute: int, fsdp: boo
 
 
 def _ring_backward(cfg: RecipeConfig, degrees: Degrees, compute: int) -> float:
-    """Context parallelism's backward temporaries: one chunk pair's FP32 scores,
-    probabilities and their gradient, and the keys and values received with their FP32
+    """Context parallelism's backward temporaries: one query tile's FP32 scores,
+    probabilities and their gradient over a chunk, and the keys and values received with their FP32
     gradient accumulators (held and incoming); 0 without cp."""
     if degrees.cp == 1:
         return 0.0
     m, b, t = cfg.model, cfg.train.micro_batch, degrees.tp
     chunk = local_tokens(cfg) / 2
-    scores = 3 * 4 * b * m.n_heads / t * chunk**2
+    scores = 3 * 4 * b * m.n_heads / t * min(chunk, RING_QUERY_TILE) * chunk
     kv = 2 * b * local_tokens(cfg) * m.kv_heads * m.head_dim / t
     return scores + kv * (compute + 2 * 2 * 4)
 

@@ -18,7 +18,10 @@ dependencies with given op costs and returns when each op runs:
   in torch's own op order (`launcher/schedule_v.py`), W ops where torch places them.
 - 2bw (PipeDream-2BW): 1F1B over several steps with no flush between them, in the order
   the trainer runs (`pretrain_core/pipedream.py`); micro-batches are numbered on across
-  steps, so step j's are jm ... jm+m-1.
+  steps, so step j's are jm ... jm+m-1. A step's first forward runs on the update of two
+  steps before, which needs every rank's gradient of that step (the global norm for
+  clipping, agreed without blocking as soon as a rank's gradient is complete): so it also
+  waits for every rank's last backward of that step (`agree=False` leaves that out).
 
 Costs are per op of one chunk (a chunk holds 1/v of a rank's layers); an unsplit backward
 costs b + w. In-flight counts the micro-batches whose activations a rank holds (from the
@@ -179,10 +182,12 @@ def simulate(
     b: float = 1.0,
     w: float = 1.0,
     steps: int = 1,
+    agree: bool = True,
 ) -> Timeline:
     """Run every rank's program with op costs f (forward), b (input grads), w (weight
     grads); an unsplit backward costs b + w. Ops start as soon as their rank is free and
-    their inputs have arrived (no communication time). `steps` counts 2bw's steps."""
+    their inputs have arrived (no communication time). `steps` counts 2bw's steps; with
+    `agree`, a step's first op waits for the update it runs on (see the module's doc)."""
     split = schedule == "zero_bubble" and w > 0
     last_stage = pp * vpp - 1
     programs = [program(schedule, pp, microbatches, r, vpp, steps) for r in range(pp)]
@@ -191,6 +196,10 @@ def simulate(
     weighed = [{(op.microbatch, op.chunk) for op in ops if op.kind == "W"} for ops in programs]
     position = [0] * pp
     free = [0.0] * pp
+    # 2bw: the op index at which each rank starts each step after the first.
+    boundaries: list[list[int]] = [[] for _ in range(pp)]
+    if schedule == "2bw" and agree:
+        boundaries = [_step_starts(pp, microbatches, r, steps) for r in range(pp)]
     pending_w: list[list[Op]] = [[] for _ in range(pp)]
     # Chunk-micro-batches whose activations each rank holds, and 1F1B's most of them.
     held = [0] * pp
@@ -200,6 +209,16 @@ def simulate(
 
     def stage_of(rank: int, op: Op) -> int:
         return chunks[rank][op.chunk]
+
+    def update_inputs(rank: int) -> list[tuple[str, int, int]]:
+        """2bw: the last backwards (every rank's) of the step whose update the step this
+        rank's next op starts runs on; none for other ops and the first two steps."""
+        if position[rank] not in boundaries[rank]:
+            return []
+        step = boundaries[rank].index(position[rank]) + 1
+        if step < 2:
+            return []
+        return [("B", stage, (step - 1) * microbatches - 1) for stage in range(pp)]
 
     def ready_time(rank: int, op: Op) -> float | None:
         stage = stage_of(rank, op)
@@ -211,6 +230,7 @@ def simulate(
             deps = [("F", stage, op.microbatch)]
             if stage < last_stage:
                 deps.append(("B", stage + 1, op.microbatch))
+        deps += update_inputs(rank)
         if any(d not in done for d in deps):
             return None
         return max([done[d] for d in deps], default=0.0)
@@ -255,20 +275,36 @@ def simulate(
     return Timeline(schedule, pp, microbatches, vpp, rows, steps)
 
 
+def _step_starts(pp: int, microbatches: int, rank: int, steps: int) -> list[int]:
+    """Op indices in rank `rank`'s 2bw program where steps 1 ... steps-1 begin."""
+    starts, index = [], 0
+    for step in range(steps - 1):
+        index += len(pipedream.step_ops(pp, microbatches, rank, step))
+        starts.append(index)
+    return starts
+
+
 def pipedream_bubble(
     pp: int, microbatches: int, steps: int, f: float = 1.0, b: float = 1.0, w: float = 1.0
 ) -> float:
     """Idle share of a 2bw segment of `steps` steps (from an empty pipeline to its drain).
 
-    Simulated over up to SIMULATED_STEPS steps; past the first, a step of the steady state
-    adds m(f+b+w) of work to every rank and no idle time, which extends the simulation to
-    any length exactly (tests/unit/test_pipedream.py checks it against longer simulations).
+    Simulated over up to SIMULATED_STEPS steps; past the second, a step of the steady state
+    adds m(f+b+w) of work to every rank and the same idle time as the step before (none,
+    once the pipeline is full), which extends the simulation to any length exactly
+    (tests/unit/test_pipedream.py checks it against longer simulations).
     """
+
+    def idle(n: int) -> float:
+        timeline = simulate("2bw", pp, microbatches, f=f, b=b, w=w, steps=n)
+        return sum(timeline.makespan - timeline.busy(r) for r in range(pp))
+
     simulated = min(steps, SIMULATED_STEPS)
-    timeline = simulate("2bw", pp, microbatches, f=f, b=b, w=w, steps=simulated)
-    idle = sum(timeline.makespan - timeline.busy(r) for r in range(pp))
+    total = idle(simulated)
+    if steps > simulated:
+        total += (steps - simulated) * (total - idle(simulated - 1))
     busy = pp * steps * microbatches * (f + b + w)
-    return idle / (idle + busy)
+    return total / (total + busy)
 
 
 def summary(schedule: str, pp: int, microbatches: int, vpp: int = 1, steps: int = 1) -> dict:

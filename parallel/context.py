@@ -24,8 +24,9 @@ the gradient of the mean over all tokens; the step averages the loss over cp the
 torch's `context_parallel` (torch.distributed.tensor.experimental) does not run on CPU: its
 SDPA dispatch has no sharding rule for aten._scaled_dot_product_flash_attention_for_cpu
 (NotImplementedError, torch 2.13 with gloo). One in-repo implementation runs on every device
-instead, so the CPU tests cover the code a GPU runs. The block attention is written out in
-FP32 matmuls rather than a fused kernel.
+instead, so the CPU tests cover the code a GPU runs. The attention of a chunk pair is
+written out in FP32 matmuls over tiles of QUERY_TILE query rows rather than a fused kernel
+(so its scores never exceed a tile per head).
 """
 
 from __future__ import annotations
@@ -152,21 +153,35 @@ def _pairs(cp: int, q_rank: int, kv_rank: int):
                 yield qi, ki, k_chunk == q_chunk
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool) -> torch.Tensor:
-    """Scaled scores [b, kv, g, sq, sk] in FP32, future positions at -inf when causal."""
+QUERY_TILE = 256
+"""Query rows a chunk pair's attention computes at once: its FP32 scores stay a
+QUERY_TILE x chunk matrix per head, however long the chunk."""
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, row: int) -> torch.Tensor:
+    """Scaled scores [b, kv, g, rows, sk] in FP32 of query rows from `row` on; with
+    `causal`, the keys after each query's own position are at -inf."""
     scores = (q.float() @ k.float().transpose(-1, -2)) / math.sqrt(q.shape[-1])
     if causal:
-        future = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).triu(1)
+        rows, keys = scores.shape[-2:]
+        future = torch.ones(rows, keys, dtype=torch.bool, device=q.device).triu(1 + row)
         scores = scores.masked_fill(future, float("-inf"))
     return scores
 
 
+def _tiles(length: int):
+    return ((row, min(row + QUERY_TILE, length)) for row in range(0, length, QUERY_TILE))
+
+
 def _block_forward(q, k, v, causal):
     """Attention of one chunk pair: output [b, kv, g, sq, d] and log-sum-exp [b, kv, g, sq]."""
-    scores = _scores(q, k, causal)
-    lse = scores.logsumexp(-1)
-    out = (scores - lse.unsqueeze(-1)).exp() @ v.float()
-    return out, lse
+    outs, lses = [], []
+    for row, end in _tiles(q.shape[-2]):
+        scores = _scores(q[..., row:end, :], k, causal, row)
+        lse = scores.logsumexp(-1)
+        outs.append((scores - lse.unsqueeze(-1)).exp() @ v.float())
+        lses.append(lse)
+    return torch.cat(outs, dim=-2), torch.cat(lses, dim=-1)
 
 
 def _merge(out, lse, block_out, block_lse):
@@ -179,13 +194,18 @@ def _merge(out, lse, block_out, block_lse):
 def _block_backward(q, k, v, out, lse, grad, causal):
     """Gradients (dq, dk, dv) of one chunk pair, from the final output and log-sum-exp."""
     scale = 1 / math.sqrt(q.shape[-1])
-    probs = (_scores(q, k, causal) - lse.unsqueeze(-1)).exp()
-    grad_v = (probs.transpose(-1, -2) @ grad).sum(2, keepdim=True)
-    grad_probs = grad @ v.float().transpose(-1, -2)
-    grad_scores = probs * (grad_probs - (grad * out).sum(-1, keepdim=True))
-    grad_q = grad_scores @ k.float() * scale
-    grad_k = (grad_scores.transpose(-1, -2) @ q.float()).sum(2, keepdim=True) * scale
-    return grad_q, grad_k, grad_v
+    k32, v32 = k.float(), v.float()
+    grad_q, grad_k, grad_v = [], torch.zeros_like(k32), torch.zeros_like(v32)
+    for row, end in _tiles(q.shape[-2]):
+        q_rows, g_rows = q[..., row:end, :].float(), grad[..., row:end, :]
+        probs = (_scores(q_rows, k, causal, row) - lse[..., row:end].unsqueeze(-1)).exp()
+        grad_v += (probs.transpose(-1, -2) @ g_rows).sum(2, keepdim=True)
+        grad_probs = g_rows @ v32.transpose(-1, -2)
+        rowsum = (g_rows * out[..., row:end, :]).sum(-1, keepdim=True)
+        grad_scores = probs * (grad_probs - rowsum)
+        grad_q.append(grad_scores @ k32 * scale)
+        grad_k += (grad_scores.transpose(-1, -2) @ q_rows).sum(2, keepdim=True) * scale
+    return torch.cat(grad_q, dim=-2), grad_k, grad_v
 
 
 def _halves(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -216,8 +236,10 @@ class _RingAttention(torch.autograd.Function):
                 kv, works = pending
                 for work in works:
                     work.wait()
-        # Saved in the compute dtype, as a fused kernel's output would be.
+        # Saved in the compute dtype and laid out [b, s, heads, d] as SDPA's output is, so the
+        # output projection reads it through a view instead of saving a copy.
         out = torch.cat(outs, dim=-2).reshape(b, heads, s, d).to(q.dtype)
+        out = out.transpose(1, 2).contiguous().transpose(1, 2)
         lse = torch.cat(lses, dim=-1)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.ring = ring

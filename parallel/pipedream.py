@@ -169,6 +169,9 @@ class LocalTransport:
 Update = Callable[[Version, Version], None]
 """update(target, source): copy of `source`'s weights already in `target`; step `target`
 with the gradient it holds (and make it the optimizer's)."""
+GradientReady = Callable[[Version], None]
+"""gradient_ready(version): this rank's gradient of a step is complete in `version` (its
+update comes at the end of the next step: time to agree on it without blocking)."""
 
 
 class PipeDream:
@@ -183,6 +186,7 @@ class PipeDream:
         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
         transport,
         update: Update,
+        gradient_ready: GradientReady | None = None,
     ) -> None:
         """`versions`: (the one the next step runs, the newest); equal at the start."""
         self.versions = list(versions)
@@ -190,6 +194,7 @@ class PipeDream:
         self.pp, self.rank, self.m = pp, rank, microbatches
         self.first, self.last = rank == 0, rank == pp - 1
         self.loss_fn, self.transport, self.update = loss_fn, transport, update
+        self.gradient_ready = gradient_ready
         self.step_in_segment = 0
         self.inflight: dict[int, tuple[Version, torch.Tensor | None, torch.Tensor]] = {}
         self.inputs: list = []
@@ -261,13 +266,15 @@ class PipeDream:
             self.inflight[mb] = (version, None if self.first else x, out)
 
     def _backward(self, mb: int) -> None:
-        _, x, out = self.inflight.pop(mb)  # the graph remembers the version
+        version, x, out = self.inflight.pop(mb)  # the graph remembers the version
         if self.last:
             out.backward()
         else:
             out.backward(self.transport.recv_backward(mb, out))
         if x is not None:
             self.transport.send_backward(mb, x.grad)
+        if self.gradient_ready is not None and (mb + 1) % self.m == 0:
+            self.gradient_ready(version)
 
 
 def run_local(engines: list[PipeDream], ops: list[list[tuple[str, int]]]) -> None:

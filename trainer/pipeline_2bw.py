@@ -11,6 +11,14 @@ trainer's state always names the newest version `plain` (the optimizer's) and th
 checkpoint, applying the last gradient, so a checkpoint holds both versions and no
 activations, and a resumed run continues the same recurrence (after a refill).
 
+Agreement: clipping needs the global gradient norm, and every rank must agree on bad
+steps and on a stop. A blocking collective at each step's end would make every rank wait
+for the one that ends last and re-open the bubble, so each rank starts one non-blocking
+all-reduce (its stage's squared norm, a non-finite loss, a stop request) on a group of its
+own as soon as its gradient of a step is complete, and waits for it only at the update, a
+step later, by when every rank has long contributed. (A segment's first step, which applies
+no update, agrees on a stop the blocking way.)
+
 Micro-batches and the loss follow `trainer/pipeline_step.py`: this rank's accumulation
 micro-batches, re-split into `parallel.pp_microbatches`, the loss divided by their count.
 """
@@ -24,6 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from models.moe import moe_modules
+from parallel.clip import clip_to_norm, grad_norm
 from parallel.data_parallel import uses_fsdp
 from parallel.expert import reduce_expert_grads
 from parallel.mesh import JobMesh
@@ -35,7 +44,7 @@ from parallel.tensor import local_value, vocab_parallel_loss
 from pretrain_core.layout import Degrees, grad_accum_steps
 from pretrain_core.schema import RecipeConfig
 from trainer.faults import StepGuard
-from trainer.step import TrainState, apply_gradients
+from trainer.step import TrainState, step_optimizer
 
 
 class PipeDreamStep:
@@ -78,10 +87,14 @@ class PipeDreamStep:
             self._loss,
             transport,
             self._update,
+            self._gradient_ready,
         )
+        # The agreements run beside the pipeline's traffic and the step's own collectives.
+        self.agree_group = dist.new_group(backend=dist.get_backend())
+        self.replicas = dist.get_world_size() // degrees.pp  # ranks per stage
+        self.agreements: list[tuple[torch.Tensor, dist.Work]] = []
         self.guard: StepGuard | None = None
         self._losses: list[torch.Tensor] = []
-        self.update_loss = torch.zeros((), device=device)
         self.result: tuple[torch.Tensor, bool, bool] | None = None
         self.drained: tuple[torch.Tensor, bool] | None = None
         state.settle = self.drain
@@ -95,6 +108,24 @@ class PipeDreamStep:
         self._losses.append(local_value(loss.detach()))
         return self.state.scaler.scale_loss(loss / self.n_microbatches)
 
+    def _gradient_ready(self, version: Version) -> None:
+        """Start agreeing on a finished gradient: (global) norm, bad loss, stop."""
+        view = self.versions[id(version)][1]
+        reduce_expert_grads(view)
+        self.state.scaler.unscale_(view.parameters())
+        # Every rank of a stage holds its stage's squared norm (grad_norm reduces within it).
+        squared = grad_norm(view.parameters()) ** 2
+        last_loss = torch.stack(self._losses).sum() if self.engine.last else squared * 0
+        flags = torch.stack(
+            [
+                squared,
+                (~torch.isfinite(last_loss)).float(),
+                torch.tensor(float(self.guard.stop_requested()), device=self.device),
+            ]
+        )
+        work = dist.all_reduce(flags, group=self.agree_group, async_op=True)
+        self.agreements.append((flags, work))
+
     def _update(self, target: Version, source: Version) -> None:
         """Step `target` (a copy of `source`'s weights holding the finished gradient) with
         the optimizer, which takes over `target`; it becomes the state's newest version."""
@@ -104,8 +135,14 @@ class PipeDreamStep:
         self.owner = target
         state.plain, state.stash = target_view, source_view
         state.model = nn.ModuleList(target_view.chunks)
-        reduce_expert_grads(state.plain)
-        self.result = apply_gradients(state, self.cfg, self.guard, self.update_loss, self.group)
+        flags, work = self.agreements.pop(0)
+        work.wait()
+        norm = (flags[0] / self.replicas).sqrt()
+        clip_to_norm(state.plain.parameters(), norm, self.cfg.optim.grad_clip)
+        scaled_ok = state.scaler.update(norm)
+        bad = bool(flags[1] > 0) or (scaled_ok and not bool(torch.isfinite(norm)))
+        step_optimizer(state, self.cfg, update=scaled_ok and not bad)
+        self.result = (norm, bad, bool(flags[2] > 0))
 
     def step(
         self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], guard: StepGuard
@@ -133,7 +170,6 @@ class PipeDreamStep:
             if self.state.context is not None:
                 loss = self.state.context.mean(loss)
             engine.end()
-        self.update_loss = loss
         if self.result is not None:  # this step applied the previous step's gradient
             return (loss, *self.result)
         # A segment's first step applies none: it reports the update of the drain before

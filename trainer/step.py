@@ -121,12 +121,18 @@ def apply_gradients(
         bad, stop = not bool(torch.isfinite(loss) and torch.isfinite(checked)), False
     else:
         bad, stop = guard.agree(loss, checked)
-    if scaled_ok and not bad:
+    step_optimizer(state, cfg, update=scaled_ok and not bad)
+    return norm, bad, stop
+
+
+def step_optimizer(state: TrainState, cfg: RecipeConfig, update: bool) -> None:
+    """Apply the (unscaled, clipped) gradients if `update`, then advance the LR schedule and
+    clear the gradients: a skipped step still consumes its data and its place in the LR
+    schedule."""
+    if update:
         state.optimizer.step()
         after_optimizer_step(state.plain, cfg.precision)
-    # A skipped step still consumes its data and its place in the LR schedule.
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step", UserWarning)
         state.scheduler.step()
     state.optimizer.zero_grad(set_to_none=True)
-    return norm, bad, stop

@@ -7,7 +7,14 @@ import pytest
 import torch
 
 from launcher.validate import check_runnable, validate
-from parallel.context import HeadTailPositions, _pairs, chunk_order, shard_sequence
+from parallel.context import (
+    HeadTailPositions,
+    _block_backward,
+    _block_forward,
+    _pairs,
+    chunk_order,
+    shard_sequence,
+)
 from pretrain_core.layout import resolve_degrees
 from tests.helpers import configure, problems
 
@@ -106,3 +113,26 @@ def test_cp_must_divide_the_world() -> None:
     [problem] = [p for p in problems(configure({"parallel.cp": 3})) if p.field != "train.seq_len"]
     assert problem.field == "parallel.dp_shard"
     assert "pp*dp_replicate*cp*tp" in problem.reason
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_a_chunk_pairs_tiled_attention_and_its_gradients_equal_sdpa(causal: bool) -> None:
+    """600 query rows span three tiles of QUERY_TILE; GQA: 4 query heads over 2 kv heads."""
+    torch.manual_seed(0)
+    b, kv, group, s, d = 2, 2, 2, 600, 8
+    q = torch.randn(b, kv * group, s, d, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(b, kv, s, d, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(b, kv, s, d, dtype=torch.float64, requires_grad=True)
+    grad = torch.randn(b, kv * group, s, d, dtype=torch.float64)
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, is_causal=causal, enable_gqa=True
+    )
+    expected.backward(grad)
+    qg = q.detach().view(b, kv, group, s, d)
+    kg, vg = k.detach().unsqueeze(2), v.detach().unsqueeze(2)
+    out, lse = _block_forward(qg, kg, vg, causal)
+    assert torch.allclose(out.view(b, kv * group, s, d).double(), expected, atol=1e-6)
+    dq, dk, dv = _block_backward(qg, kg, vg, out, lse, grad.view(qg.shape).float(), causal)
+    assert torch.allclose(dq.view_as(q).double(), q.grad, atol=1e-5)
+    assert torch.allclose(dk.squeeze(2).double(), k.grad, atol=1e-5)
+    assert torch.allclose(dv.squeeze(2).double(), v.grad, atol=1e-5)

@@ -25,6 +25,9 @@ from pretrain_core.stages import V_SCHEDULES
 
 MFU_ASSUMPTION = 0.40
 """Model FLOPs utilisation assumed for the expected step time."""
+LONG_CONTEXT = 16384
+"""Sequences from this length on are long: context parallelism is among the fixes the plan
+and the layout search offer."""
 GROUPS_SHOWN = 4
 """Rank groups kept per dim in a plan; the rest are counted."""
 GIB = 2**30
@@ -164,9 +167,14 @@ def make_plan(cfg: RecipeConfig) -> Plan:
         )
     if memory and max(plan.memory_gib, plan.memory.total_gib) > memory:
         peak = max(plan.memory_gib, plan.memory.total_gib)
+        fixes = "raise parallel.zero, tp or pp, lower train.micro_batch, or recompute"
+        if cfg.train.seq_len >= LONG_CONTEXT:
+            fixes = (
+                "for a long sequence pull recompute, then sp (with tp), then parallel.cp, then "
+                "a smaller train.micro_batch; or raise parallel.zero, tp or pp"
+            )
         plan.warnings.append(
-            f"estimated {peak:.1f} GiB per rank exceeds the {memory:g} GiB of "
-            f"{spec.name}: raise parallel.zero, tp or pp, lower train.micro_batch, or recompute"
+            f"estimated {peak:.1f} GiB per rank exceeds the {memory:g} GiB of {spec.name}: {fixes}"
         )
     return plan
 

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from launcher.cost import StepCost, assumptions, step_cost
 from launcher.memory import GIB, MemoryBreakdown, peak_breakdown
 from launcher.memory_fit import device_memory_gib
+from launcher.plan import LONG_CONTEXT
 from launcher.rules_parallel import check_runnable
 from launcher.validate import validate
 from models.flops import flops_per_token
@@ -39,8 +40,6 @@ from pretrain_core.problems import Problem, RecipeError, divisors
 from pretrain_core.schema import RecipeConfig
 
 RECOMPUTE_POLICIES = ("none", "selective", "full")
-LONG_CONTEXT = 16384
-"""Sequences from this length on are searched with context parallelism as well."""
 HEADROOM = 0.05
 """Share of device memory a suggested layout leaves free beyond the predicted peak (which
 already counts the framework allowance): a margin for the memory model's error."""

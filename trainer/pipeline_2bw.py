@@ -64,9 +64,8 @@ class PipeDreamStep:
         rank = pp_mesh.get_local_rank()
         self.n_microbatches = cfg.parallel.pp_microbatches or grad_accum_steps(cfg)
         weights_cast = uses_fsdp(cfg.parallel, degrees)
-        views = {"stash": state.stash, "plain": state.plain}
         self.versions: dict[int, tuple[Version, StageView]] = {}
-        for view in views.values():
+        for view in (state.stash, state.plain):
             (chunk,) = view.chunks
             inner = getattr(chunk, "module", chunk)
             in_context(inner, lambda: forward_context(cfg.precision, device, weights_cast))

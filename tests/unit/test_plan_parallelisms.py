@@ -7,8 +7,8 @@ import pytest
 
 from launcher.cp_comm import cp_communication
 from launcher.memory import head_in_flight, memory_breakdown, stage_params
-from launcher.plan import make_plan
-from launcher.suggest import LONG_CONTEXT, search
+from launcher.plan import LONG_CONTEXT, make_plan
+from launcher.suggest import search
 from models.flops import count_params
 from pretrain_core.layout import resolve_degrees
 from tests.helpers import configure
@@ -52,6 +52,13 @@ def test_a_ring_wider_than_a_node_is_warned_about() -> None:
     plan = make_plan(configure({**LONG, "parallel.cp": 4, "parallel.tp": 4, "cluster.nodes": 2}))
     assert plan.cp_comm.crosses_nodes
     assert any("context-parallel ring spans tp*cp = 16 ranks" in w for w in plan.warnings)
+
+
+def test_a_long_sequence_that_does_not_fit_is_told_the_long_context_order() -> None:
+    seq = 4 * LONG_CONTEXT
+    plan = make_plan(configure({"train.seq_len": seq, "model.max_seq_len": seq}))
+    [warning] = [w for w in plan.warnings if "exceeds" in w]
+    assert "pull recompute, then sp (with tp), then parallel.cp, then a smaller" in warning
 
 
 def test_2bw_holds_two_weight_versions_and_their_gradients() -> None:
@@ -118,3 +125,15 @@ def test_long_sequences_are_searched_with_cp_and_say_the_levers_in_order() -> No
 def test_short_sequences_are_searched_without_cp() -> None:
     result = search(configure({"precision.dtype": "bf16"}), top=50)
     assert all(s.layout.cp == 1 and not s.long_context for s in result.suggestions)
+
+
+def test_the_rendered_plan_shows_the_ring_and_2bws_two_steps() -> None:
+    from launcher.render import render_plan
+
+    cp = render_plan(make_plan(configure({**LONG, "parallel.cp": 2, "parallel.zero": 3})))
+    assert "CP ring per layer per step (one rank)" in cp
+    assert "cp=2" in cp
+    two_bw = configure({"parallel.pp": 2, "parallel.zero": 2, "parallel.pp_schedule": "2bw"})
+    text = render_plan(make_plan(two_bw))
+    assert "over 100 steps between drains" in text
+    assert "2 steps without a flush" in text

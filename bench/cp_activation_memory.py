@@ -12,11 +12,13 @@ At cp=1 attention is the CPU flash kernel of SDPA, which saves q, k, v, its outp
 log-sum-exp per head and token; the ring saves the same tensors for this rank's tokens, so
 every saved tensor holds s/cp tokens and the ratio should be 1/cp.
 
-Run: python bench/cp_activation_memory.py (spawns its own processes; a few minutes).
+Run: python bench/cp_activation_memory.py [--cp 1,2,4] (spawns its own processes; a few
+minutes).
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 
 import torch
@@ -36,7 +38,6 @@ MODEL = ModelConfig(
     vocab_size=512, dim=256, n_layers=2, n_heads=8, n_kv_heads=4, ffn_dim=768, max_seq_len=8192
 )
 SEQ, BATCH = 8192, 1
-CPS = tuple(int(c) for c in os.environ.get("BENCH_CPS", "1,2,4").split(","))
 
 
 def saved_bytes(cp: int) -> tuple[int, int]:
@@ -85,8 +86,11 @@ def _worker(rank: int, cp: int, port: int, results: dict) -> None:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cp", default="1,2,4", help="degrees to measure, 1 first")
+    degrees = [int(c) for c in parser.parse_args().cp.split(",")]
     results = mp.Manager().dict()
-    for i, cp in enumerate(CPS):
+    for i, cp in enumerate(degrees):
         mp.spawn(_worker, args=(cp, 29650 + i, results), nprocs=cp)
     base_block, base_total = results[1]
     print(

@@ -14,9 +14,12 @@ flight of the simulated schedule (`launcher/schedule_sim.py`).
 
 A second table runs many steps back to back under 1F1B, the V schedules (ZB-V, DualPipeV:
 two chunks per rank, each half a stage's blocks) and PipeDream-2BW (`parallel/pipedream.py`,
-never flushed; each step's update agreed without blocking, as the trainer does), and
-reports each rank's time blocked waiting for a peer (every receive and send wait) as a
-share of the whole run, beside the simulated bubble of the same order (F = B = W).
+never flushed; each step's update agreed without blocking, as the trainer does), every
+step with the same SGD update of the stage's weights (2BW's also copies the version in
+use first, and runs mid-pipeline, where a rank's update delays its neighbours). It reports
+the time per step and each rank's time blocked waiting for a peer (every receive and send
+wait) as a share of the run, beside the simulated bubble of the same order (F = B = W, no
+update time).
 
     torchrun --standalone --nproc-per-node 2 bench/pipeline_bubble.py [--steps 6] [--long 20]
 """
@@ -203,18 +206,26 @@ def run_flushed(name: str, m: int, steps: int, waits: Waits) -> float:
     schedule = build_schedule(chunks, stages, parallel, m, mse(m), dist.group.WORLD, CPU)
     inputs, targets = torch.randn(m * ROWS, DIM), torch.randn(m * ROWS, DIM)
     first, last = 0 in stages, pp * vpp - 1 in stages
-    elapsed = 0.0
-    for step in range(steps + 1):  # the first step also infers shapes: untimed
-        dist.barrier()
-        waits.seconds = 0.0 if step == 1 else waits.seconds
-        start = time.perf_counter()
+    schedule.step(*((inputs,) if first else ()), target=targets if last else None)
+    params = [p for chunk in chunks for p in chunk.parameters()]
+    sgd(params)  # the first step also inferred shapes: untimed
+    dist.barrier()
+    waits.seconds = 0.0
+    start = time.perf_counter()
+    for _ in range(steps):
         schedule.step(
             *((inputs,) if first else ()), target=targets if last else None, return_outputs=False
         )
-        elapsed += time.perf_counter() - start if step else 0.0
-        for chunk in chunks:
-            chunk.zero_grad(set_to_none=True)
-    return elapsed
+        sgd(params)
+    return time.perf_counter() - start
+
+
+def sgd(params: list[nn.Parameter]) -> None:
+    """The update every schedule's step ends with (the optimizer's cost, roughly)."""
+    with torch.no_grad():
+        for p in params:
+            p -= 1e-3 * p.grad
+            p.grad = None
 
 
 def run_2bw(m: int, steps: int, waits: Waits) -> float:
@@ -232,10 +243,7 @@ def run_2bw(m: int, steps: int, waits: Waits) -> float:
 
     def update(target, source):
         pending.pop(0).wait()
-        with torch.no_grad():
-            for p in target.params:
-                p -= 1e-3 * p.grad
-                p.grad = None
+        sgd(target.params)
 
     transport = TimedTransport(waits, dist.group.WORLD, rank, pp, CPU)
     engine = PipeDream(versions, pp, rank, m, mse(m), transport, update, ready)
@@ -266,25 +274,28 @@ def continuous_table(steps: int) -> None:
                 run_2bw(m, steps, waits) if name == "2bw" else run_flushed(name, m, steps, waits)
             )
             gathered = [None] * pp
-            dist.all_gather_object(gathered, waits.seconds / elapsed)
+            dist.all_gather_object(gathered, (waits.seconds / elapsed, elapsed / steps))
             if name == "2bw":
                 simulated = pipedream_bubble(pp, m, steps)
             else:
                 vpp = 2 if name != "1f1b" else 1
                 simulated = simulate(name, pp, m, vpp).bubble_fraction
-            rows.append((name, m, gathered, simulated))
+            rows.append((name, m, [w for w, _ in gathered], simulated, max(t for _, t in gathered)))
     if rank == 0:
-        print(f"\n{steps} steps back to back, PP={pp}; share of the run each rank waits:\n")
+        print(f"\n{steps} steps back to back, PP={pp}, each with its update:\n")
         print(
-            "| schedule | m | simulated bubble (F=B=W) | "
-            + " | ".join(f"measured wait rank {r}" for r in range(pp))
-            + " | mean |"
+            "| schedule | m | simulated bubble (F=B=W) | ms per step | "
+            + " | ".join(f"wait rank {r}" for r in range(pp))
+            + " | mean wait |"
         )
-        print("| --- | --- | --- | " + " | ".join("---" for _ in range(pp)) + " | --- |")
-        for name, m, gathered, simulated in rows:
+        print("| --- | --- | --- | --- | " + " | ".join("---" for _ in range(pp)) + " | --- |")
+        for name, m, gathered, simulated, step_s in rows:
             waits_text = " | ".join(f"{w:.1%}" for w in gathered)
             mean = sum(gathered) / pp
-            print(f"| {name} | {m} | {simulated:.1%} | {waits_text} | {mean:.1%} |")
+            print(
+                f"| {name} | {m} | {simulated:.1%} | {1e3 * step_s:.0f} | {waits_text} "
+                f"| {mean:.1%} |"
+            )
 
 
 def main() -> None:

@@ -1,6 +1,6 @@
-"""Rules of context parallelism (`parallel.cp`) and of the V-shaped and PipeDream-2BW
-pipeline schedules: what each needs of the sequence, the chunks and the micro-batches, and
-what the trainer cannot combine them with (each refusal says why)."""
+"""Rules of context parallelism (`parallel.cp`) and of the V-shaped, zero-bubble and
+PipeDream-2BW pipeline schedules: what each needs of the sequence, the chunks and the
+micro-batches, and what the trainer cannot combine them with (each refusal says why)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,9 @@ from math import lcm
 from pretrain_core.problems import Checks, Problem, nearby_multiples, or_list
 from pretrain_core.schema import RecipeConfig
 from pretrain_core.stages import V_SCHEDULES
+
+SPLIT_BACKWARD = ("zero_bubble", *V_SCHEDULES)
+"""Schedules that run a backward's input and weight gradients apart."""
 
 
 def check_context(c: Checks, cfg: RecipeConfig) -> None:
@@ -84,6 +87,19 @@ def runnable_problems(cfg: RecipeConfig) -> list[Problem]:
                 "parallel ring's point-to-point exchange inside attention ('P2P compilation "
                 "disabled for P2POp construction', torch 2.13)",
                 "set compile.blocks=false (the loss may still be compiled), or parallel.cp=1",
+            )
+        )
+    if p.pp > 1 and p.pp_schedule in SPLIT_BACKWARD and k.enabled and k.blocks:
+        found.append(
+            Problem(
+                "compile.blocks",
+                True,
+                f"{p.pp_schedule} splits each backward into input and weight gradients, calling "
+                "backward with retain_graph=True, which a compiled block's backward refuses "
+                "('compiled with non-empty donated buffers ... requires retain_graph=False', "
+                "torch 2.13; torch rejects compiled stages for these schedules too)",
+                "set compile.blocks=false (the loss may still be compiled), or pp_schedule=1f1b, "
+                "interleaved_1f1b or 2bw",
             )
         )
     return found

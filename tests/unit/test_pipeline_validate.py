@@ -134,3 +134,23 @@ def test_2bw_needs_a_pipeline_and_one_chunk_per_rank():
     cfg = configure({"parallel.pp": 2, "parallel.vpp": 2, "parallel.pp_schedule": "2bw"})
     [problem] = problems(cfg)
     assert problem.field == "parallel.vpp"
+
+
+@pytest.mark.parametrize(("schedule", "vpp"), [("zero_bubble", 1), ("zbv", 2), ("dualpipev", 2)])
+def test_split_backward_schedules_refuse_compiled_blocks_for_launch(schedule, vpp):
+    cfg = configure(
+        {
+            "parallel.pp": 2,
+            "parallel.vpp": vpp,
+            "parallel.pp_schedule": schedule,
+            "parallel.zero": 2,
+            "compile.enabled": True,
+        }
+    )
+    validate(cfg)
+    [problem] = problems(cfg, for_launch=True)
+    assert problem.field == "compile.blocks"
+    assert "retain_graph=True" in problem.reason
+    assert "compile.blocks=false" in problem.fix
+    cfg.compile.blocks = False
+    validate(cfg, for_launch=True)

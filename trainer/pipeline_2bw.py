@@ -119,11 +119,14 @@ class PipeDreamStep:
             [
                 squared,
                 (~torch.isfinite(last_loss)).float(),
-                torch.tensor(float(self.guard.stop_requested()), device=self.device),
+                torch.tensor(float(self._stop_requested()), device=self.device),
             ]
         )
         work = dist.all_reduce(flags, group=self.agree_group, async_op=True)
         self.agreements.append((flags, work))
+
+    def _stop_requested(self) -> bool:
+        return self.guard is not None and self.guard.stop_requested()
 
     def _update(self, target: Version, source: Version) -> None:
         """Step `target` (a copy of `source`'s weights holding the finished gradient) with
@@ -144,7 +147,7 @@ class PipeDreamStep:
         self.result = (norm, bad, bool(flags[2] > 0))
 
     def step(
-        self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], guard: StepGuard
+        self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], guard: StepGuard | None
     ) -> tuple[torch.Tensor, torch.Tensor, bool, bool]:
         """This step's forwards and backwards (and the previous step's last backwards),
         then the previous step's update; returns this step's mean loss (on every stage),
@@ -175,7 +178,10 @@ class PipeDreamStep:
         # it, if any, and the ranks agree on its loss (and on a stop) alone.
         norm, bad = self.drained or (torch.tensor(math.nan, device=self.device), False)
         self.drained = None
-        agreed_bad, stop = guard.agree(loss, torch.zeros((), device=self.device))
+        if guard is None:  # one-process tools: decided locally
+            agreed_bad, stop = not bool(torch.isfinite(loss)), False
+        else:
+            agreed_bad, stop = guard.agree(loss, torch.zeros((), device=self.device))
         return loss, norm, bad or agreed_bad, stop
 
     def drain(self) -> None:

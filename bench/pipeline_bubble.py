@@ -36,8 +36,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import schedules
 
-from launcher.plan import bubble_fraction
-from launcher.schedule_sim import pipedream_bubble, simulate
+from launcher.schedule_sim import bubble_fraction, pipedream_bubble, simulate
 from parallel.pipedream import P2PTransport, PipeDream, Version, copy_weights
 from parallel.pipeline import build_schedule
 from pretrain_core.schema import ParallelConfig

@@ -1,6 +1,6 @@
 """Where a trainer step's time goes: torch.profiler over a few steps, top ops by CPU time.
 
-python bench/profile_step.py [--compile] [--steps 10] [key=value ...]
+python -m bench.profile_step [--compile] [--steps 10] [key=value ...]   (from the repo root)
 """
 
 from __future__ import annotations

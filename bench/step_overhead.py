@@ -84,6 +84,57 @@ def loader_rate(dataset, sampler, cfg: RecipeConfig, steps: int) -> float:
     return steps * cfg.train.global_batch / (time.perf_counter() - start)
 
 
+def interleaved_medians(
+    runners: dict[str, Callable[[int], float]], warmup: int, rounds: int, steps: int
+) -> tuple[dict[str, float], dict[str, float]]:
+    """Median seconds per step of each runner and its spread (max - min over the median),
+    over `rounds` rounds of `steps` steps in rotating order, after `warmup` steps each."""
+    for run in runners.values():  # warm-up: allocator, thread pools, first-touch pages
+        run(warmup)
+    times: dict[str, list[float]] = {key: [] for key in runners}
+    order = list(runners)
+    for round_index in range(rounds):
+        rotated = order[round_index % len(order) :] + order[: round_index % len(order)]
+        for key in rotated:
+            times[key].append(runners[key](steps))
+    median = {key: statistics.median(values) for key, values in times.items()}
+    spread = {key: (max(v) - min(v)) / statistics.median(v) for key, v in times.items()}
+    return median, spread
+
+
+def print_report(
+    cfg: RecipeConfig,
+    args: argparse.Namespace,
+    compile_s: float,
+    median: dict[str, float],
+    spread: dict[str, float],
+    delivered: float,
+    consumed: float,
+) -> None:
+    """The benchmark's lines: settings, each runner's median, the ratios, the loader's rate."""
+    print(
+        f"recipe {cfg.name}: {cfg.train.global_batch} x {cfg.train.seq_len} tokens per step, "
+        f"torch {torch.__version__}, {args.threads} threads, {args.rounds} rounds of "
+        f"{args.steps_per_block} steps; first compiled step {compile_s:.1f} s"
+    )
+    labels = {
+        "a": "(a) plain PyTorch loop",
+        "b": "(b) trainer, compile off",
+        "c": "(c) trainer, compile on",
+    }
+    for key, label in labels.items():
+        print(
+            f"{label:26s} {median[key] * 1e3:8.2f} ms/step (median; spread "
+            f"{spread[key] * 100:4.1f}%)"
+        )
+    print(f"(b)/(a) throughput ratio: {median['a'] / median['b']:.3f}")
+    print(f"(c)/(a) throughput ratio: {median['a'] / median['c']:.3f}")
+    print(
+        f"data loader alone: {delivered:,.0f} sequences/s; trainer consumes {consumed:,.0f} "
+        f"sequences/s; ratio {delivered / consumed:,.0f}x"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--recipe", default="tiny")
@@ -145,41 +196,13 @@ def main() -> None:
     start = time.perf_counter()
     runners["c"](1)  # compiles the blocks and the loss (forward and backward)
     compile_s = time.perf_counter() - start
-    for run in runners.values():  # warm-up: allocator, thread pools, first-touch pages
-        run(args.warmup_steps)
-    times: dict[str, list[float]] = {key: [] for key in runners}
-    order = list(runners)
-    for round_index in range(args.rounds):
-        rotated = order[round_index % len(order) :] + order[: round_index % len(order)]
-        for key in rotated:
-            times[key].append(runners[key](args.steps_per_block))
-    median = {key: statistics.median(values) for key, values in times.items()}
-    spread = {key: (max(v) - min(v)) / statistics.median(v) for key, v in times.items()}
-
+    median, spread = interleaved_medians(
+        runners, args.warmup_steps, args.rounds, args.steps_per_block
+    )
     consumed = cfg.train.global_batch / median["b"]
     delivered = loader_rate(dataset, sampler, cfg, steps=200)
 
-    print(
-        f"recipe {cfg.name}: {cfg.train.global_batch} x {cfg.train.seq_len} tokens per step, "
-        f"torch {torch.__version__}, {args.threads} threads, {args.rounds} rounds of "
-        f"{args.steps_per_block} steps; first compiled step {compile_s:.1f} s"
-    )
-    labels = {
-        "a": "(a) plain PyTorch loop",
-        "b": "(b) trainer, compile off",
-        "c": "(c) trainer, compile on",
-    }
-    for key, label in labels.items():
-        print(
-            f"{label:26s} {median[key] * 1e3:8.2f} ms/step (median; spread "
-            f"{spread[key] * 100:4.1f}%)"
-        )
-    print(f"(b)/(a) throughput ratio: {median['a'] / median['b']:.3f}")
-    print(f"(c)/(a) throughput ratio: {median['a'] / median['c']:.3f}")
-    print(
-        f"data loader alone: {delivered:,.0f} sequences/s; trainer consumes {consumed:,.0f} "
-        f"sequences/s; ratio {delivered / consumed:,.0f}x"
-    )
+    print_report(cfg, args, compile_s, median, spread, delivered, consumed)
 
 
 if __name__ == "__main__":

@@ -1,21 +1,32 @@
-"""Estimated step time of a layout: a simple cost model, stated term by term.
+"""Estimated step time of a layout: one cost model, stated term by term, for the plan and
+the layout search alike.
 
-    step = (compute + tp + cp + pp_p2p) / (1 - bubble fraction) + dp exposed
+    step = m * max_r u_r + (sum_r u_r - max_r u_r) / v + dp exposed
+    u_r  = compute_r + tp_r + cp_r + pp_p2p     (pipeline rank r, one micro-batch)
 
-- compute: the FLOPs each rank of the slowest pipeline stage runs (model FLOPs plus
-  recomputation, from `models.flops`, the functions MFU uses; the last stage adds the LM
-  head to its share of the blocks) at COMPUTE_EFFICIENCY of the GPU's dense peak.
-- tp: tensor parallelism's collectives, not overlapped. Per block and micro-batch, forward
+- compute_r: the FLOPs pipeline rank r runs per micro-batch (its own blocks, with the
+  recomputation of those that recompute, from `models.flops`, the functions MFU uses; the
+  last rank adds the LM head; the embedding costs no matmul) at COMPUTE_EFFICIENCY of the
+  GPU's dense peak. Uneven stages (`parallel.pp_layers`) give each rank its own share.
+- tp_r: tensor parallelism's collectives, not overlapped. Per block and micro-batch, forward
   and backward each move two all-reduces of the block's s*b*h activations in the compute
-  dtype (with SP, a reduce-scatter and an all-gather each: the same bytes); full recompute
-  repeats the forward's. A ring moves 2(t-1)/t of the message per rank for an all-reduce.
-- cp: context parallelism's K/V ring (`launcher.cp_comm`: every layer's hops, over the
+  dtype (with SP, a reduce-scatter and an all-gather each: the same bytes); a fully
+  recomputed block repeats the forward's. A ring moves 2(t-1)/t of the message per rank.
+- cp_r: context parallelism's K/V ring (`launcher.cp_comm`: every layer's hops, over the
   link the ring crosses), hidden up to CP_OVERLAP of the attention-score compute it
   overlaps; the rest is exposed. Under cp, every rank computes and sends 1/cp of each
   sequence's tokens, and gradients are reduced over dp x cp.
-- pp_p2p: one activation forward and one gradient backward per micro-batch between stages
-  (times vpp when interleaved; 1/t of it with SP), not overlapped.
-- bubble: `launcher.plan.bubble_fraction` of the pipelined time.
+- pp_p2p: one activation forward and one gradient backward per micro-batch and chunk between
+  stages (1/t of it with SP), not overlapped; with tied embeddings the all-reduce of the
+  embedding's gradient between the first and the last stage after the last backward (none
+  under a V schedule, whose first rank holds both).
+- bubble: the pipeline runs at the pace of its slowest rank (m of its micro-batches), and the
+  fill and drain cost every other rank's time once, divided by v under the interleaved
+  schedules (v chunks per rank). With equal ranks this is the closed form
+  `schedule_sim.bubble_fraction`, x/(1+x) with x=(p-1)/(v m); zero_bubble is counted at
+  that value, an upper bound. The V schedules (zbv, dualpipev) and 2bw have no closed
+  form: their simulated idle share (F = B = W; 2bw's over a segment between two drains,
+  `schedule_sim.bubble_fraction`) of the slowest rank's time.
 - dp: the data-parallel traffic of the trainer's bookkeeping (`launcher.memory` states it),
   FP32 gradients and parameter all-gathers in the compute dtype:
   ZeRO-0/1 all-reduce the gradients over dp (ZeRO-1 then all-gathers the updated FP32
@@ -36,12 +47,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from launcher.cp_comm import cp_communication
-from launcher.memory import COMPUTE_BYTES
-from launcher.plan import bubble_fraction, recomputed_layers, segment_steps, stage_params
-from models.flops import flops_per_token
+from launcher.memory import COMPUTE_BYTES, rank_layers, stage_params
+from launcher.schedule_sim import SIMULATED, bubble_fraction
+from models.flops import block_flops_per_token, count_params, flops_per_token
 from pretrain_core.hardware import Links
-from pretrain_core.layout import Degrees
+from pretrain_core.layout import Degrees, world_size
+from pretrain_core.pipedream import segment_steps
+from pretrain_core.recompute import is_recomputed, recomputed_blocks
 from pretrain_core.schema import RecipeConfig
+from pretrain_core.stages import head_rank, placement
 
 COMPUTE_EFFICIENCY = 0.6
 """Share of the dense peak that a training step's kernels reach while computing."""
@@ -97,64 +111,139 @@ def group_bandwidth(links: Links, gpus_per_node: int, stride: int, size: int) ->
     return gbs * 1e9 * LINK_EFFICIENCY
 
 
+def stage_flops(cfg: RecipeConfig, pp_rank: int) -> tuple[int, int]:
+    """(hardware FLOPs, forward FLOPs) per token that pipeline rank `pp_rank` runs: its
+    blocks, with the recomputation of those that recompute, and the LM head on the last
+    rank; the whole model's without PP."""
+    return _rank_flops(cfg, _layer_flops(cfg), pp_rank)
+
+
+def _layer_flops(cfg: RecipeConfig) -> list[tuple[int, int]]:
+    """(hardware, forward) FLOPs per token of each block, recomputation included."""
+    m, seq, policy = cfg.model, cfg.train.seq_len, cfg.recompute.policy
+    # Every block of a dense model is the same, recomputed or not.
+    dense = block_flops_per_token(m, seq, 0)
+    plain = (dense.with_recompute(policy, 0.0), dense.forward)
+    again = (dense.with_recompute(policy, 1.0), dense.forward)
+    flops = []
+    for layer in range(m.n_layers):
+        recomputed = is_recomputed(cfg.recompute, layer)
+        if m.moe_experts:
+            block = block_flops_per_token(m, seq, layer)
+            flops.append((block.with_recompute(policy, float(recomputed)), block.forward))
+        else:
+            flops.append(again if recomputed else plain)
+    return flops
+
+
+def _rank_flops(cfg: RecipeConfig, layers: list[tuple[int, int]], pp_rank: int) -> tuple[int, int]:
+    held = rank_layers(cfg, pp_rank)
+    hardware, forward = sum(layers[i][0] for i in held), sum(layers[i][1] for i in held)
+    p = cfg.parallel
+    if pp_rank == head_rank(p.pp, p.vpp, placement(p.pp_schedule) if p.pp > 1 else "loop"):
+        head = flops_per_token(cfg.model, cfg.train.seq_len).lm_head
+        hardware, forward = hardware + 3 * head, forward + head
+    return hardware, forward
+
+
 def step_cost(
     cfg: RecipeConfig, degrees: Degrees, microbatches: int, peak_tflops: float, links: Links
 ) -> StepCost:
     """Estimated seconds per optimizer step of `cfg`'s layout (see the module's model)."""
-    m, p = cfg.model, cfg.parallel
-    t, pp, d, s_dp, r_dp, cp = (
-        degrees.tp,
-        degrees.pp,
-        degrees.dp,
-        degrees.dp_shard,
-        degrees.dp_replicate,
-        degrees.cp,
-    )
+    p, t, pp = cfg.parallel, degrees.tp, degrees.pp
     gpn = cfg.cluster.gpus_per_node
     seq, b, c = cfg.train.seq_len, cfg.train.micro_batch, COMPUTE_BYTES[cfg.precision.dtype]
-    local_seq = seq // cp
-    policy = cfg.recompute.policy
-
-    fpt = flops_per_token(m, seq)
-    share = recomputed_layers(m.n_layers, cfg.recompute.every) / m.n_layers
-    hardware_flops = fpt.with_recompute(policy, share)
-    # The pipeline runs at the pace of its slowest stage: the last, which adds the LM head
-    # (not recomputed) to its share of the blocks; the embedding costs no matmul.
-    head = 3 * fpt.lm_head
-    stage_flops = (hardware_flops - head) / pp + head
     tokens = cfg.train.global_batch * seq
     rate = peak_tflops * 1e12 * COMPUTE_EFFICIENCY
-    compute = tokens / (d * cp) * stage_flops / t / rate
+    # Under cp every rank computes (and sends) 1/cp of each sequence's tokens.
+    mb_tokens = tokens / (degrees.dp * degrees.cp) / microbatches
+    activation = seq // degrees.cp * b * cfg.model.dim * c
 
-    blocks = m.n_layers // pp
-    activation = local_seq * b * m.dim * c
-    tp_time = 0.0
+    layer_flops = _layer_flops(cfg)
+    work = [_rank_flops(cfg, layer_flops, r) for r in range(pp)]
+    compute = [mb_tokens * hardware / t / rate for hardware, _ in work]
+    tp_time = [0.0] * pp
     if t > 1:
-        passes = 2 + (1 if policy == "full" else 0)
-        per_rank = microbatches * blocks * passes * 2 * 2 * (t - 1) / t * activation
-        tp_time = per_rank / group_bandwidth(links, gpn, 1, t)
-
-    p2p = 0.0
+        bandwidth = group_bandwidth(links, gpn, 1, t)
+        full = cfg.recompute.policy == "full"
+        for r in range(pp):
+            layers = rank_layers(cfg, r)
+            # Forward and backward of every block, and the forward again where recomputed.
+            passes = 2 * len(layers) + (
+                len(recomputed_blocks(cfg.recompute, layers)) if full else 0
+            )
+            tp_time[r] = passes * 2 * 2 * (t - 1) / t * activation / bandwidth
+    chunks = p.vpp if p.pp_schedule in ("interleaved_1f1b", "zero_bubble") else 1
+    p2p = tied = 0.0
     if pp > 1:
-        vpp = p.vpp if p.pp_schedule == "interleaved_1f1b" else 1
-        per_rank = microbatches * 2 * vpp * activation / (t if p.sp else 1)
-        p2p = per_rank / group_bandwidth(links, gpn, t * d, pp)
+        pp_bandwidth = group_bandwidth(links, gpn, t * degrees.dp, pp)
+        p2p = 2 * chunks * activation / (t if p.sp else 1) / pp_bandwidth
+        if cfg.model.tie_embeddings and placement(p.pp_schedule) != "v":
+            # Two ranks all-reduce the embedding's FP32 gradient (its dp shard under FSDP).
+            grad = 4 * count_params(cfg.model).embedding / t
+            tied = grad / (degrees.dp_shard if p.zero >= 2 else 1) / pp_bandwidth
 
-    ring = 0.0
+    ring = _ring(cfg, degrees, links, microbatches, rate)
+    per_rank = [compute[r] + tp_time[r] + ring[r] + p2p for r in range(pp)]
+    slowest = max(range(pp), key=lambda r: per_rank[r])
+    fill_drain = (sum(per_rank) - per_rank[slowest]) / chunks
+    if p.pp_schedule in SIMULATED and pp > 1:
+        fraction = bubble_fraction(p.pp_schedule, pp, microbatches, p.vpp, segment_steps(cfg))
+        fill_drain = microbatches * per_rank[slowest] * fraction / (1 - fraction)
+    hardware, forward = work[slowest]
+    # The gradient reduction overlaps the last micro-batch's backward (recomputation included).
+    last_backward = compute[slowest] * (1 - forward / hardware) if hardware else 0.0
+    dp_total, dp_exposed = _data_parallel(
+        cfg, degrees, microbatches, links, microbatches * compute[slowest], last_backward
+    )
+    return StepCost(
+        compute=microbatches * compute[slowest],
+        tp=microbatches * tp_time[slowest],
+        pp_p2p=microbatches * p2p + tied,
+        bubble=fill_drain,
+        dp_total=dp_total,
+        dp_exposed=dp_exposed,
+        cp=microbatches * ring[slowest],
+    )
+
+
+def _ring(
+    cfg: RecipeConfig, degrees: Degrees, links: Links, microbatches: int, rate: float
+) -> list[float]:
+    """Per pipeline rank and micro-batch, the seconds of its layers' K/V ring traffic the
+    attention scores do not hide (zeros without cp)."""
     comm = cp_communication(cfg, degrees)
-    if comm is not None:
-        scores = 3 * fpt.attention_scores * tokens / (d * cp) / t / pp / rate
-        traffic = blocks * comm.sent_bytes / group_bandwidth(links, gpn, t, cp)
-        ring = max(0.0, traffic - CP_OVERLAP * scores)
+    if comm is None:
+        return [0.0] * degrees.pp
+    m = cfg.model
+    bandwidth = group_bandwidth(links, cfg.cluster.gpus_per_node, degrees.tp, degrees.cp)
+    tokens = cfg.train.global_batch * cfg.train.seq_len / (degrees.dp * degrees.cp)
+    scores = 3 * flops_per_token(m, cfg.train.seq_len).attention_scores / m.n_layers
+    ring = []
+    for r in range(degrees.pp):
+        layers = len(rank_layers(cfg, r))
+        hidden = CP_OVERLAP * layers * scores * tokens / degrees.tp / rate
+        ring.append(max(0.0, layers * comm.sent_bytes / bandwidth - hidden) / microbatches)
+    return ring
 
-    fraction = bubble_fraction(p.pp_schedule, pp, microbatches, p.vpp, segment_steps(cfg))
-    busy = compute + tp_time + ring + p2p
-    bubble = busy / (1 - fraction) - busy
 
-    local = max(stage_params(cfg)) / t
+def _data_parallel(
+    cfg: RecipeConfig,
+    degrees: Degrees,
+    microbatches: int,
+    links: Links,
+    compute: float,
+    last_backward: float,
+) -> tuple[float, float]:
+    """(all data-parallel seconds, the part not hidden) for the largest pipeline rank."""
+    p, d, s_dp, r_dp = cfg.parallel, degrees.dp, degrees.dp_shard, degrees.dp_replicate
+    t, gpn, c = degrees.tp, cfg.cluster.gpus_per_node, COMPUTE_BYTES[cfg.precision.dtype]
+    # The largest pipeline rank's parameters (embedding, head and uneven splits counted).
+    counts = count_params(cfg.model)
+    local = max(sum(stage_params(cfg, r, counts)[:2]) for r in range(degrees.pp)) / t
     grads = 4 * local
     # cp joins the gradient reduction: dp x cp ranks, tp apart (FSDP shards over dp_shard x cp).
-    d, s_dp = d * cp, s_dp * cp
+    d, s_dp = d * degrees.cp, s_dp * degrees.cp
     dp_bw = group_bandwidth(links, gpn, t, d)
     shard_bw = group_bandwidth(links, gpn, t, s_dp)
     replicate_bw = group_bandwidth(links, gpn, t * s_dp, r_dp)
@@ -169,14 +258,20 @@ def step_cost(
             reduce += 2 * grads / s_dp * (r_dp - 1) / r_dp / replicate_bw
         gathers = microbatches * (2 if p.zero == 3 else 1)
         gather = gathers * c * local * (s_dp - 1) / s_dp / shard_bw
-    backward_share = (hardware_flops - fpt.forward) / hardware_flops
-    last_backward = compute / microbatches * backward_share
     exposed = (
         max(0.0, reduce - DP_OVERLAP * last_backward)
         + max(0.0, gather - DP_OVERLAP * compute)
         + after_step
     )
-    return StepCost(compute, tp_time, p2p, bubble, reduce + gather + after_step, exposed, ring)
+    return reduce + gather + after_step, exposed
+
+
+def predicted_mfu(cfg: RecipeConfig, step_s: float, peak_tflops: float) -> float:
+    """Model FLOPs utilisation of a step of `step_s` seconds: model FLOPs per second over
+    the dense peak of every rank (recomputation is not counted, as in the trainer's MFU)."""
+    tokens = cfg.train.global_batch * cfg.train.seq_len
+    train = flops_per_token(cfg.model, cfg.train.seq_len).train
+    return tokens * train / (world_size(cfg) * step_s * peak_tflops * 1e12)
 
 
 def assumptions(gpu_type: str, links: Links, peak_tflops: float, dtype: str) -> list[str]:
@@ -189,8 +284,9 @@ def assumptions(gpu_type: str, links: Links, peak_tflops: float, dtype: str) -> 
         "TP/SP collectives and pipeline sends exposed; DP traffic hidden up to "
         f"{DP_OVERLAP:.0%} of its window (gradients: the last micro-batch's backward; "
         "parameter gathers: all compute); ZeRO-1's parameter all-gather after the step exposed",
-        "1F1B (interleaved when vpp > 1) with the plan's bubble, at the pace of the last "
-        "stage (its blocks and the LM head)",
+        "the pipeline at the pace of its slowest rank (its own blocks, the LM head on the "
+        "last), the others' fill and drain once, divided by vpp when interleaved; the V "
+        "schedules' and 2bw's simulated bubble",
         f"context parallelism: each layer's K/V ring over the link its tp*cp ranks span, "
         f"hidden up to {CP_OVERLAP:.0%} of the attention-score compute",
     ]

@@ -53,7 +53,7 @@ class _ScriptTemplate(Template):
     """`${name}` placeholders are lowercase; `$UPPERCASE` and `$(...)` are left to the shell."""
 
     idpattern = r"[a-z][a-z0-9_]*"
-    flags = 0
+    flags = re.RegexFlag(0)
 
 
 def torchrun_args(cfg: RecipeConfig, config_path: Path) -> list[str]:

@@ -13,10 +13,11 @@ The trainer's bookkeeping (stated, because it differs from the ZeRO paper's):
   as the gradients: `gradient_as_bucket_view` is off). BF16 runs under autocast, which keeps
   a BF16 copy of every weight it casts from the forward until that layer's backward.
 - ZeRO-1: the same, with optimizer states sharded over dp_shard (ZeroRedundancyOptimizer).
-- ZeRO-2/3 (FSDP2): FP32 parameters, gradients and optimizer states sharded over the dp
-  ranks; unsharded parameters in the compute dtype exist transiently (ZeRO-2 keeps every
-  block unsharded from its forward to its backward, ZeRO-3 one block plus the prefetched
-  next; the root's embedding, final norm and head stay unsharded through the step).
+- ZeRO-2/3 (FSDP2): FP32 parameters, gradients and optimizer states sharded over dp_shard
+  (hybrid sharding replicates them over dp_replicate); unsharded parameters in the compute
+  dtype exist transiently (ZeRO-2 keeps every block unsharded from its forward to its
+  backward, ZeRO-3 one block plus the prefetched next; the root's embedding, final norm
+  and head stay unsharded through the step).
   Gradient accumulation without sync keeps FP32 unsharded gradients between micro-batches.
 - TP: RMSNorm weights stay replicated; column-wise projections keep their all-gathered
   input under SP; the vocab-parallel loss keeps one more FP32 logits shard.
@@ -40,21 +41,26 @@ activation formula of Korthikanti et al. 2022 for a GPT block.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import lru_cache
 
-from launcher.schedule_sim import simulate, warmup
-from models.flops import count_params
+from launcher.schedule_sim import held_in_flight, simulate
+from models.flops import ParamCount, count_params
+from pretrain_core.hardware import GIB
 from pretrain_core.layout import Degrees
 from pretrain_core.model_config import ModelConfig
+from pretrain_core.recompute import recomputed_blocks
 from pretrain_core.schema import RecipeConfig
-from pretrain_core.stages import V_SCHEDULES, head_rank, placement, rank_layer_count
+from pretrain_core.stages import (
+    V_SCHEDULES,
+    head_rank,
+    placement,
+    rank_layer_count,
+    rank_layer_counts,
+    rank_layer_indices,
+)
 
-SIMULATED = (*V_SCHEDULES, "2bw")
 RING_QUERY_TILE = 256
 """Query rows the ring attention computes at once (parallel/context.py's QUERY_TILE)."""
-"""Schedules whose micro-batches in flight are read off their simulated order."""
 
-GIB = 2**30
 CUDA_FIXED_GIB = 1.5
 """CUDA context, cuBLAS workspaces and NCCL buffers per GPU (typical, H100, NCCL 2.2x)."""
 FRAGMENTATION = 0.05
@@ -103,17 +109,24 @@ class MemoryBreakdown:
         return [(name, getattr(self, name), self.notes.get(name, "")) for name in CATEGORIES]
 
 
-def textbook_model_states(params: int, optim: str, zero: int, dp: int) -> tuple[float, ...]:
-    """ZeRO paper (Rajbhandari et al. 2020) mixed-precision bytes: (params, grads, optimizer).
+def textbook_model_states(
+    params: float, optim: str, zero: int, dp: int, dtype: str = "bf16", moments: int | None = None
+) -> tuple[float, float, float]:
+    """ZeRO paper (Rajbhandari et al. 2020) bytes of (params, grads, optimizer states).
 
-    2 B BF16 params + 2 B BF16 grads + K B of FP32 master weights and moments (AdamW K = 12);
-    stage 1 shards the K bytes over dp, stage 2 the grads too, stage 3 the params too.
+    Mixed precision: 2 B 16-bit params + 2 B 16-bit grads + K B of FP32 master weights and
+    moments (AdamW K = 12); FP32: 4 B + 4 B + the moments alone. Stage 1 shards the
+    optimizer states over dp, stage 2 the grads too, stage 3 the params too. `moments`
+    overrides the optimizer's FP32 states per parameter (SGD without momentum keeps none).
     """
-    k = 4 + 4 * MOMENTS[optim]
+    mixed = dtype != "fp32"
+    moments = MOMENTS[optim] if moments is None else moments
+    param_bytes = grad_bytes = 2 if mixed else 4
+    optimizer_bytes = 4 * moments + (4 if mixed else 0)
     return (
-        2 * params / (dp if zero >= 3 else 1),
-        2 * params / (dp if zero >= 2 else 1),
-        k * params / (dp if zero >= 1 else 1),
+        param_bytes * params / (dp if zero >= 3 else 1),
+        grad_bytes * params / (dp if zero >= 2 else 1),
+        optimizer_bytes * params / (dp if zero >= 1 else 1),
     )
 
 
@@ -129,6 +142,37 @@ def korthikanti_layer_activations(
     if sp:
         return s * b * h / t * (34 + core)
     return s * b * h * (10 + (24 + core) / t)
+
+
+def textbook_activations(cfg: RecipeConfig, degrees: Degrees, microbatches: int) -> float:
+    """Korthikanti et al. 2022 activation bytes of pipeline rank 0 (the textbook figure the
+    plan prints beside `memory_breakdown`): the per-layer formula on the rank's layers
+    (16-bit, doubled for FP32; full recompute keeps only the 2sbh layer input of the blocks
+    it recomputes) times the micro-batches in flight, plus one micro-batch of FP32 logits."""
+    m, t = cfg.model, degrees.tp
+    s, b = local_tokens(cfg), cfg.train.micro_batch
+    selective = cfg.recompute.policy == "selective"
+    per_layer = korthikanti_layer_activations(s, b, m.dim, m.n_heads, t, cfg.parallel.sp, selective)
+    layer_input = 2 * s * b * m.dim / (t if cfg.parallel.sp else 1)
+    layers = rank_layers(cfg, 0)
+    kept = len(recomputed_blocks(cfg.recompute, layers)) if cfg.recompute.policy == "full" else 0
+    stage = kept * layer_input + (len(layers) - kept) * per_layer
+    scale = 2 if cfg.precision.dtype == "fp32" else 1
+    logits = s * b * m.vocab_size * 4 / t
+    flight = in_flight(cfg.parallel.pp_schedule, degrees.pp, microbatches, cfg.parallel.vpp)
+    return stage * scale * flight + logits
+
+
+def rank_layers(cfg: RecipeConfig, pp_rank: int) -> tuple[int, ...]:
+    """Global indices of the layers pipeline rank `pp_rank` holds, over all its chunks."""
+    p = cfg.parallel
+    style = _style(cfg)
+    return rank_layer_indices(cfg.model.n_layers, p.pp, p.vpp, p.pp_layers, pp_rank, style)
+
+
+def _style(cfg: RecipeConfig) -> str:
+    """The pipeline's chunk placement ("v" under the V schedules, else "loop")."""
+    return placement(cfg.parallel.pp_schedule) if cfg.parallel.pp > 1 else "loop"
 
 
 def llama_block_activations(
@@ -183,28 +227,14 @@ def head_activations(
 
 
 def in_flight(schedule: str, pp: int, microbatches: int, vpp: int = 1, rank: int = 0) -> float:
-    """Micro-batches whose activations pipeline rank `rank` holds at its peak.
-
-    The schedule's warm-up forwards plus the one before its first backward: 1F1B p - r on
-    rank r (p on the first); GPipe all m; interleaved 1F1B p + (p - 1 - 2r)/v stage-sized
-    micro-batches (each chunk holds 1/v of the rank's layers).
-    """
+    """Micro-batches whose activations pipeline rank `rank` holds at its peak, in whole
+    stages, counted on the order of the schedule torch runs (`schedule_sim.held_in_flight`):
+    1F1B p - r on rank r; GPipe all m; interleaved 1F1B p + (p - 1 - 2r)/v; zero-bubble p on
+    every rank (its weight gradients hold their inputs); the V schedules and 2BW from their
+    simulated order."""
     if pp == 1:
         return 1.0
-    if schedule == "gpipe":
-        return float(microbatches)
-    if schedule in SIMULATED:
-        return _simulated_in_flight(schedule, pp, microbatches, vpp)[rank]
-    chunks = vpp if schedule == "interleaved_1f1b" else 1
-    held = min(warmup(schedule, pp, microbatches, rank, chunks) + 1, microbatches * chunks)
-    return held / chunks
-
-
-@lru_cache(maxsize=64)
-def _simulated_in_flight(schedule: str, pp: int, microbatches: int, vpp: int) -> tuple:
-    """Per rank, the simulated peak in flight (2bw: over two steps, its steady state)."""
-    timeline = simulate(schedule, pp, microbatches, vpp, steps=2 if schedule == "2bw" else 1)
-    return tuple(timeline.peak_in_flight(r) for r in range(pp))
+    return held_in_flight(schedule, pp, microbatches, rank, vpp)
 
 
 def head_in_flight(cfg: RecipeConfig, degrees: Degrees, microbatches: int) -> float:
@@ -227,154 +257,190 @@ def local_tokens(cfg: RecipeConfig) -> int:
     return cfg.train.seq_len // cfg.parallel.cp
 
 
-def stage_params(cfg: RecipeConfig, pp_rank: int = 0) -> tuple[int, int, int]:
+def stage_params(
+    cfg: RecipeConfig, pp_rank: int = 0, counts: ParamCount | None = None
+) -> tuple[int, int, int]:
     """(blocks' params, root params, blocks) of pipeline rank `pp_rank`.
 
     The root holds the embedding on the first rank, the final norm and head on the rank of
     the last stage (the last rank; the first under a V schedule).
+    `counts` saves recounting the model's parameters (`count_params(cfg.model)`).
     """
-    counts = count_params(cfg.model)
+    counts = counts or count_params(cfg.model)
     p = cfg.parallel
-    style = placement(p.pp_schedule) if p.pp > 1 else "loop"
+    style = _style(cfg)
     blocks = rank_layer_count(cfg.model.n_layers, p.pp, p.vpp, p.pp_layers, pp_rank, style)
     root = counts.embedding if pp_rank == 0 else 0
-    head = pp_rank == head_rank(p.pp, p.vpp, style)
-    root += counts.final_norm + counts.lm_head if head else 0
+    if pp_rank == head_rank(p.pp, p.vpp, style):
+        # A tied LM head on a separate last stage keeps its own copy of the embedding (in
+        # a V too: the last stage is a chunk of its own beside the first).
+        head = counts.lm_head or (counts.embedding if p.pp > 1 else 0)
+        root += counts.final_norm + head
     # MoE layers are spread evenly over the stages (exact with one stage).
     return counts.layers * blocks // cfg.model.n_layers, root, blocks
 
 
 def peak_breakdown(cfg: RecipeConfig, degrees: Degrees, microbatches: int) -> MemoryBreakdown:
     """The breakdown of the pipeline rank with the largest peak (the only one without PP)."""
-    ranks = [memory_breakdown(cfg, degrees, microbatches, r) for r in range(degrees.pp)]
+    ranks = [
+        memory_breakdown(cfg, degrees, microbatches, r)
+        for r in candidate_ranks(cfg, degrees, microbatches)
+    ]
     return max(ranks, key=lambda b: b.total)
+
+
+def candidate_ranks(cfg: RecipeConfig, degrees: Degrees, microbatches: int) -> list[int]:
+    """The pipeline ranks whose peak may be the largest: the first and the last, and of the
+    middle ranks alike in layers, recomputed layers and gradients held, the one with the
+    most micro-batches in flight (each category grows with it; the rest is equal)."""
+    p, policy = cfg.parallel, cfg.recompute.policy
+    best: dict[tuple, tuple[float, int]] = {}
+    counts = rank_layer_counts(cfg.model.n_layers, p.pp, p.vpp, p.pp_layers, _style(cfg))
+    for r, layers in enumerate(counts):
+        flight = in_flight(p.pp_schedule, degrees.pp, microbatches, p.vpp, r)
+        recomputed = layers if policy == "full" else 0
+        if policy == "full" and cfg.recompute.every > 1:
+            recomputed = len(recomputed_blocks(cfg.recompute, rank_layers(cfg, r)))
+        held = _accumulation(cfg, degrees, microbatches, flight) > 1
+        key = (r if r in (0, degrees.pp - 1) else -1, layers, recomputed, held)
+        if key not in best or flight > best[key][0]:
+            best[key] = (flight, r)
+    return sorted(r for _, r in best.values())
+
+
+def state_floor(cfg: RecipeConfig, degrees: Degrees) -> float:
+    """Bytes no micro-batch size or recompute policy takes off the peak: the FP32 parameters
+    and optimizer states (and DDP's buckets) of the pipeline rank holding the most."""
+    counts = rank_layer_counts(
+        cfg.model.n_layers, degrees.pp, cfg.parallel.vpp, cfg.parallel.pp_layers, _style(cfg)
+    )
+    floor = 0.0
+    for r in {0, degrees.pp - 1, counts.index(max(counts))}:
+        params, _, buckets, optimizer = _model_states(_rank_shape(cfg, degrees, 1, r), {})
+        floor = max(floor, weight_versions(cfg) * params + buckets + optimizer)
+    return floor
+
+
+def _accumulation(cfg: RecipeConfig, degrees: Degrees, microbatches: int, flight: float) -> int:
+    """Micro-batches whose gradients a rank accumulates before the step (1: none held).
+
+    Gradients live from a micro-batch's backward to the step: at the peak when accumulation
+    runs micro-batches one after another, or when a pipeline's steady state runs a forward
+    after its first backward (not under GPipe, whose first backward is its peak)."""
+    if degrees.pp == 1:
+        return microbatches
+    steady = cfg.parallel.pp_schedule != "gpipe" and microbatches > flight
+    return microbatches if steady else 1
+
+
+@dataclass(frozen=True)
+class _RankShape:
+    """What every category of one pipeline rank's peak is counted from."""
+
+    cfg: RecipeConfig
+    degrees: Degrees
+    pp_rank: int
+    compute: int
+    """Bytes of an activation or cast weight in the compute dtype."""
+    fsdp: bool
+    ddp: bool
+    last: bool
+    flight: float
+    """Micro-batches whose activations the rank holds at its peak."""
+    microbatches: int
+    """Micro-batches of the step (the schedule's)."""
+    accum: int
+    """Micro-batches whose gradients accumulate before the step (1: none held)."""
+    root_params: int
+    blocks: int
+    local: float
+    """Dense parameters on the rank (tp-split, norms replicated), before ZeRO sharding."""
+    per_block: float
+    expert_local: float
+    """Routed-expert parameters on the rank (split over ep, outside ZeRO)."""
+    moments: int
+    shard: int
+    """Ranks the FP32 parameters and gradients are sharded over."""
+    opt_shard: int
+    """Ranks the optimizer states are sharded over."""
+
+
+def _rank_shape(cfg: RecipeConfig, degrees: Degrees, microbatches: int, pp_rank: int) -> _RankShape:
+    # Context-parallel ranks reduce gradients with the data-parallel ones, and FSDP shards
+    # over them too.
+    t, n = degrees.tp, degrees.grad_replicas
+    fsdp = cfg.parallel.zero >= 2 and n > 1
+    last = pp_rank == head_rank(degrees.pp, cfg.parallel.vpp, _style(cfg))
+    flight = in_flight(
+        cfg.parallel.pp_schedule, degrees.pp, microbatches, cfg.parallel.vpp, pp_rank
+    )
+    accum = _accumulation(cfg, degrees, microbatches, flight)
+    counts = count_params(cfg.model)
+    block_params, root_params, blocks = stage_params(cfg, pp_rank, counts)
+    # Routed experts: split over ep, not over tp, and outside ZeRO (parallel/expert.py).
+    experts = counts.experts * blocks // cfg.model.n_layers if blocks else 0
+    block_params -= experts
+    # RMSNorm weights are replicated over tp; every other weight is split.
+    norms = 2 * cfg.model.dim * blocks + (cfg.model.dim if last else 0)
+    o = cfg.optim
+    return _RankShape(
+        cfg=cfg,
+        degrees=degrees,
+        pp_rank=pp_rank,
+        compute=COMPUTE_BYTES[cfg.precision.dtype],
+        fsdp=fsdp,
+        ddp=not fsdp and n > 1,
+        last=last,
+        flight=flight,
+        microbatches=microbatches,
+        accum=accum,
+        root_params=root_params,
+        blocks=blocks,
+        local=(block_params + root_params - norms) / t + norms,
+        per_block=block_params / blocks / t if blocks else 0.0,
+        expert_local=experts / degrees.ep,
+        moments=MOMENTS[o.name] if o.name != "sgd" or o.momentum else 0,
+        # Hybrid sharding replicates over dp_replicate: state is split over dp_shard (x cp)
+        # only.
+        shard=degrees.dp_shard * degrees.cp if fsdp else 1,
+        opt_shard=degrees.dp_shard * (degrees.cp if fsdp else 1)
+        if fsdp or cfg.parallel.zero == 1
+        else 1,
+    )
 
 
 def memory_breakdown(
     cfg: RecipeConfig, degrees: Degrees, microbatches: int, pp_rank: int = 0
 ) -> MemoryBreakdown:
     """Peak bytes per rank of pipeline rank `pp_rank` under `cfg`, by category."""
-    # Context-parallel ranks reduce gradients with the data-parallel ones, and FSDP shards
-    # over them too.
-    t, n = degrees.tp, degrees.grad_replicas
-    dtype = cfg.precision.dtype
-    compute = COMPUTE_BYTES[dtype]
-    fsdp = cfg.parallel.zero >= 2 and n > 1
-    ddp = not fsdp and n > 1
-    style = placement(cfg.parallel.pp_schedule) if degrees.pp > 1 else "loop"
-    last = pp_rank == head_rank(degrees.pp, cfg.parallel.vpp, style)
-    flight = in_flight(
-        cfg.parallel.pp_schedule, degrees.pp, microbatches, cfg.parallel.vpp, pp_rank
-    )
-    versions = weight_versions(cfg)
-    # Gradients live from a micro-batch's backward to the step: at the peak when accumulation
-    # runs micro-batches one after another, or when a pipeline's steady state runs a forward
-    # after its first backward (not under GPipe, whose first backward is its peak).
-    if degrees.pp == 1:
-        accum = microbatches
-    else:
-        accum = microbatches if cfg.parallel.pp_schedule != "gpipe" and microbatches > flight else 1
-    block_params, root_params, blocks = stage_params(cfg, pp_rank)
-    # Routed experts: split over ep, not over tp, and outside ZeRO (parallel/expert.py).
-    experts = count_params(cfg.model).experts * blocks // cfg.model.n_layers if blocks else 0
-    block_params -= experts
-    expert_local = experts / degrees.ep
-    # RMSNorm weights are replicated over tp; every other weight is split.
-    norms = 2 * cfg.model.dim * blocks + (cfg.model.dim if last else 0)
-    local = (block_params + root_params - norms) / t + norms
-    per_block = block_params / blocks / t if blocks else 0.0
-    moments = MOMENTS[cfg.optim.name] if cfg.optim.name != "sgd" or cfg.optim.momentum else 0
+    r = _rank_shape(cfg, degrees, microbatches, pp_rank)
     notes: dict[str, str] = {}
-
-    shard = n if fsdp else 1
-    m = cfg.model
-    rope = 2 * m.max_seq_len * (m.head_dim // 2) * 4
-    params = 4 * local / shard + rope
-    notes["params"] = f"FP32 {'sharded over dp' if fsdp else 'replicated'}, + rotary tables"
-    if degrees.pp > 1:
-        notes["params"] += f", pipeline rank {pp_rank} of {degrees.pp}"
-    opt_shard = n if fsdp else (degrees.dp_shard if cfg.parallel.zero == 1 else 1)
-    optimizer = 4 * moments * local / opt_shard
-    notes["optimizer"] = f"{moments} FP32 moment(s)/param" + (
-        f", sharded over {opt_shard}" if opt_shard > 1 else ""
-    )
-    # FSDP's no-sync accumulation holds FP32 unsharded gradients between micro-batches.
-    grads_held = 4 * local if accum > 1 else 0.0
-    buckets = 4 * local if ddp else 0.0
-    # Measured on CPU: DDP's synced backward after no-sync micro-batches holds one more
-    # FP32 gradient-sized buffer.
-    ddp_extra = 4 * local if ddp and accum > 1 else 0.0
-    notes["grads"] = (
-        "FP32"
-        + (", + DDP buckets" if ddp else "")
-        + (", held unsharded across micro-batches" if fsdp and accum > 1 else "")
-    )
-
-    # Parameter copies alive at the end of forward.
-    if fsdp and cfg.parallel.zero == 2:
-        transients = compute * local
-        notes["transients"] = "every block and the root unsharded (ZeRO-2)"
-    elif fsdp:
-        # At the start of backward only the root is unsharded; a block's all-gather (and the
-        # prefetched next) comes once the logits' buffers are freed, and is smaller.
-        transients = compute * root_params / t
-        notes["transients"] = "the root unsharded (ZeRO-3)"
-    elif dtype != "fp32":
-        transients = compute * local
-        notes["transients"] = "autocast's BF16 weight casts"
-    else:
-        transients = 0.0
-    if ddp_extra:
-        transients += ddp_extra
-        notes["transients"] = notes.get("transients", "") + " + DDP's accumulation buffer"
-
-    s, b, v = local_tokens(cfg), cfg.train.micro_batch, cfg.model.vocab_size
-    # Per micro-batch in flight the last stage keeps the logits and the FP32 log-softmax
-    # (the vocab-parallel loss one more FP32 shard); the start of backward adds its gradient
-    # and the gradient of the logits (in FP32 before the cast back).
-    kept_logits = s * b * v / t * (compute + 4 + (4 if t > 1 else 0)) if last else 0.0
-    logit_grads = s * b * v / t * 8 if last else 0.0
-    head_flight = head_in_flight(cfg, degrees, microbatches) if last else flight
-    logits = head_flight * kept_logits + logit_grads
-    notes["logits"] = (
-        "logits, log-softmax, 2 FP32 gradients"
-        + (f", x{head_flight:g} in flight" if head_flight != 1 else "")
-        if last
-        else "on the last stage"
-    )
-    activations, recomputed_block, act_note = _activations(cfg, degrees, flight, pp_rank, fsdp)
-    # Later in backward the logits' buffers are gone and a block's backward holds its
-    # gradient temporaries (and, recomputed, its activations again; under ZeRO-3 that block
-    # and the prefetched next unsharded, and the block's unsharded FP32 gradients): the
-    # peak holds the larger of the two moments.
-    block_work = 2 * compute * per_block + 4 * per_block if fsdp and cfg.parallel.zero == 3 else 0
-    backward = recomputed_block + block_work + _block_backward(cfg, degrees, compute, fsdp)
-    if blocks and backward > kept_logits + logit_grads:
-        activations += backward - kept_logits - logit_grads
-        act_note += ", + one block's backward" + (" recomputing" if recomputed_block else "")
-    notes["activations"] = act_note
-
-    if expert_local:
-        params += 4 * expert_local
-        optimizer += 4 * moments * expert_local
-        grads_held += 4 * expert_local if accum > 1 else 0.0
-        transients += compute * expert_local if dtype != "fp32" else 0.0
+    params, grads_held, buckets, optimizer = _model_states(r, notes)
+    transients = _transients(r, notes)
+    logits, logits_backward = _logits(r, notes)
+    activations = _peak_activations(r, logits_backward, notes)
+    if r.expert_local:
+        params += 4 * r.expert_local
+        optimizer += 4 * r.moments * r.expert_local
+        grads_held += 4 * r.expert_local if r.accum > 1 else 0.0
+        transients += r.compute * r.expert_local if cfg.precision.dtype != "fp32" else 0.0
         notes["params"] += f", experts split over ep={degrees.ep}"
+    versions = weight_versions(cfg)
     if versions > 1:
         # PipeDream-2BW: a second copy of the stage, and gradients in both while the previous
         # step's last backwards run beside this step's (reduce-scattered each micro-batch
         # under FSDP, so sharded); both versions' unsharded or cast weights are in use.
         params *= versions
-        grads_held = versions * 4 * (local / shard + expert_local)
+        grads_held = versions * 4 * (r.local / r.shard + r.expert_local)
         transients *= versions
         notes["params"] += ", x2 weight versions (2BW)"
         notes["grads"] += ", in both weight versions (2BW)"
     forward = (params, grads_held + buckets, optimizer, activations, transients, logits)
     # The optimizer step: FP32 gradients (sharded under FSDP) and one parameter-sized
     # temporary of the foreach update.
-    step_grads = 4 * local / shard + (4 * local if ddp else 0.0) + 4 * expert_local
+    step_grads = 4 * r.local / r.shard + (4 * r.local if r.ddp else 0.0) + 4 * r.expert_local
     step_grads *= versions
-    step_temp = (4 * local / opt_shard + 4 * expert_local) if moments else 0.0
+    step_temp = (4 * r.local / r.opt_shard + 4 * r.expert_local) if r.moments else 0.0
     step = (params, step_grads, optimizer + step_temp, 0.0, 0.0, 0.0)
     phase, chosen = ("forward", forward) if sum(forward) >= sum(step) else ("optimizer step", step)
     framework = 0.0
@@ -384,6 +450,94 @@ def memory_breakdown(
     else:
         notes["framework"] = "none counted on CPU"
     return MemoryBreakdown(*chosen, framework=framework, peak_phase=phase, notes=notes)
+
+
+def _model_states(r: _RankShape, notes: dict[str, str]) -> tuple[float, float, float, float]:
+    """(params, gradients held at the forward's end, DDP buckets, optimizer states), dense."""
+    m, degrees = r.cfg.model, r.degrees
+    rope = 2 * m.max_seq_len * (m.head_dim // 2) * 4
+    params = 4 * r.local / r.shard + rope
+    notes["params"] = (
+        f"FP32 {f'sharded over dp_shard={r.shard}' if r.shard > 1 else 'replicated'}"
+        + ", + rotary tables"
+    )
+    if degrees.pp > 1:
+        notes["params"] += f", pipeline rank {r.pp_rank} of {degrees.pp}"
+    optimizer = 4 * r.moments * r.local / r.opt_shard
+    notes["optimizer"] = f"{r.moments} FP32 moment(s)/param" + (
+        f", sharded over {r.opt_shard}" if r.opt_shard > 1 else ""
+    )
+    # FSDP's no-sync accumulation holds FP32 unsharded gradients between micro-batches.
+    grads_held = 4 * r.local if r.accum > 1 else 0.0
+    buckets = 4 * r.local if r.ddp else 0.0
+    notes["grads"] = (
+        "FP32"
+        + (", + DDP buckets" if r.ddp else "")
+        + (", held unsharded across micro-batches" if r.fsdp and r.accum > 1 else "")
+    )
+    return params, grads_held, buckets, optimizer
+
+
+def _transients(r: _RankShape, notes: dict[str, str]) -> float:
+    """Parameter copies alive at the end of forward, and DDP's accumulation buffer."""
+    zero = r.cfg.parallel.zero
+    if r.fsdp and zero == 2:
+        transients = r.compute * r.local
+        notes["transients"] = "every block and the root unsharded (ZeRO-2)"
+    elif r.fsdp:
+        # At the start of backward only the root is unsharded; a block's all-gather (and the
+        # prefetched next) comes once the logits' buffers are freed, and is smaller.
+        transients = r.compute * r.root_params / r.degrees.tp
+        notes["transients"] = "the root unsharded (ZeRO-3)"
+    elif r.cfg.precision.dtype != "fp32":
+        transients = r.compute * r.local
+        notes["transients"] = "autocast's BF16 weight casts"
+    else:
+        transients = 0.0
+    # Measured on CPU: DDP's synced backward after no-sync micro-batches holds one more
+    # FP32 gradient-sized buffer.
+    if r.ddp and r.accum > 1:
+        transients += 4 * r.local
+        notes["transients"] = notes.get("transients", "") + " + DDP's accumulation buffer"
+    return transients
+
+
+def _logits(r: _RankShape, notes: dict[str, str]) -> tuple[float, float]:
+    """(logit bytes at the peak, the part the start of backward holds for one micro-batch)."""
+    t = r.degrees.tp
+    s, b, v = local_tokens(r.cfg), r.cfg.train.micro_batch, r.cfg.model.vocab_size
+    # Per micro-batch in flight the last stage keeps the logits and the FP32 log-softmax
+    # (the vocab-parallel loss one more FP32 shard); the start of backward adds its gradient
+    # and the gradient of the logits (in FP32 before the cast back).
+    kept_logits = s * b * v / t * (r.compute + 4 + (4 if t > 1 else 0)) if r.last else 0.0
+    logit_grads = s * b * v / t * 8 if r.last else 0.0
+    flight = head_in_flight(r.cfg, r.degrees, r.microbatches) if r.last else r.flight
+    notes["logits"] = (
+        "logits, log-softmax, 2 FP32 gradients"
+        + (f", x{flight:g} in flight" if flight != 1 else "")
+        if r.last
+        else "on the last stage"
+    )
+    return flight * kept_logits + logit_grads, kept_logits + logit_grads
+
+
+def _peak_activations(r: _RankShape, logits_backward: float, notes: dict[str, str]) -> float:
+    """Saved activations, plus what a block's backward adds over the logits' moment."""
+    activations, recomputed_block, note = _activations(
+        r.cfg, r.degrees, r.flight, r.pp_rank, r.fsdp
+    )
+    # Later in backward the logits' buffers are gone and a block's backward holds its
+    # gradient temporaries (and, recomputed, its activations again; under ZeRO-3 that block
+    # and the prefetched next unsharded, and the block's unsharded FP32 gradients): the
+    # peak holds the larger of the two moments.
+    zero3 = r.fsdp and r.cfg.parallel.zero == 3
+    block_work = 2 * r.compute * r.per_block + 4 * r.per_block if zero3 else 0
+    backward = recomputed_block + block_work + _block_backward(r.cfg, r.degrees, r.compute, r.fsdp)
+    if r.blocks and backward > logits_backward:
+        activations += backward - logits_backward
+        note += ", + one block's backward" + (" recomputing" if recomputed_block else "")
+    notes["activations"] = note
+    return activations
 
 
 def _residual_bytes(cfg: RecipeConfig, fsdp: bool) -> int:
@@ -403,8 +557,8 @@ def _block_backward(cfg: RecipeConfig, degrees: Degrees, compute: int, fsdp: boo
 
 def _ring_backward(cfg: RecipeConfig, degrees: Degrees, compute: int) -> float:
     """Context parallelism's backward temporaries: one query tile's FP32 scores,
-    probabilities and their gradient over a chunk, and the keys and values received with their FP32
-    gradient accumulators (held and incoming); 0 without cp."""
+    probabilities and their gradient over a chunk, and the keys and values received with
+    their FP32 gradient accumulators (held and incoming); 0 without cp."""
     if degrees.cp == 1:
         return 0.0
     m, b, t = cfg.model, cfg.train.micro_batch, degrees.tp
@@ -423,16 +577,16 @@ def _activations(
     s, b = local_tokens(cfg), cfg.train.micro_batch
     compute, residual = COMPUTE_BYTES[cfg.precision.dtype], _residual_bytes(cfg, fsdp)
     p = cfg.parallel
-    style = placement(p.pp_schedule) if p.pp > 1 else "loop"
+    style = _style(cfg)
     blocks = rank_layer_count(m.n_layers, p.pp, p.vpp, p.pp_layers, pp_rank, style)
-    policy, every = cfg.recompute.policy, cfg.recompute.every
+    policy = cfg.recompute.policy
     whole = llama_block_activations(m, s, b, compute, residual, t, sp, "none")
     if policy == "selective":
         kept = llama_block_activations(m, s, b, compute, residual, t, sp, "selective")
         stage = blocks * kept
         note = "selective: matmul outputs kept"
     elif policy == "full":
-        recomputed = blocks // every
+        recomputed = len(recomputed_blocks(cfg.recompute, rank_layers(cfg, pp_rank)))
         kept_input = s * b * m.dim * residual / (t if sp else 1)
         stage = recomputed * kept_input + (blocks - recomputed) * whole
         note = f"full on {recomputed}/{blocks} blocks: inputs kept"

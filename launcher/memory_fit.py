@@ -10,9 +10,10 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable
 
-from launcher.memory import GIB, MemoryBreakdown, peak_breakdown
+from launcher.memory import MemoryBreakdown, peak_breakdown
 from launcher.validate import validate
 from pretrain_core import hardware
+from pretrain_core.hardware import GIB
 from pretrain_core.layout import grad_accum_steps, resolve_degrees
 from pretrain_core.problems import Problem, RecipeError, or_list
 from pretrain_core.schema import RecipeConfig
@@ -32,14 +33,19 @@ def predict(cfg: RecipeConfig) -> MemoryBreakdown:
     return peak_breakdown(cfg, resolve_degrees(cfg), micro)
 
 
+def _setter(group: str, name: str, value: object) -> Callable[[RecipeConfig], None]:
+    """A change that sets `group.name` to `value` (bound now, not when the loop moves on)."""
+    return lambda c: setattr(getattr(c, group), name, value)
+
+
 def _variants(cfg: RecipeConfig) -> list[tuple[str, Callable[[RecipeConfig], None]]]:
     p, t = cfg.parallel, cfg.train
     options: list[tuple[str, Callable[[RecipeConfig], None]]] = []
     for zero in range(p.zero + 1, 4):
-        options.append((f"parallel.zero={zero}", lambda c, z=zero: setattr(c.parallel, "zero", z)))
+        options.append((f"parallel.zero={zero}", _setter("parallel", "zero", zero)))
     tp = p.tp * 2
     while tp <= cfg.cluster.gpus_per_node:
-        options.append((f"parallel.tp={tp}", lambda c, v=tp: setattr(c.parallel, "tp", v)))
+        options.append((f"parallel.tp={tp}", _setter("parallel", "tp", tp)))
         tp *= 2
     options.append((f"parallel.pp={p.pp * 2}", lambda c: setattr(c.parallel, "pp", p.pp * 2)))
     if p.tp > 1 and not p.sp:
@@ -48,9 +54,7 @@ def _variants(cfg: RecipeConfig) -> list[tuple[str, Callable[[RecipeConfig], Non
         if cfg.recompute.policy != policy and not (
             policy == "selective" and cfg.recompute.policy == "full"
         ):
-            options.append(
-                (f"recompute={policy}", lambda c, v=policy: setattr(c.recompute, "policy", v))
-            )
+            options.append((f"recompute={policy}", _setter("recompute", "policy", policy)))
     if t.micro_batch > 1:
         options.append(
             (

@@ -1,8 +1,9 @@
 """The plan: pure arithmetic on a valid recipe, before anything runs.
 
 Layout and rank groups, parameter counts per rank, FLOPs per token (the same `models.flops`
-functions the trainer's MFU uses), pipeline bubble, a first memory estimate per rank and an
-expected step time. Every assumption behind a number is listed in `Plan.assumptions`.
+functions the trainer's MFU uses), pipeline bubble, memory per rank (`launcher.memory`) and
+the step time and MFU of the cost model the layout search ranks by (`launcher.cost`).
+Every assumption behind a number is listed in `Plan.assumptions`.
 """
 
 from __future__ import annotations
@@ -11,26 +12,31 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from launcher import schedule_sim
+from launcher import cost, schedule_sim
 from launcher.cp_comm import CPComm, cp_communication
-from launcher.memory import MemoryBreakdown, peak_breakdown
-from launcher.memory import in_flight as rank_in_flight
+from launcher.memory import (
+    MemoryBreakdown,
+    peak_breakdown,
+    stage_params,
+    textbook_activations,
+    textbook_model_states,
+)
 from launcher.tp_comm import TPComm, tp_communication
 from models.flops import count_params, flops_per_token
 from pretrain_core import hardware
+from pretrain_core.hardware import GIB
 from pretrain_core.layout import Degrees, grad_accum_steps, rank_groups, resolve_degrees
+from pretrain_core.pipedream import segment_steps
 from pretrain_core.precision import peak_dtype
+from pretrain_core.recompute import recomputed_blocks
 from pretrain_core.schema import OptimConfig, RecipeConfig
 from pretrain_core.stages import V_SCHEDULES
 
-MFU_ASSUMPTION = 0.40
-"""Model FLOPs utilisation assumed for the expected step time."""
 LONG_CONTEXT = 16384
 """Sequences from this length on are long: context parallelism is among the fixes the plan
 and the layout search offer."""
 GROUPS_SHOWN = 4
 """Rank groups kept per dim in a plan; the rest are counted."""
-GIB = 2**30
 
 
 @dataclass(frozen=True)
@@ -81,7 +87,12 @@ class Plan:
     gpu_memory_gib: float | None
     peak_tflops: float | None
     step_time_s: float | None
+    """The cost model's step time (`launcher.cost`); None without a GPU peak and links."""
     tokens_per_s: float | None
+    mfu: float | None = None
+    """Model FLOPs utilisation at `step_time_s`."""
+    step_cost: cost.StepCost | None = None
+    """The step time's terms."""
     memory: MemoryBreakdown | None = None
     """Peak bytes per rank by category as this trainer allocates them (launcher/memory.py)."""
     assumptions: list[str] = field(default_factory=list)
@@ -106,19 +117,20 @@ def make_plan(cfg: RecipeConfig) -> Plan:
     micro = cfg.parallel.pp_microbatches or accum
     groups = rank_groups(degrees)
     counts = count_params(cfg.model)
-    first, last = stage_params(cfg)
+    stages = [sum(stage_params(cfg, r)[:2]) for r in range(degrees.pp)]
+    first, last = stages[0], stages[-1]
     # Routed experts are split over ep rather than tp (parallel/expert.py).
     experts = counts.experts // degrees.pp
-    per_rank = math.ceil((max(first, last) - experts) / degrees.tp + experts / degrees.ep)
+    per_rank = math.ceil((max(stages) - experts) / degrees.tp + experts / degrees.ep)
     fpt = flops_per_token(cfg.model, cfg.train.seq_len)
-    fraction = recomputed_layers(cfg.model.n_layers, cfg.recompute.every) / cfg.model.n_layers
+    fraction = len(recomputed_blocks(cfg.recompute, cfg.model.n_layers)) / cfg.model.n_layers
     on_gpu = cfg.cluster.device == "cuda"
     spec = hardware.gpu_spec(cfg.cluster.gpu_type if on_gpu else "cpu")
     peak = cfg.hardware.peak_tflops or spec.peak_tflops.get(peak_dtype(cfg.precision))
     tokens = cfg.train.global_batch * cfg.train.seq_len
-    step_time = (
-        tokens * fpt.train / (degrees.world * peak * 1e12 * MFU_ASSUMPTION) if peak else None
-    )
+    links = hardware.links(spec.name)
+    step = cost.step_cost(cfg, degrees, micro, peak, links) if peak and links else None
+    step_time = step.total if step else None
     memory = (cfg.cluster.gpu_memory_gib or spec.memory_gib) if on_gpu else None
     plan = Plan(
         name=cfg.name,
@@ -137,7 +149,7 @@ def make_plan(cfg: RecipeConfig) -> Plan:
         tokens_per_step=tokens,
         grad_accum=accum,
         pp_microbatches=micro,
-        bubble_fraction=bubble_fraction(
+        bubble_fraction=schedule_sim.bubble_fraction(
             cfg.parallel.pp_schedule, degrees.pp, micro, cfg.parallel.vpp, segment_steps(cfg)
         ),
         zero=cfg.parallel.zero,
@@ -145,26 +157,43 @@ def make_plan(cfg: RecipeConfig) -> Plan:
             z: model_states(per_rank, cfg.precision.dtype, cfg.optim, z, degrees.dp_shard)
             for z in range(4)
         },
-        activations=activation_bytes(cfg, degrees, micro),
+        activations=textbook_activations(cfg, degrees, micro),
         gpu_type=spec.name,
         gpu_memory_gib=memory,
         peak_tflops=peak,
         step_time_s=step_time,
         tokens_per_s=tokens / step_time if step_time else None,
+        mfu=cost.predicted_mfu(cfg, step_time, peak) if step_time and peak else None,
+        step_cost=step,
     )
     plan.memory = peak_breakdown(cfg, degrees, micro)
     plan.assumptions = _assumptions(cfg)
+    if step and peak and links:
+        plan.assumptions += [
+            "step time: " + line
+            for line in cost.assumptions(spec.name, links, peak, peak_dtype(cfg.precision))
+        ]
     plan.tp_comm = tp_communication(cfg, degrees)
     plan.cp_comm = cp_communication(cfg, degrees)
-    if plan.cp_comm is not None and plan.cp_comm.crosses_nodes:
-        plan.warnings.append(
-            f"the context-parallel ring spans tp*cp = {plan.cp_comm.ring_span} ranks, more than "
-            f"a node's {cfg.cluster.gpus_per_node}: every hop crosses the inter-node link"
-        )
     if degrees.pp > 1:
         plan.pipeline = schedule_sim.summary(
             cfg.parallel.pp_schedule, degrees.pp, micro, cfg.parallel.vpp, segment_steps(cfg)
         )
+    plan.warnings += _warnings(cfg, plan, spec.name)
+    return plan
+
+
+def _warnings(cfg: RecipeConfig, plan: Plan, gpu: str) -> list[str]:
+    """A context-parallel ring that leaves its node, and a peak over the device's memory
+    with the levers that lower it (for long sequences, in the order to pull them)."""
+    found = []
+    if plan.cp_comm is not None and plan.cp_comm.crosses_nodes:
+        found.append(
+            f"the context-parallel ring spans tp*cp = {plan.cp_comm.ring_span} ranks, more than "
+            f"a node's {cfg.cluster.gpus_per_node}: every hop crosses the inter-node link"
+        )
+    memory = plan.gpu_memory_gib
+    assert plan.memory is not None
     if memory and max(plan.memory_gib, plan.memory.total_gib) > memory:
         peak = max(plan.memory_gib, plan.memory.total_gib)
         fixes = "raise parallel.zero, tp or pp, lower train.micro_batch, or recompute"
@@ -173,126 +202,25 @@ def make_plan(cfg: RecipeConfig) -> Plan:
                 "for a long sequence pull recompute, then sp (with tp), then parallel.cp, then "
                 "a smaller train.micro_batch; or raise parallel.zero, tp or pp"
             )
-        plan.warnings.append(
-            f"estimated {peak:.1f} GiB per rank exceeds the {memory:g} GiB of {spec.name}: {fixes}"
+        found.append(
+            f"estimated {peak:.1f} GiB per rank exceeds the {memory:g} GiB of {gpu}: {fixes}"
         )
-    return plan
-
-
-def stage_params(cfg: RecipeConfig) -> tuple[int, int]:
-    """Parameters of the first and the last pipeline stage (equal layers on every stage).
-
-    The embedding sits on the first stage, the final norm and LM head on the last; a tied
-    head on a separate last stage still holds its own copy of the embedding matrix.
-    """
-    counts = count_params(cfg.model)
-    pp = cfg.parallel.pp
-    layers = counts.layers * (cfg.model.n_layers // pp) // cfg.model.n_layers
-    head = counts.lm_head or (counts.embedding if pp > 1 else 0)
-    if pp == 1:
-        return (counts.total,) * 2
-    return counts.embedding + layers, layers + counts.final_norm + head
-
-
-def segment_steps(cfg: RecipeConfig) -> int:
-    """Steps PipeDream-2BW runs between two drains of its pipeline: a checkpoint drains it."""
-    every = cfg.checkpoint.every
-    return min(cfg.train.steps, every) if every > 0 else cfg.train.steps
-
-
-def recomputed_layers(layers: int, every: int) -> int:
-    """Blocks that recompute when every `every`-th block does, counting from the first."""
-    return math.ceil(layers / every)
-
-
-def bubble_fraction(
-    schedule: str, pp: int, microbatches: int, vpp: int = 1, steps: int = 1
-) -> float:
-    """Idle fraction of a pipeline step: (p-1)/(m+p-1), divided by vpp when interleaved.
-
-    zero_bubble gets the 1F1B value, an upper bound: how much of it the split backward
-    fills depends on the timing of each stage (see `Plan.assumptions`). The V schedules
-    get their simulated value (F = B = W), and 2bw that of a segment of `steps` steps
-    between two drains (the pipeline fills once per segment).
-    """
-    if pp == 1:
-        return 0.0
-    if schedule in V_SCHEDULES:
-        return schedule_sim.simulate(schedule, pp, microbatches, vpp).bubble_fraction
-    if schedule == "2bw":
-        return schedule_sim.pipedream_bubble(pp, microbatches, steps)
-    fraction = (pp - 1) / (microbatches + pp - 1)
-    return fraction / vpp if schedule == "interleaved_1f1b" else fraction
+    return found
 
 
 def model_states(
     params: int, dtype: str, optim: OptimConfig, zero: int, dp_shard: int
 ) -> ModelStates:
-    """Bytes of params, grads and optimizer states on one rank holding `params` parameters.
-
-    bf16 follows the ZeRO paper's mixed-precision bookkeeping: 2 B bf16 params, 2 B bf16
-    grads, and fp32 master weights plus the optimizer's fp32 moments (AdamW: 4+4+4 B).
-    fp32 keeps 4 B params, 4 B grads and the moments alone (AdamW: 4+4 B). ZeRO-1 shards
-    the optimizer states over dp_shard, ZeRO-2 the gradients too, ZeRO-3 the parameters too.
-    """
-    moments = {"adamw": 2, "lion": 1, "sgd": 1 if optim.momentum else 0}[optim.name]
-    mixed = dtype in ("bf16", "fp16", "fp8")  # fp8: bf16 weights, FP8 only inside the matmuls
-    param_bytes, grad_bytes = (2, 2) if mixed else (4, 4)
-    optimizer_bytes = 4 * moments + (4 if mixed else 0)
-    shard = [1, 1, 1]
-    for part in range(zero):
-        shard[2 - part] = dp_shard  # optimizer first, then grads, then params
-    return ModelStates(
-        params=params * param_bytes / shard[0],
-        grads=params * grad_bytes / shard[1],
-        optimizer=params * optimizer_bytes / shard[2],
-    )
-
-
-def activation_bytes(cfg: RecipeConfig, degrees: Degrees, microbatches: int) -> float:
-    """Activation bytes on the busiest rank (Korthikanti et al. 2022, per layer, 16-bit).
-
-    Per layer: s*b*h*(34 + 5*a*s/h); with TP the attention and MLP parts split as
-    10 + 24/t + 5as/(ht), with SP everything splits by t; selective recompute drops the
-    5as/h term; full recompute keeps only the 2*s*b*h layer input. Times the first stage's
-    layers and micro-batches in flight, plus one micro-batch of fp32 logits.
-    """
-    m, t = cfg.model, degrees.tp
-    s, b, h, a = cfg.train.seq_len // degrees.cp, cfg.train.micro_batch, m.dim, m.n_heads
-    attention = 5 * a * s / h if cfg.recompute.policy != "selective" else 0.0
-    if cfg.parallel.sp:
-        per_layer = s * b * h * (34 + attention) / t
-    else:
-        per_layer = s * b * h * (10 + (24 + attention) / t)
-    layer_input = 2 * s * b * h / (t if cfg.parallel.sp else 1)
-    layers = m.n_layers // degrees.pp
-    kept = recomputed_layers(layers, cfg.recompute.every) if cfg.recompute.policy == "full" else 0
-    stage = kept * layer_input + (layers - kept) * per_layer
-    scale = 2 if cfg.precision.dtype == "fp32" else 1
-    logits = s * b * m.vocab_size * 4 / t
-    flight = in_flight(cfg.parallel.pp_schedule, degrees.pp, microbatches, cfg.parallel.vpp)
-    return stage * scale * flight + logits
-
-
-def in_flight(schedule: str, pp: int, microbatches: int, vpp: int = 1) -> float:
-    """Micro-batches whose activations the first stage holds at its peak."""
-    if pp == 1:
-        return 1.0
-    if schedule in (*V_SCHEDULES, "2bw"):
-        return rank_in_flight(schedule, pp, microbatches, vpp, 0)
-    if schedule == "gpipe":
-        return float(microbatches)
-    if schedule == "interleaved_1f1b":
-        return pp + (pp - 1) / vpp
-    return float(min(microbatches, pp))
+    """The ZeRO paper's bytes of params, grads and optimizer states on one rank holding
+    `params` parameters (`launcher.memory.textbook_model_states`), sharded over dp_shard."""
+    moments = None if optim.name != "sgd" else (1 if optim.momentum else 0)
+    return ModelStates(*textbook_model_states(params, optim.name, zero, dp_shard, dtype, moments))
 
 
 def _assumptions(cfg: RecipeConfig) -> list[str]:
     one = model_states(1, cfg.precision.dtype, cfg.optim, 0, 1)
     master = "fp32 master weights and " if cfg.precision.dtype != "fp32" else ""
     notes = [
-        f"step time: model FLOPs at {MFU_ASSUMPTION:.0%} MFU of the dense "
-        f"{peak_dtype(cfg.precision)} peak",
         f"model states: {one.params:g} B params + {one.grads:g} B grads + {one.optimizer:g} B "
         f"of {master}{cfg.optim.name} states per parameter (ZeRO paper bookkeeping), "
         "sharded over tp and pp always and over dp_shard by the ZeRO stage",
@@ -306,7 +234,10 @@ def _assumptions(cfg: RecipeConfig) -> list[str]:
         )
     p = cfg.parallel
     if p.pp > 1 and p.pp_schedule == "zero_bubble":
-        notes.append("bubble: zero_bubble reported at the 1F1B value, an upper bound")
+        notes.append(
+            "bubble: zero_bubble reported at the interleaved 1F1B value, an upper bound "
+            "(the simulated schedule below shows how much its weight gradients fill)"
+        )
     if p.pp > 1 and p.pp_schedule in V_SCHEDULES:
         notes.append(
             f"bubble and in-flight: {p.pp_schedule}'s own op order (torch's), simulated with "

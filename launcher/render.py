@@ -3,8 +3,16 @@
 from __future__ import annotations
 
 import io
+from typing import TYPE_CHECKING, Any
 
-from launcher.plan import GIB, MFU_ASSUMPTION, Plan
+from launcher.plan import Plan
+from pretrain_core.hardware import GIB
+
+if TYPE_CHECKING:
+    from rich.console import Console, JustifyMethod
+    from rich.table import Table
+
+    from launcher.memory import MemoryBreakdown
 
 WIDTH = 100
 MEMBERS_SHOWN = 8
@@ -15,66 +23,18 @@ def render_plan(plan: Plan) -> str:
     """A multi-section plain-text table of the plan, WIDTH columns wide."""
     # rich costs ~20 ms to import: only `action=plan` with the table format pays it.
     from rich.console import Console
-    from rich.table import Table
 
     console = Console(record=True, width=WIDTH, file=io.StringIO(), color_system=None)
-
-    def section(title: str, rows: list[tuple[str, str]]) -> None:
-        table = Table(title=title, title_justify="left", show_header=False, min_width=60)
-        table.add_column(style="bold")
-        table.add_column(overflow="fold")
-        for key, value in rows:
-            table.add_row(key, value)
-        console.print(table)
-
-    d = plan.degrees
-    section(
-        f"Plan: {plan.name}",
-        [
-            ("world", f"{d.world} ranks"),
-            (
-                "degrees",
-                f"pp={d.pp} dp_replicate={d.dp_replicate} dp_shard={d.dp_shard} "
-                f"cp={d.cp} tp={d.tp} ep={d.ep} (dp={d.dp})",
-            ),
-        ]
-        + [
-            (f"{dim} groups", _groups(groups, plan.rank_group_counts[dim]))
-            for dim, groups in plan.rank_groups.items()
-            if len(groups[0]) > 1  # a dim of size 1 groups nothing
-        ],
-    )
-    section(
-        "Model",
-        [
-            ("parameters", _count(plan.params_total)),
-            ("active per token", _count(plan.params_active)),
-            ("non-embedding", _count(plan.params_non_embedding)),
-            (
-                "first / last stage",
-                f"{_count(plan.params_first_stage)} / {_count(plan.params_last_stage)}",
-            ),
-            ("per rank (largest stage / tp)", _count(plan.params_per_rank)),
-        ],
-    )
-    section(
-        "Compute",
-        [
-            ("FLOPs/token forward", _flops(plan.flops_per_token_forward)),
-            ("FLOPs/token train (MFU)", _flops(plan.flops_per_token_train)),
-            ("FLOPs/token with recompute (HFU)", _flops(plan.flops_per_token_hardware)),
-            ("tokens per step", f"{plan.tokens_per_step:,}"),
-            ("grad-accum steps", str(plan.grad_accum)),
-            ("pipeline micro-batches", str(plan.pp_microbatches)),
-            ("pipeline bubble", f"{plan.bubble_fraction:.1%}"),
-        ],
-    )
+    _section(console, f"Plan: {plan.name}", _layout_rows(plan))
+    _section(console, "Model", _model_rows(plan))
+    _section(console, "Compute", _compute_rows(plan))
     if plan.pipeline is not None:
         _pipeline_section(console, plan.pipeline)
     if plan.tp_comm is not None:
         tp = plan.tp_comm
         kinds = " + ".join(f"{n} {kind.replace('_', '-')}" for kind, n in tp.collectives.items())
-        section(
+        _section(
+            console,
             "TP communication per layer per step (one rank)",
             [
                 ("collectives per micro-batch", kinds),
@@ -85,7 +45,8 @@ def render_plan(plan: Plan) -> str:
     if plan.cp_comm is not None:
         cp = plan.cp_comm
         where = "crosses nodes" if cp.crosses_nodes else "inside a node"
-        section(
+        _section(
+            console,
             "CP ring per layer per step (one rank)",
             [
                 ("hops per micro-batch", ", ".join(f"{n} {k}" for k, n in cp.hops.items())),
@@ -94,7 +55,68 @@ def render_plan(plan: Plan) -> str:
             ],
         )
     if plan.memory is not None:
-        console.print(_breakdown_table(plan))
+        console.print(_breakdown_table(plan, plan.memory))
+    console.print(_zero_paper_table(plan))
+    _section(console, "Fit and speed", _fit_rows(plan))
+    for line in plan.warnings:
+        console.print(f"warning: {line}")
+    for line in plan.assumptions:
+        console.print(f"assumed: {line}")
+    return console.export_text()
+
+
+def _section(console: Console, title: str, rows: list[tuple[str, str]]) -> None:
+    from rich.table import Table
+
+    table = Table(title=title, title_justify="left", show_header=False, min_width=60)
+    table.add_column(style="bold")
+    table.add_column(overflow="fold")
+    for key, value in rows:
+        table.add_row(key, value)
+    console.print(table)
+
+
+def _layout_rows(plan: Plan) -> list[tuple[str, str]]:
+    d = plan.degrees
+    degrees = (
+        f"pp={d.pp} dp_replicate={d.dp_replicate} dp_shard={d.dp_shard} "
+        f"cp={d.cp} tp={d.tp} ep={d.ep} (dp={d.dp})"
+    )
+    return [("world", f"{d.world} ranks"), ("degrees", degrees)] + [
+        (f"{dim} groups", _groups(groups, plan.rank_group_counts[dim]))
+        for dim, groups in plan.rank_groups.items()
+        if len(groups[0]) > 1  # a dim of size 1 groups nothing
+    ]
+
+
+def _model_rows(plan: Plan) -> list[tuple[str, str]]:
+    return [
+        ("parameters", _count(plan.params_total)),
+        ("active per token", _count(plan.params_active)),
+        ("non-embedding", _count(plan.params_non_embedding)),
+        (
+            "first / last stage",
+            f"{_count(plan.params_first_stage)} / {_count(plan.params_last_stage)}",
+        ),
+        ("per rank (largest stage / tp)", _count(plan.params_per_rank)),
+    ]
+
+
+def _compute_rows(plan: Plan) -> list[tuple[str, str]]:
+    return [
+        ("FLOPs/token forward", _flops(plan.flops_per_token_forward)),
+        ("FLOPs/token train (MFU)", _flops(plan.flops_per_token_train)),
+        ("FLOPs/token with recompute (HFU)", _flops(plan.flops_per_token_hardware)),
+        ("tokens per step", f"{plan.tokens_per_step:,}"),
+        ("grad-accum steps", str(plan.grad_accum)),
+        ("pipeline micro-batches", str(plan.pp_microbatches)),
+        ("pipeline bubble", f"{plan.bubble_fraction:.1%}"),
+    ]
+
+
+def _zero_paper_table(plan: Plan) -> Table:
+    from rich.table import Table
+
     memory = Table(title="Memory per rank (ZeRO paper)", title_justify="left", min_width=60)
     for column in ("ZeRO", "params", "grads", "optimizer", "model states", "+ activations"):
         memory.add_column(column, justify="right")
@@ -106,30 +128,34 @@ def render_plan(plan: Plan) -> str:
             _bytes(states.total),
             _bytes(states.total + plan.activations),
         )
-    console.print(memory)
+    return memory
+
+
+def _fit_rows(plan: Plan) -> list[tuple[str, str]]:
     gpu = f"{plan.gpu_memory_gib:g} GiB" if plan.gpu_memory_gib else "n/a (cpu)"
-    section(
-        "Fit and speed",
-        [
-            ("activations", _bytes(plan.activations)),
-            (f"total at ZeRO {plan.zero}", _bytes(plan.memory_gib * GIB)),
-            (f"device memory ({plan.gpu_type})", gpu),
-            ("peak TFLOP/s per device", _maybe(plan.peak_tflops, "{:g}")),
-            (f"step time at {MFU_ASSUMPTION:.0%} MFU", _maybe(plan.step_time_s, "{:.3g} s")),
-            ("tokens/s", _maybe(plan.tokens_per_s, "{:,.0f}")),
-        ],
-    )
-    for line in plan.warnings:
-        console.print(f"warning: {line}")
-    for line in plan.assumptions:
-        console.print(f"assumed: {line}")
-    return console.export_text()
+    return [
+        ("activations", _bytes(plan.activations)),
+        (f"total at ZeRO {plan.zero}", _bytes(plan.memory_gib * GIB)),
+        (f"device memory ({plan.gpu_type})", gpu),
+        ("peak TFLOP/s per device", _maybe(plan.peak_tflops, "{:g}")),
+        ("step time (cost model)", _maybe(plan.step_time_s, "{:.3g} s")),
+        ("  of which", _terms(plan)),
+        ("predicted MFU", _maybe(plan.mfu, "{:.1%}")),
+        ("tokens/s", _maybe(plan.tokens_per_s, "{:,.0f}")),
+    ]
+
+
+def _terms(plan: Plan) -> str:
+    """The cost model's terms that add up to the step time."""
+    if plan.step_cost is None:
+        return "n/a"
+    return ", ".join(f"{name} {sec:.3g} s" for name, sec in plan.step_cost.terms().items() if sec)
 
 
 BAR_WIDTH = 24
 
 
-def _pipeline_section(console, pipeline: dict) -> None:
+def _pipeline_section(console: Console, pipeline: dict[str, Any]) -> None:
     """The simulated schedule: its figures, then the chart unwrapped (it may be wider)."""
     m, shown = pipeline["microbatches"], pipeline["charted_microbatches"]
     per_stage = "  ".join(
@@ -155,11 +181,10 @@ def _pipeline_section(console, pipeline: dict) -> None:
     console.print(pipeline["chart"], soft_wrap=True, highlight=False)
 
 
-def _breakdown_table(plan: Plan):
+def _breakdown_table(plan: Plan, breakdown: MemoryBreakdown) -> Table:
     """Peak memory per rank by category, each with a bar scaled to the device (or the peak)."""
     from rich.table import Table
 
-    breakdown = plan.memory
     scale = (plan.gpu_memory_gib or 0) * GIB or breakdown.total or 1
     where = f"of {plan.gpu_memory_gib:g} GiB" if plan.gpu_memory_gib else "of the peak"
     table = Table(
@@ -167,7 +192,13 @@ def _breakdown_table(plan: Plan):
         title_justify="left",
         min_width=60,
     )
-    for column, justify in (("category", "left"), ("size", "right"), ("", "left"), ("how", "left")):
+    columns: tuple[tuple[str, JustifyMethod], ...] = (
+        ("category", "left"),
+        ("size", "right"),
+        ("", "left"),
+        ("how", "left"),
+    )
+    for column, justify in columns:
         table.add_column(column, justify=justify, overflow="fold")
     for name, size, how in breakdown.rows():
         table.add_row(name, _bytes(size), _bar(size / scale), how)

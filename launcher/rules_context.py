@@ -51,8 +51,9 @@ def check_context(c: Checks, cfg: RecipeConfig) -> None:
 
 
 def check_schedule(c: Checks, cfg: RecipeConfig) -> None:
-    """The V schedules' two chunks per rank, and 2BW's need of a pipeline (its one chunk per
-    rank is the general rule that only interleaved schedules take vpp > 1)."""
+    """The V schedules' two chunks per rank, and 2BW's need of a pipeline and of untied
+    embeddings (its one chunk per rank is the general rule that only interleaved schedules
+    take vpp > 1)."""
     p = cfg.parallel
     if p.pp == 1:
         if p.pp_schedule == "2bw":
@@ -64,6 +65,14 @@ def check_schedule(c: Checks, cfg: RecipeConfig) -> None:
                 "set parallel.pp > 1, or pp_schedule=1f1b",
             )
         return
+    if p.pp_schedule == "2bw" and cfg.model.tie_embeddings:
+        c.add(
+            "model.tie_embeddings",
+            True,
+            "PipeDream-2BW keeps two weight versions per stage and sums no gradient across "
+            "stages, so the last stage's copy of a tied embedding would drift from the first's",
+            "set model.tie_embeddings=false, or pp_schedule=1f1b, interleaved_1f1b or zbv",
+        )
     if p.pp_schedule in V_SCHEDULES and p.vpp != 2:
         c.add(
             "parallel.vpp",

@@ -17,7 +17,7 @@ from pretrain_core.problems import (
     or_list,
 )
 from pretrain_core.schema import PP_SCHEDULES, RecipeConfig
-from pretrain_core.stages import V_SCHEDULES
+from pretrain_core.stages import V_SCHEDULES, balanced_split
 
 INTERLEAVED = ("interleaved_1f1b", "zero_bubble", *V_SCHEDULES)
 """Schedules that run several chunks per rank."""
@@ -27,6 +27,8 @@ SAFE_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
 # The time formats sbatch --time accepts: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S.
 _SLURM_TIME = re.compile(r"^(\d+|\d+:\d+|\d+:\d+:\d+|\d+-\d+|\d+-\d+:\d+|\d+-\d+:\d+:\d+)$")
 _SLURM_UNLIMITED = ("UNLIMITED", "INFINITE")
+MULTI_STAGE_SCHEDULES = ("interleaved_1f1b", "zero_bubble")
+"""Schedules torch runs in rounds of micro-batches over a list of stages per rank."""
 
 
 def check_runnable(cfg: RecipeConfig) -> list[Problem]:
@@ -99,52 +101,13 @@ def check_cluster(c: Checks, cfg: RecipeConfig) -> bool:
 def check_parallel(
     c: Checks, cfg: RecipeConfig, model_ok: bool, train_ok: bool, cluster_ok: bool
 ) -> None:
-    p = cfg.parallel
-    degrees_ok = all(
-        [
-            c.at_least(f"parallel.{f}", getattr(p, f), 1)
-            for f in ("tp", "cp", "pp", "vpp", "dp_replicate", "ep")
-        ]
-    )
-    if p.dp_shard < 1 and p.dp_shard != -1:
-        c.add("parallel.dp_shard", p.dp_shard, "must be >= 1, or -1 to fill the world", "use -1")
-        degrees_ok = False
-    schedule_ok = p.pp_schedule in PP_SCHEDULES
-    c.at_least("parallel.pp_microbatches", p.pp_microbatches, 0)
-    if p.zero not in (0, 1, 2, 3):
-        c.add("parallel.zero", p.zero, "not a ZeRO stage", "use 0 (DDP), 1, 2 or 3")
-    elif p.dp_replicate > 1 and p.zero == 0:
-        c.add(
-            "parallel.dp_replicate",
-            p.dp_replicate,
-            "replicas of sharded groups (hybrid sharding) need ZeRO >= 1",
-            "set parallel.zero to 1, 2 or 3, or dp_replicate=1 (ZeRO 0 replicates over dp_shard)",
-        )
-    if p.sp and p.tp == 1:
-        c.add(
-            "parallel.sp",
-            p.sp,
-            "sequence parallelism works inside tensor parallelism",
-            "set tp > 1 or sp=false",
-        )
-    if p.vpp > 1 and (p.pp == 1 or p.pp_schedule not in INTERLEAVED):
-        c.add(
-            "parallel.vpp",
-            p.vpp,
-            f"virtual stages need pp > 1 and an interleaved schedule (pp={p.pp}, {p.pp_schedule})",
-            "set parallel.pp_schedule=interleaved_1f1b, zero_bubble, zbv or dualpipev with "
-            "pp > 1, or vpp=1",
-        )
+    """The layout's rules; the `*_ok` flags say which other sections are sound enough for
+    the rules that read them."""
+    degrees_ok = _check_degrees(c, cfg)
     check_schedule(c, cfg)
-    if p.pp > 1 and cfg.model.tie_embeddings:
-        c.add(
-            "model.tie_embeddings",
-            True,
-            "a tied LM head would sit on the last pipeline stage and its embedding on the first",
-            "set model.tie_embeddings=false, or parallel.pp=1",
-        )
     if not degrees_ok:
         return
+    p = cfg.parallel
     max_tp = cfg.cluster.gpus_per_node if cluster_ok and not p.allow_tp_across_nodes else None
     if cluster_ok and max_tp is not None and p.tp > max_tp:
         c.add(
@@ -185,46 +148,101 @@ def check_parallel(
     except RecipeError as error:
         c.extend(error.problems)
         return
-    if p.pp > 1 and schedule_ok and p.pp_microbatches >= 0:
-        micro = p.pp_microbatches or accum
-        per_pass = cfg.train.micro_batch * degrees.dp
-        source = "" if p.pp_microbatches else f" (0 takes the gradient-accumulation count {accum})"
-        if micro < p.pp:
-            c.add(
-                "parallel.pp_microbatches",
-                p.pp_microbatches,
-                f"{micro} micro-batch(es){source} cannot fill {p.pp} pipeline stages",
-                f"use parallel.pp_microbatches >= {p.pp}"
-                if p.pp_microbatches
-                else f"raise train.global_batch to {p.pp * per_pass} ({p.pp} micro-batches per "
-                "dp rank), or set parallel.pp_microbatches",
-            )
-        elif p.pp_schedule == "dualpipev" and micro < 2 * p.pp:
-            c.add(
-                "parallel.pp_microbatches",
-                p.pp_microbatches,
-                f"DualPipeV needs at least as many micro-batches as stages (2pp = {2 * p.pp})"
-                f"; {micro}{source} is fewer",
-                f"use parallel.pp_microbatches >= {2 * p.pp}"
-                if p.pp_microbatches
-                else f"raise train.global_batch to {2 * p.pp * per_pass}, or set "
-                "parallel.pp_microbatches",
-            )
-        elif p.vpp > 1 and p.pp_schedule not in V_SCHEDULES and micro % p.pp:
-            c.add(
-                "parallel.pp_microbatches",
-                p.pp_microbatches,
-                f"interleaving needs a multiple of pp={p.pp}; {micro} micro-batches{source} is not",
-                f"use {or_list(nearby_multiples(micro, p.pp))}",
-            )
-        elif p.pp_microbatches and (cfg.train.micro_batch * accum) % micro:
-            c.add(
-                "parallel.pp_microbatches",
-                p.pp_microbatches,
-                f"each dp rank's {cfg.train.micro_batch * accum} sequences per step "
-                f"(micro_batch*accumulation) do not split into {micro} equal micro-batches",
-                f"use a divisor of {cfg.train.micro_batch * accum} that is >= {p.pp}, or 0",
-            )
+    if p.pp > 1 and p.pp_schedule in PP_SCHEDULES and p.pp_microbatches >= 0:
+        _check_pipeline_microbatches(c, cfg, degrees.dp, accum)
+
+
+def _check_degrees(c: Checks, cfg: RecipeConfig) -> bool:
+    """Each degree on its own and the combinations that need no world size; True when the
+    degrees are sound enough for the rules that combine them."""
+    p = cfg.parallel
+    degrees_ok = all(
+        [
+            c.at_least(f"parallel.{f}", getattr(p, f), 1)
+            for f in ("tp", "cp", "pp", "vpp", "dp_replicate", "ep")
+        ]
+    )
+    if p.dp_shard < 1 and p.dp_shard != -1:
+        c.add("parallel.dp_shard", p.dp_shard, "must be >= 1, or -1 to fill the world", "use -1")
+        degrees_ok = False
+    c.at_least("parallel.pp_microbatches", p.pp_microbatches, 0)
+    if p.zero not in (0, 1, 2, 3):
+        c.add("parallel.zero", p.zero, "not a ZeRO stage", "use 0 (DDP), 1, 2 or 3")
+    elif p.dp_replicate > 1 and p.zero == 0:
+        c.add(
+            "parallel.dp_replicate",
+            p.dp_replicate,
+            "replicas of sharded groups (hybrid sharding) need ZeRO >= 1",
+            "set parallel.zero to 1, 2 or 3, or dp_replicate=1 (ZeRO 0 replicates over dp_shard)",
+        )
+    if p.sp and p.tp == 1:
+        c.add(
+            "parallel.sp",
+            p.sp,
+            "sequence parallelism works inside tensor parallelism",
+            "set tp > 1 or sp=false",
+        )
+    if p.vpp > 1 and (p.pp == 1 or p.pp_schedule not in INTERLEAVED):
+        c.add(
+            "parallel.vpp",
+            p.vpp,
+            f"virtual stages need pp > 1 and an interleaved schedule (pp={p.pp}, {p.pp_schedule})",
+            "set parallel.pp_schedule=interleaved_1f1b, zero_bubble, zbv or dualpipev with "
+            "pp > 1, or vpp=1",
+        )
+    return degrees_ok
+
+
+def _check_pipeline_microbatches(c: Checks, cfg: RecipeConfig, dp: int, accum: int) -> None:
+    """The schedule's micro-batches fill the pipeline and split each dp rank's batch."""
+    p = cfg.parallel
+    micro = p.pp_microbatches or accum
+    per_pass = cfg.train.micro_batch * dp
+    source = "" if p.pp_microbatches else f" (0 takes the gradient-accumulation count {accum})"
+    if micro < p.pp:
+        c.add(
+            "parallel.pp_microbatches",
+            p.pp_microbatches,
+            f"{micro} micro-batch(es){source} cannot fill {p.pp} pipeline stages",
+            f"use parallel.pp_microbatches >= {p.pp}"
+            if p.pp_microbatches
+            else f"raise train.global_batch to {p.pp * per_pass} ({p.pp} micro-batches per "
+            "dp rank), or set parallel.pp_microbatches",
+        )
+    elif p.pp_schedule == "dualpipev" and micro < 2 * p.pp:
+        c.add(
+            "parallel.pp_microbatches",
+            p.pp_microbatches,
+            f"DualPipeV needs at least as many micro-batches as stages (2pp = {2 * p.pp})"
+            f"; {micro}{source} is fewer",
+            f"use parallel.pp_microbatches >= {2 * p.pp}"
+            if p.pp_microbatches
+            else f"raise train.global_batch to {2 * p.pp * per_pass}, or set "
+            "parallel.pp_microbatches",
+        )
+    elif p.vpp > 1 and p.pp_schedule not in V_SCHEDULES and micro % p.pp:
+        c.add(
+            "parallel.pp_microbatches",
+            p.pp_microbatches,
+            f"interleaving needs a multiple of pp={p.pp}; {micro} micro-batches{source} is not",
+            f"use {or_list(nearby_multiples(micro, p.pp))}",
+        )
+    elif p.pp_schedule in MULTI_STAGE_SCHEDULES and micro % max(1, micro // p.pp):
+        c.add(
+            "parallel.pp_microbatches",
+            p.pp_microbatches,
+            f"{p.pp_schedule} runs the micro-batches in {micro // p.pp} equal rounds "
+            f"(micro-batches // pp); {micro}{source} does not split into them",
+            f"use a multiple of pp={p.pp}, e.g. {or_list(nearby_multiples(micro, p.pp))}",
+        )
+    elif p.pp_microbatches and (cfg.train.micro_batch * accum) % micro:
+        c.add(
+            "parallel.pp_microbatches",
+            p.pp_microbatches,
+            f"each dp rank's {cfg.train.micro_batch * accum} sequences per step "
+            f"(micro_batch*accumulation) do not split into {micro} equal micro-batches",
+            f"use a divisor of {cfg.train.micro_batch * accum} that is >= {p.pp}, or 0",
+        )
 
 
 def _check_model_split(c: Checks, cfg: RecipeConfig, max_tp: int | None) -> None:
@@ -259,7 +277,8 @@ def _check_model_split(c: Checks, cfg: RecipeConfig, max_tp: int | None) -> None
                 if pps
                 else "set vpp=1"
             )
-            + ", or list each stage's layers in parallel.pp_layers",
+            + f", or list each stage's layers, e.g. parallel.pp_layers="
+            f"{_compact(balanced_split(m.n_layers, stages))}",
         )
 
 
@@ -272,13 +291,10 @@ def _check_pp_layers(c: Checks, cfg: RecipeConfig) -> None:
             "parallel.pp_layers",
             p.pp_layers,
             f"needs pp*vpp = {stages} positive layer counts summing to model.n_layers={n_layers}",
-            f"e.g. {_even_split(n_layers, stages)}, or [] for an even split",
+            f"e.g. {_compact(balanced_split(n_layers, stages))}, or [] for an even split",
         )
 
 
-def _even_split(n_layers: int, stages: int) -> list[int]:
-    """The most even split of n_layers over stages, the remainder on the middle stages."""
-    counts = [n_layers // stages] * stages
-    for i in range(n_layers % stages):
-        counts[(stages - n_layers % stages) // 2 + i] += 1
-    return counts
+def _compact(counts: list[int]) -> str:
+    """A layer split as a Hydra list override, without spaces: [7,8,8,7]."""
+    return "[" + ",".join(map(str, counts)) + "]"

@@ -1,21 +1,27 @@
 """The pipeline schedule as data: per-stage timelines, bubble and in-flight micro-batches.
 
 Pure Python (no torch), so `action=plan` can print it. A schedule is a program per pipeline
-rank (the order of its forward and backward ops); `simulate` runs the programs against their
-dependencies with given op costs and returns when each op runs:
+rank (the order of its forward and backward ops, the same order as the schedule IR
+`pipeline_order` of the `torch.distributed.pipelining` class the trainer runs); `simulate`
+runs the programs against their dependencies with given op costs and returns when each op
+runs:
 
-- F(stage k, mb) waits for F(k-1, mb); B(k, mb) waits for B(k+1, mb) and F(k, mb).
-- gpipe: all forwards, then all backwards. 1f1b (PipeDream-Flush): rank r runs p-1-r
-  forwards, then alternates one forward and one backward, then drains the backwards.
-- interleaved_1f1b (Megatron): rank r holds chunks r, r+p, ... of the p*v stages; forwards
-  go in groups of p micro-batches per chunk, chunk 0 first, backwards the chunks reversed;
-  the warm-up is 2(p-1-r) + (v-1)p forwards.
-- zero_bubble: the 1F1B (or interleaved) order with each backward split into B (input
-  gradients, on the critical path) and W (weight gradients); a W runs whenever the next op
-  is not ready yet, filling the bubbles, or before a forward that would hold more
-  micro-batches than 1F1B does, so memory stays that of 1F1B (ZB-H1 of Qi et al. 2023).
-- zbv, dualpipev: two chunks per rank in a V (chunk a is stage r, chunk b stage 2p-1-r),
-  in torch's own op order (`launcher/schedule_v.py`), W ops where torch places them.
+- F(stage k, mb) waits for F(k-1, mb); B(k, mb) waits for B(k+1, mb) and F(k, mb); W(k, mb)
+  follows B(k, mb) on its rank.
+- gpipe (ScheduleGPipe): all forwards, then all backwards. 1f1b (Schedule1F1B,
+  PipeDream-Flush): rank r runs p-1-r forwards, then alternates one forward and one
+  backward, then drains the backwards.
+- interleaved_1f1b (ScheduleInterleaved1F1B, Megatron's): rank r holds chunks r, r+p, ... of
+  the p*v stages; micro-batches go in rounds of q = m / max(1, m // p) (p when p divides m),
+  forwards chunk 0 first, backwards the chunks reversed; the warm-up is (v-1)q + 2(p-1-r)
+  forwards (also at v = 1, where torch's class differs from Schedule1F1B).
+- zero_bubble (ScheduleInterleavedZeroBubble, ZB1P of Qi et al. 2023): the same rounds with
+  a warm-up of (v-1)q + (p-1-r) forwards, each backward split into B (input gradients, on
+  the critical path) and W (weight gradients); from its (r+1)-th steady step on, rank r
+  runs the oldest pending W after each B, and the rest at the end.
+- zbv (ScheduleZBVZeroBubble), dualpipev (ScheduleDualPipeV): two chunks per rank in a V
+  (chunk a is stage r, chunk b stage 2p-1-r), in torch's own op order
+  (`launcher/schedule_v.py`), W ops where torch places them.
 - 2bw (PipeDream-2BW): 1F1B over several steps with no flush between them, in the order
   the trainer runs (`pretrain_core/pipedream.py`); micro-batches are numbered on across
   steps, so step j's are jm ... jm+m-1. A step's first forward runs on the update of two
@@ -26,12 +32,13 @@ dependencies with given op costs and returns when each op runs:
 Costs are per op of one chunk (a chunk holds 1/v of a rank's layers); an unsplit backward
 costs b + w. In-flight counts the micro-batches whose activations a rank holds (from the
 start of F to the end of the backward, W included), in units of a whole stage (chunks count
-1/v).
+1/v); `held_in_flight` gives the count the program order implies, in closed form.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 from launcher.schedule_v import dualpipev_order, zbv_order
 from pretrain_core import pipedream
@@ -39,6 +46,8 @@ from pretrain_core.stages import placement, rank_stages
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv", "dualpipev", "2bw")
 V_ORDERS = {"zbv": zbv_order, "dualpipev": dualpipev_order}
+SIMULATED = (*V_ORDERS, "2bw")
+"""Schedules whose micro-batches in flight are read off their simulated order."""
 SIMULATED_STEPS = 3
 """Steps of a 2bw segment simulated for its bubble; longer segments are extrapolated."""
 IDLE = "."
@@ -131,20 +140,29 @@ def _label(op: Op, vpp: int) -> str:
     return f"{op.kind}{op.microbatch}" + (chr(ord("a") + op.chunk) if vpp > 1 else "")
 
 
+def rounds(pp: int, microbatches: int) -> int:
+    """Micro-batches per round of the multi-stage schedules: m / max(1, m // p).
+
+    torch's interleaved and zero-bubble classes need it to divide m (p does when m % p == 0).
+    """
+    return microbatches // max(1, microbatches // pp)
+
+
 def warmup(schedule: str, pp: int, microbatches: int, rank: int, vpp: int = 1) -> int:
     """Forwards rank `rank` runs before its first backward (all of them under gpipe)."""
     if schedule == "gpipe":
         return microbatches
-    if vpp == 1:
+    if schedule == "1f1b":
         return min(pp - 1 - rank, microbatches)
-    return min(2 * (pp - 1 - rank) + (vpp - 1) * pp, microbatches * vpp)
+    hops = (2 if schedule == "interleaved_1f1b" else 1) * (pp - 1 - rank)
+    return min((vpp - 1) * rounds(pp, microbatches) + hops, microbatches * vpp)
 
 
 def program(
     schedule: str, pp: int, microbatches: int, rank: int, vpp: int = 1, steps: int = 1
 ) -> list[Op]:
-    """The order of the ops of rank `rank` (W ops of zero_bubble are added by simulate; the
-    V schedules list theirs; 2bw spans `steps` steps and the drain after them)."""
+    """The order of rank `rank`'s ops: F and B, and W under zero_bubble and the V schedules
+    (2bw spans `steps` steps and the drain after them)."""
     m = microbatches
     if schedule in V_ORDERS:
         return [Op(kind, mb, chunk) for kind, chunk, mb in V_ORDERS[schedule](pp, m, rank)]
@@ -153,24 +171,86 @@ def program(
     if schedule == "gpipe":
         return [Op("F", i) for i in range(m)] + [Op("B", i) for i in range(m)]
     warm = warmup(schedule, pp, m, rank, vpp)
-    if vpp == 1:
+    if schedule == "1f1b":
         ops = [Op("F", i) for i in range(warm)]
         for i in range(m - warm):
             ops += [Op("F", warm + i), Op("B", i)]
         return ops + [Op("B", i) for i in range(m - warm, m)]
-    # Interleaved: the k-th forward of a rank is micro-batch (k // pv) p + k % p of chunk
-    # (k // p) % v; backwards mirror it with the chunks reversed.
-    total = m * vpp
+    # Multi-stage: the k-th forward runs chunk (k // q) % v, the k-th backward chunk
+    # v - 1 - (k // q) % v; micro-batches count up per chunk.
+    q, total = rounds(pp, m), m * vpp
+    counts: dict[tuple[str, int], int] = {}
 
-    def nth(k: int, backward: bool) -> Op:
-        chunk = (k // pp) % vpp
-        mb = (k // (pp * vpp)) * pp + k % pp
-        return Op("B", mb, vpp - 1 - chunk) if backward else Op("F", mb, chunk)
+    def nth(kind: str, k: int) -> Op:
+        chunk = (k // q) % vpp
+        chunk = chunk if kind == "F" else vpp - 1 - chunk
+        mb = counts.get((kind, chunk), 0)
+        counts[(kind, chunk)] = mb + 1
+        return Op(kind, mb, chunk)
 
-    ops = [nth(k, False) for k in range(warm)]
-    for i in range(total - warm):
-        ops += [nth(warm + i, False), nth(i, True)]
-    return ops + [nth(k, True) for k in range(total - warm, total)]
+    ops = [nth("F", k) for k in range(warm)]
+    backwards: list[Op] = []
+    for k in range(total):
+        if k < total - warm:
+            ops.append(nth("F", warm + k))
+        backwards.append(nth("B", k))
+        ops.append(backwards[-1])
+        if schedule == "zero_bubble" and k >= rank:
+            ops.append(_weight(backwards[k - rank]))
+    if schedule == "zero_bubble":
+        ops += [_weight(op) for op in backwards[max(0, total - rank) :]]
+    return ops
+
+
+def _weight(backward: Op) -> Op:
+    return Op("W", backward.microbatch, backward.chunk)
+
+
+def held_in_flight(schedule: str, pp: int, microbatches: int, rank: int, vpp: int = 1) -> float:
+    """Most micro-batches (whole stages) rank `rank` holds activations of, from its program
+    order: a forward takes one chunk's, its backward (its W when split) frees them.
+
+    In closed form: the warm-up forwards and the one before the first backward (all m
+    under gpipe); zero_bubble adds one per steady step until its W ops start, r steps in.
+    The V schedules and 2bw are read off their simulated order.
+    """
+    if schedule == "gpipe":
+        return float(microbatches)
+    if schedule in SIMULATED:
+        return _simulated_in_flight(schedule, pp, microbatches, vpp)[rank]
+    held = warmup(schedule, pp, microbatches, rank, vpp) + 1
+    if schedule == "zero_bubble":
+        held += rank
+    return min(held, microbatches * vpp) / vpp
+
+
+@lru_cache(maxsize=64)
+def _simulated_in_flight(schedule: str, pp: int, microbatches: int, vpp: int) -> tuple:
+    """Per rank, the simulated peak in flight (2bw: over two steps, its steady state)."""
+    timeline = simulate(schedule, pp, microbatches, vpp, steps=2 if schedule == "2bw" else 1)
+    return tuple(timeline.peak_in_flight(r) for r in range(pp))
+
+
+def bubble_fraction(
+    schedule: str, pp: int, microbatches: int, vpp: int = 1, steps: int = 1
+) -> float:
+    """Idle share of a pipeline step with equal stages: x / (1 + x), x = (p - 1) / (v m).
+
+    Each rank idles (p - 1) / v stage-times per step beside its m busy ones (v = 1 but under
+    the interleaved schedules). zero_bubble gets the interleaved value, an upper bound: how
+    much of it the split backward fills depends on the timing of each stage. The V
+    schedules get their simulated value (F = B = W), and 2bw that of a segment of `steps`
+    steps between two drains (the pipeline fills once per segment).
+    """
+    if pp == 1:
+        return 0.0
+    if schedule in V_ORDERS:
+        return simulate(schedule, pp, microbatches, vpp).bubble_fraction
+    if schedule == "2bw":
+        return pipedream_bubble(pp, microbatches, steps)
+    chunks = vpp if schedule in ("interleaved_1f1b", "zero_bubble") else 1
+    idle = (pp - 1) / (chunks * microbatches)
+    return idle / (1 + idle)
 
 
 def simulate(
@@ -185,10 +265,10 @@ def simulate(
     agree: bool = True,
 ) -> Timeline:
     """Run every rank's program with op costs f (forward), b (input grads), w (weight
-    grads); an unsplit backward costs b + w. Ops start as soon as their rank is free and
-    their inputs have arrived (no communication time). `steps` counts 2bw's steps; with
-    `agree`, a step's first op waits for the update it runs on (see the module's doc)."""
-    split = schedule == "zero_bubble" and w > 0
+    grads); an unsplit backward costs b + w. Each rank runs its ops in program order, each
+    as soon as the rank is free and its inputs have arrived (no communication time).
+    `steps` counts 2bw's steps; with `agree`, a step's first op waits for the update it runs
+    on (see the module's doc)."""
     last_stage = pp * vpp - 1
     programs = [program(schedule, pp, microbatches, r, vpp, steps) for r in range(pp)]
     chunks = [rank_stages(r, pp, vpp, placement(schedule)) for r in range(pp)]
@@ -196,29 +276,16 @@ def simulate(
     weighed = [{(op.microbatch, op.chunk) for op in ops if op.kind == "W"} for ops in programs]
     position = [0] * pp
     free = [0.0] * pp
-    # 2bw: the op index at which each rank starts each step after the first.
-    boundaries: list[list[int]] = [[] for _ in range(pp)]
-    if schedule == "2bw" and agree:
-        boundaries = [_step_starts(pp, microbatches, r, steps) for r in range(pp)]
-    pending_w: list[list[Op]] = [[] for _ in range(pp)]
-    # Chunk-micro-batches whose activations each rank holds, and 1F1B's most of them.
-    held = [0] * pp
-    limit = [warmup(schedule, pp, microbatches, r, vpp) + 1 for r in range(pp)]
+    # 2bw: the ops that start a step wait for the update it runs on.
+    waits = [
+        _update_waits(pp, microbatches, r, steps) if schedule == "2bw" and agree else {}
+        for r in range(pp)
+    ]
     done: dict[tuple[str, int, int], float] = {}  # (kind, stage, mb) -> end time
     rows: list[list[Slot]] = [[] for _ in range(pp)]
 
     def stage_of(rank: int, op: Op) -> int:
         return chunks[rank][op.chunk]
-
-    def update_inputs(rank: int) -> list[tuple[str, int, int]]:
-        """2bw: the last backwards (every rank's) of the step whose update the step this
-        rank's next op starts runs on; none for other ops and the first two steps."""
-        if position[rank] not in boundaries[rank]:
-            return []
-        step = boundaries[rank].index(position[rank]) + 1
-        if step < 2:
-            return []
-        return [("B", stage, (step - 1) * microbatches - 1) for stage in range(pp)]
 
     def ready_time(rank: int, op: Op) -> float | None:
         stage = stage_of(rank, op)
@@ -230,7 +297,7 @@ def simulate(
             deps = [("F", stage, op.microbatch)]
             if stage < last_stage:
                 deps.append(("B", stage + 1, op.microbatch))
-        deps += update_inputs(rank)
+        deps += waits[rank].get(position[rank], [])
         if any(d not in done for d in deps):
             return None
         return max([done[d] for d in deps], default=0.0)
@@ -240,39 +307,39 @@ def simulate(
             return f
         if op.kind == "W":
             return w
-        return b if split or (op.microbatch, op.chunk) in weighed[rank] else b + w
+        return b if (op.microbatch, op.chunk) in weighed[rank] else b + w
 
-    while any(position[r] < len(programs[r]) or pending_w[r] for r in range(pp)):
-        best: tuple[float, int, int] | None = None  # (start, W last, rank)
+    while any(position[r] < len(programs[r]) for r in range(pp)):
+        best: tuple[float, int] | None = None  # (start, rank)
         for r in range(pp):
-            start, full = None, False
-            if position[r] < len(programs[r]):
-                op = programs[r][position[r]]
-                full = op.kind == "F" and held[r] >= limit[r] and bool(pending_w[r])
-                ready = ready_time(r, op)
-                start = None if ready is None or full else max(free[r], ready)
-            if start is not None and (best is None or (start, 0, r) < best):
-                best = (start, 0, r)
-            fill = pending_w[r] and (full or start is None or start > free[r])
-            if fill and (best is None or (free[r], 1, r) < best):
-                best = (free[r], 1, r)
+            if position[r] == len(programs[r]):
+                continue
+            ready = ready_time(r, programs[r][position[r]])
+            if ready is not None and (best is None or (max(free[r], ready), r) < best):
+                best = (max(free[r], ready), r)
         assert best is not None, "the schedule deadlocks"
-        start, is_w, r = best
-        if is_w:
-            op = pending_w[r].pop(0)
-        else:
-            op = programs[r][position[r]]
-            position[r] += 1
+        start, r = best
+        op = programs[r][position[r]]
+        position[r] += 1
         end = start + cost(r, op)
         rows[r].append(Slot(op, start, end))
-        # Activations are freed by the W of a split backward, else by the backward.
-        whole = op.kind == "B" and not split and (op.microbatch, op.chunk) not in weighed[r]
-        held[r] += 1 if op.kind == "F" else -1 if op.kind == "W" or whole else 0
         free[r] = end
         done[(op.kind, stage_of(r, op), op.microbatch)] = end
-        if split and op.kind == "B":
-            pending_w[r].append(Op("W", op.microbatch, op.chunk))
     return Timeline(schedule, pp, microbatches, vpp, rows, steps)
+
+
+def _update_waits(
+    pp: int, microbatches: int, rank: int, steps: int
+) -> dict[int, list[tuple[str, int, int]]]:
+    """2bw: by op index of rank `rank`'s program, the ops a step's first op waits for: the
+    last backward (every rank's) of the step whose update it runs on, two steps before
+    (none for the first two steps)."""
+    starts = _step_starts(pp, microbatches, rank, steps)
+    return {
+        index: [("B", stage, (step - 1) * microbatches - 1) for stage in range(pp)]
+        for step, index in enumerate(starts, start=1)
+        if step >= 2
+    }
 
 
 def _step_starts(pp: int, microbatches: int, rank: int, steps: int) -> list[int]:

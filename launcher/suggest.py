@@ -7,7 +7,10 @@ layout and micro-batch are ignored. The search spans:
 
 - tp: divisors of the query and key/value heads that also divide gpus_per_node (TP stays in
   a node), with SP whenever tp > 1 (same traffic as TP's all-reduces, less memory);
-- pp: divisors of the layers; vpp: divisors of the layers per stage (interleaved 1F1B);
+- pp: every degree that tiles the cluster with at least one layer per stage, and vpp >= 2
+  (interleaved 1F1B) up to MAX_VPP and one layer per chunk, one per distinct chunk size; where the
+  stages do not divide the layers, Megatron's uneven split (`stages.balanced_split`: the
+  first and last stage, which also hold the embedding and the head, get fewer);
 - ZeRO 0-3, and hybrid sharding (dp_replicate > 1) where a node holds a whole shard group
   and the dp group would otherwise leave the node;
 - recompute none, selective or full (every block); micro-batches dividing the per-rank batch;
@@ -27,23 +30,27 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from launcher.cost import StepCost, assumptions, step_cost
-from launcher.memory import GIB, MemoryBreakdown, peak_breakdown
+from launcher.cost import StepCost, assumptions, predicted_mfu, step_cost
+from launcher.memory import MemoryBreakdown, peak_breakdown, state_floor
 from launcher.memory_fit import device_memory_gib
 from launcher.plan import LONG_CONTEXT
 from launcher.rules_parallel import check_runnable
 from launcher.validate import validate
-from models.flops import flops_per_token
 from pretrain_core import hardware
+from pretrain_core.hardware import GIB, Links
 from pretrain_core.layout import Degrees
 from pretrain_core.problems import Problem, RecipeError, divisors
 from pretrain_core.schema import RecipeConfig
+from pretrain_core.stages import balanced_split
 
 RECOMPUTE_POLICIES = ("none", "selective", "full")
 HEADROOM = 0.05
 """Share of device memory a suggested layout leaves free beyond the predicted peak (which
 already counts the framework allowance): a margin for the memory model's error."""
 LAYOUT_FIELDS = ("parallel.", "train.global_batch", "train.micro_batch")
+MAX_VPP = 8
+"""Most virtual stages per rank the search tries: each adds a send per micro-batch while
+the bubble it removes shrinks as 1/vpp."""
 """Problems on these fields depend on the layout, which the search chooses."""
 
 
@@ -60,6 +67,8 @@ class Layout:
     zero: int
     recompute: str
     micro_batch: int
+    pp_layers: tuple[int, ...] = ()
+    """Layers per stage when the stages do not divide them; () for an even split."""
     cp: int = 1
 
     @property
@@ -75,6 +84,7 @@ class Layout:
             f"parallel.pp={self.pp}",
             f"parallel.vpp={self.vpp}",
             f"parallel.pp_schedule={self.pp_schedule}",
+            f"parallel.pp_layers=[{','.join(map(str, self.pp_layers))}]",
             "parallel.pp_microbatches=0",
             f"parallel.dp_replicate={self.dp_replicate}",
             f"parallel.dp_shard={self.dp_shard}",
@@ -94,6 +104,7 @@ class Layout:
             pp=self.pp,
             vpp=self.vpp,
             pp_schedule=self.pp_schedule,
+            pp_layers=list(self.pp_layers),
             pp_microbatches=0,
             dp_replicate=self.dp_replicate,
             dp_shard=self.dp_shard,
@@ -141,6 +152,10 @@ class Suggestion:
         )
 
 
+Scored = list[tuple[tuple[float, float, float], Layout, Suggestion]]
+"""Layouts that fit, each with its sort key (step time, traffic, -memory) and suggestion."""
+
+
 @dataclass
 class Search:
     """The result of a search: the best suggestions and what was searched."""
@@ -166,30 +181,54 @@ def layouts(cfg: RecipeConfig) -> Iterator[Layout]:
             if cfg.train.global_batch % dp or dp % ep:
                 continue
             per_rank = cfg.train.global_batch // dp
-            vpps = [1] + ([v for v in divisors(m.n_layers // pp) if v > 1] if pp > 1 else [])
-            for vpp, zero, recompute, micro in _product(vpps, range(4), divisors(per_rank)):
+            # Without data parallelism every ZeRO stage is the same layout.
+            zeros = range(4) if dp > 1 else range(1)
+            for vpp, zero, recompute, micro in _product(
+                _vpps(m.n_layers, pp), zeros, divisors(per_rank)
+            ):
                 micro_batches = per_rank // micro
                 if pp > 1 and (micro_batches < pp or (vpp > 1 and micro_batches % pp)):
                     continue
+                split = balanced_split(m.n_layers, pp * vpp)
+                uneven = tuple(split) if len(set(split)) > 1 else ()
                 for replicate in _replicas(zero, tp, dp * cp, gpn):
                     if replicate > 1 and dp % replicate:
                         continue
                     shard = dp // replicate
-                    yield Layout(tp, sp, pp, vpp, replicate, shard, zero, recompute, micro, cp)
+                    yield Layout(
+                        tp, sp, pp, vpp, replicate, shard, zero, recompute, micro, uneven, cp
+                    )
 
 
 def _pipelines_and_rings(cfg: RecipeConfig, tp: int) -> Iterator[tuple[int, int]]:
-    """(pp, cp) pairs that tile the world with tp: cp > 1 only for long sequences, with
-    2cp chunks of the sequence (split over tp under SP) and the ring inside a node."""
+    """(pp, cp) pairs that tile the world with tp, at least one layer per stage: cp > 1 only
+    for long sequences, with 2cp chunks of the sequence (split over tp under SP) and the
+    ring inside a node."""
     k, seq = cfg.cluster, cfg.train.seq_len
     world, gpn = k.nodes * k.gpus_per_node, k.gpus_per_node
     rings = [1]
     if seq >= LONG_CONTEXT:
         rings += [c for c in divisors(gpn // tp) if c > 1 and seq % (2 * c * tp) == 0]
-    for pp in divisors(cfg.model.n_layers):
+    for pp in divisors(world // tp):
+        if pp > cfg.model.n_layers:
+            continue
         for cp in rings:
-            if world % (tp * pp * cp) == 0:
+            if (world // tp) % (pp * cp) == 0:
                 yield pp, cp
+
+
+def _vpps(n_layers: int, pp: int) -> list[int]:
+    """1, and with pp > 1 every vpp up to MAX_VPP whose chunks hold a layer count no
+    smaller vpp gives (ceil(n / (pp vpp)), at least one)."""
+    if pp == 1:
+        return [1]
+    chosen, sizes = [1], {-(-n_layers // pp)}
+    for vpp in range(2, min(MAX_VPP, n_layers // pp) + 1):
+        size = -(-n_layers // (pp * vpp))
+        if size not in sizes:
+            chosen.append(vpp)
+            sizes.add(size)
+    return chosen
 
 
 def _product(vpps: list[int], zeros: range, micros: list[int]) -> Iterator[tuple]:
@@ -234,37 +273,13 @@ def search(cfg: RecipeConfig, top: int | None = None) -> Search:
     links = hardware.links(spec.name)
     peak = cfg.hardware.peak_tflops or spec.peak_tflops[cfg.precision.dtype]
     limit = device_memory_gib(cfg)
-    world = cfg.cluster.nodes * cfg.cluster.gpus_per_node
-    train_flops = flops_per_token(cfg.model, cfg.train.seq_len).train
-    tokens = cfg.train.global_batch * cfg.train.seq_len
-
-    scored: list[tuple[tuple[float, float, float], Layout, Suggestion]] = []
-    enumerated = 0
-    smallest: tuple[float, Layout] | None = None
-    for layout in layouts(cfg):
-        enumerated += 1
-        candidate = layout.apply(cfg)
-        degrees = degrees_of(layout, cfg)
-        micro_batches = cfg.train.global_batch // (layout.micro_batch * degrees.dp)
-        memory = peak_breakdown(candidate, degrees, micro_batches)
-        if memory.total_gib > limit * (1 - HEADROOM):
-            if smallest is None or memory.total_gib < smallest[0]:
-                smallest = (memory.total_gib, layout)
-            continue
-        cost = step_cost(candidate, degrees, micro_batches, peak, links)
-        step = cost.total
-        suggestion = Suggestion(
-            layout=layout,
-            cost=cost,
-            memory=memory,
-            device_gib=limit,
-            tokens_per_s=tokens / step,
-            mfu=tokens * train_flops / world / step / (peak * 1e12),
-            runnable=False,
-        )
-        scored.append(((step, cost.communication, -memory.total), layout, suggestion))
+    # _check_searchable admits CUDA devices only, and every GPU of the table has links.
+    assert links is not None and limit is not None
+    scored, enumerated, _ = _evaluate(cfg, peak, links, limit, prune=True)
     if not scored:
-        peak_gib, layout = smallest if smallest else (0.0, None)
+        # Every family was judged in full, so the smallest peak named is the true one.
+        _, _, smallest = _evaluate(cfg, peak, links, limit, prune=False)
+        peak_gib, closest = smallest if smallest else (0.0, None)
         raise RecipeError(
             [
                 Problem(
@@ -273,7 +288,7 @@ def search(cfg: RecipeConfig, top: int | None = None) -> Search:
                     f"no layout of {enumerated} fits the {limit:g} GiB of {spec.name} with "
                     f"{HEADROOM:.0%} headroom; the "
                     f"smallest predicted peak is {peak_gib:.1f} GiB"
-                    + (f" ({' '.join(layout.overrides())})" if layout else ""),
+                    + (f" ({' '.join(closest.overrides())})" if closest else ""),
                     "add nodes, use a GPU with more memory, or lower train.seq_len",
                 )
             ]
@@ -333,6 +348,64 @@ def long_context_note(cfg: RecipeConfig, layout: Layout, limit: float) -> str:
         verdict = "does not fit" if peak > limit * (1 - HEADROOM) else "fits, slower"
         note += f"; with cp=1 the peak would be {peak:.1f} GiB ({verdict})"
     return note
+
+
+def _evaluate(
+    cfg: RecipeConfig, peak: float, links: Links, limit: float, prune: bool
+) -> tuple[Scored, int, tuple[float, Layout] | None]:
+    """(the layouts that fit with their sort keys, how many were enumerated, the smallest
+    peak of those that do not). With `prune`, a family of layouts (all but micro-batch and
+    recompute alike) whose parameters and optimizer states alone overflow is skipped."""
+    budget = limit * (1 - HEADROOM)
+    scored: Scored = []
+    floors: dict[tuple, float] = {}
+    enumerated = 0
+    smallest: tuple[float, Layout] | None = None
+    for layout in layouts(cfg):
+        enumerated += 1
+        degrees = degrees_of(layout, cfg)
+        family = (layout.tp, layout.cp, layout.pp, layout.vpp, layout.zero, layout.dp_replicate)
+        if prune and family not in floors:
+            floors[family] = state_floor(layout.apply(cfg), degrees) / GIB
+        if prune and floors[family] > budget:
+            continue
+        suggestion, memory = judge(cfg, layout, peak, links, limit)
+        if suggestion is None:
+            if smallest is None or memory.total_gib < smallest[0]:
+                smallest = (memory.total_gib, layout)
+            continue
+        scored.append(
+            (
+                (suggestion.cost.total, suggestion.cost.communication, -memory.total),
+                layout,
+                suggestion,
+            )
+        )
+    return scored, enumerated, smallest
+
+
+def judge(
+    cfg: RecipeConfig, layout: Layout, peak: float, links: Links, limit: float
+) -> tuple[Suggestion | None, MemoryBreakdown]:
+    """`layout` of `cfg` costed as the search costs it (None when it does not fit the
+    `limit` GiB with HEADROOM), and its peak memory."""
+    candidate, degrees = layout.apply(cfg), degrees_of(layout, cfg)
+    micro_batches = cfg.train.global_batch // (layout.micro_batch * degrees.dp)
+    memory = peak_breakdown(candidate, degrees, micro_batches)
+    if memory.total_gib > limit * (1 - HEADROOM):
+        return None, memory
+    cost = step_cost(candidate, degrees, micro_batches, peak, links)
+    tokens = cfg.train.global_batch * cfg.train.seq_len
+    suggestion = Suggestion(
+        layout=layout,
+        cost=cost,
+        memory=memory,
+        device_gib=limit,
+        tokens_per_s=tokens / cost.total,
+        mfu=predicted_mfu(candidate, cost.total, peak),
+        runnable=False,
+    )
+    return suggestion, memory
 
 
 def _check_searchable(cfg: RecipeConfig) -> None:
@@ -430,6 +503,8 @@ def render_search(cfg: RecipeConfig, result: Search) -> str:
             f"{s.tokens_per_s:>9,.0f} {s.mfu:>5.0%} {s.memory.total_gib:>8.1f}"
         )
         lines.append(f"   why: {s.why()}")
+        if lay.pp_layers:
+            lines.append(f"   stages: {split_text(lay.pp_layers)} layers (parallel.pp_layers)")
         if s.long_context:
             lines.append(f"   long context: {s.long_context}")
         lines.append(f"   use: {' '.join(lay.overrides())}")
@@ -437,6 +512,17 @@ def render_search(cfg: RecipeConfig, result: Search) -> str:
             lines.append("   (this trainer version can only plan this layout: action=plan)")
     lines += ["", "cost model:"] + [f"  - {line}" for line in result.assumptions]
     return "\n".join(lines)
+
+
+def split_text(counts: tuple[int, ...]) -> str:
+    """A stage split with runs folded: (1, 2, 2, 2, 1) -> "1, 2 x 3, 1"."""
+    runs: list[list[int]] = []
+    for count in counts:
+        if runs and runs[-1][0] == count:
+            runs[-1][1] += 1
+        else:
+            runs.append([count, 1])
+    return ", ".join(f"{c} x {n}" if n > 1 else str(c) for c, n in runs)
 
 
 def report(cfg: RecipeConfig) -> str:

@@ -121,7 +121,27 @@ class FlopsPerToken:
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> FlopsPerToken:
     """Forward FLOPs per token of a sequence of `seq_len` tokens (see module conventions)."""
-    h, hd, n_layers = cfg.dim, cfg.head_dim, cfg.n_layers
+    projections, scores, dense_mlp, moe_mlp = _block_terms(cfg, seq_len)
+    n_layers, moe_layers = cfg.n_layers, cfg.n_moe_layers
+    return FlopsPerToken(
+        attention_projections=n_layers * projections,
+        attention_scores=n_layers * scores,
+        mlp=(n_layers - moe_layers) * dense_mlp + moe_layers * moe_mlp,
+        lm_head=2 * cfg.dim * cfg.vocab_size,
+    )
+
+
+def block_flops_per_token(cfg: ModelConfig, seq_len: int, layer: int) -> FlopsPerToken:
+    """Forward FLOPs per token of block `layer` alone (no LM head): the blocks of
+    `flops_per_token` one by one, for a pipeline stage's share."""
+    projections, scores, dense_mlp, moe_mlp = _block_terms(cfg, seq_len)
+    mlp = moe_mlp if cfg.is_moe_layer(layer) else dense_mlp
+    return FlopsPerToken(projections, scores, mlp, lm_head=0)
+
+
+def _block_terms(cfg: ModelConfig, seq_len: int) -> tuple[int, int, int, int]:
+    """One block's (attention projections, attention scores, dense MLP, MoE MLP) FLOPs."""
+    h, hd = cfg.dim, cfg.head_dim
     q_width, kv_width = cfg.n_heads * hd, cfg.kv_heads * hd
     projections = 2 * h * q_width + 2 * 2 * h * kv_width + 2 * q_width * h
     # Q @ K^T and P @ V: each query meets seq_len keys in every head.
@@ -130,10 +150,4 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> FlopsPerToken:
     # A MoE layer: the router's logits plus the k routed and the shared experts' SwiGLUs.
     experts = cfg.moe_top_k + cfg.moe_shared_experts
     moe_mlp = 2 * h * cfg.moe_experts + experts * 3 * 2 * h * cfg.expert_ffn_dim
-    moe_layers = cfg.n_moe_layers
-    return FlopsPerToken(
-        attention_projections=n_layers * projections,
-        attention_scores=n_layers * scores,
-        mlp=(n_layers - moe_layers) * mlp + moe_layers * moe_mlp,
-        lm_head=2 * h * cfg.vocab_size,
-    )
+    return projections, scores, mlp, moe_mlp

@@ -59,13 +59,17 @@ def clip_grad_norm_(
     parameters: Iterable[torch.nn.Parameter],
     max_norm: float,
     extra_group: dist.ProcessGroup | None = None,
+    uncounted: Iterable[torch.nn.Parameter] = (),
 ) -> torch.Tensor:
     """Scale gradients so their global norm is at most `max_norm`; return the norm before.
 
+    `uncounted` parameters hold a gradient another rank holds too (a tied embedding's copy):
+    they are scaled but left out of the norm, which counts each weight once.
     `max_norm <= 0` only measures.
     """
     params = [p for p in parameters if p.grad is not None]
-    norm = grad_norm(params, extra_group)
+    skip = {id(p) for p in uncounted}
+    norm = grad_norm([p for p in params if id(p) not in skip], extra_group)
     clip_to_norm(params, norm, max_norm)
     return norm
 

@@ -7,8 +7,8 @@ full model and checkpoints and initialization do not depend on the split. With v
 rank holds several such chunks (stages r, r + pp, ...). Schedules come from
 `torch.distributed.pipelining`; the loss runs on the last stage inside the schedule.
 
-Tied embeddings are refused with pp > 1 (validation): the head on the last stage would need
-its gradient summed with the embedding's on the first stage every step.
+With tied embeddings the last stage's head is its own copy of the embedding, whose
+gradient is summed with the first stage's every step (`parallel/tied_embedding.py`).
 """
 
 from __future__ import annotations

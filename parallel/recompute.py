@@ -18,6 +18,7 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
+from pretrain_core.recompute import recomputed_blocks
 from pretrain_core.schema import RecomputeConfig
 
 # Matmul outputs are expensive to recompute and small next to the attention core and the
@@ -41,14 +42,6 @@ def _checkpointed(forward: Callable, context_fn: Callable | None) -> Callable:
         return checkpoint(forward, *args, use_reentrant=False, **extra, **kwargs)
 
     return run
-
-
-def recomputed_blocks(cfg: RecomputeConfig, n_layers: int) -> list[int]:
-    """Indices of the blocks whose activations are recomputed under `cfg`."""
-    if cfg.policy == "none":
-        return []
-    every = cfg.every if cfg.policy == "full" else 1
-    return [i for i in range(n_layers) if i % every == every - 1]
 
 
 def apply_recompute(model: nn.Module, cfg: RecomputeConfig) -> None:

@@ -100,11 +100,12 @@ def apply_tensor_parallel(model: nn.Module, mesh: JobMesh, parallel: ParallelCon
     if sp:
         root_plan["norm"] = SequenceParallel()
     parallelize_module(model, tp_mesh, root_plan)
-    if model.cfg.tie_embeddings:
+    if model.cfg.tie_embeddings and None not in (model.tok_embeddings, model.output):
         # Each style distributed its own copy; the embedding's and head's shards coincide
         # (both Shard(0) over the vocabulary), so the head can share the embedding's.
         model.output.weight = model.tok_embeddings.weight
-    if padded_vocab(model.cfg.vocab_size, parallel.tp) != model.cfg.vocab_size:
+    padded = padded_vocab(model.cfg.vocab_size, parallel.tp) != model.cfg.vocab_size
+    if padded and model.output is not None:
         model.output.register_forward_hook(_VocabMask(model.cfg.vocab_size, tp_mesh))
 
 
@@ -112,9 +113,13 @@ def _pad_vocab(model: nn.Module, tp: int) -> None:
     vocab = padded_vocab(model.cfg.vocab_size, tp)
     if vocab == model.cfg.vocab_size:
         return
-    device = model.tok_embeddings.weight.device
-    model.tok_embeddings = nn.Embedding(vocab, model.cfg.dim, device=device)
-    model.output = nn.Linear(model.cfg.dim, vocab, bias=False, device=device)
+    # A pipeline stage pads only the vocabulary modules it holds.
+    if model.tok_embeddings is not None:
+        device = model.tok_embeddings.weight.device
+        model.tok_embeddings = nn.Embedding(vocab, model.cfg.dim, device=device)
+    if model.output is not None:
+        device = model.output.weight.device
+        model.output = nn.Linear(model.cfg.dim, vocab, bias=False, device=device)
 
 
 class _VocabMask:

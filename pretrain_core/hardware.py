@@ -2,18 +2,26 @@
 
 Peaks are dense (without 2:4 structured sparsity), per device, from the vendors' datasheets:
 NVIDIA H100 Tensor Core GPU datasheet (SXM5 and PCIe columns), NVIDIA H200 Tensor Core GPU
-datasheet (SXM column), NVIDIA A100 Tensor Core GPU datasheet (SXM4/PCIe columns), NVIDIA DGX
-B200 / HGX B200 datasheet (8-GPU system figures divided by 8), NVIDIA L40S datasheet and the
-NVIDIA V100 datasheet (SXM2). The datasheets quote tensor-core figures "with sparsity"; the
-dense figure is half of that. `fp32` is the plain (non-tensor-core) FP32 rate.
+datasheet (SXM column), NVIDIA H20 product brief (HGX H20, 2024), NVIDIA GH200 Grace Hopper
+Superchip datasheet (the 96 GB HBM3 and 144 GB HBM3e versions), NVIDIA A100 Tensor Core GPU
+datasheet (SXM4/PCIe, 40 and 80 GB columns), NVIDIA DGX B200 / HGX B200 and HGX B300
+datasheets (8-GPU system figures divided by 8), NVIDIA L40S datasheet, the NVIDIA V100
+datasheet (SXM2), and the AMD Instinct MI300X and MI325X data sheets. NVIDIA's datasheets
+quote tensor-core figures "with sparsity"; the dense figure is half of that (AMD's tables
+give dense figures). `fp32` is the plain (non-tensor-core) FP32 rate; on the Instinct parts
+FP32 matrix and vector peaks are the same.
 
-Memory is the nominal capacity in GiB; CUDA reports slightly less as usable.
+Memory is the nominal capacity in GiB; CUDA reports slightly less as usable. The Instinct
+parts run PyTorch through ROCm, which reports their ISA (gfx942) as compute capability 9.4.
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+
+GIB = 2**30
+"""Bytes in a GiB: the unit device memory, plans and measurements are reported in."""
 
 
 @dataclass(frozen=True)
@@ -36,6 +44,8 @@ class GpuSpec:
 
 _HOPPER_SXM = {"fp8": 1979.0, "bf16": 989.5, "fp16": 989.5, "tf32": 494.5, "fp32": 67.0}
 _AMPERE = {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5}
+_BLACKWELL = {"fp8": 4500.0, "bf16": 2250.0, "fp16": 2250.0, "tf32": 1125.0, "fp32": 75.0}
+_CDNA3 = {"fp8": 2614.9, "bf16": 1307.4, "fp16": 1307.4, "tf32": 653.7, "fp32": 163.4}
 
 GPUS: dict[str, GpuSpec] = {
     spec.name: spec
@@ -50,16 +60,27 @@ GPUS: dict[str, GpuSpec] = {
         ),
         # The H200 has the H100 SXM's compute with more and faster memory.
         GpuSpec("h200_sxm", 141, dict(_HOPPER_SXM), (9, 0), 8),
+        # A Hopper with its tensor cores cut to 15% of the H100's, and 96 GB of HBM3.
+        GpuSpec(
+            "h20",
+            96,
+            {"fp8": 296.0, "bf16": 148.0, "fp16": 148.0, "tf32": 74.0, "fp32": 44.0},
+            (9, 0),
+            8,
+        ),
+        # The Grace Hopper superchip's GPU computes like the H100 SXM; nodes hold four.
+        GpuSpec("gh200", 96, dict(_HOPPER_SXM), (9, 0), 4),
+        GpuSpec("gh200_144gb", 144, dict(_HOPPER_SXM), (9, 0), 4),
         GpuSpec("a100_sxm_80gb", 80, dict(_AMPERE), (8, 0), 8),
         GpuSpec("a100_sxm_40gb", 40, dict(_AMPERE), (8, 0), 8),
         GpuSpec("a100_pcie_80gb", 80, dict(_AMPERE), (8, 0), 8),
-        GpuSpec(
-            "b200",
-            180,
-            {"fp8": 4500.0, "bf16": 2250.0, "fp16": 2250.0, "tf32": 1125.0, "fp32": 75.0},
-            (10, 0),
-            8,
-        ),
+        GpuSpec("a100_pcie_40gb", 40, dict(_AMPERE), (8, 0), 8),
+        GpuSpec("b200", 180, dict(_BLACKWELL), (10, 0), 8),
+        # Blackwell Ultra: B200's dense FP8 and BF16 rates (its gains are FP4), 288 GB.
+        GpuSpec("b300", 288, dict(_BLACKWELL), (10, 3), 8),
+        GpuSpec("mi300x", 192, dict(_CDNA3), (9, 4), 8),
+        # The MI300X's compute with 256 GB of HBM3E.
+        GpuSpec("mi325x", 256, dict(_CDNA3), (9, 4), 8),
         GpuSpec(
             "l40s",
             48,
@@ -74,16 +95,23 @@ GPUS: dict[str, GpuSpec] = {
     )
 }
 
-# Patterns over torch.cuda.get_device_name(), first match wins; NVL, GH200 and the 40GB
-# PCIe A100 differ in clocks or memory from every entry above, so they match nothing.
+# Patterns over torch.cuda.get_device_name(), first match wins; the NVL parts differ in
+# clocks or memory from every entry above, so they match nothing.
 _DEVICE_NAME_PATTERNS: tuple[tuple[str, str], ...] = (
     (r"\bH100\b.*\b(PCIE)\b", "h100_pcie"),
     (r"^(NVIDIA )?H100\b(?!.*\bNVL\b)", "h100_sxm"),
     (r"^(NVIDIA )?H200\b(?!.*\bNVL\b)", "h200_sxm"),
+    (r"^(NVIDIA )?H20\b", "h20"),
+    (r"^(NVIDIA )?GH200\b.*\b144G", "gh200_144gb"),
+    (r"^(NVIDIA )?GH200\b", "gh200"),
     (r"\bA100-SXM4?-80GB\b", "a100_sxm_80gb"),
     (r"\bA100-SXM4?-40GB\b", "a100_sxm_40gb"),
     (r"\bA100\b.*80GB.*\bPCIE\b|\bA100-PCIE-80GB\b", "a100_pcie_80gb"),
+    (r"\bA100-PCIE-40GB\b", "a100_pcie_40gb"),
     (r"^(NVIDIA )?B200\b", "b200"),
+    (r"^(NVIDIA )?B300\b", "b300"),
+    (r"\bMI300X\b", "mi300x"),
+    (r"\bMI325X\b", "mi325x"),
     (r"^(NVIDIA )?L40S\b", "l40s"),
     (r"\bV100-SXM2-32GB\b", "v100_sxm_32gb"),
 )
@@ -127,11 +155,15 @@ class Links:
 
 
 # NVLink: the datasheets' total NVLink bandwidth per GPU is bidirectional; half of it flows
-# each way (H100/H200 SXM 900 GB/s, A100 SXM 600, B200 1800, V100 SXM2 300). PCIe cards
-# without an NVLink switch talk over PCIe x16 (Gen5 64 GB/s, Gen4 32 GB/s each way).
-# InfiniBand: DGX H100/H200 and DGX B200 have one 400 Gb/s ConnectX-7 per GPU (50 GB/s),
-# DGX A100 one 200 Gb/s HDR per GPU (25 GB/s), DGX-2 (V100) one 100 Gb/s EDR per GPU;
-# PCIe servers are assumed to have one 200 Gb/s NIC per GPU.
+# each way (H100/H200/H20/GH200 900 GB/s, A100 SXM 600, B200/B300 1800, V100 SXM2 300).
+# AMD Infinity Fabric: 7 links of 128 GB/s (bidirectional) to the node's other GPUs, 448
+# GB/s each way. PCIe cards without an NVLink switch talk over PCIe x16 (Gen5 64 GB/s, Gen4
+# 32 GB/s each way).
+# Between nodes: DGX H100/H200 and DGX B200 have one 400 Gb/s ConnectX-7 per GPU (50 GB/s),
+# HGX B300 one 800 Gb/s ConnectX-8 (100 GB/s), DGX A100 one 200 Gb/s HDR per GPU (25 GB/s),
+# DGX-2 (V100) one 100 Gb/s EDR per GPU; GH200 systems (Alps, JUPITER) one 200 Gb/s
+# Slingshot or NDR200 port per superchip; H20 and Instinct servers are taken with one
+# 400 Gb/s NIC per GPU and PCIe servers with one 200 Gb/s NIC per GPU.
 LINKS: dict[str, Links] = {
     "h100_sxm": Links(450.0, 50.0),
     "h100_pcie": Links(64.0, 25.0),
@@ -139,7 +171,14 @@ LINKS: dict[str, Links] = {
     "a100_sxm_80gb": Links(300.0, 25.0),
     "a100_sxm_40gb": Links(300.0, 25.0),
     "a100_pcie_80gb": Links(32.0, 25.0),
+    "h20": Links(450.0, 50.0),
+    "gh200": Links(450.0, 25.0),
+    "gh200_144gb": Links(450.0, 25.0),
+    "a100_pcie_40gb": Links(32.0, 25.0),
     "b200": Links(900.0, 50.0),
+    "b300": Links(900.0, 100.0),
+    "mi300x": Links(448.0, 50.0),
+    "mi325x": Links(448.0, 50.0),
     "l40s": Links(32.0, 25.0),
     "v100_sxm_32gb": Links(150.0, 12.5),
 }

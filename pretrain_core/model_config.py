@@ -85,6 +85,8 @@ class ModelConfig:
     @property
     def n_moe_layers(self) -> int:
         """How many layers are mixture-of-experts."""
+        if self.moe_experts <= 0:
+            return 0  # dense: asked for every stage of every layout the search tries
         return sum(self.is_moe_layer(i) for i in range(self.n_layers))
 
     @property

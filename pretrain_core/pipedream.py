@@ -19,6 +19,8 @@ on a stage at any time, the one in use and the one being written.
 
 from __future__ import annotations
 
+from pretrain_core.schema import RecipeConfig
+
 
 def warmup(pp: int, rank: int) -> int:
     """Forwards pipeline rank `rank` runs ahead of its backwards."""
@@ -47,3 +49,9 @@ def segment_ops(pp: int, microbatches: int, rank: int, steps: int) -> list[tuple
     """Every op of a segment of `steps` steps on rank `rank`, its drain included."""
     ops = [op for step in range(steps) for op in step_ops(pp, microbatches, rank, step)]
     return ops + drain(pp, microbatches, rank, steps)
+
+
+def segment_steps(cfg: RecipeConfig) -> int:
+    """Steps PipeDream-2BW runs between two drains of its pipeline: a checkpoint drains it."""
+    every = cfg.checkpoint.every
+    return min(cfg.train.steps, every) if every > 0 else cfg.train.steps

@@ -8,6 +8,7 @@ in one pass. The small formatting helpers the messages share live here too.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -94,7 +95,7 @@ def nearby_multiples(value: int, step: int) -> list[int]:
     return [v for v in (below, below + step) if v > 0] if step > 0 else []
 
 
-def or_list(values: list) -> str:
+def or_list(values: Sequence[object]) -> str:
     """Choices as prose: '1, 2, 4 or 8'."""
     words = [str(v) for v in values]
     return words[0] if len(words) == 1 else ", ".join(words[:-1]) + " or " + words[-1]

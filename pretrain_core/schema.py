@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field, fields, is_dataclass
-from typing import Any
+from typing import Any, cast
 
 from pretrain_core.choices import CHOICES, one_of
 from pretrain_core.hardware import GPUS
@@ -283,6 +283,8 @@ class LoggingConfig:
     """W&B project."""
     wandb_entity: str = ""
     """W&B entity (empty: the default of the API key)."""
+    all_ranks: bool = False
+    """Print the trainer's messages from every rank (prefixed with the rank), not only rank 0."""
 
 
 @dataclass
@@ -390,7 +392,7 @@ def to_recipe(node: Any) -> RecipeConfig:
     from omegaconf import OmegaConf
 
     merged = OmegaConf.merge(OmegaConf.structured(RecipeConfig), node)
-    return OmegaConf.to_object(merged)
+    return cast(RecipeConfig, OmegaConf.to_object(merged))
 
 
 def load_config(path: str) -> RecipeConfig:

@@ -13,6 +13,9 @@ head and loss to the last stage.
 
 from __future__ import annotations
 
+import functools
+import itertools
+
 V_SCHEDULES = ("zbv", "dualpipev")
 """Pipeline schedules that place their two chunks per rank in a V."""
 
@@ -27,6 +30,28 @@ def layers_per_stage(n_layers: int, stages: int, pp_layers: list[int] | None = N
     if pp_layers:
         return list(pp_layers)
     return [n_layers // stages] * stages
+
+
+def balanced_split(n_layers: int, stages: int) -> list[int]:
+    """Layer counts for `stages` stages when they need not divide `n_layers`.
+
+    An even split when they do; else Megatron's uneven one (its
+    `--decoder-first/last-pipeline-num-layers`): every middle stage holds ceil(n / stages)
+    layers and the first and last share the rest, fewer, since they also hold the embedding
+    and the LM head (the last no more than the first). Where the rest is too small for
+    two stages, the remainder goes one layer each to the middle stages.
+    """
+    if n_layers % stages == 0:
+        return [n_layers // stages] * stages
+    per_stage = -(-n_layers // stages)
+    rest = n_layers - (stages - 2) * per_stage
+    if stages > 2 and rest >= 2:
+        return [rest - rest // 2] + [per_stage] * (stages - 2) + [rest // 2]
+    counts = [n_layers // stages] * stages
+    extra = n_layers % stages
+    for i in range(extra):
+        counts[(stages - extra) // 2 + i] += 1
+    return counts
 
 
 def stage_layers(
@@ -62,5 +87,42 @@ def rank_layer_count(
     style: str = "loop",
 ) -> int:
     """Layers pipeline rank `pp_rank` holds over all its chunks."""
-    stages = stage_layers(n_layers, pp, vpp, pp_layers)
-    return sum(len(stages[k]) for k in rank_stages(pp_rank, pp, vpp, style))
+    counts = layers_per_stage(n_layers, pp * vpp, pp_layers)
+    return sum(counts[k] for k in rank_stages(pp_rank, pp, vpp, style))
+
+
+def rank_layer_counts(
+    n_layers: int,
+    pp: int,
+    vpp: int = 1,
+    pp_layers: list[int] | None = None,
+    style: str = "loop",
+) -> list[int]:
+    """Layers each pipeline rank holds over all its chunks, by rank."""
+    counts = layers_per_stage(n_layers, pp * vpp, pp_layers)
+    return [sum(counts[k] for k in rank_stages(r, pp, vpp, style)) for r in range(pp)]
+
+
+def rank_layer_indices(
+    n_layers: int,
+    pp: int,
+    vpp: int = 1,
+    pp_layers: list[int] | None = None,
+    pp_rank: int = 0,
+    style: str = "loop",
+) -> tuple[int, ...]:
+    """Global indices of the layers pipeline rank `pp_rank` holds over all its chunks."""
+    return _rank_layer_indices(n_layers, pp, vpp, tuple(pp_layers or ()), pp_rank, style)
+
+
+@functools.lru_cache(maxsize=65536)
+def _rank_layer_indices(
+    n_layers: int, pp: int, vpp: int, pp_layers: tuple[int, ...], pp_rank: int, style: str
+) -> tuple[int, ...]:
+    # Cached: the layout search asks it of every rank of thousands of layouts.
+    starts = [0, *itertools.accumulate(layers_per_stage(n_layers, pp * vpp, list(pp_layers)))]
+    return tuple(
+        layer
+        for k in rank_stages(pp_rank, pp, vpp, style)
+        for layer in range(starts[k], starts[k + 1])
+    )

@@ -17,6 +17,30 @@ from pretrain_core.problems import Problem, RecipeError
 from pretrain_core.schema import RecipeConfig
 
 REPO = Path(__file__).resolve().parent.parent
+# Published model shapes (parameter counts equal the Hugging Face checkpoints for Llama 3;
+# GPT-3's and the 1T model's GeLU MLP of width 4h is a SwiGLU of width 8h/3: the same
+# parameters and FLOPs).
+LLAMA3_8B = ModelConfig(
+    vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336,
+    max_seq_len=8192, rope_theta=500000.0,
+)  # fmt: skip
+LLAMA3_405B = ModelConfig(
+    vocab_size=128256, dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_dim=53248,
+    max_seq_len=8192, rope_theta=500000.0,
+)  # fmt: skip
+LLAMA3_70B = ModelConfig(
+    vocab_size=128256, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim=28672,
+    max_seq_len=8192, rope_theta=500000.0,
+)  # fmt: skip
+GPT3_175B = ModelConfig(
+    vocab_size=51200, dim=12288, n_layers=96, n_heads=96, ffn_dim=32768, max_seq_len=2048,
+    tie_embeddings=True,
+)  # fmt: skip
+MEGATRON_1T = ModelConfig(
+    vocab_size=51200, dim=25600, n_layers=128, n_heads=160, ffn_dim=68267, max_seq_len=2048,
+    tie_embeddings=True,
+)  # fmt: skip
+
 RECIPES = sorted(p.stem for p in (REPO / "recipes").glob("*.yaml") if p.stem != "base")
 """The shipped top-level recipes."""
 

@@ -22,6 +22,7 @@ from parallel.pipeline import StageView, split_stage, stage_indices
 from parallel.precision import LossScaler, apply_precision
 from parallel.recompute import apply_recompute
 from parallel.tensor import apply_tensor_parallel
+from parallel.tied_embedding import mark_head_copy
 from pretrain_core.layout import Degrees
 from pretrain_core.schema import RecipeConfig
 from trainer.optim import build_optimizer, optimizer_spec, param_groups, scaled_lr
@@ -68,6 +69,7 @@ def _build_one(
     if stage >= 0:
         split_stage(plain, stage, cfg.parallel)
     parallelize(plain, cfg, mesh, degrees)
+    mark_head_copy(plain)
     materialize(plain, cfg.model, cfg.seed, device)
     if degrees.grad_replicas > 1 and not uses_fsdp(cfg.parallel, degrees):
         return apply_ddp(plain, mesh, cfg.parallel, cfg.precision), plain

@@ -40,9 +40,11 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
+from parallel.tied_embedding import head_copies
 from pretrain_core.rundir import CHECKPOINTS_DIR, WANDB_ID_FILE
 from pretrain_core.schema import CheckpointConfig
 from trainer.data import DataLoader
+from trainer.fault_injection import FaultInjector
 from trainer.step import TrainState
 from trainer.vocab_resize import load_resizing_vocab
 
@@ -51,6 +53,10 @@ STASH = "stash"
 """DCP key of PipeDream-2BW's older weight version."""
 DCP_METADATA = ".metadata"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+EMBEDDING, HEAD = "tok_embeddings.weight", "output.weight"
+"""The full model's names of a tied embedding and its LM head."""
 
 
 def step_dir(root: Path, step: int) -> Path:
@@ -147,6 +153,22 @@ def _named_model(state: TrainState) -> nn.Module:
     return state.plain if isinstance(state.model, nn.ModuleList) else state.model
 
 
+def read_tied_copy_from_embedding(
+    model: nn.Module, model_sd: dict[str, Any], optim_state: dict[str, Any]
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The entries to load, a pipeline stage's copy of a tied embedding read from the
+    embedding's (the same tensors, under the embedding's name): every checkpoint holds
+    those, while one saved without PP keeps the shared weight's optimizer states under the
+    embedding's name only."""
+    if not head_copies(model) or EMBEDDING in model_sd:
+        return model_sd, optim_state
+
+    def renamed(entries: dict[str, Any]) -> dict[str, Any]:
+        return {(EMBEDDING if key == HEAD else key): value for key, value in entries.items()}
+
+    return renamed(model_sd), renamed(optim_state)
+
+
 def _state_dicts(state: TrainState) -> dict[str, Any]:
     model = _named_model(state)
     if isinstance(state.optimizer, ZeroRedundancyOptimizer):
@@ -211,11 +233,22 @@ class _Pending:
 class Checkpointer:
     """Saves and restores one run's checkpoints; every rank makes the same calls."""
 
-    def __init__(self, run_dir: Path, cfg: CheckpointConfig, *, rank: int, world_size: int):
+    def __init__(
+        self,
+        run_dir: Path,
+        cfg: CheckpointConfig,
+        *,
+        rank: int,
+        world_size: int,
+        faults: FaultInjector | None = None,
+    ):
         self.root = Path(run_dir) / CHECKPOINTS_DIR
         self.cfg = cfg
         self.rank = rank
         self.world_size = world_size
+        self.faults = faults
+        self.saved_step = 0
+        """The step of the newest checkpoint written or restored."""
         self._pending: _Pending | None = None
         # Background saves run collectives while training runs its own: give them a group.
         self._group = dist.new_group(backend="gloo") if cfg.async_mode != "none" else None
@@ -223,6 +256,19 @@ class Checkpointer:
     def due(self, step: int) -> bool:
         """Whether `step` (optimizer steps done) is a periodic save point."""
         return self.cfg.every > 0 and step % self.cfg.every == 0
+
+    def after_step(self, step: int, state: TrainState, loader: DataLoader, stop: bool) -> None:
+        """Finalize a finished background save, and save `step` when it is a periodic save
+        point or the job was asked to stop; collective."""
+        self.poll()
+        if self.due(step) or stop:
+            self.save(step, state, loader)
+
+    def finish(self, step: int, state: TrainState, loader: DataLoader) -> None:
+        """Save the final `step` unless it already was, and wait until it is on disk."""
+        if self.saved_step != step:
+            self.save(step, state, loader)
+        self.wait()
 
     def save(self, step: int, state: TrainState, loader: DataLoader) -> None:
         """Write the checkpoint of `step` (asynchronously if configured); collective."""
@@ -258,6 +304,7 @@ class Checkpointer:
                 async_checkpointer_type=kind,
             )
         self._pending = _Pending(step, tmp, full_meta, future)
+        self.saved_step = step
         if future is None:
             self.wait()
 
@@ -279,9 +326,8 @@ class Checkpointer:
             return
         # The DCP metadata is written only after every rank's shards: all data is on disk.
         (pending.tmp / META).write_text(json.dumps(pending.meta, indent=1) + "\n")
-        if os.environ.get("PRETRAIN_FAULT_CRASH_IN_SAVE") == str(pending.step):
-            print(f"[fault] crashing during the save of step {pending.step}", flush=True)
-            os._exit(13)
+        if self.faults is not None:
+            self.faults.before_commit(pending.step)
         final = step_dir(self.root, pending.step)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(pending.tmp, final)
@@ -309,7 +355,8 @@ class Checkpointer:
             set_model_state_dict(model, model_sd)
         else:
             model_sd, optim_sd = get_state_dict(model, state.optimizer)
-            load_resizing_vocab({"model": model_sd, "optim": {"state": optim_sd["state"]}}, path)
+            read = read_tied_copy_from_embedding(model, model_sd, optim_sd["state"])
+            load_resizing_vocab({"model": read[0], "optim": {"state": read[1]}}, path)
             set_state_dict(
                 model, state.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd
             )
@@ -332,4 +379,5 @@ class Checkpointer:
         rng = path / "rng" / f"rank_{self.rank}.pt"
         if meta["world_size"] == self.world_size and rng.is_file():
             _set_rng_state(torch.load(rng, weights_only=False))
-        return int(meta["step"])
+        self.saved_step = int(meta["step"])
+        return self.saved_step

@@ -1,23 +1,12 @@
 """What goes wrong in a long run, seen by every rank together: non-finite steps, a request
-to stop (preemption, time limit), stragglers, and test-only fault injection.
-
-Fault injection (for tests and drills) comes from environment variables of the ranks:
-- PRETRAIN_FAULT_NAN_STEPS=5,6: rank 0's loss is NaN at those steps (1-based), so its
-  gradients and the global gradient norm are too;
-- PRETRAIN_FAULT_KILL=RANK:STEP: that rank kills itself (SIGKILL) after that step, in the
-  first attempt only (TORCHELASTIC_RESTART_COUNT=0), so a restarted group runs through;
-- PRETRAIN_FAULT_HANG=RANK:STEP: that rank stops responding after that step, so the others
-  wait in a collective until faults.collective_timeout_s;
-- PRETRAIN_FAULT_CRASH_IN_SAVE=6: rank 0 dies after writing the checkpoint of step 6 but
-  before marking it complete (see trainer/checkpoint.py).
+to stop (preemption, time limit) and stragglers. Test-only fault injection is
+`trainer/fault_injection.py`.
 """
 
 from __future__ import annotations
 
-import os
 import signal
 import statistics
-import time
 from pathlib import Path
 from types import FrameType
 
@@ -25,33 +14,13 @@ import torch
 import torch.distributed as dist
 
 from pretrain_core.rundir import PREEMPTED_MARKER
+from trainer.log import get_logger
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
 class TooManyBadSteps(RuntimeError):
     """Consecutive steps with a non-finite loss or gradient norm exceeded the limit."""
-
-
-def nan_steps() -> frozenset[int]:
-    """Steps whose loss is poisoned with NaN on rank 0 (PRETRAIN_FAULT_NAN_STEPS)."""
-    raw = os.environ.get("PRETRAIN_FAULT_NAN_STEPS", "")
-    return frozenset(int(s) for s in raw.split(",") if s.strip())
-
-
-def inject_rank_faults(rank: int, step: int) -> None:
-    """Kill (PRETRAIN_FAULT_KILL, first attempt only) or hang (PRETRAIN_FAULT_HANG) this rank
-    if the variable names this rank and step."""
-    here = f"{rank}:{step}"
-    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-    if first_attempt and os.environ.get("PRETRAIN_FAULT_KILL") == here:
-        print(f"[fault] rank {rank} kills itself after step {step}", flush=True)
-        os.kill(os.getpid(), signal.SIGKILL)
-    if os.environ.get("PRETRAIN_FAULT_HANG") == here:
-        print(f"[fault] rank {rank} hangs after step {step}", flush=True)
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # torchrun can still end it
-        while True:
-            time.sleep(3600)
 
 
 class StepGuard:
@@ -90,8 +59,7 @@ class StepGuard:
             return
         self.skipped += 1
         self._bad_in_a_row += 1
-        if dist.get_rank() == 0:
-            print(f"[trainer] step {step}: non-finite loss or gradient norm; skipped", flush=True)
+        get_logger().info("step %d: non-finite loss or gradient norm; skipped", step)
         if self._bad_in_a_row >= self.max_bad_steps:
             raise TooManyBadSteps(
                 f"step {step}: {self._bad_in_a_row} consecutive steps with a non-finite loss or "

@@ -79,7 +79,7 @@ def kernels_line(cfg: RecipeConfig, state: TrainState, device: torch.device) -> 
     compile_text = f"{'+'.join(compiled)} ({k.backend})" if k.enabled else "off"
     prefetch = f"{cfg.data.prefetch} steps ahead" if cfg.data.prefetch else "off"
     return (
-        f"[trainer] kernels: attention {attention}, optimizer {optimizer_path(state.optimizer)}, "
+        f"kernels: attention {attention}, optimizer {optimizer_path(state.optimizer)}, "
         f"compile {compile_text}, data prefetch {prefetch}, "
         f"gradient reduction {cfg.precision.reduce_dtype}"
     )

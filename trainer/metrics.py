@@ -19,9 +19,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pretrain_core.hardware import GIB
 from pretrain_core.schema import HardwareConfig
-
-GIB = 1024**3
 
 
 @dataclass(frozen=True)

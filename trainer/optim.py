@@ -14,7 +14,9 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from pretrain_core.schema import OptimConfig
+from parallel.tied_embedding import head_copies
+from pretrain_core.problems import or_list
+from pretrain_core.schema import LR_SCALINGS, OPTIMIZERS, OptimConfig
 
 
 def _mesh_of(param: torch.Tensor) -> Any:
@@ -26,7 +28,8 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     """Split the trainable parameters into optimizer groups; each parameter appears once.
 
     Weight decay goes to the 2-D+ weights of linear (and other matmul) layers only: never to
-    embeddings (`nn.Embedding`, including an LM head tied to one), norms or biases. Groups are
+    embeddings (`nn.Embedding`, including an LM head tied to one, or a pipeline stage's copy
+    of a tied embedding), norms or biases. Groups are
     further split by DeviceMesh so a group never mixes DTensors with plain tensors (the
     foreach/fused kernels reject such a mix, e.g. TP without sequence parallelism leaves the
     norms as plain tensors). Group order follows `named_parameters`, so it is stable across
@@ -36,7 +39,7 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     # traversal may meet the head before the embedding.
     embedding_params = {
         id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters()
-    }
+    } | {id(p) for p in head_copies(model)}
     groups: dict[tuple[bool, Any], dict] = {}
     seen: set[int] = set()
     for module in model.modules():
@@ -57,8 +60,8 @@ def scaled_lr(cfg: OptimConfig, global_batch: int) -> float:
     """Peak lr for this global batch: lr * G/base (linear), lr * sqrt(G/base) (sqrt) or lr."""
     if cfg.lr_scaling == "none":
         return cfg.lr
-    if cfg.lr_scaling not in ("linear", "sqrt"):
-        raise ValueError(f"optim.lr_scaling={cfg.lr_scaling!r}: use none, linear or sqrt")
+    if cfg.lr_scaling not in LR_SCALINGS:
+        raise ValueError(f"optim.lr_scaling={cfg.lr_scaling!r}: use {or_list(list(LR_SCALINGS))}")
     if cfg.base_batch <= 0:
         raise ValueError(
             f"optim.lr_scaling={cfg.lr_scaling} needs optim.base_batch > 0 "
@@ -129,7 +132,7 @@ def optimizer_spec(cfg: OptimConfig, device: torch.device) -> tuple[type[Optimiz
         return torch.optim.SGD, {"lr": cfg.lr, "momentum": cfg.momentum, "foreach": True}
     if cfg.name == "lion":
         return Lion, {"lr": cfg.lr, "betas": tuple(cfg.betas)}
-    raise ValueError(f"optim.name={cfg.name!r}: use adamw, lion or sgd")
+    raise ValueError(f"optim.name={cfg.name!r}: use {or_list(list(OPTIMIZERS))}")
 
 
 def build_optimizer(

@@ -44,7 +44,7 @@ from parallel.tensor import local_value, vocab_parallel_loss
 from pretrain_core.layout import Degrees, grad_accum_steps
 from pretrain_core.schema import RecipeConfig
 from trainer.faults import StepGuard
-from trainer.step import TrainState, step_optimizer
+from trainer.step import MicroBatches, StepResult, TrainState, step_optimizer
 
 
 class PipeDreamStep:
@@ -57,8 +57,10 @@ class PipeDreamStep:
         degrees: Degrees,
         mesh: JobMesh,
         device: torch.device,
+        guard: StepGuard | None = None,
     ) -> None:
         self.state, self.cfg, self.degrees, self.device = state, cfg, degrees, device
+        self.guard = guard
         pp_mesh = mesh.world["pp"]
         self.group = pp_mesh.get_group()
         rank = pp_mesh.get_local_rank()
@@ -92,7 +94,6 @@ class PipeDreamStep:
         self.agree_group = dist.new_group(backend=dist.get_backend())
         self.replicas = dist.get_world_size() // degrees.pp  # ranks per stage
         self.agreements: list[tuple[torch.Tensor, dist.Work]] = []
-        self.guard: StepGuard | None = None
         self._losses: list[torch.Tensor] = []
         self.result: tuple[torch.Tensor, bool, bool] | None = None
         self.drained: tuple[torch.Tensor, bool] | None = None
@@ -146,9 +147,7 @@ class PipeDreamStep:
         step_optimizer(state, self.cfg, update=scaled_ok and not bad)
         self.result = (norm, bad, bool(flags[2] > 0))
 
-    def step(
-        self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], guard: StepGuard | None
-    ) -> tuple[torch.Tensor, torch.Tensor, bool, bool]:
+    def step(self, micro_batches: MicroBatches) -> StepResult:
         """This step's forwards and backwards (and the previous step's last backwards),
         then the previous step's update; returns this step's mean loss (on every stage),
         the norm of the update applied (NaN when none was) and (bad, stop)."""
@@ -156,7 +155,7 @@ class PipeDreamStep:
         targets = torch.cat([y for _, y in micro_batches]).to(self.device)
         if self.state.context is not None:
             inputs, targets = self.state.context.shard(inputs), self.state.context.shard(targets)
-        self.guard, self.result, self._losses = guard, None, []
+        self.result, self._losses = None, []
         engine = self.engine
         with vocab_parallel_loss(enabled=self.degrees.tp > 1):
             ops = engine.begin(
@@ -173,16 +172,16 @@ class PipeDreamStep:
                 loss = self.state.context.mean(loss)
             engine.end()
         if self.result is not None:  # this step applied the previous step's gradient
-            return (loss, *self.result)
+            return StepResult(loss, *self.result)
         # A segment's first step applies none: it reports the update of the drain before
         # it, if any, and the ranks agree on its loss (and on a stop) alone.
         norm, bad = self.drained or (torch.tensor(math.nan, device=self.device), False)
         self.drained = None
-        if guard is None:  # one-process tools: decided locally
+        if self.guard is None:  # one-process tools: decided locally
             agreed_bad, stop = not bool(torch.isfinite(loss)), False
         else:
-            agreed_bad, stop = guard.agree(loss, torch.zeros((), device=self.device))
-        return loss, norm, bad or agreed_bad, stop
+            agreed_bad, stop = self.guard.agree(loss, torch.zeros((), device=self.device))
+        return StepResult(loss, norm, bad or agreed_bad, stop)
 
     def drain(self) -> None:
         """Run the backwards still in flight and apply the last step's gradient: the state

@@ -6,7 +6,9 @@ them) are concatenated and the schedule splits them into `parallel.pp_microbatch
 parts (by default the accumulation count, so the micro-batches are the same). The loss runs
 on the last stage, divided by the micro-batch count as accumulation does; the mean loss is
 summed over the pipeline group so every stage, rank 0 included, reports the last stage's.
-Gradient norms are summed over stages. A mixture-of-experts stage attaches its router
+Gradient norms are summed over stages. Tied embeddings: the last stage's copy of the
+embedding and the first stage's have their gradients summed after the schedule
+(`parallel/tied_embedding.py`). A mixture-of-experts stage attaches its router
 losses to its output (`parallel/pipeline_moe.py`), so they join the objective of the
 micro-batch that produced them; the reported loss is the LM loss alone, as in the plain
 step, and expert gradients are reduced over their data-parallel ranks before clipping.
@@ -26,21 +28,28 @@ from parallel.pipeline import build_schedule, in_context, stage_indices
 from parallel.pipeline_moe import attach_router_losses
 from parallel.precision import forward_context
 from parallel.tensor import local_value, vocab_parallel_loss
+from parallel.tied_embedding import embedding_group, reduce_tied_grads
 from pretrain_core.layout import Degrees, grad_accum_steps
 from pretrain_core.schema import RecipeConfig
 from trainer.faults import StepGuard
 from trainer.pipeline_2bw import PipeDreamStep
-from trainer.step import TrainState, apply_gradients
+from trainer.step import MicroBatches, StepResult, TrainState, apply_gradients
 
 
 def pipeline_step(
-    state: TrainState, cfg: RecipeConfig, degrees: Degrees, mesh: JobMesh, device: torch.device
-):
-    """The step object of the recipe's schedule: torch's (`PipelineStep`) or, for
-    pp_schedule=2bw, the in-repo PipeDream-2BW (`trainer/pipeline_2bw.py`)."""
+    state: TrainState,
+    cfg: RecipeConfig,
+    degrees: Degrees,
+    mesh: JobMesh,
+    device: torch.device,
+    guard: StepGuard | None = None,
+) -> PipelineStep | PipeDreamStep:
+    """The step of the recipe's schedule: torch's (`PipelineStep`) or, for pp_schedule=2bw,
+    the in-repo PipeDream-2BW (`trainer/pipeline_2bw.py`); both are `Stepper`s with the
+    pipeline group as `group`."""
     if cfg.parallel.pp_schedule == "2bw":
-        return PipeDreamStep(state, cfg, degrees, mesh, device)
-    return PipelineStep(state, cfg, degrees, mesh, device)
+        return PipeDreamStep(state, cfg, degrees, mesh, device, guard)
+    return PipelineStep(state, cfg, degrees, mesh, device, guard)
 
 
 class PipelineStep:
@@ -53,8 +62,10 @@ class PipelineStep:
         degrees: Degrees,
         mesh: JobMesh,
         device: torch.device,
+        guard: StepGuard | None = None,
     ) -> None:
         self.state, self.cfg, self.degrees, self.device = state, cfg, degrees, device
+        self.guard = guard
         pp_mesh = mesh.world["pp"]
         self.group = pp_mesh.get_group()
         stages = stage_indices(pp_mesh.get_local_rank(), cfg.parallel)
@@ -67,6 +78,7 @@ class PipelineStep:
             inner = getattr(chunk, "module", chunk)  # inside DDP, which calls it
             in_context(inner, lambda: forward_context(cfg.precision, device, weights_cast))
             attach_router_losses(inner, self._term_weight)
+        self.embedding_group = embedding_group(cfg, degrees)
         self.schedule = build_schedule(
             list(state.model),
             stages,
@@ -88,9 +100,7 @@ class PipelineStep:
         self.losses.append(local_value(loss.detach()))
         return self.state.scaler.scale_loss(loss / self.n_microbatches)
 
-    def step(
-        self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], guard: StepGuard
-    ) -> tuple[torch.Tensor, torch.Tensor, bool, bool]:
+    def step(self, micro_batches: MicroBatches) -> StepResult:
         """Forward and backward of this rank's micro-batches through the pipeline, then the
         optimizer; returns the step's mean loss (on every stage), the global grad norm and
         what all ranks agreed (bad, stop), as `train_step` does."""
@@ -106,6 +116,7 @@ class PipelineStep:
                 *args, target=targets if self.has_last else None, return_outputs=False
             )
         reduce_expert_grads(self.state.plain)
+        reduce_tied_grads(self.state.plain, self.embedding_group)
         loss = torch.zeros((), device=self.device)
         if self.has_last:
             # The first step's shape inference calls the loss function once more, first.
@@ -113,4 +124,6 @@ class PipelineStep:
         dist.all_reduce(loss, group=self.group)
         if self.state.context is not None:
             loss = self.state.context.mean(loss)
-        return (loss, *apply_gradients(self.state, self.cfg, guard, loss, self.group))
+        return StepResult(
+            loss, *apply_gradients(self.state, self.cfg, self.guard, loss, self.group)
+        )

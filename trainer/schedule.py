@@ -20,9 +20,8 @@ import math
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR
 
+from pretrain_core.schema import LR_SCHEDULES as SCHEDULES
 from pretrain_core.schema import OptimConfig, ScheduleConfig
-
-SCHEDULES = ("cosine", "linear", "constant", "wsd")
 
 
 def _progress(step: int, start: int, length: int) -> float:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple, Protocol
 
 import torch
 import torch.distributed as dist
@@ -22,6 +23,7 @@ from parallel.data_parallel import gradient_sync, uses_fsdp
 from parallel.expert import add_router_losses, reduce_expert_grads
 from parallel.precision import LossScaler, after_optimizer_step, forward_context
 from parallel.tensor import local_value, vocab_parallel_loss
+from parallel.tied_embedding import head_copies
 from pretrain_core.layout import Degrees
 from pretrain_core.schema import RecipeConfig
 from trainer.faults import StepGuard
@@ -52,6 +54,28 @@ class TrainState:
     hold (2BW drains its pipeline and applies the last gradient)."""
 
 
+MicroBatches = list[tuple[torch.Tensor, torch.Tensor]]
+"""This rank's (inputs, targets) of one optimizer step, one pair per micro-batch."""
+
+
+class StepResult(NamedTuple):
+    """What one optimizer step reports: this rank's mean loss, the global gradient norm
+    before clipping, and what all ranks agreed: whether the step was bad (skipped) and
+    whether the job was asked to stop."""
+
+    loss: torch.Tensor
+    grad_norm: torch.Tensor
+    bad: bool
+    stop: bool
+
+
+class Stepper(Protocol):
+    """Runs one optimizer step of the run's layout (`LocalStep`, `PipelineStep` or, under
+    PipeDream-2BW, `PipeDreamStep`)."""
+
+    def step(self, micro_batches: MicroBatches) -> StepResult: ...
+
+
 def _autocast(cfg: RecipeConfig, degrees: Degrees, device: torch.device):
     """Autocast where FSDP's mixed-precision policy does not already cast (and TE's FP8)."""
     return forward_context(cfg.precision, device, weights_cast=uses_fsdp(cfg.parallel, degrees))
@@ -59,13 +83,12 @@ def _autocast(cfg: RecipeConfig, degrees: Degrees, device: torch.device):
 
 def train_step(
     state: TrainState,
-    micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
+    micro_batches: MicroBatches,
     cfg: RecipeConfig,
     degrees: Degrees,
     device: torch.device,
     guard: StepGuard | None = None,
-    poison: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, bool, bool]:
+) -> StepResult:
     """One optimizer step over this rank's accumulation micro-batches.
 
     Returns this rank's mean loss, the global gradient norm (before clipping) and what all
@@ -86,8 +109,6 @@ def train_step(
                 logits = state.model(inputs)
             with vocab_parallel_loss(enabled=degrees.tp > 1):
                 loss = state.loss_fn(logits, targets)
-                if poison:
-                    loss = loss * float("nan")
                 objective = add_router_losses(loss, state.plain)
                 state.scaler.scale_loss(objective / accum).backward()
         # Every TP rank holds the same (replicated) loss.
@@ -96,7 +117,24 @@ def train_step(
     loss = loss_sum / accum
     if state.context is not None:
         loss = state.context.mean(loss)
-    return (loss, *apply_gradients(state, cfg, guard, loss))
+    return StepResult(loss, *apply_gradients(state, cfg, guard, loss))
+
+
+@dataclass
+class LocalStep:
+    """`train_step` of a layout without pipeline parallelism, bound to its run."""
+
+    state: TrainState
+    cfg: RecipeConfig
+    degrees: Degrees
+    device: torch.device
+    guard: StepGuard | None = None
+
+    def step(self, micro_batches: MicroBatches) -> StepResult:
+        """One optimizer step over this rank's micro-batches."""
+        return train_step(
+            self.state, micro_batches, self.cfg, self.degrees, self.device, self.guard
+        )
 
 
 def apply_gradients(
@@ -113,7 +151,9 @@ def apply_gradients(
     applies no update, and under fp16 neither does a step whose gradients overflowed.
     """
     state.scaler.unscale_(state.plain.parameters())
-    norm = clip_grad_norm_(state.plain.parameters(), cfg.optim.grad_clip, extra_group)
+    norm = clip_grad_norm_(
+        state.plain.parameters(), cfg.optim.grad_clip, extra_group, head_copies(state.plain)
+    )
     # An fp16 overflow is the loss scaler's to handle (back off and retry), not a fault.
     scaled_ok = state.scaler.update(norm)
     checked = norm if scaled_ok else torch.zeros_like(norm)

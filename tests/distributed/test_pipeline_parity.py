@@ -43,3 +43,13 @@ def test_pipeline_layout_matches_reference(workdir, reference, label, overrides,
     curve = run_pretrain(workdir / label, overrides, nproc=nproc)
     assert max_relative_difference(curve.loss, reference.loss) <= FP32_TOLERANCE
     assert max_relative_difference(curve.grad_norm, reference.grad_norm) <= FP32_TOLERANCE
+
+
+def test_tied_embeddings_under_pp2_match_the_single_process_run(workdir) -> None:
+    """The last stage's copy of the embedding, its gradient summed with the first stage's
+    every step, trains exactly as the one shared weight does in one process."""
+    tied = ["model.tie_embeddings=true"]
+    reference = run_pretrain(workdir / "tied_reference", tied, nproc=1)
+    curve = run_pretrain(workdir / "tied_pp2", [*tied, "parallel.pp=2"], nproc=2)
+    assert max_relative_difference(curve.loss, reference.loss) <= FP32_TOLERANCE
+    assert max_relative_difference(curve.grad_norm, reference.grad_norm) <= FP32_TOLERANCE

@@ -22,6 +22,12 @@ FP8_VS_BF16 = 0.05
 FP8_LEARNS = 0.90
 SAME_PRECISION = 1e-3
 """Relative per-step bound between layouts of one precision (as BF16 in the DP parity tests)."""
+FP8_SAME_PRECISION = 2e-3
+"""The same bound for FP8 under ZeRO-3. FSDP2 hands the blocks weights already cast to bf16,
+where the one-process run casts FP32 weights under autocast; BF16 alone moves the loss by
+3.4e-4 over these 10 steps for that reason, and FP8's 3-bit mantissa turns such differences
+into rounding flips: measured 1.2e-3 with FP8 all-gather and 8.5e-4 without it, while FP8
+under DDP (same casts as one process) stays within 1e-7."""
 FP8 = ["precision.dtype=fp8", "precision.fp8_emulate=true", "schedule=constant"]
 # float16's largest value is 65504; one logit's gradient alone is about scale / 128 tokens
 # per micro-batch, so a scale of 2**40 must overflow on step 1. Backing off by 2**-8 per
@@ -63,7 +69,7 @@ def test_fp8_emulated_tracks_bf16_over_50_steps(workdir, fp8_curve) -> None:
 def test_fp8_under_zero3_with_fp8_all_gather_matches_one_rank(workdir, fp8_curve) -> None:
     overrides = [*FP8, "train.steps=10", "parallel.zero=3", "precision.fp8_all_gather=true"]
     curve = run_pretrain(workdir / "fp8_zero3", overrides, nproc=2)
-    assert max_relative_difference(curve.loss, fp8_curve.loss[:10]) <= SAME_PRECISION
+    assert max_relative_difference(curve.loss, fp8_curve.loss[:10]) <= FP8_SAME_PRECISION
 
 
 def test_fp16_overflow_skips_the_same_steps_on_one_rank_and_under_zero3(workdir) -> None:

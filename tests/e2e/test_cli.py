@@ -126,6 +126,7 @@ def test_multirun_writes_one_run_dir_per_point(tmp_path: Path) -> None:
     assert seeds == [1, 2]
 
 
+@pytest.mark.slow
 def test_default_recipe_trains_end_to_end_on_two_ranks(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     overrides = [o for o in BASE_OVERRIDES if not o.startswith(("train.steps", "logging."))]

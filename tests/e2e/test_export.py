@@ -16,7 +16,7 @@ from trainer.tokenizer import load_tokenizer
 
 transformers = pytest.importorskip("transformers")
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]  # the module's run dir trains first
 
 TEXT = "def main() -> int:\n    return sum(range(10))\n"
 

@@ -12,7 +12,7 @@ import pytest
 
 from pretrain_core.precision import backend_installed
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]  # trains bf16 and emulated fp8
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -23,6 +23,10 @@ from tests.helpers import validate_and_fit
 LLAMA2_7B_SHAPE = ModelConfig(
     vocab_size=32000, dim=4096, n_layers=32, n_heads=32, ffn_dim=11008, max_seq_len=4096
 )
+LLAMA3_70B = ModelConfig(
+    vocab_size=128256, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim=28672,
+    max_seq_len=8192, rope_theta=500000.0,
+)  # fmt: skip
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -132,3 +136,30 @@ def test_every_compute_dtype_the_schema_accepts_has_a_breakdown(dtype):
     cfg.cluster.device, cfg.cluster.gpu_type, cfg.cluster.gpus_per_node = "cpu", "cpu", 2
     breakdown = memory_breakdown(cfg, resolve_degrees(cfg), 1)
     assert breakdown.activations > 0
+
+
+def test_hybrid_sharding_splits_fp32_state_over_dp_shard_not_dp():
+    """Llama 3 70B on 64 H100, tp=4 sp pp=4 vpp=4, dp = 2 replicas x 2 shards, ZeRO-3,
+    selective recompute, micro-batch 1 (the former search's first pick). Hand recount:
+    pipeline rank 0 holds 20 blocks and the embedding, local = (20 x 855,654,400 +
+    1,050,673,152 - 20 x 16,384) / 4 + 20 x 16,384 = 4,541,186,048 parameters; FSDP over
+    2 shards keeps 4 B x local / 2 = 8.46 GiB of FP32 parameters and 8 B x local / 2 =
+    16.92 GiB of moments, so the peak is 84.7 GiB; dividing by dp=4 said 71.4."""
+    cfg = RecipeConfig(name="test", model=LLAMA3_70B)
+    cfg.precision.dtype, cfg.recompute.policy = "bf16", "selective"
+    cfg.cluster.nodes, cfg.cluster.gpus_per_node = 8, 8
+    cfg.train.seq_len, cfg.train.micro_batch, cfg.train.global_batch = 8192, 1, 256
+    p = cfg.parallel
+    p.tp, p.sp, p.pp, p.vpp, p.pp_schedule = 4, True, 4, 4, "interleaved_1f1b"
+    p.dp_replicate, p.dp_shard, p.zero = 2, 2, 3
+    validate(cfg)
+    local = 4_541_186_048
+    assert local == (20 * 855_654_400 + 1_050_673_152 - 20 * 16_384) / 4 + 20 * 16_384
+    rank0 = memory_breakdown(cfg, resolve_degrees(cfg), 64, pp_rank=0)
+    rope = 2 * 8192 * 64 * 4
+    assert rank0.params == 4 * local / 2 + rope
+    assert rank0.optimizer == 8 * local / 2
+    assert predict(cfg).total_gib == pytest.approx(84.7, abs=0.05)
+    # The same states as a flat dp=2 of shards; a flat dp=4 halves them.
+    p.dp_replicate, p.dp_shard = 1, 4
+    assert memory_breakdown(cfg, resolve_degrees(cfg), 64).optimizer == 8 * local / 4

@@ -178,3 +178,12 @@ def test_groups_never_mix_dtensors_and_plain_tensors_so_foreach_steps_work(
     model(torch.tensor([[1, 2, 3]])).sum().backward()
     optimizer.step()
     assert not torch.equal(model.proj.weight.full_tensor(), before)
+
+
+def test_every_optimizer_the_schema_allows_has_a_factory() -> None:
+    from pretrain_core.schema import OPTIMIZERS, OptimConfig
+    from trainer.optim import optimizer_spec
+
+    for name in OPTIMIZERS:
+        optimizer_class, _ = optimizer_spec(OptimConfig(name=name), torch.device("cpu"))
+        assert issubclass(optimizer_class, torch.optim.Optimizer)

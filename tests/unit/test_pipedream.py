@@ -18,8 +18,7 @@ import pytest
 import torch
 from torch import nn
 
-from launcher.plan import bubble_fraction
-from launcher.schedule_sim import pipedream_bubble, simulate
+from launcher.schedule_sim import bubble_fraction, pipedream_bubble, simulate
 from parallel.pipedream import LocalTransport, PipeDream, Version, local_drain, local_step
 from pretrain_core import pipedream
 

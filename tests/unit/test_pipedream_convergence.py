@@ -1,17 +1,16 @@
 """(c) PipeDream-2BW's final loss stays within a stated margin of synchronous training's.
 
 The harness-sized tiny model (0.26M parameters, 64-token sequences, 8 per step, in two
-micro-batches: a step's math does not depend on how it is split) for 200 steps with the tiny recipe's optimizer (AdamW, peak lr 2e-3, 20 warmup steps, cosine to
-2e-4), once synchronously (what 1F1B computes, equal to the one-process run) and once
-under 2BW over 2 stages, both in one process over the real stage modules
-(`trainer/pipedream_local.py`; the distributed run equals it, tests/distributed/
-test_pipedream.py). Stated margin: 2BW's mean loss over the last 20 steps within 10% of
-the synchronous run's (measured: 6.8%, 4.098 against 3.837). `bench/pipedream_convergence.py`
-runs the shipped tiny recipe (1.8M parameters, 128 x 16 tokens per step) for 300 steps: 14.5%
-there (bench/README.md). One step of staleness slows the descent at these learning rates
-and lengths; the 2BW paper reports final quality close to the flushed baseline on large
-models trained much longer.
-"""
+micro-batches: a step's math does not depend on how it is split) for 200 steps with the tiny
+recipe's optimizer (AdamW, peak lr 2e-3, 20 warmup steps, cosine to 2e-4), once
+synchronously (what 1F1B computes, equal to the one-process run) and once under 2BW over 2
+stages, both in one process over the real stage modules (`trainer/pipedream_local.py`; the
+distributed run equals it, tests/distributed/test_pipedream.py). Stated margin: 2BW's mean
+loss over the last 20 steps within 10% of the synchronous run's (measured: 6.8%, 4.098
+against 3.837). `bench/pipedream_convergence.py` runs the shipped tiny recipe (1.8M
+parameters, 128 x 16 tokens per step) for 300 steps: 14.5% there (bench/README.md). One step
+of staleness slows the descent at these learning rates and lengths; the 2BW paper reports
+final quality close to the flushed baseline on large models trained much longer."""
 
 from __future__ import annotations
 

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 import models
 from parallel.materialize import materialize
 from parallel.pipeline import StageView, split_stage
 from parallel.recompute import apply_recompute
+from parallel.tied_embedding import head_copies, mark_head_copy
 from pretrain_core.model_config import ModelConfig
 from pretrain_core.schema import ParallelConfig, RecomputeConfig
+from trainer.checkpoint import read_tied_copy_from_embedding
+from trainer.optim import param_groups
 
 CFG = ModelConfig(vocab_size=64, dim=32, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=64)
 
@@ -60,3 +65,32 @@ def test_a_stage_recomputes_the_blocks_the_full_model_would() -> None:
     assert wrapped == {"1", "3"}
     assert "forward" not in vars(stage.layers["2"])
     assert type(stage.layers["2"]).forward is plain_forward
+
+
+def test_a_tied_heads_copy_on_the_last_stage_starts_as_the_embedding_and_never_decays() -> None:
+    tied = dataclasses.replace(CFG, tie_embeddings=True)
+    full = models.build(tied)
+    materialize(full, tied, seed=7, device=torch.device("cpu"))
+    first, last = (split_stage(models.build(tied), k, ParallelConfig(pp=2)) for k in (0, 1))
+    for stage in (first, last):
+        materialize(stage, tied, seed=7, device=torch.device("cpu"))
+        mark_head_copy(stage)
+    assert head_copies(first) == [] and head_copies(last) == [last.output.weight]
+    assert torch.equal(last.output.weight, full.tok_embeddings.weight)
+    [decayed] = [g for g in param_groups(last, 0.1) if g["weight_decay"]]
+    assert all(p is not last.output.weight for p in decayed["params"])
+
+
+def test_a_stages_copy_of_a_tied_embedding_is_restored_from_the_embeddings_entries() -> None:
+    # A checkpoint saved without PP holds the shared weight's optimizer states under the
+    # embedding's name only; the last stage's copy reads the same tensors from there.
+    tied = dataclasses.replace(CFG, tie_embeddings=True)
+    first, last = (split_stage(models.build(tied), k, ParallelConfig(pp=2)) for k in (0, 1))
+    for stage in (first, last):
+        mark_head_copy(stage)
+    weight, moments = torch.zeros(1), {"exp_avg": torch.zeros(1)}
+    model_sd, optim = {"output.weight": weight, "norm.weight": 1}, {"output.weight": moments}
+    read_model, read_optim = read_tied_copy_from_embedding(last, model_sd, optim)
+    assert read_model == {"tok_embeddings.weight": weight, "norm.weight": 1}
+    assert read_optim["tok_embeddings.weight"] is moments
+    assert read_tied_copy_from_embedding(first, model_sd, optim) == (model_sd, optim)

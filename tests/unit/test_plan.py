@@ -1,5 +1,6 @@
 """The plan: layout and rank groups, parameter counts, bubble, memory and step time."""
 
+import dataclasses
 import json
 import math
 import subprocess
@@ -8,18 +9,14 @@ from itertools import product
 
 import pytest
 
-from launcher.plan import (
-    GIB,
-    GROUPS_SHOWN,
-    MFU_ASSUMPTION,
-    bubble_fraction,
-    make_plan,
-    plan_to_dict,
-)
+from launcher.cost import predicted_mfu, step_cost
+from launcher.plan import GROUPS_SHOWN, make_plan, plan_to_dict
 from launcher.render import render_plan
+from launcher.schedule_sim import bubble_fraction
 from launcher.validate import validate
 from models.flops import count_params, flops_per_token
-from pretrain_core.hardware import gpu_spec
+from pretrain_core import hardware
+from pretrain_core.hardware import GIB, gpu_spec
 from pretrain_core.layout import Degrees, grad_accum_steps, rank_groups, resolve_degrees
 from pretrain_core.model_config import ModelConfig
 from pretrain_core.problems import RecipeError
@@ -135,10 +132,10 @@ def test_bubble_is_p_minus_1_over_m_plus_p_minus_1(schedule):
     assert bubble_fraction(schedule, pp=4, microbatches=8) == pytest.approx(3 / 11)
 
 
-def test_interleaving_divides_the_bubble_by_the_virtual_stages():
-    flat = bubble_fraction("1f1b", pp=4, microbatches=8)
+def test_interleaving_divides_the_idle_time_by_the_virtual_stages():
+    # Idle (p-1)/v stage-times beside m busy ones: 1.5 / (8 + 1.5) of the step.
     assert bubble_fraction("interleaved_1f1b", pp=4, microbatches=8, vpp=2) == pytest.approx(
-        flat / 2
+        1.5 / 9.5
     )
 
 
@@ -201,15 +198,20 @@ def test_sequence_parallelism_divides_activations_by_tp():
     assert without.activations > with_sp.activations
 
 
-def test_step_time_is_model_flops_at_the_assumed_mfu_of_the_gpu_peak():
-    cfg = recipe(LLAMA3_8B)
+def test_the_plans_step_time_and_mfu_are_the_cost_models_with_its_assumptions():
+    cfg = recipe(LLAMA3_8B, tp=2, pp=2, zero=2)
     plan = make_plan(cfg)
     peak = gpu_spec("h100_sxm").peak_tflops["bf16"]
-    expected = (
-        plan.tokens_per_step * plan.flops_per_token_train / (8 * peak * 1e12 * MFU_ASSUMPTION)
-    )
-    assert plan.step_time_s == pytest.approx(expected)
+    links = hardware.links("h100_sxm")
+    expected = step_cost(cfg, resolve_degrees(cfg), plan.pp_microbatches, peak, links)
+    assert plan.step_time_s == expected.total and plan.step_cost == expected
+    assert plan.mfu == predicted_mfu(cfg, expected.total, peak)
+    assert plan.tokens_per_s == pytest.approx(plan.tokens_per_step / expected.total)
     assert plan.gpu_memory_gib == gpu_spec("h100_sxm").memory_gib
+    text = render_plan(plan)
+    assert f"{expected.total:.3g} s" in text and f"{plan.mfu:.1%}" in text
+    assert "MFU" not in " ".join(plan.assumptions).replace("predicted MFU", "")
+    assert any(note.startswith("step time: compute at 60%") for note in plan.assumptions)
 
 
 def test_cpu_ranks_have_no_step_time_and_no_memory_to_fit():
@@ -251,3 +253,19 @@ def test_planning_and_validation_do_not_import_torch():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_a_tied_model_under_pp_counts_the_last_stages_copy_of_the_embedding():
+    tied = dataclasses.replace(LLAMA3_8B, tie_embeddings=True)
+    cfg = recipe(tied, pp=2, zero=2)
+    plan = make_plan(cfg)
+    counts = count_params(tied)
+    half = counts.per_layer * tied.n_layers // 2
+    assert counts.lm_head == 0
+    assert plan.params_first_stage == counts.embedding + half
+    assert plan.params_last_stage == half + counts.final_norm + counts.embedding
+    # Its gradient crosses between the two stages once per step: 4 B per parameter of
+    # the embedding's dp shard (dp_shard=4), at 80% of the 450 GB/s the two ranks share.
+    untied = make_plan(recipe(LLAMA3_8B, pp=2, zero=2))
+    extra = 4 * counts.embedding / 4 / (450e9 * 0.8)
+    assert plan.step_cost.pp_p2p - untied.step_cost.pp_p2p == pytest.approx(extra)

@@ -6,8 +6,8 @@ import itertools
 
 import pytest
 
-from launcher.plan import bubble_fraction, in_flight
-from launcher.schedule_sim import IDLE, simulate, summary
+from launcher.memory import in_flight
+from launcher.schedule_sim import IDLE, bubble_fraction, program, simulate, summary
 
 P, M = 4, 8
 
@@ -55,19 +55,43 @@ def test_interleaving_divides_the_bubble_by_about_v(vpp: int) -> None:
 @pytest.mark.parametrize("vpp", [2, 4])
 def test_interleaved_stage0_holds_what_the_memory_model_assumes(vpp: int) -> None:
     timeline = unit("interleaved_1f1b", vpp)
+    # Stage-sized micro-batches: p + (p - 1) / v (Narayanan et al. 2021).
+    assert timeline.peak_in_flight(0) == pytest.approx(P + (P - 1) / vpp)
     assert timeline.peak_in_flight(0) == pytest.approx(in_flight("interleaved_1f1b", P, M, vpp))
 
 
-def test_zero_bubble_fills_bubbles_with_weight_gradients_at_1f1b_memory() -> None:
+def test_zero_bubble_fills_bubbles_with_weight_gradients_and_holds_p_on_every_rank() -> None:
+    """ZB1P as torch's ScheduleInterleavedZeroBubble orders it: rank r defers its weight
+    gradients for r steady steps, so every rank holds p micro-batches (1F1B's rank 0)."""
     split = simulate("zero_bubble", P, M, f=1, b=1, w=1)
     unsplit = simulate("1f1b", P, M, f=1, b=1, w=1)
     assert split.bubble_fraction < unsplit.bubble_fraction
-    assert [split.peak_in_flight(r) for r in range(P)] == [
-        unsplit.peak_in_flight(r) for r in range(P)
-    ]
+    assert [split.peak_in_flight(r) for r in range(P)] == [P] * P
+    assert [in_flight("zero_bubble", P, M, 1, r) for r in range(P)] == [P] * P
     # The last stage never waits once its first forward has run.
     last = split.rows[-1]
     assert all(a.end == b.start for a, b in itertools.pairwise(last))
+
+
+def test_interleaved_zero_bubble_at_p4_m8_v2_holds_4_on_every_rank_after_8_forwards() -> None:
+    """Hand-derived from torch's ZB1P order (schedules.py, ScheduleInterleavedZeroBubble):
+    rank 0 warms up with (v-1)p + (p-1) = 7 forwards and runs its 8th before its first B;
+    its W follows each B at once, so it holds 8 chunk-micro-batches = 4 stages, as do the
+    other ranks (the former simulator said [5.5, 4.5, 3.5, 2.5] and 11 forwards)."""
+    report = summary("zero_bubble", 4, 8, 2)
+    assert report["peak_in_flight_per_stage"] == [4, 4, 4, 4]
+    assert [in_flight("zero_bubble", 4, 8, 2, r) for r in range(4)] == [4, 4, 4, 4]
+    kinds = [op.kind for op in program("zero_bubble", 4, 8, 0, 2)]
+    assert kinds.index("B") == 8
+
+
+def test_the_interleaved_bubble_is_x_over_1_plus_x_with_x_p_minus_1_over_v_m() -> None:
+    """At p=16, m=16, v=2: x = 15/32, so the bubble is 15/47 = 31.9% of the step (the
+    former closed form ((p-1)/v)/(m+p-1) said 24.2%); the simulated chart agrees."""
+    assert bubble_fraction("interleaved_1f1b", 16, 16, 2) == pytest.approx(15 / 47)
+    assert f"{bubble_fraction('interleaved_1f1b', 16, 16, 2):.1%}" == "31.9%"
+    simulated = simulate("interleaved_1f1b", 16, 16, 2, f=1, b=1, w=0).bubble_fraction
+    assert simulated == pytest.approx(15 / 47)
 
 
 @pytest.mark.parametrize(

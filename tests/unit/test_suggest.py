@@ -9,7 +9,6 @@ from omegaconf import OmegaConf
 
 from launcher.cost import COMPUTE_EFFICIENCY, step_cost
 from launcher.memory_fit import predict
-from launcher.plan import bubble_fraction
 from launcher.suggest import Layout, degrees_of, search
 from launcher.validate import validate
 from models.flops import flops_per_token
@@ -116,9 +115,9 @@ def test_compute_is_the_last_stages_flops_at_the_stated_efficiency(llama8b_on_8)
     assert cost.compute == pytest.approx(
         tokens_per_pipeline * last_stage / 2 / (peak * 1e12 * COMPUTE_EFFICIENCY)
     )
-    busy = cost.compute + cost.tp + cost.pp_p2p
-    fraction = bubble_fraction("1f1b", 2, micro)
-    assert cost.bubble == pytest.approx(busy * fraction / (1 - fraction))
+    # Fill and drain: one micro-batch through the other (first) stage, which has no head.
+    first_stage = tokens_per_pipeline / micro * blocks / 2 / 2 / (peak * 1e12 * COMPUTE_EFFICIENCY)
+    assert cost.bubble == pytest.approx(first_stage + (cost.tp + cost.pp_p2p) / micro)
     assert cost.tp > 0 and cost.pp_p2p > 0
 
 

@@ -1,0 +1,80 @@
+"""Tied embeddings under pipeline parallelism, as Megatron does them.
+
+Without PP the LM head is the token embedding: one weight, one gradient. With PP the
+embedding sits on the first stage and the head on the last, so the last stage keeps its
+own copy of the embedding as its head (same initial value: `models.init` draws the tied
+head from the embedding's name). After every backward the two gradients are summed over
+the two ranks that hold them (Megatron's embedding group), so both copies take the same
+step and stay equal, and the sum is the gradient the shared weight gets in one process.
+The copy's gradient is left out of the gradient norm, which counts the weight once.
+
+Both copies are laid out alike: the same vocab-sharded placement under TP and the same
+FSDP shard of the stage's root, so their local shards are summed element by element.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from pretrain_core.layout import Degrees, rank_groups
+from pretrain_core.schema import RecipeConfig
+from pretrain_core.stages import placement, rank_stages
+
+HEAD_COPY = "embedding_copy"
+"""Attribute set on a stage's LM head that is a copy of an embedding held elsewhere."""
+
+
+def mark_head_copy(stage: nn.Module) -> None:
+    """Flag the LM head of a stage that holds it without the embedding it is tied to."""
+    tied = stage.cfg.tie_embeddings
+    if tied and stage.output is not None and stage.tok_embeddings is None:
+        setattr(stage.output, HEAD_COPY, True)
+
+
+def head_copies(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters of `model` that copy an embedding (weight decay and norm skip them)."""
+    return [p for m in model.modules() if getattr(m, HEAD_COPY, False) for p in m.parameters()]
+
+
+def embedding_group(cfg: RecipeConfig, degrees: Degrees) -> dist.ProcessGroup | None:
+    """The group of this rank's pipeline ranks that hold the first and the last stage, when
+    they are two (every rank must call this, in the same order: it creates the groups)."""
+    if not cfg.model.tie_embeddings or degrees.pp == 1:
+        return None
+    p = cfg.parallel
+    last, style = p.pp * p.vpp - 1, placement(p.pp_schedule)
+    # In a V the first rank holds both ends: the copy's gradient is summed on that rank.
+    first_rank = next(r for r in range(p.pp) if 0 in rank_stages(r, p.pp, p.vpp, style))
+    last_rank = next(r for r in range(p.pp) if last in rank_stages(r, p.pp, p.vpp, style))
+    if first_rank == last_rank:
+        return None
+    mine = None
+    for ranks in rank_groups(degrees)["pp"]:
+        group = dist.new_group([ranks[first_rank], ranks[last_rank]])
+        if dist.get_rank() in (ranks[first_rank], ranks[last_rank]):
+            mine = group
+    return mine
+
+
+def _local(grad: torch.Tensor) -> torch.Tensor:
+    return grad.to_local() if isinstance(grad, DTensor) else grad
+
+
+def reduce_tied_grads(model: nn.Module, group: dist.ProcessGroup | None) -> None:
+    """Sum the embedding's and its head copy's gradients wherever they are held (call once
+    per step after the last backward; a no-op for a model without a copy on this rank's
+    pipeline)."""
+    embedding = getattr(model, "tok_embeddings", None)
+    held = head_copies(model)
+    if embedding is not None and (group is not None or held):
+        held.insert(0, embedding.weight)
+    grads = [_local(p.grad) for p in held if p.grad is not None]
+    if len(grads) == 2:
+        # Both on this rank (first and last stage in one rank's chunks).
+        grads[0].add_(grads[1])
+        grads[1].copy_(grads[0])
+    elif grads and group is not None:
+        dist.all_reduce(grads[0], group=group)

@@ -2,8 +2,9 @@
 
 import pytest
 
-from launcher.memory import memory_breakdown
+from launcher.memory import memory_breakdown, stage_params
 from launcher.validate import check_runnable, validate
+from models.flops import count_params
 from pretrain_core.layout import grad_accum_steps, resolve_degrees
 from pretrain_core.stages import rank_stages, stage_layers
 from tests.helpers import configure, problems
@@ -131,6 +132,29 @@ def test_2bw_needs_a_pipeline_and_one_chunk_per_rank():
     cfg = configure({"parallel.pp": 2, "parallel.vpp": 2, "parallel.pp_schedule": "2bw"})
     [problem] = problems(cfg)
     assert problem.field == "parallel.vpp"
+
+
+def test_2bw_refuses_tied_embeddings():
+    cfg = configure({"parallel.pp": 2, "parallel.pp_schedule": "2bw", "model.tie_embeddings": True})
+    [problem] = problems(cfg)
+    assert (problem.field, problem.value) == ("model.tie_embeddings", True)
+    assert "two weight versions" in problem.reason
+
+
+def test_a_tied_head_under_a_v_schedule_sits_beside_the_embedding_on_rank_0():
+    cfg = configure(
+        {
+            "parallel.pp": 2,
+            "parallel.vpp": 2,
+            "parallel.pp_schedule": "zbv",
+            "model.tie_embeddings": True,
+        }
+    )
+    validate(cfg)
+    counts = count_params(cfg.model)
+    embedding_and_copy = 2 * counts.embedding + counts.final_norm
+    assert stage_params(cfg, 0)[1] == embedding_and_copy
+    assert stage_params(cfg, 1)[1] == 0
 
 
 @pytest.mark.parametrize(("schedule", "vpp"), [("zero_bubble", 1), ("zbv", 2), ("dualpipev", 2)])

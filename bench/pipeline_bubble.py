@@ -12,7 +12,16 @@ Per stage it measures:
 Beside them: the bubble the plan predicts, (p-1)/(m+p-1), and the peak micro-batches in
 flight of the simulated schedule (`launcher/schedule_sim.py`).
 
-    torchrun --standalone --nproc-per-node 2 bench/pipeline_bubble.py [--steps 6]
+A second table runs many steps back to back under 1F1B, the V schedules (ZB-V, DualPipeV:
+two chunks per rank, each half a stage's blocks) and PipeDream-2BW (`parallel/pipedream.py`,
+never flushed; each step's update agreed without blocking, as the trainer does), every
+step with the same SGD update of the stage's weights (2BW's also copies the version in
+use first, and runs mid-pipeline, where a rank's update delays its neighbours). It reports
+the time per step and each rank's time blocked waiting for a peer (every receive and send
+wait) as a share of the run, beside the simulated bubble of the same order (F = B = W, no
+update time).
+
+    torchrun --standalone --nproc-per-node 2 bench/pipeline_bubble.py [--steps 6] [--long 20]
 """
 
 from __future__ import annotations
@@ -25,25 +34,38 @@ import time
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.pipelining import schedules
 
-from launcher.schedule_sim import bubble_fraction, simulate
+from launcher.schedule_sim import bubble_fraction, pipedream_bubble, simulate
+from parallel.pipedream import P2PTransport, PipeDream, Version, copy_weights
 from parallel.pipeline import build_schedule
 from pretrain_core.schema import ParallelConfig
+from pretrain_core.stages import rank_stages
 
 DIM, HIDDEN, BLOCKS_PER_STAGE, ROWS = 512, 2048, 2, 64
+CPU = torch.device("cpu")
+
+
+def mlp_blocks(count: int) -> nn.Sequential:
+    """`count` MLP blocks (DIM -> HIDDEN -> DIM)."""
+    return nn.Sequential(
+        *[
+            nn.Sequential(nn.Linear(DIM, HIDDEN), nn.GELU(), nn.Linear(HIDDEN, DIM))
+            for _ in range(count)
+        ]
+    )
 
 
 class Timed(nn.Module):
-    """A stage whose forward and backward wall times are summed into `busy`."""
+    """A stage whose forward and backward wall times are summed into `busy`.
+
+    Its backward hooks hand out views of the outputs, which the split-backward schedules
+    cannot detach: the second table runs plain blocks and times the waits instead.
+    """
 
     def __init__(self) -> None:
         super().__init__()
-        self.blocks = nn.Sequential(
-            *[
-                nn.Sequential(nn.Linear(DIM, HIDDEN), nn.GELU(), nn.Linear(HIDDEN, DIM))
-                for _ in range(BLOCKS_PER_STAGE)
-            ]
-        )
+        self.blocks = mlp_blocks(BLOCKS_PER_STAGE)
         self.busy = 0.0
         self._backward_start = 0.0
         self.register_full_backward_pre_hook(self._start)
@@ -129,9 +151,156 @@ def measure(schedule_name: str, m: int, steps: int) -> tuple[float, int]:
     return statistics.median(idle), max(peaks)
 
 
+class Waits:
+    """Seconds this rank spent blocked on a peer, however the schedule waits for it."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        wait = schedules._wait_batch_p2p
+
+        def timed(work):
+            start = time.perf_counter()
+            wait(work)
+            self.seconds += time.perf_counter() - start
+
+        schedules._wait_batch_p2p = timed  # torch's schedules wait for every P2P through it
+
+
+class TimedTransport(P2PTransport):
+    """2BW's transport, timing its blocking receives and send waits into `waits`."""
+
+    def __init__(self, waits: Waits, *args) -> None:
+        super().__init__(*args)
+        self.waits = waits
+
+    def _timed(self, call, *args):
+        start = time.perf_counter()
+        result = call(*args)
+        self.waits.seconds += time.perf_counter() - start
+        return result
+
+    def recv_forward(self, mb):
+        return self._timed(super().recv_forward, mb)
+
+    def recv_backward(self, mb, like):
+        return self._timed(super().recv_backward, mb, like)
+
+    def flush(self):
+        self._timed(super().flush)
+
+
+def mse(m: int):
+    return lambda out, target: ((out - target) ** 2).mean() / m
+
+
+def run_flushed(name: str, m: int, steps: int, waits: Waits) -> float:
+    """Seconds of `steps` steps of torch's schedule `name` (two chunks in a V for zbv and
+    dualpipev, one whole stage otherwise)."""
+    rank, pp = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    vpp = 2 if name in ("zbv", "dualpipev") else 1
+    chunks = [mlp_blocks(BLOCKS_PER_STAGE // vpp) for _ in range(vpp)]
+    stages = rank_stages(rank, pp, vpp, "v" if vpp == 2 else "loop")
+    parallel = ParallelConfig(pp=pp, vpp=vpp, pp_schedule=name)
+    schedule = build_schedule(chunks, stages, parallel, m, mse(m), dist.group.WORLD, CPU)
+    inputs, targets = torch.randn(m * ROWS, DIM), torch.randn(m * ROWS, DIM)
+    first, last = 0 in stages, pp * vpp - 1 in stages
+    schedule.step(*((inputs,) if first else ()), target=targets if last else None)
+    params = [p for chunk in chunks for p in chunk.parameters()]
+    sgd(params)  # the first step also inferred shapes: untimed
+    dist.barrier()
+    waits.seconds = 0.0
+    start = time.perf_counter()
+    for _ in range(steps):
+        schedule.step(
+            *((inputs,) if first else ()), target=targets if last else None, return_outputs=False
+        )
+        sgd(params)
+    return time.perf_counter() - start
+
+
+def sgd(params: list[nn.Parameter]) -> None:
+    """The update every schedule's step ends with (the optimizer's cost, roughly)."""
+    with torch.no_grad():
+        for p in params:
+            p -= 1e-3 * p.grad
+            p.grad = None
+
+
+def run_2bw(m: int, steps: int, waits: Waits) -> float:
+    """Seconds of `steps` steps of PipeDream-2BW, back to back, and the drain after them."""
+    rank, pp = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    versions = (Version(mlp_blocks(BLOCKS_PER_STAGE)), Version(mlp_blocks(BLOCKS_PER_STAGE)))
+    copy_weights(versions[1].params, versions[0].params)
+    group = dist.new_group()
+    pending: list = []
+
+    def ready(version):  # agree on the gradient without blocking, as the trainer does
+        squared = torch.stack([p.grad.pow(2).sum() for p in version.params]).sum()
+        pending.append(dist.all_reduce(squared, group=group, async_op=True))
+
+    def update(target, source):
+        pending.pop(0).wait()
+        sgd(target.params)
+
+    transport = TimedTransport(waits, dist.group.WORLD, rank, pp, CPU)
+    engine = PipeDream(versions, pp, rank, m, mse(m), transport, update, ready)
+    inputs, targets = torch.randn(m * ROWS, DIM), torch.randn(m * ROWS, DIM)
+    dist.barrier()
+    waits.seconds = 0.0
+    start = time.perf_counter()
+    for _ in range(steps):
+        for op in engine.begin(list(inputs.chunk(m)), list(targets.chunk(m))):
+            engine.run(*op)
+        engine.end()
+    for op in engine.drain_ops():
+        engine.run(*op)
+    engine.end_drain()
+    return time.perf_counter() - start
+
+
+def continuous_table(steps: int) -> None:
+    """Idle share of many steps per schedule, measured and simulated, at pp = world size."""
+    rank, pp = dist.get_rank(), dist.get_world_size()
+    waits = Waits()
+    rows = []
+    for m in (4, 8):
+        for name in ("1f1b", "zbv", "dualpipev", "2bw"):
+            if name == "dualpipev" and m < 2 * pp:
+                continue
+            elapsed = (
+                run_2bw(m, steps, waits) if name == "2bw" else run_flushed(name, m, steps, waits)
+            )
+            gathered = [None] * pp
+            dist.all_gather_object(gathered, (waits.seconds / elapsed, elapsed / steps))
+            if name == "2bw":
+                simulated = pipedream_bubble(pp, m, steps)
+            else:
+                vpp = 2 if name != "1f1b" else 1
+                simulated = simulate(name, pp, m, vpp).bubble_fraction
+            rows.append((name, m, [w for w, _ in gathered], simulated, max(t for _, t in gathered)))
+    if rank == 0:
+        print(f"\n{steps} steps back to back, PP={pp}, each with its update:\n")
+        print(
+            "| schedule | m | simulated bubble (F=B=W) | ms per step | "
+            + " | ".join(f"wait rank {r}" for r in range(pp))
+            + " | mean wait |"
+        )
+        print("| --- | --- | --- | --- | " + " | ".join("---" for _ in range(pp)) + " | --- |")
+        for name, m, gathered, simulated, step_s in rows:
+            waits_text = " | ".join(f"{w:.1%}" for w in gathered)
+            mean = sum(gathered) / pp
+            print(
+                f"| {name} | {m} | {simulated:.1%} | {1e3 * step_s:.0f} | {waits_text} "
+                f"| {mean:.1%} |"
+            )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--long", type=int, default=20, help="steps of the second table")
     args = parser.parse_args()
     dist.init_process_group("gloo")
     rank, pp = dist.get_rank(), dist.get_world_size()
@@ -157,6 +326,7 @@ def main() -> None:
             peaks = " | ".join(f"{peak / 2**20:.2f}" for _, peak in gathered)
             held = " / ".join(f"{flight.peak_in_flight(r):g}" for r in range(pp))
             print(f"| {name} | {m} | {predicted:.1%} | {idles} | {held} | {peaks} |")
+    continuous_table(args.long)
     dist.destroy_process_group()
 
 

@@ -2,7 +2,7 @@
 the layout search alike.
 
     step = m * max_r u_r + (sum_r u_r - max_r u_r) / v + dp exposed
-    u_r  = compute_r + tp_r + pp_p2p            (pipeline rank r, one micro-batch)
+    u_r  = compute_r + tp_r + cp_r + pp_p2p     (pipeline rank r, one micro-batch)
 
 - compute_r: the FLOPs pipeline rank r runs per micro-batch (its own blocks, with the
   recomputation of those that recompute, from `models.flops`, the functions MFU uses; the
@@ -12,14 +12,21 @@ the layout search alike.
   and backward each move two all-reduces of the block's s*b*h activations in the compute
   dtype (with SP, a reduce-scatter and an all-gather each: the same bytes); a fully
   recomputed block repeats the forward's. A ring moves 2(t-1)/t of the message per rank.
+- cp_r: context parallelism's K/V ring (`launcher.cp_comm`: every layer's hops, over the
+  link the ring crosses), hidden up to CP_OVERLAP of the attention-score compute it
+  overlaps; the rest is exposed. Under cp, every rank computes and sends 1/cp of each
+  sequence's tokens, and gradients are reduced over dp x cp.
 - pp_p2p: one activation forward and one gradient backward per micro-batch and chunk between
   stages (1/t of it with SP), not overlapped; with tied embeddings the all-reduce of the
-  embedding's gradient between the first and the last stage after the last backward.
+  embedding's gradient between the first and the last stage after the last backward (none
+  under a V schedule, whose first rank holds both).
 - bubble: the pipeline runs at the pace of its slowest rank (m of its micro-batches), and the
   fill and drain cost every other rank's time once, divided by v under the interleaved
   schedules (v chunks per rank). With equal ranks this is the closed form
   `schedule_sim.bubble_fraction`, x/(1+x) with x=(p-1)/(v m); zero_bubble is counted at
-  that value, an upper bound.
+  that value, an upper bound. The V schedules (zbv, dualpipev) and 2bw have no closed
+  form: their simulated idle share (F = B = W; 2bw's over a segment between two drains,
+  `schedule_sim.bubble_fraction`) of the slowest rank's time.
 - dp: the data-parallel traffic of the trainer's bookkeeping (`launcher.memory` states it),
   FP32 gradients and parameter all-gathers in the compute dtype:
   ZeRO-0/1 all-reduce the gradients over dp (ZeRO-1 then all-gathers the updated FP32
@@ -39,12 +46,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from launcher.cp_comm import cp_communication
 from launcher.memory import COMPUTE_BYTES, rank_layers, stage_params
+from launcher.schedule_sim import SIMULATED, bubble_fraction
 from models.flops import block_flops_per_token, count_params, flops_per_token
 from pretrain_core.hardware import Links
 from pretrain_core.layout import Degrees, world_size
+from pretrain_core.pipedream import segment_steps
 from pretrain_core.recompute import is_recomputed, recomputed_blocks
 from pretrain_core.schema import RecipeConfig
+from pretrain_core.stages import head_rank, placement
 
 COMPUTE_EFFICIENCY = 0.6
 """Share of the dense peak that a training step's kernels reach while computing."""
@@ -52,6 +63,8 @@ LINK_EFFICIENCY = 0.8
 """Share of a link's nominal bandwidth that NCCL collectives reach (bus bandwidth)."""
 DP_OVERLAP = 0.8
 """Share of its overlap window that data-parallel traffic hides in."""
+CP_OVERLAP = 0.8
+"""Share of the attention-score compute a ring hop hides behind."""
 
 
 @dataclass(frozen=True)
@@ -66,21 +79,24 @@ class StepCost:
     """All data-parallel traffic, hidden or not."""
     dp_exposed: float
     """The part of `dp_total` the overlap windows do not hide."""
+    cp: float = 0.0
+    """Context parallelism's ring traffic the attention does not hide."""
 
     @property
     def total(self) -> float:
-        return self.compute + self.tp + self.pp_p2p + self.bubble + self.dp_exposed
+        return self.compute + self.tp + self.cp + self.pp_p2p + self.bubble + self.dp_exposed
 
     @property
     def communication(self) -> float:
         """Seconds of traffic of every kind, hidden or not (the ranking's tie-break)."""
-        return self.tp + self.pp_p2p + self.dp_total
+        return self.tp + self.cp + self.pp_p2p + self.dp_total
 
     def terms(self) -> dict[str, float]:
         """The terms that add up to `total`, by name."""
         return {
             "compute": self.compute,
             "tp": self.tp,
+            "cp": self.cp,
             "pp p2p": self.pp_p2p,
             "bubble": self.bubble,
             "dp exposed": self.dp_exposed,
@@ -123,7 +139,8 @@ def _layer_flops(cfg: RecipeConfig) -> list[tuple[int, int]]:
 def _rank_flops(cfg: RecipeConfig, layers: list[tuple[int, int]], pp_rank: int) -> tuple[int, int]:
     held = rank_layers(cfg, pp_rank)
     hardware, forward = sum(layers[i][0] for i in held), sum(layers[i][1] for i in held)
-    if pp_rank == cfg.parallel.pp - 1:
+    p = cfg.parallel
+    if pp_rank == head_rank(p.pp, p.vpp, placement(p.pp_schedule) if p.pp > 1 else "loop"):
         head = flops_per_token(cfg.model, cfg.train.seq_len).lm_head
         hardware, forward = hardware + 3 * head, forward + head
     return hardware, forward
@@ -138,8 +155,9 @@ def step_cost(
     seq, b, c = cfg.train.seq_len, cfg.train.micro_batch, COMPUTE_BYTES[cfg.precision.dtype]
     tokens = cfg.train.global_batch * seq
     rate = peak_tflops * 1e12 * COMPUTE_EFFICIENCY
-    mb_tokens = tokens / degrees.dp / microbatches
-    activation = seq * b * cfg.model.dim * c
+    # Under cp every rank computes (and sends) 1/cp of each sequence's tokens.
+    mb_tokens = tokens / (degrees.dp * degrees.cp) / microbatches
+    activation = seq // degrees.cp * b * cfg.model.dim * c
 
     layer_flops = _layer_flops(cfg)
     work = [_rank_flops(cfg, layer_flops, r) for r in range(pp)]
@@ -160,14 +178,18 @@ def step_cost(
     if pp > 1:
         pp_bandwidth = group_bandwidth(links, gpn, t * degrees.dp, pp)
         p2p = 2 * chunks * activation / (t if p.sp else 1) / pp_bandwidth
-        if cfg.model.tie_embeddings:
+        if cfg.model.tie_embeddings and placement(p.pp_schedule) != "v":
             # Two ranks all-reduce the embedding's FP32 gradient (its dp shard under FSDP).
             grad = 4 * count_params(cfg.model).embedding / t
             tied = grad / (degrees.dp_shard if p.zero >= 2 else 1) / pp_bandwidth
 
-    per_rank = [compute[r] + tp_time[r] + p2p for r in range(pp)]
+    ring = _ring(cfg, degrees, links, microbatches, rate)
+    per_rank = [compute[r] + tp_time[r] + ring[r] + p2p for r in range(pp)]
     slowest = max(range(pp), key=lambda r: per_rank[r])
     fill_drain = (sum(per_rank) - per_rank[slowest]) / chunks
+    if p.pp_schedule in SIMULATED and pp > 1:
+        fraction = bubble_fraction(p.pp_schedule, pp, microbatches, p.vpp, segment_steps(cfg))
+        fill_drain = microbatches * per_rank[slowest] * fraction / (1 - fraction)
     hardware, forward = work[slowest]
     # The gradient reduction overlaps the last micro-batch's backward (recomputation included).
     last_backward = compute[slowest] * (1 - forward / hardware) if hardware else 0.0
@@ -181,7 +203,28 @@ def step_cost(
         bubble=fill_drain,
         dp_total=dp_total,
         dp_exposed=dp_exposed,
+        cp=microbatches * ring[slowest],
     )
+
+
+def _ring(
+    cfg: RecipeConfig, degrees: Degrees, links: Links, microbatches: int, rate: float
+) -> list[float]:
+    """Per pipeline rank and micro-batch, the seconds of its layers' K/V ring traffic the
+    attention scores do not hide (zeros without cp)."""
+    comm = cp_communication(cfg, degrees)
+    if comm is None:
+        return [0.0] * degrees.pp
+    m = cfg.model
+    bandwidth = group_bandwidth(links, cfg.cluster.gpus_per_node, degrees.tp, degrees.cp)
+    tokens = cfg.train.global_batch * cfg.train.seq_len / (degrees.dp * degrees.cp)
+    scores = 3 * flops_per_token(m, cfg.train.seq_len).attention_scores / m.n_layers
+    ring = []
+    for r in range(degrees.pp):
+        layers = len(rank_layers(cfg, r))
+        hidden = CP_OVERLAP * layers * scores * tokens / degrees.tp / rate
+        ring.append(max(0.0, layers * comm.sent_bytes / bandwidth - hidden) / microbatches)
+    return ring
 
 
 def _data_parallel(
@@ -199,6 +242,8 @@ def _data_parallel(
     counts = count_params(cfg.model)
     local = max(sum(stage_params(cfg, r, counts)[:2]) for r in range(degrees.pp)) / t
     grads = 4 * local
+    # cp joins the gradient reduction: dp x cp ranks, tp apart (FSDP shards over dp_shard x cp).
+    d, s_dp = d * degrees.cp, s_dp * degrees.cp
     dp_bw = group_bandwidth(links, gpn, t, d)
     shard_bw = group_bandwidth(links, gpn, t, s_dp)
     replicate_bw = group_bandwidth(links, gpn, t * s_dp, r_dp)
@@ -240,5 +285,8 @@ def assumptions(gpu_type: str, links: Links, peak_tflops: float, dtype: str) -> 
         f"{DP_OVERLAP:.0%} of its window (gradients: the last micro-batch's backward; "
         "parameter gathers: all compute); ZeRO-1's parameter all-gather after the step exposed",
         "the pipeline at the pace of its slowest rank (its own blocks, the LM head on the "
-        "last), the others' fill and drain once, divided by vpp when interleaved",
+        "last), the others' fill and drain once, divided by vpp when interleaved; the V "
+        "schedules' and 2bw's simulated bubble",
+        f"context parallelism: each layer's K/V ring over the link its tp*cp ranks span, "
+        f"hidden up to {CP_OVERLAP:.0%} of the attention-score compute",
     ]

@@ -33,7 +33,13 @@ The trainer's bookkeeping (stated, because it differs from the ZeRO paper's):
   head and the logits of every micro-batch in flight on the last, the stage's output kept
   until its backward elsewhere); under 1F1B gradients exist from the first backward on, so
   the steady state's peak holds them; GPipe's peak is its first backward, without them.
+  The V schedules (zbv, dualpipev) hold the first and the last stage on rank 0; their and
+  2BW's micro-batches in flight come from the simulated schedule (the order that runs).
+  PipeDream-2BW keeps two versions of a stage's weights, and both hold gradients while the
+  previous step's last backwards run beside this step's (the optimizer states exist once).
   `peak_breakdown` is the largest rank's, which the plan and the fit check use.
+- CP: every per-token tensor holds s/cp tokens; the ring's backward adds a query tile's
+  FP32 scores, probabilities and their gradient, and its key/value and gradient buffers.
 
 `textbook_model_states` keeps the ZeRO paper's figures (2 + 2 + K bytes per parameter) as
 the reference the unit tests cross-check; `korthikanti_layer_activations` the per-layer
@@ -44,7 +50,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from launcher.schedule_sim import held_in_flight
+from launcher.schedule_sim import held_in_flight, simulate
 from models.flops import ParamCount, count_params
 from pretrain_core.hardware import GIB
 from pretrain_core.layout import Degrees
@@ -52,7 +58,17 @@ from pretrain_core.model_config import ModelConfig
 from pretrain_core.optim_states import state_bytes
 from pretrain_core.recompute import recomputed_blocks
 from pretrain_core.schema import OptimConfig, RecipeConfig
-from pretrain_core.stages import rank_layer_count, rank_layer_counts, rank_layer_indices
+from pretrain_core.stages import (
+    V_SCHEDULES,
+    head_rank,
+    placement,
+    rank_layer_count,
+    rank_layer_counts,
+    rank_layer_indices,
+)
+
+RING_QUERY_TILE = 256
+"""Query rows the ring attention computes at once (parallel/context.py's QUERY_TILE)."""
 
 CUDA_FIXED_GIB = 1.5
 """CUDA context, cuBLAS workspaces and NCCL buffers per GPU (typical, H100, NCCL 2.2x)."""
@@ -156,7 +172,7 @@ def textbook_activations(cfg: RecipeConfig, degrees: Degrees, microbatches: int)
     (16-bit, doubled for FP32; full recompute keeps only the 2sbh layer input of the blocks
     it recomputes) times the micro-batches in flight, plus one micro-batch of FP32 logits."""
     m, t = cfg.model, degrees.tp
-    s, b = cfg.train.seq_len, cfg.train.micro_batch
+    s, b = local_tokens(cfg), cfg.train.micro_batch
     selective = cfg.recompute.policy == "selective"
     per_layer = korthikanti_layer_activations(s, b, m.dim, m.n_heads, t, cfg.parallel.sp, selective)
     layer_input = 2 * s * b * m.dim / (t if cfg.parallel.sp else 1)
@@ -172,7 +188,13 @@ def textbook_activations(cfg: RecipeConfig, degrees: Degrees, microbatches: int)
 def rank_layers(cfg: RecipeConfig, pp_rank: int) -> tuple[int, ...]:
     """Global indices of the layers pipeline rank `pp_rank` holds, over all its chunks."""
     p = cfg.parallel
-    return rank_layer_indices(cfg.model.n_layers, p.pp, p.vpp, p.pp_layers, pp_rank)
+    style = _style(cfg)
+    return rank_layer_indices(cfg.model.n_layers, p.pp, p.vpp, p.pp_layers, pp_rank, style)
+
+
+def _style(cfg: RecipeConfig) -> str:
+    """The pipeline's chunk placement ("v" under the V schedules, else "loop")."""
+    return placement(cfg.parallel.pp_schedule) if cfg.parallel.pp > 1 else "loop"
 
 
 def llama_block_activations(
@@ -294,10 +316,31 @@ def in_flight(schedule: str, pp: int, microbatches: int, vpp: int = 1, rank: int
     """Micro-batches whose activations pipeline rank `rank` holds at its peak, in whole
     stages, counted on the order of the schedule torch runs (`schedule_sim.held_in_flight`):
     1F1B p - r on rank r; GPipe all m; interleaved 1F1B p + (p - 1 - 2r)/v; zero-bubble p on
-    every rank (its weight gradients hold their inputs)."""
+    every rank (its weight gradients hold their inputs); the V schedules and 2BW from their
+    simulated order."""
     if pp == 1:
         return 1.0
     return held_in_flight(schedule, pp, microbatches, rank, vpp)
+
+
+def head_in_flight(cfg: RecipeConfig, degrees: Degrees, microbatches: int) -> float:
+    """Micro-batches whose logits the rank of the last stage holds at once: its in-flight
+    count, or under a V schedule that of its second chunk (the last stage) alone."""
+    p = cfg.parallel
+    if degrees.pp > 1 and p.pp_schedule in V_SCHEDULES:
+        return simulate(p.pp_schedule, degrees.pp, microbatches, p.vpp).peak_in_flight(0, 1)
+    rank = head_rank(degrees.pp, p.vpp, placement(p.pp_schedule))
+    return in_flight(p.pp_schedule, degrees.pp, microbatches, p.vpp, rank)
+
+
+def weight_versions(cfg: RecipeConfig) -> int:
+    """Copies of each stage's weights a rank holds: two under PipeDream-2BW."""
+    return 2 if cfg.parallel.pp > 1 and cfg.parallel.pp_schedule == "2bw" else 1
+
+
+def local_tokens(cfg: RecipeConfig) -> int:
+    """Tokens of each sequence one rank computes: all of them, or 1/cp under CP."""
+    return cfg.train.seq_len // cfg.parallel.cp
 
 
 def stage_params(
@@ -305,15 +348,18 @@ def stage_params(
 ) -> tuple[int, int, int]:
     """(blocks' params, root params, blocks) of pipeline rank `pp_rank`.
 
-    The root holds the embedding on the first rank, the final norm and head on the last.
+    The root holds the embedding on the first rank, the final norm and head on the rank of
+    the last stage (the last rank; the first under a V schedule).
     `counts` saves recounting the model's parameters (`count_params(cfg.model)`).
     """
     counts = counts or count_params(cfg.model)
     p = cfg.parallel
-    blocks = rank_layer_count(cfg.model.n_layers, p.pp, p.vpp, p.pp_layers, pp_rank)
+    style = _style(cfg)
+    blocks = rank_layer_count(cfg.model.n_layers, p.pp, p.vpp, p.pp_layers, pp_rank, style)
     root = counts.embedding if pp_rank == 0 else 0
-    if pp_rank == p.pp - 1:
-        # A tied LM head on a separate last stage keeps its own copy of the embedding.
+    if pp_rank == head_rank(p.pp, p.vpp, style):
+        # A tied LM head on a separate last stage keeps its own copy of the embedding (in
+        # a V too: the last stage is a chunk of its own beside the first).
         head = counts.lm_head or (counts.embedding if p.pp > 1 else 0)
         root += counts.final_norm + head
     # MoE layers are spread evenly over the stages (exact with one stage).
@@ -335,7 +381,7 @@ def candidate_ranks(cfg: RecipeConfig, degrees: Degrees, microbatches: int) -> l
     most micro-batches in flight (each category grows with it; the rest is equal)."""
     p, policy = cfg.parallel, cfg.recompute.policy
     best: dict[tuple, tuple[float, int]] = {}
-    counts = rank_layer_counts(cfg.model.n_layers, p.pp, p.vpp, p.pp_layers)
+    counts = rank_layer_counts(cfg.model.n_layers, p.pp, p.vpp, p.pp_layers, _style(cfg))
     for r, layers in enumerate(counts):
         flight = in_flight(p.pp_schedule, degrees.pp, microbatches, p.vpp, r)
         recomputed = layers if policy == "full" else 0
@@ -352,12 +398,12 @@ def state_floor(cfg: RecipeConfig, degrees: Degrees) -> float:
     """Bytes no micro-batch size or recompute policy takes off the peak: the FP32 parameters
     and optimizer states (and DDP's buckets) of the pipeline rank holding the most."""
     counts = rank_layer_counts(
-        cfg.model.n_layers, degrees.pp, cfg.parallel.vpp, cfg.parallel.pp_layers
+        cfg.model.n_layers, degrees.pp, cfg.parallel.vpp, cfg.parallel.pp_layers, _style(cfg)
     )
     floor = 0.0
     for r in {0, degrees.pp - 1, counts.index(max(counts))}:
         params, _, buckets, optimizer = _model_states(_rank_shape(cfg, degrees, 1, r), {})
-        floor = max(floor, params + buckets + optimizer)
+        floor = max(floor, weight_versions(cfg) * params + buckets + optimizer)
     return floor
 
 
@@ -387,6 +433,8 @@ class _RankShape:
     last: bool
     flight: float
     """Micro-batches whose activations the rank holds at its peak."""
+    microbatches: int
+    """Micro-batches of the step (the schedule's)."""
     accum: int
     """Micro-batches whose gradients accumulate before the step (1: none held)."""
     root_params: int
@@ -410,9 +458,11 @@ class _RankShape:
 
 
 def _rank_shape(cfg: RecipeConfig, degrees: Degrees, microbatches: int, pp_rank: int) -> _RankShape:
-    t, n = degrees.tp, degrees.dp
+    # Context-parallel ranks reduce gradients with the data-parallel ones, and FSDP shards
+    # over them too.
+    t, n = degrees.tp, degrees.grad_replicas
     fsdp = cfg.parallel.zero >= 2 and n > 1
-    last = pp_rank == degrees.pp - 1
+    last = pp_rank == head_rank(degrees.pp, cfg.parallel.vpp, _style(cfg))
     flight = in_flight(
         cfg.parallel.pp_schedule, degrees.pp, microbatches, cfg.parallel.vpp, pp_rank
     )
@@ -437,6 +487,7 @@ def _rank_shape(cfg: RecipeConfig, degrees: Degrees, microbatches: int, pp_rank:
         ddp=not fsdp and n > 1,
         last=last,
         flight=flight,
+        microbatches=microbatches,
         accum=accum,
         root_params=root_params,
         blocks=blocks,
@@ -447,9 +498,12 @@ def _rank_shape(cfg: RecipeConfig, degrees: Degrees, microbatches: int, pp_rank:
         expert_local=expert_local,
         expert_fsdp=expert_fsdp,
         expert_resident=expert_local / (n // degrees.ep if expert_fsdp else 1),
-        # Hybrid sharding replicates over dp_replicate: state is split over dp_shard only.
-        shard=degrees.dp_shard if fsdp else 1,
-        opt_shard=degrees.dp_shard if fsdp or cfg.parallel.zero == 1 else 1,
+        # Hybrid sharding replicates over dp_replicate: state is split over dp_shard (x cp)
+        # only.
+        shard=degrees.dp_shard * degrees.cp if fsdp else 1,
+        opt_shard=degrees.dp_shard * (degrees.cp if fsdp else 1)
+        if fsdp or cfg.parallel.zero == 1
+        else 1,
     )
 
 
@@ -475,9 +529,20 @@ def memory_breakdown(
         notes["params"] += f", experts split over ep={degrees.ep}" + (
             f" and dp/ep={degrees.dp // degrees.ep}" if r.expert_fsdp else ""
         )
+    versions = weight_versions(cfg)
+    if versions > 1:
+        # PipeDream-2BW: a second copy of the stage, and gradients in both while the previous
+        # step's last backwards run beside this step's (reduce-scattered each micro-batch
+        # under FSDP, so sharded); both versions' unsharded or cast weights are in use.
+        params *= versions
+        grads_held = versions * 4 * (r.local / r.shard + r.expert_local)
+        transients *= versions
+        notes["params"] += ", x2 weight versions (2BW)"
+        notes["grads"] += ", in both weight versions (2BW)"
     forward = (params, grads_held + buckets, optimizer, activations, transients, logits)
     # The optimizer step: FP32 gradients (sharded under FSDP) and the update's temporaries.
     step_grads = 4 * r.local / r.shard + (4 * r.local if r.ddp else 0.0) + 4 * r.expert_resident
+    step_grads *= versions
     step_temp = _step_temporaries(cfg, degrees, r.local / r.opt_shard + r.expert_resident)
     step = (params, step_grads, optimizer + step_temp, 0.0, 0.0, 0.0)
     phase, chosen = ("forward", forward) if sum(forward) >= sum(step) else ("optimizer step", step)
@@ -563,19 +628,20 @@ def _transients(r: _RankShape, notes: dict[str, str]) -> float:
 def _logits(r: _RankShape, notes: dict[str, str]) -> tuple[float, float]:
     """(logit bytes at the peak, the part the start of backward holds for one micro-batch)."""
     t = r.degrees.tp
-    s, b, v = r.cfg.train.seq_len, r.cfg.train.micro_batch, r.cfg.model.vocab_size
+    s, b, v = local_tokens(r.cfg), r.cfg.train.micro_batch, r.cfg.model.vocab_size
     # Per micro-batch in flight the last stage keeps the logits and the FP32 log-softmax
     # (the vocab-parallel loss one more FP32 shard); the start of backward adds its gradient
     # and the gradient of the logits (in FP32 before the cast back).
     kept_logits = s * b * v / t * (r.compute + 4 + (4 if t > 1 else 0)) if r.last else 0.0
     logit_grads = s * b * v / t * 8 if r.last else 0.0
+    flight = head_in_flight(r.cfg, r.degrees, r.microbatches) if r.last else r.flight
     notes["logits"] = (
         "logits, log-softmax, 2 FP32 gradients"
-        + (f", x{r.flight:g} in flight" if r.flight != 1 else "")
+        + (f", x{flight:g} in flight" if flight != 1 else "")
         if r.last
         else "on the last stage"
     )
-    return r.flight * kept_logits + logit_grads, kept_logits + logit_grads
+    return flight * kept_logits + logit_grads, kept_logits + logit_grads
 
 
 def _peak_activations(r: _RankShape, logits_backward: float, notes: dict[str, str]) -> float:
@@ -608,7 +674,21 @@ def _block_backward(cfg: RecipeConfig, degrees: Degrees, compute: int, fsdp: boo
     t, sp = degrees.tp, cfg.parallel.sp
     per_token = _residual_bytes(cfg, fsdp) * cfg.model.dim / (t if sp else 1)
     per_token += 3 * compute * mlp_width(cfg.model, dispatch_padding(cfg)) / t
-    return cfg.train.seq_len * cfg.train.micro_batch * per_token
+    tokens, b = local_tokens(cfg), cfg.train.micro_batch
+    return tokens * b * per_token + _ring_backward(cfg, degrees, compute)
+
+
+def _ring_backward(cfg: RecipeConfig, degrees: Degrees, compute: int) -> float:
+    """Context parallelism's backward temporaries: one query tile's FP32 scores,
+    probabilities and their gradient over a chunk, and the keys and values received with
+    their FP32 gradient accumulators (held and incoming); 0 without cp."""
+    if degrees.cp == 1:
+        return 0.0
+    m, b, t = cfg.model, cfg.train.micro_batch, degrees.tp
+    chunk = local_tokens(cfg) / 2
+    scores = 3 * 4 * b * m.n_heads / t * min(chunk, RING_QUERY_TILE) * chunk
+    kv = 2 * b * local_tokens(cfg) * m.kv_heads * m.head_dim / t
+    return scores + kv * (compute + 2 * 2 * 4)
 
 
 def _activations(
@@ -617,10 +697,11 @@ def _activations(
     """Saved activations of pipeline rank `pp_rank` with `flight` micro-batches in flight,
     one recomputed block's activations (0 without recompute), and how they were counted."""
     m, t, sp = cfg.model, degrees.tp, cfg.parallel.sp
-    s, b = cfg.train.seq_len, cfg.train.micro_batch
+    s, b = local_tokens(cfg), cfg.train.micro_batch
     compute, residual = COMPUTE_BYTES[cfg.precision.dtype], _residual_bytes(cfg, fsdp)
     p = cfg.parallel
-    blocks = rank_layer_count(m.n_layers, p.pp, p.vpp, p.pp_layers, pp_rank)
+    style = _style(cfg)
+    blocks = rank_layer_count(m.n_layers, p.pp, p.vpp, p.pp_layers, pp_rank, style)
     policy = cfg.recompute.policy
     pad = dispatch_padding(cfg)
     whole = llama_block_activations(m, s, b, compute, residual, t, sp, "none", pad)
@@ -636,7 +717,7 @@ def _activations(
     else:
         stage = blocks * whole
         note = "every block's saved tensors"
-    if pp_rank == degrees.pp - 1:
+    if pp_rank == head_rank(degrees.pp, p.vpp, style):
         stage += head_activations(m, s, b, compute, residual, t, sp)
     else:
         # The stage's output, kept by the schedule from its send until its backward.

@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass, field
 
 from launcher import cost, schedule_sim
+from launcher.cp_comm import CPComm, cp_communication
 from launcher.memory import (
     MemoryBreakdown,
     peak_breakdown,
@@ -27,10 +28,15 @@ from pretrain_core import hardware
 from pretrain_core.hardware import GIB
 from pretrain_core.layout import Degrees, grad_accum_steps, rank_groups, resolve_degrees
 from pretrain_core.optim_states import state_bytes
+from pretrain_core.pipedream import segment_steps
 from pretrain_core.precision import peak_dtype
 from pretrain_core.recompute import recomputed_blocks
 from pretrain_core.schema import OptimConfig, RecipeConfig
+from pretrain_core.stages import V_SCHEDULES
 
+LONG_CONTEXT = 16384
+"""Sequences from this length on are long: context parallelism is among the fixes the plan
+and the layout search offer."""
 GROUPS_SHOWN = 4
 """Rank groups kept per dim in a plan; the rest are counted."""
 
@@ -97,6 +103,8 @@ class Plan:
     """One layer's tensor-parallel collectives per step and rank (None without TP)."""
     pipeline: dict | None = None
     """The simulated schedule: chart, bubble, in-flight per stage (None without PP)."""
+    cp_comm: CPComm | None = None
+    """One layer's context-parallel ring exchanges per step and rank (None without CP)."""
 
     @property
     def memory_gib(self) -> float:
@@ -144,7 +152,7 @@ def make_plan(cfg: RecipeConfig) -> Plan:
         grad_accum=accum,
         pp_microbatches=micro,
         bubble_fraction=schedule_sim.bubble_fraction(
-            cfg.parallel.pp_schedule, degrees.pp, micro, cfg.parallel.vpp
+            cfg.parallel.pp_schedule, degrees.pp, micro, cfg.parallel.vpp, segment_steps(cfg)
         ),
         zero=cfg.parallel.zero,
         model_states_by_zero={
@@ -168,17 +176,38 @@ def make_plan(cfg: RecipeConfig) -> Plan:
             for line in cost.assumptions(spec.name, links, peak, peak_dtype(cfg.precision))
         ]
     plan.tp_comm = tp_communication(cfg, degrees)
+    plan.cp_comm = cp_communication(cfg, degrees)
     if degrees.pp > 1:
         plan.pipeline = schedule_sim.summary(
-            cfg.parallel.pp_schedule, degrees.pp, micro, cfg.parallel.vpp
+            cfg.parallel.pp_schedule, degrees.pp, micro, cfg.parallel.vpp, segment_steps(cfg)
         )
+    plan.warnings += _warnings(cfg, plan, spec.name)
+    return plan
+
+
+def _warnings(cfg: RecipeConfig, plan: Plan, gpu: str) -> list[str]:
+    """A context-parallel ring that leaves its node, and a peak over the device's memory
+    with the levers that lower it (for long sequences, in the order to pull them)."""
+    found = []
+    if plan.cp_comm is not None and plan.cp_comm.crosses_nodes:
+        found.append(
+            f"the context-parallel ring spans tp*cp = {plan.cp_comm.ring_span} ranks, more than "
+            f"a node's {cfg.cluster.gpus_per_node}: every hop crosses the inter-node link"
+        )
+    memory = plan.gpu_memory_gib
+    assert plan.memory is not None
     if memory and max(plan.memory_gib, plan.memory.total_gib) > memory:
         peak = max(plan.memory_gib, plan.memory.total_gib)
-        plan.warnings.append(
-            f"estimated {peak:.1f} GiB per rank exceeds the {memory:g} GiB of "
-            f"{spec.name}: raise parallel.zero, tp or pp, lower train.micro_batch, or recompute"
+        fixes = "raise parallel.zero, tp or pp, lower train.micro_batch, or recompute"
+        if cfg.train.seq_len >= LONG_CONTEXT:
+            fixes = (
+                "for a long sequence pull recompute, then sp (with tp), then parallel.cp, then "
+                "a smaller train.micro_batch; or raise parallel.zero, tp or pp"
+            )
+        found.append(
+            f"estimated {peak:.1f} GiB per rank exceeds the {memory:g} GiB of {gpu}: {fixes}"
         )
-    return plan
+    return found
 
 
 def model_states(
@@ -210,10 +239,27 @@ def _assumptions(cfg: RecipeConfig) -> list[str]:
             "TP communication: bytes sent per rank on a ring; recompute repeats the forward "
             "collectives of recomputed layers, not counted"
         )
-    if cfg.parallel.pp > 1 and cfg.parallel.pp_schedule == "zero_bubble":
+    p = cfg.parallel
+    if p.pp > 1 and p.pp_schedule == "zero_bubble":
         notes.append(
             "bubble: zero_bubble reported at the interleaved 1F1B value, an upper bound "
             "(the simulated schedule below shows how much its weight gradients fill)"
+        )
+    if p.pp > 1 and p.pp_schedule in V_SCHEDULES:
+        notes.append(
+            f"bubble and in-flight: {p.pp_schedule}'s own op order (torch's), simulated with "
+            "F = B = W; rank 0 holds the first and the last stage"
+        )
+    if p.pp > 1 and p.pp_schedule == "2bw":
+        notes.append(
+            f"2bw: the pipeline fills once per {segment_steps(cfg)} steps (a checkpoint drains "
+            "it); each step's gradient is applied one step late; two weight versions and "
+            "their gradients per stage in memory"
+        )
+    if p.cp > 1:
+        notes.append(
+            f"context parallelism: activations of s/cp = {cfg.train.seq_len // p.cp} tokens "
+            "per rank; the K/V ring's traffic per layer is listed (hops overlap the attention)"
         )
     return notes
 

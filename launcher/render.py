@@ -42,6 +42,18 @@ def render_plan(plan: Plan) -> str:
                 ("bytes sent (ring)", _bytes(tp.sent_bytes)),
             ],
         )
+    if plan.cp_comm is not None:
+        cp = plan.cp_comm
+        where = "crosses nodes" if cp.crosses_nodes else "inside a node"
+        _section(
+            console,
+            "CP ring per layer per step (one rank)",
+            [
+                ("hops per micro-batch", ", ".join(f"{n} {k}" for k, n in cp.hops.items())),
+                ("bytes sent", _bytes(cp.sent_bytes)),
+                ("ring", f"cp ranks tp apart, spanning {cp.ring_span} ranks: {where}"),
+            ],
+        )
     if plan.memory is not None:
         console.print(_breakdown_table(plan, plan.memory))
     console.print(_zero_paper_table(plan))
@@ -68,7 +80,7 @@ def _layout_rows(plan: Plan) -> list[tuple[str, str]]:
     d = plan.degrees
     degrees = (
         f"pp={d.pp} dp_replicate={d.dp_replicate} dp_shard={d.dp_shard} "
-        f"tp={d.tp} ep={d.ep} (dp={d.dp})"
+        f"cp={d.cp} tp={d.tp} ep={d.ep} (dp={d.dp})"
     )
     return [("world", f"{d.world} ranks"), ("degrees", degrees)] + [
         (f"{dim} groups", _groups(groups, plan.rank_group_counts[dim]))
@@ -153,7 +165,9 @@ def _pipeline_section(console: Console, pipeline: dict[str, Any]) -> None:
         )
     )
     console.print(f"Pipeline schedule: {pipeline['schedule']}, {m} micro-batches")
-    console.print(f"  bubble (simulated): {pipeline['bubble_fraction']:.1%}")
+    segment = pipeline.get("segment_steps", 1)
+    over = f", over {segment} steps between drains" if pipeline["schedule"] == "2bw" else ""
+    console.print(f"  bubble (simulated{over}): {pipeline['bubble_fraction']:.1%}")
     console.print(f"  per stage, idle / peak micro-batches in flight: {per_stage}")
     console.print(f"  costs: {pipeline['costs']}")
     more = (
@@ -161,6 +175,8 @@ def _pipeline_section(console: Console, pipeline: dict[str, Any]) -> None:
         if shown < m
         else ""
     )
+    if pipeline.get("charted_steps", 1) > 1:
+        more += f", {pipeline['charted_steps']} steps without a flush"
     console.print(f"  chart{more}; F/B/W + micro-batch (+ chunk), . idle:")
     console.print(pipeline["chart"], soft_wrap=True, highlight=False)
 

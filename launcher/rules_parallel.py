@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import re
 
+from launcher.rules_context import check_context, check_schedule, runnable_problems
 from pretrain_core.layout import grad_accum_steps, resolve_degrees, world_size
 from pretrain_core.problems import (
     Checks,
@@ -16,7 +17,10 @@ from pretrain_core.problems import (
     or_list,
 )
 from pretrain_core.schema import PP_SCHEDULES, RecipeConfig
-from pretrain_core.stages import balanced_split
+from pretrain_core.stages import V_SCHEDULES, balanced_split
+
+INTERLEAVED = ("interleaved_1f1b", "zero_bubble", *V_SCHEDULES)
+"""Schedules that run several chunks per rank."""
 
 SAFE_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
 """Names that reach file paths and sbatch arguments unquoted."""
@@ -30,6 +34,7 @@ MULTI_STAGE_SCHEDULES = ("interleaved_1f1b", "zero_bubble")
 def check_runnable(cfg: RecipeConfig) -> list[Problem]:
     """Layouts the trainer of this version cannot execute yet (they can still be planned)."""
     p = cfg.parallel
+    # Ranks beyond one pipeline of tp groups reduce gradients: data- or context-parallel.
     replicas = world_size(cfg) > p.tp * p.pp
     unsupported = [
         (
@@ -64,7 +69,7 @@ def check_runnable(cfg: RecipeConfig) -> list[Problem]:
         )
         for field, value, bad, what, fix in unsupported
         if bad
-    ]
+    ] + runnable_problems(cfg)
 
 
 def check_cluster(c: Checks, cfg: RecipeConfig) -> bool:
@@ -99,6 +104,7 @@ def check_parallel(
     """The layout's rules; the `*_ok` flags say which other sections are sound enough for
     the rules that read them."""
     degrees_ok = _check_degrees(c, cfg)
+    check_schedule(c, cfg)
     if not degrees_ok:
         return
     p = cfg.parallel
@@ -112,7 +118,9 @@ def check_parallel(
         )
     if model_ok:
         _check_model_split(c, cfg, max_tp)
-    if train_ok and p.sp and p.tp > 1 and cfg.train.seq_len % p.tp:
+    if train_ok:
+        check_context(c, cfg)
+    if train_ok and p.sp and p.tp > 1 and p.cp == 1 and cfg.train.seq_len % p.tp:
         c.add(
             "train.seq_len",
             cfg.train.seq_len,
@@ -151,7 +159,7 @@ def _check_degrees(c: Checks, cfg: RecipeConfig) -> bool:
     degrees_ok = all(
         [
             c.at_least(f"parallel.{f}", getattr(p, f), 1)
-            for f in ("tp", "pp", "vpp", "dp_replicate", "ep")
+            for f in ("tp", "cp", "pp", "vpp", "dp_replicate", "ep")
         ]
     )
     if p.dp_shard < 1 and p.dp_shard != -1:
@@ -174,12 +182,13 @@ def _check_degrees(c: Checks, cfg: RecipeConfig) -> bool:
             "sequence parallelism works inside tensor parallelism",
             "set tp > 1 or sp=false",
         )
-    if p.vpp > 1 and (p.pp == 1 or p.pp_schedule not in ("interleaved_1f1b", "zero_bubble")):
+    if p.vpp > 1 and (p.pp == 1 or p.pp_schedule not in INTERLEAVED):
         c.add(
             "parallel.vpp",
             p.vpp,
             f"virtual stages need pp > 1 and an interleaved schedule (pp={p.pp}, {p.pp_schedule})",
-            "set parallel.pp_schedule=interleaved_1f1b or zero_bubble with pp > 1, or vpp=1",
+            "set parallel.pp_schedule=interleaved_1f1b, zero_bubble, zbv or dualpipev with "
+            "pp > 1, or vpp=1",
         )
     return degrees_ok
 
@@ -200,7 +209,18 @@ def _check_pipeline_microbatches(c: Checks, cfg: RecipeConfig, dp: int, accum: i
             else f"raise train.global_batch to {p.pp * per_pass} ({p.pp} micro-batches per "
             "dp rank), or set parallel.pp_microbatches",
         )
-    elif p.vpp > 1 and micro % p.pp:
+    elif p.pp_schedule == "dualpipev" and micro < 2 * p.pp:
+        c.add(
+            "parallel.pp_microbatches",
+            p.pp_microbatches,
+            f"DualPipeV needs at least as many micro-batches as stages (2pp = {2 * p.pp})"
+            f"; {micro}{source} is fewer",
+            f"use parallel.pp_microbatches >= {2 * p.pp}"
+            if p.pp_microbatches
+            else f"raise train.global_batch to {2 * p.pp * per_pass}, or set "
+            "parallel.pp_microbatches",
+        )
+    elif p.vpp > 1 and p.pp_schedule not in V_SCHEDULES and micro % p.pp:
         c.add(
             "parallel.pp_microbatches",
             p.pp_microbatches,

@@ -13,9 +13,14 @@ layout and micro-batch are ignored. The search spans:
   first and last stage, which also hold the embedding and the head, get fewer);
 - ZeRO 0-3, and hybrid sharding (dp_replicate > 1) where a node holds a whole shard group
   and the dp group would otherwise leave the node;
-- recompute none, selective or full (every block); micro-batches dividing the per-rank batch.
+- recompute none, selective or full (every block); micro-batches dividing the per-rank batch;
+- for long sequences (train.seq_len >= LONG_CONTEXT), context parallelism: cp dividing the
+  data-parallel ranks with tp*cp inside a node (the K/V ring stays on NVLink).
 
-Ties in step time go to less traffic, then to more memory headroom.
+Ties in step time go to less traffic, then to more memory headroom. For long sequences each
+suggestion's reasons walk the long-context levers in the seeds' order (recompute, then SP,
+then CP, then a smaller micro-batch: cheapest first) and say which this layout pulls, and
+for a cp > 1 layout the peak the same layout would reach without it.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from dataclasses import dataclass
 from launcher.cost import StepCost, assumptions, predicted_mfu, step_cost
 from launcher.memory import MemoryBreakdown, peak_breakdown, state_floor
 from launcher.memory_fit import device_memory_gib
+from launcher.plan import LONG_CONTEXT
 from launcher.rules_parallel import check_runnable
 from launcher.validate import validate
 from pretrain_core import hardware
@@ -63,6 +69,7 @@ class Layout:
     micro_batch: int
     pp_layers: tuple[int, ...] = ()
     """Layers per stage when the stages do not divide them; () for an even split."""
+    cp: int = 1
 
     @property
     def pp_schedule(self) -> str:
@@ -73,6 +80,7 @@ class Layout:
         return [
             f"parallel.tp={self.tp}",
             f"parallel.sp={str(self.sp).lower()}",
+            f"parallel.cp={self.cp}",
             f"parallel.pp={self.pp}",
             f"parallel.vpp={self.vpp}",
             f"parallel.pp_schedule={self.pp_schedule}",
@@ -92,6 +100,7 @@ class Layout:
             cfg.parallel,
             tp=self.tp,
             sp=self.sp,
+            cp=self.cp,
             pp=self.pp,
             vpp=self.vpp,
             pp_schedule=self.pp_schedule,
@@ -118,6 +127,8 @@ class Suggestion:
     mfu: float
     runnable: bool
     """Whether this version's trainer executes the layout (else it can only be planned)."""
+    long_context: str = ""
+    """For long sequences: the long-context levers in order, and which this layout pulls."""
 
     @property
     def headroom_gib(self) -> float:
@@ -165,9 +176,9 @@ def layouts(cfg: RecipeConfig) -> Iterator[Layout]:
         if gpn % tp:
             continue
         sp = tp > 1 and cfg.train.seq_len % tp == 0
-        for pp in divisors(world // tp):
-            dp = world // (tp * pp)
-            if pp > m.n_layers or cfg.train.global_batch % dp or dp % ep:
+        for pp, cp in _pipelines_and_rings(cfg, tp):
+            dp = world // (tp * pp * cp)
+            if cfg.train.global_batch % dp or dp % ep:
                 continue
             per_rank = cfg.train.global_batch // dp
             # Without data parallelism every ZeRO stage is the same layout.
@@ -180,10 +191,30 @@ def layouts(cfg: RecipeConfig) -> Iterator[Layout]:
                     continue
                 split = balanced_split(m.n_layers, pp * vpp)
                 uneven = tuple(split) if len(set(split)) > 1 else ()
-                for replicate in _replicas(zero, tp, dp, gpn):
+                for replicate in _replicas(zero, tp, dp * cp, gpn):
+                    if replicate > 1 and dp % replicate:
+                        continue
+                    shard = dp // replicate
                     yield Layout(
-                        tp, sp, pp, vpp, replicate, dp // replicate, zero, recompute, micro, uneven
+                        tp, sp, pp, vpp, replicate, shard, zero, recompute, micro, uneven, cp
                     )
+
+
+def _pipelines_and_rings(cfg: RecipeConfig, tp: int) -> Iterator[tuple[int, int]]:
+    """(pp, cp) pairs that tile the world with tp, at least one layer per stage: cp > 1 only
+    for long sequences, with 2cp chunks of the sequence (split over tp under SP) and the
+    ring inside a node."""
+    k, seq = cfg.cluster, cfg.train.seq_len
+    world, gpn = k.nodes * k.gpus_per_node, k.gpus_per_node
+    rings = [1]
+    if seq >= LONG_CONTEXT:
+        rings += [c for c in divisors(gpn // tp) if c > 1 and seq % (2 * c * tp) == 0]
+    for pp in divisors(world // tp):
+        if pp > cfg.model.n_layers:
+            continue
+        for cp in rings:
+            if (world // tp) % (pp * cp) == 0:
+                yield pp, cp
 
 
 def _vpps(n_layers: int, pp: int) -> list[int]:
@@ -221,7 +252,13 @@ def degrees_of(layout: Layout, cfg: RecipeConfig) -> Degrees:
     """The resolved degrees of `layout` on `cfg`'s cluster."""
     world = cfg.cluster.nodes * cfg.cluster.gpus_per_node
     return Degrees(
-        layout.pp, layout.dp_replicate, layout.dp_shard, layout.tp, cfg.parallel.ep, world
+        layout.pp,
+        layout.dp_replicate,
+        layout.dp_shard,
+        layout.tp,
+        cfg.parallel.ep,
+        world,
+        layout.cp,
     )
 
 
@@ -266,7 +303,8 @@ def search(cfg: RecipeConfig, top: int | None = None) -> Search:
         except RecipeError:
             continue  # the search space should hold only valid layouts; never suggest one
         runnable = not check_runnable(candidate)
-        chosen.append(dataclasses.replace(suggestion, runnable=runnable))
+        note = long_context_note(cfg, layout, limit)
+        chosen.append(dataclasses.replace(suggestion, runnable=runnable, long_context=note))
         if len(chosen) == top:
             break
     return Search(
@@ -277,6 +315,39 @@ def search(cfg: RecipeConfig, top: int | None = None) -> Search:
         peak_tflops=peak,
         assumptions=assumptions(spec.name, links, peak, cfg.precision.dtype),
     )
+
+
+def long_context_note(cfg: RecipeConfig, layout: Layout, limit: float) -> str:
+    """The seeds' long-context decision order (recompute, then SP, then CP, then a smaller
+    micro-batch: cheapest first) and which levers `layout` pulls; for cp > 1, the peak the
+    same layout would reach with its cp ranks turned into data-parallel ones. Empty for
+    sequences shorter than LONG_CONTEXT."""
+    if cfg.train.seq_len < LONG_CONTEXT:
+        return ""
+    levers = [
+        ("recompute", layout.recompute != "none", f"recompute={layout.recompute}"),
+        ("SP", layout.sp, "sp"),
+        ("CP", layout.cp > 1, f"cp={layout.cp}"),
+        (
+            "smaller micro-batch",
+            layout.micro_batch < cfg.train.micro_batch,
+            f"micro_batch={layout.micro_batch}",
+        ),
+    ]
+    pulled = [setting for _, used, setting in levers if used] or ["none needed"]
+    note = (
+        f"{cfg.train.seq_len} tokens; levers cheapest first: "
+        + ", then ".join(name for name, _, _ in levers)
+        + f"; this layout: {', '.join(pulled)}"
+    )
+    if layout.cp > 1:
+        without = dataclasses.replace(layout, cp=1, dp_shard=layout.dp_shard * layout.cp)
+        degrees = degrees_of(without, cfg)
+        microbatches = cfg.train.global_batch // (layout.micro_batch * degrees.dp)
+        peak = peak_breakdown(without.apply(cfg), degrees, microbatches).total_gib
+        verdict = "does not fit" if peak > limit * (1 - HEADROOM) else "fits, slower"
+        note += f"; with cp=1 the peak would be {peak:.1f} GiB ({verdict})"
+    return note
 
 
 def _evaluate(
@@ -293,7 +364,7 @@ def _evaluate(
     for layout in layouts(cfg):
         enumerated += 1
         degrees = degrees_of(layout, cfg)
-        family = (layout.tp, layout.pp, layout.vpp, layout.zero, layout.dp_replicate)
+        family = (layout.tp, layout.cp, layout.pp, layout.vpp, layout.zero, layout.dp_replicate)
         if prune and family not in floors:
             floors[family] = state_floor(layout.apply(cfg), degrees) / GIB
         if prune and floors[family] > budget:
@@ -387,6 +458,7 @@ def suggestion_to_dict(suggestion: Suggestion) -> dict:
         "headroom_gib": suggestion.headroom_gib,
         "runnable": suggestion.runnable,
         "why": suggestion.why(),
+        "long_context": suggestion.long_context,
     }
 
 
@@ -433,6 +505,8 @@ def render_search(cfg: RecipeConfig, result: Search) -> str:
         lines.append(f"   why: {s.why()}")
         if lay.pp_layers:
             lines.append(f"   stages: {split_text(lay.pp_layers)} layers (parallel.pp_layers)")
+        if s.long_context:
+            lines.append(f"   long context: {s.long_context}")
         lines.append(f"   use: {' '.join(lay.overrides())}")
         if not s.runnable:
             lines.append("   (this trainer version can only plan this layout: action=plan)")

@@ -86,8 +86,15 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMas
     )
 
 
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal grouped-query attention of q [b, heads, s, d] over k, v [b, kv_heads, s, d]."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+
 class Attention(nn.Module):
-    """Grouped-query self-attention: causal, or block-causal over packed documents."""
+    """Grouped-query self-attention: causal, or block-causal over packed documents. The
+    causal core is `causal_attention` unless a parallel layout swaps in another with the
+    same signature (context parallelism's ring, which takes no document mask)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -97,6 +104,7 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.dim, kv_width, bias=False)
         self.wv = nn.Linear(cfg.dim, kv_width, bias=False)
         self.wo = nn.Linear(q_width, cfg.dim, bias=False)
+        self.core = causal_attention
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: AttentionMask = None
@@ -107,7 +115,8 @@ class Attention(nn.Module):
         k = self.wk(x).view(b, s, -1, self.head_dim)
         v = self.wv(x).view(b, s, -1, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        out = self.core(q, k, v) if mask is None else attend(q, k, v, mask)
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
 

@@ -7,10 +7,14 @@ attention and a SwiGLU MLP with pre-norm residuals. Parallelism is applied from 
   blocks and keep the parameter names of the ones it holds;
 - attention reads the number of local heads from the projections' output shapes, so
   tensor parallelism can shard wq/wk/wv column-wise without touching this file;
-- a stage may set `tok_embeddings`, `norm` or `output` to None and `forward` adapts.
+- a stage may set `tok_embeddings`, `norm` or `output` to None and `forward` adapts;
+- context parallelism feeds a rank chunks of each sequence that are not contiguous, and sets
+  `positions` so the rotary tables follow the tokens' global positions.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -57,6 +61,9 @@ class Transformer(nn.Module):
     sequence_shards: int = 1
     """Parts the input's sequence arrives split into: a pipeline stage after the first under
     sequence parallelism receives 1/tp of each sequence's hidden states."""
+    positions: Callable[[int, torch.device], torch.Tensor] | None = None
+    """Global positions of the tokens this rank holds, given their count and device (set by
+    context parallelism); None means 0 .. s-1."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -112,7 +119,11 @@ class Transformer(nn.Module):
             raise ValueError(
                 f"sequence of {seq_len} tokens exceeds max_seq_len {self.cfg.max_seq_len}"
             )
-        cos, sin = self.rope_cos[:seq_len], self.rope_sin[:seq_len]
+        if self.positions is None:
+            cos, sin = self.rope_cos[:seq_len], self.rope_sin[:seq_len]
+        else:
+            index = self.positions(seq_len, self.rope_cos.device)
+            cos, sin = self.rope_cos[index], self.rope_sin[index]
         h = tokens if self.tok_embeddings is None else self.tok_embeddings(tokens)
         mask = None if doc_ids is None else document_mask(doc_ids)
         for layer in self.layers.values():

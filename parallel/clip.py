@@ -70,8 +70,18 @@ def clip_grad_norm_(
     params = [p for p in parameters if p.grad is not None]
     skip = {id(p) for p in uncounted}
     norm = grad_norm([p for p in params if id(p) not in skip], extra_group)
-    if max_norm > 0:
-        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        local = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params]
-        torch._foreach_mul_(local, coef)
+    clip_to_norm(params, norm, max_norm)
     return norm
+
+
+def clip_to_norm(
+    parameters: Iterable[torch.nn.Parameter], norm: torch.Tensor, max_norm: float
+) -> None:
+    """Scale gradients whose global norm is `norm` (however it was computed) so that it is
+    at most `max_norm`; `max_norm <= 0` leaves them."""
+    if max_norm <= 0:
+        return
+    params = [p for p in parameters if p.grad is not None]
+    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    local = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params]
+    torch._foreach_mul_(local, coef)

@@ -31,7 +31,7 @@ from torch.distributed.tensor import Shard
 from torch.nn.parallel import DistributedDataParallel
 
 from parallel.expert import expert_parameter_names, expert_parameters, expert_replicas
-from parallel.mesh import JobMesh, data_parallel_mesh
+from parallel.mesh import JobMesh
 from parallel.precision import compute_dtype
 from pretrain_core.layout import Degrees
 from pretrain_core.schema import ParallelConfig, PrecisionConfig
@@ -40,8 +40,9 @@ REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def uses_fsdp(parallel: ParallelConfig, degrees: Degrees) -> bool:
-    """Whether parameters are sharded by FSDP2 (ZeRO-2/3 with more than one dp rank)."""
-    return parallel.zero >= 2 and degrees.dp > 1
+    """Whether parameters are sharded by FSDP2 (ZeRO-2/3 with more than one rank reducing
+    gradients: data- or context-parallel)."""
+    return parallel.zero >= 2 and degrees.grad_replicas > 1
 
 
 def apply_fsdp(
@@ -56,7 +57,7 @@ def apply_fsdp(
         param_dtype=compute_dtype(precision),
         reduce_dtype=REDUCE_DTYPES[precision.reduce_dtype],
     )
-    dp_mesh = data_parallel_mesh(mesh.world, degrees)
+    dp_mesh = mesh.fsdp
     reshard = parallel.zero == 3
     for experts, replicas in expert_replicas(model):
         # With one rank per set of experts there is nothing to shard: they stay outside
@@ -118,16 +119,15 @@ def set_fsdp_prefetch(blocks: list[nn.Module], depth: int) -> None:
 def apply_ddp(
     model: nn.Module, mesh: JobMesh, parallel: ParallelConfig, precision: PrecisionConfig
 ) -> nn.Module:
-    """Wrap a materialized model in DDP over the flattened dp group, with the recipe's bucket
-    size and reduction dtype (less expert weights, reduced over their own ranks)."""
+    """Wrap a materialized model in DDP over the flattened dp x cp group, with the recipe's
+    bucket size and reduction dtype (less expert weights, reduced over their own ranks)."""
     ignored = expert_parameter_names(model)
     if ignored:
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignored)
-    ddp = DistributedDataParallel(
-        model, process_group=mesh.dp.get_group(), bucket_cap_mb=parallel.ddp_bucket_mb
-    )
+    group = mesh.dp_cp.get_group()
+    ddp = DistributedDataParallel(model, process_group=group, bucket_cap_mb=parallel.ddp_bucket_mb)
     if precision.reduce_dtype == "bf16":
-        ddp.register_comm_hook(mesh.dp.get_group(), bf16_reduce_hook)
+        ddp.register_comm_hook(group, bf16_reduce_hook)
     return ddp
 
 

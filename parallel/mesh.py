@@ -1,8 +1,10 @@
-"""One DeviceMesh for the whole job, dims outer->inner (pp, dp_replicate, dp_shard, tp).
+"""One DeviceMesh for the whole job, dims outer->inner (pp, dp_replicate, dp_shard, cp, tp).
 
-TP is innermost so its ranks are consecutive and stay inside a node; the flattened `dp`
-dim (dp_replicate x dp_shard) is the group that data-parallel reductions and the data
-loader use.
+TP is innermost so its ranks are consecutive and stay inside a node, and CP next to it. The
+flattened `dp` dim (dp_replicate x dp_shard) is the group the data loader splits sequences
+over; `dp_cp` adds the cp ranks, which read the same sequences (each its own chunks) and
+hold the same weights, so gradients are reduced over it (DDP) and FSDP shards over
+dp_shard x cp (hybrid sharding: replicated over dp_replicate).
 """
 
 from __future__ import annotations
@@ -16,23 +18,39 @@ from pretrain_core.layout import MESH_DIMS, Degrees
 
 @dataclass(frozen=True)
 class JobMesh:
-    """The job's mesh and its flattened data-parallel dim."""
+    """The job's mesh and the flattened dims the data-parallel modules use."""
 
     world: DeviceMesh
     dp: DeviceMesh
+    """Ranks that read different sequences (dp_replicate x dp_shard)."""
+    dp_cp: DeviceMesh
+    """Ranks that reduce each gradient together (dp x cp); `dp` when cp = 1."""
+    fsdp: DeviceMesh
+    """What FSDP shards over: (replicate, shard) for hybrid sharding, else 1-D; the shard
+    dim is dp_shard x cp."""
 
 
 def build_mesh(degrees: Degrees, device_type: str) -> JobMesh:
-    """Create the job's mesh and its flattened `dp` dim; needs an initialized process group."""
+    """Create the job's mesh and its flattened dims; needs an initialized process group."""
     mesh = init_device_mesh(device_type, degrees.mesh_shape, mesh_dim_names=MESH_DIMS)
     # Flattening is private API but the supported way to name a group spanning two dims;
-    # the flattened mesh is kept here because slicing it back out of the root is deprecated.
+    # the flattened meshes are kept here because slicing them back out of the root is
+    # deprecated.
     dp = mesh["dp_replicate", "dp_shard"]._flatten("dp")
-    return JobMesh(world=mesh, dp=dp)
+    if degrees.cp == 1:
+        return JobMesh(world=mesh, dp=dp, dp_cp=dp, fsdp=_fsdp_mesh(mesh, degrees))
+    dp_cp = mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
+    if degrees.dp_replicate > 1:
+        # dp_shard and cp are adjacent, so (replicate, shard x cp) is dp_cp reshaped.
+        shape = (degrees.dp_replicate, degrees.dp_shard * degrees.cp)
+        fsdp = dp_cp._unflatten(0, shape, ("fsdp_replicate", "dp_shard_cp"))
+    else:
+        fsdp = mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+    return JobMesh(world=mesh, dp=dp, dp_cp=dp_cp, fsdp=fsdp)
 
 
-def data_parallel_mesh(mesh: DeviceMesh, degrees: Degrees) -> DeviceMesh:
-    """The mesh FSDP shards over: 2-D (replicate, shard) for hybrid sharding, else 1-D."""
+def _fsdp_mesh(mesh: DeviceMesh, degrees: Degrees) -> DeviceMesh:
+    """The mesh FSDP shards over without cp: 2-D (replicate, shard) for hybrid sharding."""
     if degrees.dp_replicate > 1:
         return mesh["dp_replicate", "dp_shard"]
     return mesh["dp_shard"]

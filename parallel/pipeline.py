@@ -21,13 +21,15 @@ from torch import nn
 from torch.distributed.pipelining import (
     PipelineStage,
     Schedule1F1B,
+    ScheduleDualPipeV,
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
     ScheduleInterleavedZeroBubble,
+    ScheduleZBVZeroBubble,
 )
 
 from pretrain_core.schema import ParallelConfig
-from pretrain_core.stages import rank_stages, stage_layers
+from pretrain_core.stages import placement, rank_stages, stage_layers
 
 SCHEDULES = {
     "gpipe": ScheduleGPipe,
@@ -35,9 +37,13 @@ SCHEDULES = {
     "interleaved_1f1b": ScheduleInterleaved1F1B,
     # Splits each backward into input and weight gradients and fills bubbles with the latter.
     "zero_bubble": ScheduleInterleavedZeroBubble,
+    # Two chunks per rank in a V; zero-bubble's split backward (ZB-V), and DeepSeek's
+    # DualPipeV, which pairs one chunk's forward with the other's backward.
+    "zbv": ScheduleZBVZeroBubble,
+    "dualpipev": ScheduleDualPipeV,
 }
-MULTI_STAGE = ("interleaved_1f1b", "zero_bubble")
-"""Schedules that take a list of stages per rank (any vpp, including 1)."""
+MULTI_STAGE = ("interleaved_1f1b", "zero_bubble", "zbv", "dualpipev")
+"""Schedules that take a list of stages per rank (any vpp, including 1; the V ones 2)."""
 
 
 def split_stage(model: nn.Module, stage: int, parallel: ParallelConfig) -> nn.Module:
@@ -60,7 +66,7 @@ def split_stage(model: nn.Module, stage: int, parallel: ParallelConfig) -> nn.Mo
 
 def stage_indices(pp_rank: int, parallel: ParallelConfig) -> list[int]:
     """The stages this pipeline rank runs, in model order."""
-    return rank_stages(pp_rank, parallel.pp, parallel.vpp)
+    return rank_stages(pp_rank, parallel.pp, parallel.vpp, placement(parallel.pp_schedule))
 
 
 def in_context(module: nn.Module, context: Callable[[], contextlib.AbstractContextManager]) -> None:
@@ -115,6 +121,8 @@ class StageView(nn.Module):
 
     def __init__(self, chunks: list[nn.Module]) -> None:
         super().__init__()
+        # A plain list, not registered: the chunks' modules are registered below, by name.
+        self.chunks = list(chunks)
         self.layers = nn.ModuleDict()
         for chunk in chunks:
             for name in ("tok_embeddings", "norm", "output"):

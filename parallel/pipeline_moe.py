@@ -11,7 +11,8 @@ losses then join its backward, on the stage that produced them.
 
 The first forward of every chunk is the schedule's metadata inference (output shapes from
 the first micro-batch, or from empty inputs on later stages): its routing statistics are
-discarded, so the expert-load metrics count the step's micro-batches only.
+discarded, so the expert-load metrics count the step's micro-batches only (PipeDream-2BW,
+which infers nothing, keeps them).
 """
 
 from __future__ import annotations
@@ -43,17 +44,21 @@ class AttachLoss(torch.autograd.Function):
         return grad_output, weight.to(ctx.aux_dtype), None
 
 
-def attach_router_losses(chunk: nn.Module, weight: Callable[[], torch.Tensor]) -> None:
+def attach_router_losses(
+    chunk: nn.Module, weight: Callable[[], torch.Tensor], inference_forward: bool = True
+) -> None:
     """Make `chunk`'s forward attach its MoE blocks' router losses to its output (in place).
 
     `weight()` is the gradient of one micro-batch's objective term at forward time (loss
-    scale / micro-batch count). A chunk without MoE blocks is left as it is.
+    scale / micro-batch count). `inference_forward`: the first forward is the schedule's
+    shape inference, whose statistics are dropped. A chunk without MoE blocks is left as
+    it is.
     """
     blocks = moe_modules(chunk)
     if not blocks:
         return
     forward = chunk.forward
-    inferred = False
+    inferred = not inference_forward
 
     def run(*args, **kwargs):
         nonlocal inferred

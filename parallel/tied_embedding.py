@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor
 
 from pretrain_core.layout import Degrees, rank_groups
 from pretrain_core.schema import RecipeConfig
-from pretrain_core.stages import rank_stages
+from pretrain_core.stages import placement, rank_stages
 
 HEAD_COPY = "embedding_copy"
 """Attribute set on a stage's LM head that is a copy of an embedding held elsewhere."""
@@ -45,9 +45,10 @@ def embedding_group(cfg: RecipeConfig, degrees: Degrees) -> dist.ProcessGroup | 
     if not cfg.model.tie_embeddings or degrees.pp == 1:
         return None
     p = cfg.parallel
-    last = p.pp * p.vpp - 1
-    first_rank = next(r for r in range(p.pp) if 0 in rank_stages(r, p.pp, p.vpp))
-    last_rank = next(r for r in range(p.pp) if last in rank_stages(r, p.pp, p.vpp))
+    last, style = p.pp * p.vpp - 1, placement(p.pp_schedule)
+    # In a V the first rank holds both ends: the copy's gradient is summed on that rank.
+    first_rank = next(r for r in range(p.pp) if 0 in rank_stages(r, p.pp, p.vpp, style))
+    last_rank = next(r for r in range(p.pp) if last in rank_stages(r, p.pp, p.vpp, style))
     if first_rank == last_rank:
         return None
     mine = None

@@ -1,9 +1,12 @@
 """Parallel layout: degrees resolved from the world size, and which ranks form each group.
 
-The mesh's dims are, outer to inner, (pp, dp_replicate, dp_shard, tp), laid over global
-ranks in row-major order: tp is innermost, so a TP group is consecutive ranks of one node.
-The trainer builds its DeviceMesh from the same `resolve_degrees`, so the plan and the run
-agree on every group.
+The mesh's dims are, outer to inner, (pp, dp_replicate, dp_shard, cp, tp), laid over global
+ranks in row-major order: tp is innermost, so a TP group is consecutive ranks of one node,
+and cp next to it, so a context-parallel ring stays in a node as long as tp*cp fits one.
+Context-parallel ranks read the same sequences (each its own chunks of them) but hold the
+same weights, so they join the data-parallel gradient reduction (`dp_cp`). The trainer
+builds its DeviceMesh from the same `resolve_degrees`, so the plan and the run agree on
+every group.
 """
 
 from __future__ import annotations
@@ -14,13 +17,13 @@ from itertools import product
 from pretrain_core.problems import Problem, RecipeError, divisors, nearby_multiples, or_list
 from pretrain_core.schema import RecipeConfig
 
-MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 """Mesh dims, outer to inner."""
 
 
 @dataclass(frozen=True)
 class Degrees:
-    """Resolved parallel degrees; pp * dp_replicate * dp_shard * tp == world."""
+    """Resolved parallel degrees; pp * dp_replicate * dp_shard * cp * tp == world."""
 
     pp: int
     dp_replicate: int
@@ -28,6 +31,8 @@ class Degrees:
     tp: int
     ep: int
     world: int
+    cp: int = 1
+    """Context-parallel degree: ranks that split each sequence."""
 
     @property
     def dp(self) -> int:
@@ -35,9 +40,15 @@ class Degrees:
         return self.dp_replicate * self.dp_shard
 
     @property
-    def mesh_shape(self) -> tuple[int, int, int, int]:
+    def grad_replicas(self) -> int:
+        """Ranks that reduce each gradient together: data parallelism times context
+        parallelism (the cp ranks of one sequence hold the same weights)."""
+        return self.dp * self.cp
+
+    @property
+    def mesh_shape(self) -> tuple[int, int, int, int, int]:
         """Sizes of the mesh dims in `MESH_DIMS` order."""
-        return (self.pp, self.dp_replicate, self.dp_shard, self.tp)
+        return (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp)
 
 
 def world_size(cfg: RecipeConfig) -> int:
@@ -52,34 +63,38 @@ def resolve_degrees(cfg: RecipeConfig) -> Degrees:
     """
     p = cfg.parallel
     world = world_size(cfg)
-    fixed = p.pp * p.dp_replicate * p.tp
-    if min(p.pp, p.dp_replicate, p.tp, p.ep, world) < 1 or (p.dp_shard < 1 and p.dp_shard != -1):
+    fixed = p.pp * p.dp_replicate * p.cp * p.tp
+    if min(p.pp, p.dp_replicate, p.cp, p.tp, p.ep, world) < 1 or (
+        p.dp_shard < 1 and p.dp_shard != -1
+    ):
         _fail(
             p.dp_shard,
             f"degrees pp={p.pp}, dp_replicate={p.dp_replicate}, dp_shard={p.dp_shard}, "
-            f"tp={p.tp}, ep={p.ep} and world size {world} must be positive (dp_shard may be -1)",
+            f"cp={p.cp}, tp={p.tp}, ep={p.ep} and world size {world} must be positive "
+            "(dp_shard may be -1)",
             "use positive degrees; dp_shard=-1 fills the rest of the world",
         )
     where = f"{cfg.cluster.nodes} node(s) x {cfg.cluster.gpus_per_node} GPU(s)"
+    product_of = f"{p.pp}*{p.dp_replicate}*{p.cp}*{p.tp}"
     if p.dp_shard == -1:
         if world % fixed:
             _fail(
                 p.dp_shard,
-                f"the world size {world} ({where}) is not divisible by pp*dp_replicate*tp = "
-                f"{p.pp}*{p.dp_replicate}*{p.tp} = {fixed}",
-                f"choose pp*dp_replicate*tp among the divisors of {world}: "
+                f"the world size {world} ({where}) is not divisible by pp*dp_replicate*cp*tp = "
+                f"{product_of} = {fixed}",
+                f"choose pp*dp_replicate*cp*tp among the divisors of {world}: "
                 f"{or_list(divisors(world))}",
             )
-        return Degrees(p.pp, p.dp_replicate, world // fixed, p.tp, p.ep, world)
+        return Degrees(p.pp, p.dp_replicate, world // fixed, p.tp, p.ep, world, p.cp)
     if fixed * p.dp_shard != world:
         fill = f"dp_shard={world // fixed} or -1" if world % fixed == 0 else "-1 after fixing tp/pp"
         _fail(
             p.dp_shard,
-            f"pp*dp_replicate*dp_shard*tp = {p.pp}*{p.dp_replicate}*{p.dp_shard}*{p.tp} = "
-            f"{fixed * p.dp_shard} but the world size is {world} ({where})",
+            f"pp*dp_replicate*dp_shard*cp*tp = {p.pp}*{p.dp_replicate}*{p.dp_shard}*{p.cp}*{p.tp}"
+            f" = {fixed * p.dp_shard} but the world size is {world} ({where})",
             f"set parallel.{fill}, or change cluster.nodes/gpus_per_node",
         )
-    return Degrees(p.pp, p.dp_replicate, p.dp_shard, p.tp, p.ep, world)
+    return Degrees(p.pp, p.dp_replicate, p.dp_shard, p.tp, p.ep, world, p.cp)
 
 
 def _fail(value: object, reason: str, fix: str, field: str = "parallel.dp_shard") -> None:
@@ -87,10 +102,11 @@ def _fail(value: object, reason: str, fix: str, field: str = "parallel.dp_shard"
 
 
 def rank_groups(degrees: Degrees) -> dict[str, list[list[int]]]:
-    """Global ranks of every group along each mesh dim, plus `dp` and `ep`.
+    """Global ranks of every group along each mesh dim, plus `dp`, `dp_cp` and `ep`.
 
-    `dp` joins dp_replicate and dp_shard (gradient reduction spans both); `ep` splits each
-    dp group into consecutive chunks of ep members (expert parallelism borrows dp ranks).
+    `dp` joins dp_replicate and dp_shard (the ranks that read different sequences); `dp_cp`
+    adds cp to them (gradient reduction spans all three); `ep` splits each dp group into
+    consecutive chunks of ep members (expert parallelism borrows dp ranks).
     """
     shape = degrees.mesh_shape
     strides = [1] * len(shape)
@@ -110,6 +126,7 @@ def rank_groups(degrees: Degrees) -> dict[str, list[list[int]]]:
 
     groups = {name: groups_along((i,)) for i, name in enumerate(MESH_DIMS)}
     groups["dp"] = groups_along((1, 2))
+    groups["dp_cp"] = groups_along((1, 2, 3))
     groups["ep"] = [
         g[i : i + degrees.ep] for g in groups["dp"] for i in range(0, len(g), degrees.ep)
     ]

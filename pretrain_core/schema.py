@@ -18,7 +18,7 @@ from pretrain_core.model_config import ModelConfig
 from pretrain_core.optim_states import STATE_DTYPES
 
 ACTIONS = ("run", "plan", "script", "suggest", "prepare")
-PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv", "dualpipev", "2bw")
 DTYPES = ("fp32", "bf16", "fp16", "fp8")
 FP8_BACKENDS = ("torchao", "te")
 FP8_SCALINGS = ("current", "rowwise", "delayed", "mxfp8")
@@ -46,14 +46,21 @@ class ParallelConfig:
     """Tensor-parallel degree; GPUs of one node split each layer's matrices."""
     sp: bool = False
     """Sequence parallelism: shard norms and residuals along the sequence inside TP."""
+    cp: int = 1
+    """Context-parallel degree: each sequence is split over cp ranks (rank i takes chunks i
+    and 2cp-1-i of 2cp, which balances the causal mask) and attention exchanges keys and
+    values around a ring; the cp ranks of a sequence also share the gradient reduction."""
     pp: int = 1
     """Pipeline-parallel degree: stages, usually across nodes."""
     vpp: int = 1
     """Virtual pipeline stages per rank (model chunks) for interleaved schedules."""
     pp_schedule: str = one_of("1f1b", PP_SCHEDULES)
     """Pipeline schedule: gpipe (all forwards, then all backwards), 1f1b (PipeDream-Flush),
-    interleaved_1f1b (over vpp chunks per rank) or zero_bubble (backward split into input and
-    weight gradients, the latter filling the bubbles; any vpp)."""
+    interleaved_1f1b (over vpp chunks per rank), zero_bubble (backward split into input and
+    weight gradients, the latter filling the bubbles; any vpp), zbv or dualpipev (vpp=2 chunks
+    placed in a V: rank r holds stages r and 2pp-1-r; ZB-V and DeepSeek's DualPipeV), or 2bw
+    (PipeDream-2BW: 1F1B with no flush between optimizer steps, two weight versions per
+    stage, each step's gradients applied one step late; vpp=1)."""
     pp_microbatches: int = 0
     """Micro-batches per pipeline step; 0 means the gradient-accumulation count. Otherwise it
     splits each dp rank's micro_batch x accumulation sequences into this many equal parts."""

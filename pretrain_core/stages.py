@@ -4,14 +4,25 @@ Pure arithmetic shared by validation, the plan and the trainer. There are pp * v
 in model order; stage k holds a contiguous range of layers (`parallel.pp_layers` lists the
 counts for uneven splits, else every stage gets n_layers / (pp * vpp)). Rank r of the
 pipeline runs stages r, r + pp, r + 2 pp, ... (the looped placement interleaved schedules
-use), so with vpp > 1 its chunks are not contiguous. The embedding belongs to stage 0, the
-final norm, LM head and loss to the last stage.
+use), so with vpp > 1 its chunks are not contiguous; the V-shaped schedules (ZB-V,
+DualPipeV) place vpp = 2 chunks in a V instead: rank r runs stages r and 2 pp - 1 - r, so
+the first rank holds both the first and the last stage and a micro-batch turns around on
+the last rank without crossing a link. The embedding belongs to stage 0, the final norm, LM
+head and loss to the last stage.
 """
 
 from __future__ import annotations
 
 import functools
 import itertools
+
+V_SCHEDULES = ("zbv", "dualpipev")
+"""Pipeline schedules that place their two chunks per rank in a V."""
+
+
+def placement(schedule: str) -> str:
+    """How `schedule` places chunks on ranks: "v" for the V-shaped schedules, else "loop"."""
+    return "v" if schedule in V_SCHEDULES else "loop"
 
 
 def layers_per_stage(n_layers: int, stages: int, pp_layers: list[int] | None = None) -> list[int]:
@@ -54,40 +65,64 @@ def stage_layers(
     return ranges
 
 
-def rank_stages(pp_rank: int, pp: int, vpp: int = 1) -> list[int]:
-    """Stage indices that pipeline rank `pp_rank` runs, in model order (looped placement)."""
+def rank_stages(pp_rank: int, pp: int, vpp: int = 1, style: str = "loop") -> list[int]:
+    """Stage indices that pipeline rank `pp_rank` runs, in model order: looped (r, r + pp,
+    ...) or, with style "v" (vpp = 2), the V (r, 2 pp - 1 - r)."""
+    if style == "v":
+        return [pp_rank, 2 * pp - 1 - pp_rank]
     return [chunk * pp + pp_rank for chunk in range(vpp)]
 
 
+def head_rank(pp: int, vpp: int = 1, style: str = "loop") -> int:
+    """The pipeline rank that holds the last stage (final norm, LM head and loss)."""
+    return 0 if style == "v" else pp - 1
+
+
 def rank_layer_count(
-    n_layers: int, pp: int, vpp: int = 1, pp_layers: list[int] | None = None, pp_rank: int = 0
+    n_layers: int,
+    pp: int,
+    vpp: int = 1,
+    pp_layers: list[int] | None = None,
+    pp_rank: int = 0,
+    style: str = "loop",
 ) -> int:
     """Layers pipeline rank `pp_rank` holds over all its chunks."""
     counts = layers_per_stage(n_layers, pp * vpp, pp_layers)
-    return sum(counts[k] for k in rank_stages(pp_rank, pp, vpp))
+    return sum(counts[k] for k in rank_stages(pp_rank, pp, vpp, style))
 
 
 def rank_layer_counts(
-    n_layers: int, pp: int, vpp: int = 1, pp_layers: list[int] | None = None
+    n_layers: int,
+    pp: int,
+    vpp: int = 1,
+    pp_layers: list[int] | None = None,
+    style: str = "loop",
 ) -> list[int]:
     """Layers each pipeline rank holds over all its chunks, by rank."""
     counts = layers_per_stage(n_layers, pp * vpp, pp_layers)
-    return [sum(counts[k] for k in rank_stages(r, pp, vpp)) for r in range(pp)]
+    return [sum(counts[k] for k in rank_stages(r, pp, vpp, style)) for r in range(pp)]
 
 
 def rank_layer_indices(
-    n_layers: int, pp: int, vpp: int = 1, pp_layers: list[int] | None = None, pp_rank: int = 0
+    n_layers: int,
+    pp: int,
+    vpp: int = 1,
+    pp_layers: list[int] | None = None,
+    pp_rank: int = 0,
+    style: str = "loop",
 ) -> tuple[int, ...]:
     """Global indices of the layers pipeline rank `pp_rank` holds over all its chunks."""
-    return _rank_layer_indices(n_layers, pp, vpp, tuple(pp_layers or ()), pp_rank)
+    return _rank_layer_indices(n_layers, pp, vpp, tuple(pp_layers or ()), pp_rank, style)
 
 
 @functools.lru_cache(maxsize=65536)
 def _rank_layer_indices(
-    n_layers: int, pp: int, vpp: int, pp_layers: tuple[int, ...], pp_rank: int
+    n_layers: int, pp: int, vpp: int, pp_layers: tuple[int, ...], pp_rank: int, style: str
 ) -> tuple[int, ...]:
     # Cached: the layout search asks it of every rank of thousands of layouts.
     starts = [0, *itertools.accumulate(layers_per_stage(n_layers, pp * vpp, list(pp_layers)))]
     return tuple(
-        layer for k in rank_stages(pp_rank, pp, vpp) for layer in range(starts[k], starts[k + 1])
+        layer
+        for k in rank_stages(pp_rank, pp, vpp, style)
+        for layer in range(starts[k], starts[k + 1])
     )

@@ -65,6 +65,17 @@ def base() -> RecipeConfig:
     return cfg
 
 
+def compose_recipe(name: str, overrides: list[str]) -> RecipeConfig:
+    """A shipped recipe composed by Hydra with command-line overrides, as the CLI does."""
+    from hydra import compose, initialize_config_dir
+
+    import launcher.cli  # noqa: F401  (registers the recipe schema with Hydra)
+    from pretrain_core.schema import to_recipe
+
+    with initialize_config_dir(config_dir=str(REPO / "recipes"), version_base=None):
+        return to_recipe(compose(config_name=name, overrides=overrides))
+
+
 def configure(overrides: dict) -> RecipeConfig:
     """The base recipe with dotted-path overrides, as on a Hydra command line."""
     cfg = copy.deepcopy(base())

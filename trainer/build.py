@@ -1,9 +1,9 @@
 """Build the parallelized, initialized model and its optimizer for one rank.
 
 The order follows the design: plain model on meta -> pipeline split (this rank's stages) ->
-tensor/sequence -> recompute -> compile -> FSDP -> materialize and initialize (same weights
-for any layout) -> DDP; then the optimizer (ZeRO-1 sharded when asked), the LR schedule and
-the (compiled) loss.
+tensor/sequence -> context -> recompute -> compile -> FSDP -> materialize and initialize
+(same weights for any layout) -> DDP; then the optimizer (ZeRO-1 sharded when asked), the
+LR schedule and the (compiled) loss.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from torch import nn
 
 import models
 from parallel.compile import apply_compile, compile_loss
+from parallel.context import apply_context_parallel, context_split
 from parallel.data_parallel import apply_ddp, apply_fsdp, build_zero1_optimizer, uses_fsdp
 from parallel.expert import apply_expert_parallel
 from parallel.materialize import materialize
@@ -31,10 +32,11 @@ from trainer.step import TrainState, lm_loss
 
 def parallelize(plain: nn.Module, cfg: RecipeConfig, mesh: JobMesh, degrees: Degrees) -> None:
     """Apply the layout to the plain meta-device model, in place, in the design's order:
-    FP8 module swap -> pipeline split -> tensor/sequence -> expert -> recompute -> compile ->
-    FSDP."""
+    FP8 module swap -> pipeline split -> tensor/sequence -> context -> expert -> recompute ->
+    compile -> FSDP."""
     apply_precision(plain, cfg.precision)  # swaps modules, so before anything wraps them
     apply_tensor_parallel(plain, mesh, cfg.parallel)
+    apply_context_parallel(plain, mesh, cfg.parallel)
     apply_expert_parallel(plain, mesh, cfg.parallel)
     apply_recompute(plain, cfg.recompute)
     apply_compile(plain, cfg.compile)
@@ -69,7 +71,7 @@ def _build_one(
     parallelize(plain, cfg, mesh, degrees)
     mark_head_copy(plain)
     materialize(plain, cfg.model, cfg.seed, device)
-    if degrees.dp > 1 and not uses_fsdp(cfg.parallel, degrees):
+    if degrees.grad_replicas > 1 and not uses_fsdp(cfg.parallel, degrees):
         return apply_ddp(plain, mesh, cfg.parallel, cfg.precision), plain
     return plain, plain
 
@@ -77,8 +79,11 @@ def _build_one(
 def build_train_state(
     cfg: RecipeConfig, mesh: JobMesh, degrees: Degrees, device: torch.device
 ) -> TrainState:
-    """Model, optimizer and LR schedule for this rank."""
+    """Model, optimizer and LR schedule for this rank (and, under PipeDream-2BW, the second
+    weight version, built alike: the same initial weights)."""
     model, plain = build_model(cfg, mesh, degrees, device)
+    two_versions = degrees.pp > 1 and cfg.parallel.pp_schedule == "2bw"
+    stash = build_model(cfg, mesh, degrees, device)[1] if two_versions else None
     if cfg.parallel.zero == 1 and degrees.dp_shard > 1:
         groups = param_groups(plain, cfg.optim.weight_decay, muon=cfg.optim.name == "muon")
         lr = scaled_lr(cfg.optim, cfg.train.global_batch)
@@ -101,4 +106,6 @@ def build_train_state(
         routing_group=mesh.dp.get_group() if degrees.dp > 1 else None,
         # The vocab-parallel loss works on DTensor logits under loss_parallel: left eager.
         loss_fn=compile_loss(lm_loss, cfg.compile) if degrees.tp == 1 else lm_loss,
+        context=context_split(mesh, cfg.parallel),
+        stash=stash,
     )

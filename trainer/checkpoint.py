@@ -8,6 +8,9 @@ never picks. Inside:
 - DCP shards of `{"model": ..., "optim": ...}` keyed by the plain model's parameter names
   (pipeline stages included), so `torch.distributed.checkpoint` reshards them on load under
   any layout; vocabulary rows padded for another tp are fitted (`trainer/vocab_resize.py`);
+  PipeDream-2BW adds `"stash"`, its older weight version (`model` is the newest), after
+  draining its pipeline (`TrainState.settle`); a run without one resumes both versions from
+  `model`;
 - `meta.json`: step, the data loader's position (layout-independent: stored once), the LR
   scheduler's state, the W&B run id and the layout it was saved under;
 - `rng/rank_R.pt`: the RNG states of rank R (restored only under the same world size);
@@ -52,6 +55,8 @@ from trainer.step import TrainState
 from trainer.vocab_resize import load_resizing_vocab
 
 META = "meta.json"
+STASH = "stash"
+"""DCP key of PipeDream-2BW's older weight version."""
 DCP_METADATA = ".metadata"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
@@ -202,7 +207,28 @@ def _state_dicts(state: TrainState) -> dict[str, Any]:
             "optim": _zero1_optim_state(state.optimizer, state.plain),
         }
     model_sd, optim_sd = get_state_dict(model, state.optimizer)
-    return {"model": model_sd, "optim": optim_sd}
+    saved = {"model": model_sd, "optim": optim_sd}
+    if state.stash is not None:
+        saved[STASH] = get_model_state_dict(state.stash)
+    return saved
+
+
+def _has_stash(path: Path) -> bool:
+    """Whether the checkpoint at `path` holds a second weight version."""
+    keys = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    return any(key.startswith(STASH + ".") for key in keys)
+
+
+def _restore_stash(state: TrainState, path: Path) -> None:
+    """Load the older weight version, or, from a checkpoint without one, the model's."""
+    stash_sd = get_model_state_dict(state.stash)
+    if _has_stash(path):
+        load_resizing_vocab({STASH: stash_sd}, path)
+    else:
+        model_sd = get_model_state_dict(_named_model(state))
+        load_resizing_vocab({"model": model_sd}, path)
+        stash_sd = model_sd
+    set_model_state_dict(state.stash, stash_sd)
 
 
 def _scheduler_state(saved: dict[str, Any], groups: int) -> dict[str, Any]:
@@ -280,6 +306,8 @@ class Checkpointer:
     def save(self, step: int, state: TrainState, loader: DataLoader) -> None:
         """Write the checkpoint of `step` (asynchronously if configured); collective."""
         self.wait()
+        if state.settle is not None:
+            state.settle()
         state_dict = _state_dicts(state)
         integrity.check_free_space(self.root, step, state_dict, _collective_device())
         tmp = step_dir(self.root, step).with_name(step_dir(self.root, step).name + ".tmp")
@@ -446,6 +474,8 @@ class Checkpointer:
             set_state_dict(
                 model, state.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd
             )
+        if state.stash is not None:
+            _restore_stash(state, path)
         groups = len(state.optimizer.param_groups)
         state.scheduler.load_state_dict(_scheduler_state(meta["scheduler"], groups))
         # LambdaLR sets the groups' lr only when it steps: apply the restored one now.

@@ -61,6 +61,10 @@ class StepGuard:
         self._bad_in_a_row = 0
         install_stop_handlers()
 
+    def stop_requested(self) -> bool:
+        """Whether this rank received SIGTERM or SIGUSR1 (`agree` tells every rank)."""
+        return self._signal is not None
+
     def agree(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> tuple[bool, bool]:
         """(bad, stop) as every rank sees it: bad when any rank's loss or the norm is not
         finite, stop when any rank received SIGTERM or SIGUSR1."""

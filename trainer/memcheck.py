@@ -29,7 +29,7 @@ from pretrain_core.layout import grad_accum_steps, resolve_degrees
 from pretrain_core.schema import RecipeConfig, load_config
 from trainer.build import build_train_state
 from trainer.dist import init_distributed
-from trainer.pipeline_step import PipelineStep
+from trainer.pipeline_step import pipeline_step
 from trainer.step import train_step
 
 
@@ -96,7 +96,7 @@ def measure(cfg: RecipeConfig) -> dict:
 
     if degrees.pp > 1:
         # Each rank runs its stage's part of the schedule; the first step also infers shapes.
-        pipeline = PipelineStep(state, cfg, degrees, mesh, device)
+        pipeline = pipeline_step(state, cfg, degrees, mesh, device)
 
         def step(micro_batches: list) -> None:
             pipeline.step(micro_batches)

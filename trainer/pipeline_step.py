@@ -32,6 +32,7 @@ from parallel.tied_embedding import embedding_group, reduce_tied_grads
 from pretrain_core.layout import Degrees, grad_accum_steps
 from pretrain_core.schema import RecipeConfig
 from trainer.faults import StepGuard
+from trainer.pipeline_2bw import PipeDreamStep
 from trainer.step import (
     SLOT_RETRIES,
     MicroBatches,
@@ -41,6 +42,22 @@ from trainer.step import (
     lm_loss,
     run_again_for_slots,
 )
+
+
+def pipeline_step(
+    state: TrainState,
+    cfg: RecipeConfig,
+    degrees: Degrees,
+    mesh: JobMesh,
+    device: torch.device,
+    guard: StepGuard | None = None,
+) -> PipelineStep | PipeDreamStep:
+    """The step of the recipe's schedule: torch's (`PipelineStep`) or, for pp_schedule=2bw,
+    the in-repo PipeDream-2BW (`trainer/pipeline_2bw.py`); both are `Stepper`s with the
+    pipeline group as `group`."""
+    if cfg.parallel.pp_schedule == "2bw":
+        return PipeDreamStep(state, cfg, degrees, mesh, device, guard)
+    return PipelineStep(state, cfg, degrees, mesh, device, guard)
 
 
 class PipelineStep:
@@ -99,6 +116,8 @@ class PipelineStep:
         what all ranks agreed (bad, stop), as `train_step` does."""
         inputs = torch.cat([x for x, _ in micro_batches]).to(self.device)
         targets = torch.cat([y for _, y in micro_batches]).to(self.device)
+        if self.state.context is not None:
+            inputs, targets = self.state.context.shard(inputs), self.state.context.shard(targets)
         args = (inputs,) if self.has_first else ()
         for _ in range(SLOT_RETRIES):
             self.losses = []
@@ -118,6 +137,8 @@ class PipelineStep:
             # The first step's shape inference calls the loss function once more, first.
             loss += torch.stack(self.losses[-self.n_microbatches :]).sum() / self.n_microbatches
         dist.all_reduce(loss, group=self.group)
+        if self.state.context is not None:
+            loss = self.state.context.mean(loss)
         return StepResult(
             loss, *apply_gradients(self.state, self.cfg, self.guard, loss, self.group)
         )

@@ -40,7 +40,7 @@ from trainer.log import get_logger, setup_logging
 from trainer.loggers import MetricsLogger
 from trainer.metrics import PeakFlops, ThroughputMeter, resolve_peak_flops
 from trainer.metrics_window import MetricsWindow
-from trainer.pipeline_step import PipelineStep
+from trainer.pipeline_step import pipeline_step
 from trainer.prefetch import PrefetchingLoader
 from trainer.step import LocalStep, Stepper, TrainState
 
@@ -152,7 +152,7 @@ def _stepper(
 ) -> tuple[Stepper, torch.distributed.ProcessGroup | None]:
     """The step of the layout, and the pipeline group MoE metrics gather over (if any)."""
     if degrees.pp > 1:
-        stepper = PipelineStep(state, cfg, degrees, mesh, rank.device, guard)
+        stepper = pipeline_step(state, cfg, degrees, mesh, rank.device, guard)
         return stepper, stepper.group if cfg.model.moe_experts else None
     return LocalStep(state, cfg, degrees, rank.device, guard, doc_eos), None
 

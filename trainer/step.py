@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from parallel.clip import clip_grad_norm_
+from parallel.context import ContextSplit
 from parallel.data_parallel import gradient_sync, uses_fsdp
 from parallel.expert import (
     add_router_losses,
@@ -59,6 +60,15 @@ class TrainState:
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = lm_loss
     routing_group: dist.ProcessGroup | None = None
     """The data-parallel group whose loads the MoE balancing biases follow (None: one rank)."""
+
+    context: ContextSplit | None = None
+    """Context parallelism: which chunks of each sequence this rank computes (None: all)."""
+    stash: nn.Module | None = None
+    """PipeDream-2BW: the other weight version (a stage view like `plain`, which is the
+    newest); checkpoints save and restore both."""
+    settle: Callable[[], None] | None = None
+    """Called before a checkpoint is written, to bring the step to a state a checkpoint can
+    hold (2BW drains its pipeline and applies the last gradient)."""
 
 
 SLOT_RETRIES = 3
@@ -110,7 +120,8 @@ class StepResult(NamedTuple):
 
 
 class Stepper(Protocol):
-    """Runs one optimizer step of the run's layout (`LocalStep` or `PipelineStep`)."""
+    """Runs one optimizer step of the run's layout (`LocalStep`, `PipelineStep` or, under
+    PipeDream-2BW, `PipeDreamStep`)."""
 
     def step(self, micro_batches: MicroBatches) -> StepResult: ...
 
@@ -164,6 +175,8 @@ def _forward_backward(
         # Asynchronous from pinned memory (the prefetching loader pins on CUDA).
         inputs = inputs.to(device, non_blocking=True)
         targets = targets.to(device, non_blocking=True)
+        if state.context is not None:
+            inputs, targets = state.context.shard(inputs), state.context.shard(targets)
         with gradient_sync(state.model, enabled=i == accum - 1):
             with _autocast(cfg, degrees, device):
                 logits = state.model(inputs, **model_kwargs(inputs, doc_eos))
@@ -173,7 +186,9 @@ def _forward_backward(
                 state.scaler.scale_loss(objective / accum).backward()
         # Every TP rank holds the same (replicated) loss.
         loss_sum += local_value(loss.detach())
-    return loss_sum / accum
+    loss = loss_sum / accum
+    # Context-parallel ranks each hold two chunks of every sequence: the loss is their mean.
+    return state.context.mean(loss) if state.context is not None else loss
 
 
 @torch.no_grad()
@@ -189,11 +204,14 @@ def eval_loss(
     total = torch.zeros((), device=device)
     for inputs, targets in micro_batches:
         inputs, targets = inputs.to(device), targets.to(device)
+        if state.context is not None:
+            inputs, targets = state.context.shard(inputs), state.context.shard(targets)
         with _autocast(cfg, degrees, device):
             logits = state.model(inputs, **model_kwargs(inputs, doc_eos))
         with vocab_parallel_loss(enabled=degrees.tp > 1):
             total += local_value(lm_loss(logits, targets))
-    return total / len(micro_batches)
+    loss = total / len(micro_batches)
+    return state.context.mean(loss) if state.context is not None else loss
 
 
 @dataclass
@@ -251,14 +269,19 @@ def apply_gradients(
         bad, stop = not bool(torch.isfinite(loss) and torch.isfinite(checked)), False
     else:
         bad, stop = guard.agree(loss, checked)
-    applied = scaled_ok and not bad
-    if applied:
+    step_optimizer(state, cfg, update=scaled_ok and not bad)
+    return norm, bad, stop
+
+
+def step_optimizer(state: TrainState, cfg: RecipeConfig, update: bool) -> None:
+    """Apply the (unscaled, clipped) gradients if `update`, then advance the LR schedule and
+    clear the gradients: a skipped step still consumes its data and its place in the LR
+    schedule. The MoE routing counts of the step close either way."""
+    if update:
         state.optimizer.step()
         after_optimizer_step(state.plain, cfg.precision)
-    finish_routing_step(state.plain, state.routing_group, applied)
-    # A skipped step still consumes its data and its place in the LR schedule.
+    finish_routing_step(state.plain, state.routing_group, update)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step", UserWarning)
         state.scheduler.step()
     state.optimizer.zero_grad(set_to_none=True)
-    return norm, bad, stop

@@ -116,8 +116,12 @@ def logged_losses(run_dir: Path) -> dict[int, float]:
 
 
 def read_curve(path: Path) -> Curve:
-    """The loss and gradient-norm curves of a metrics.jsonl file."""
+    """The loss and gradient-norm curves of a metrics.jsonl file (a step logged again after
+    a resume counts once, as logged last)."""
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    # A step logged again after a resume counts last.
+    last = {r["step"]: r for r in rows}
+    rows = [last[step] for step in sorted(last)]
     return Curve(
         loss=[r["loss"] for r in rows],
         grad_norm=[r["grad_norm"] for r in rows],

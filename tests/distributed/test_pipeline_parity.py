@@ -49,8 +49,11 @@ def test_pipeline_layout_matches_reference(workdir, reference, label, overrides,
 
 def test_tied_embeddings_under_pp2_match_the_single_process_run(workdir) -> None:
     """The last stage's copy of the embedding, its gradient summed with the first stage's
-    every step, trains exactly as the one shared weight does in one process."""
+    every step, trains exactly as the one shared weight does in one process: across two
+    ranks (1F1B), and under ZB-V, whose rank 0 holds both the first and the last stage."""
     tied = ["model.tie_embeddings=true"]
     reference = run_pretrain(workdir / "tied_reference", tied, nproc=1)
-    curve = run_pretrain(workdir / "tied_pp2", [*tied, "parallel.pp=2"], nproc=2)
-    assert_same_curve(curve, reference)
+    v_shape = ["parallel.vpp=2", "parallel.pp_schedule=zbv"]
+    for label, extra in (("tied_pp2", []), ("tied_pp2_zbv", v_shape)):
+        curve = run_pretrain(workdir / label, [*tied, "parallel.pp=2", *extra], nproc=2)
+        assert_same_curve(curve, reference)

@@ -2,8 +2,9 @@
 
 import pytest
 
-from launcher.memory import memory_breakdown
+from launcher.memory import memory_breakdown, stage_params
 from launcher.validate import check_runnable, validate
+from models.flops import count_params
 from pretrain_core.layout import grad_accum_steps, resolve_degrees
 from pretrain_core.stages import rank_stages, stage_layers
 from tests.helpers import configure, problems
@@ -90,3 +91,98 @@ def test_memory_model_counts_the_first_ranks_layers_of_an_uneven_split():
     assert (
         memory_breakdown(light_first, degrees, 8).total < memory_breakdown(even, degrees, 8).total
     )
+
+
+@pytest.mark.parametrize("schedule", ["zbv", "dualpipev"])
+def test_v_schedules_run_with_two_chunks_per_rank(schedule):
+    cfg = configure(
+        {"parallel.pp": 2, "parallel.vpp": 2, "parallel.pp_schedule": schedule, "parallel.zero": 2}
+    )
+    validate(cfg, for_launch=True)
+
+
+@pytest.mark.parametrize("schedule", ["zbv", "dualpipev"])
+def test_v_schedules_need_vpp_2(schedule):
+    cfg = configure({"parallel.pp": 2, "parallel.pp_schedule": schedule})
+    [problem] = problems(cfg)
+    assert problem.field == "parallel.vpp"
+    assert "exactly two chunks on each rank, in a V" in problem.reason
+    assert problem.fix == "set parallel.vpp=2"
+
+
+def test_dualpipev_needs_as_many_micro_batches_as_stages():
+    cfg = configure(
+        {
+            "parallel.pp": 4,
+            "parallel.vpp": 2,
+            "parallel.pp_schedule": "dualpipev",
+            "parallel.pp_microbatches": 4,
+        }
+    )
+    [problem] = problems(cfg)
+    assert problem.field == "parallel.pp_microbatches"
+    assert "as many micro-batches as stages (2pp = 8)" in problem.reason
+    assert "parallel.pp_microbatches >= 8" in problem.fix
+
+
+def test_2bw_needs_a_pipeline_and_one_chunk_per_rank():
+    [problem] = problems(configure({"parallel.pp_schedule": "2bw"}))
+    assert (problem.field, problem.value) == ("parallel.pp_schedule", "2bw")
+    assert "with pp=1 there is no pipeline" in problem.reason
+    cfg = configure({"parallel.pp": 2, "parallel.vpp": 2, "parallel.pp_schedule": "2bw"})
+    [problem] = problems(cfg)
+    assert problem.field == "parallel.vpp"
+
+
+def test_2bw_refuses_tied_embeddings():
+    cfg = configure({"parallel.pp": 2, "parallel.pp_schedule": "2bw", "model.tie_embeddings": True})
+    [problem] = problems(cfg)
+    assert (problem.field, problem.value) == ("model.tie_embeddings", True)
+    assert "two weight versions" in problem.reason
+
+
+def test_2bw_refuses_evaluation_and_cp_refuses_mla_and_document_masks():
+    cfg = configure({"parallel.pp": 2, "parallel.pp_schedule": "2bw", "eval.every": 4})
+    [problem] = problems(cfg)
+    assert (problem.field, problem.value) == ("eval.every", 4)
+    assert "eval.every=0" in problem.fix
+    cfg = configure({"parallel.cp": 2, "model.attention": "mla", "model.n_kv_heads": 0})
+    assert ("parallel.cp", 2) in [(p.field, p.value) for p in problems(cfg)]
+    cfg = configure({"parallel.cp": 2, "data.doc_mask": True})
+    assert [(p.field, p.value) for p in problems(cfg)] == [("data.doc_mask", True)]
+
+
+def test_a_tied_head_under_a_v_schedule_sits_beside_the_embedding_on_rank_0():
+    cfg = configure(
+        {
+            "parallel.pp": 2,
+            "parallel.vpp": 2,
+            "parallel.pp_schedule": "zbv",
+            "model.tie_embeddings": True,
+        }
+    )
+    validate(cfg)
+    counts = count_params(cfg.model)
+    embedding_and_copy = 2 * counts.embedding + counts.final_norm
+    assert stage_params(cfg, 0)[1] == embedding_and_copy
+    assert stage_params(cfg, 1)[1] == 0
+
+
+@pytest.mark.parametrize(("schedule", "vpp"), [("zero_bubble", 1), ("zbv", 2), ("dualpipev", 2)])
+def test_split_backward_schedules_refuse_compiled_blocks_for_launch(schedule, vpp):
+    cfg = configure(
+        {
+            "parallel.pp": 2,
+            "parallel.vpp": vpp,
+            "parallel.pp_schedule": schedule,
+            "parallel.zero": 2,
+            "compile.enabled": True,
+        }
+    )
+    validate(cfg)
+    [problem] = problems(cfg, for_launch=True)
+    assert problem.field == "compile.blocks"
+    assert "retain_graph=True" in problem.reason
+    assert "compile.blocks=false" in problem.fix
+    cfg.compile.blocks = False
+    validate(cfg, for_launch=True)

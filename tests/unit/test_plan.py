@@ -55,13 +55,13 @@ def test_shipped_llama3_sizes_have_their_published_parameter_counts(model, expec
     assert plan.params_total == pytest.approx(expected, rel=0.01)
 
 
-def test_world_16_groups_follow_the_mesh_pp_dp_replicate_dp_shard_tp():
-    degrees = resolve_degrees(recipe(LLAMA3_8B, nodes=2, tp=4, pp=2, dp_shard=2))
-    assert degrees == Degrees(pp=2, dp_replicate=1, dp_shard=2, tp=4, ep=1, world=16)
+def test_world_16_groups_follow_the_mesh_pp_dp_replicate_dp_shard_cp_tp():
+    degrees = resolve_degrees(recipe(LLAMA3_8B, nodes=2, tp=4, pp=2, dp_shard=1, cp=2))
+    assert degrees == Degrees(pp=2, dp_replicate=1, dp_shard=1, tp=4, ep=1, world=16, cp=2)
     shape = degrees.mesh_shape
 
-    def rank(p: int, r: int, s: int, t: int) -> int:  # row-major over (pp, dp_r, dp_s, tp)
-        return ((p * shape[1] + r) * shape[2] + s) * shape[3] + t
+    def rank(p: int, r: int, s: int, c: int, t: int) -> int:  # row-major over the 5 dims
+        return (((p * shape[1] + r) * shape[2] + s) * shape[3] + c) * shape[4] + t
 
     coords = list(product(*(range(n) for n in shape)))
 
@@ -71,10 +71,13 @@ def test_world_16_groups_follow_the_mesh_pp_dp_replicate_dp_shard_tp():
 
     groups = rank_groups(degrees)
     assert groups["tp"] == [list(range(start, start + 4)) for start in range(0, 16, 4)]
-    for dim, name in enumerate(("pp", "dp_replicate", "dp_shard", "tp")):
+    for dim, name in enumerate(("pp", "dp_replicate", "dp_shard", "cp", "tp")):
         assert groups[name] == along(dim)
     assert groups["pp"][0] == [0, 8]
+    assert groups["cp"][0] == [0, 4]
     assert groups["dp"] == groups["dp_shard"]
+    # The cp ranks of a sequence share its gradient reduction with the dp ranks.
+    assert groups["dp_cp"] == groups["cp"]
 
 
 def test_dp_groups_span_both_data_parallel_dims_and_ep_splits_them():

@@ -1,0 +1,138 @@
+"""Rules of context parallelism (`parallel.cp`) and of the V-shaped, zero-bubble and
+PipeDream-2BW pipeline schedules: what each needs of the sequence, the chunks and the
+micro-batches, and what the trainer cannot combine them with (each refusal says why)."""
+
+from __future__ import annotations
+
+from math import lcm
+
+from pretrain_core.problems import Checks, Problem, nearby_multiples, or_list
+from pretrain_core.schema import RecipeConfig
+from pretrain_core.stages import V_SCHEDULES
+
+SPLIT_BACKWARD = ("zero_bubble", *V_SCHEDULES)
+"""Schedules that run a backward's input and weight gradients apart."""
+
+
+def check_context(c: Checks, cfg: RecipeConfig) -> None:
+    """cp against the sequence (2cp equal chunks, and each rank's share split over tp under
+    SP), against the model (MoE routes per whole sequence; MLA has no ring) and against
+    document masks (the ring is causal only)."""
+    p, t = cfg.parallel, cfg.train
+    if p.cp <= 1 or t.seq_len < 1:
+        return
+    chunks = 2 * p.cp
+    if t.seq_len % chunks:
+        c.add(
+            "train.seq_len",
+            t.seq_len,
+            f"context parallelism cuts each sequence into 2cp = {chunks} equal chunks "
+            f"(cp rank i takes chunks i and {chunks - 1}-i)",
+            f"use a multiple of {chunks}, e.g. {or_list(nearby_multiples(t.seq_len, chunks))}",
+        )
+    elif p.sp and p.tp > 1 and (t.seq_len // p.cp) % p.tp:
+        step = p.cp * p.tp
+        c.add(
+            "train.seq_len",
+            t.seq_len,
+            f"sequence parallelism splits each cp rank's {t.seq_len // p.cp} tokens over "
+            f"tp={p.tp} ranks evenly",
+            f"use a multiple of 2cp and of cp*tp = {step}, "
+            f"e.g. {or_list(nearby_multiples(t.seq_len, lcm(chunks, step)))}",
+        )
+    if cfg.model.moe_experts:
+        c.add(
+            "parallel.cp",
+            p.cp,
+            "a mixture-of-experts layer's capacity and load-balancing loss are computed per "
+            "whole sequence, and a cp rank holds only 2 of its 2cp chunks",
+            "set parallel.cp=1 for MoE models (expert, tensor or pipeline parallelism split "
+            "them instead)",
+        )
+    if cfg.model.is_mla:
+        c.add(
+            "parallel.cp",
+            p.cp,
+            "the ring attention of context parallelism is written for grouped-query "
+            "attention; multi-head latent attention has no ring yet",
+            "set parallel.cp=1 with model.attention=mla",
+        )
+    if cfg.data.doc_mask:
+        c.add(
+            "data.doc_mask",
+            True,
+            "the ring attention masks causally only: it cannot keep packed documents apart",
+            "set data.doc_mask=false with parallel.cp > 1, or parallel.cp=1",
+        )
+
+
+def check_schedule(c: Checks, cfg: RecipeConfig) -> None:
+    """The V schedules' two chunks per rank, and 2BW's need of a pipeline, of untied
+    embeddings and of no evaluation (its one chunk per rank is the general rule that only
+    interleaved schedules take vpp > 1)."""
+    p = cfg.parallel
+    if p.pp == 1:
+        if p.pp_schedule == "2bw":
+            c.add(
+                "parallel.pp_schedule",
+                p.pp_schedule,
+                "PipeDream-2BW keeps a pipeline full across optimizer steps; with pp=1 there is "
+                "no pipeline, and its one-step-late updates would change training for nothing",
+                "set parallel.pp > 1, or pp_schedule=1f1b",
+            )
+        return
+    if p.pp_schedule == "2bw" and cfg.model.tie_embeddings:
+        c.add(
+            "model.tie_embeddings",
+            True,
+            "PipeDream-2BW keeps two weight versions per stage and sums no gradient across "
+            "stages, so the last stage's copy of a tied embedding would drift from the first's",
+            "set model.tie_embeddings=false, or pp_schedule=1f1b, interleaved_1f1b or zbv",
+        )
+    if p.pp_schedule == "2bw" and cfg.eval.every:
+        c.add(
+            "eval.every",
+            cfg.eval.every,
+            "PipeDream-2BW's in-repo schedule has no forward-only pass yet, and an evaluation "
+            "between its never-flushed steps would have to drain the pipeline",
+            "set eval.every=0 with pp_schedule=2bw, or use pp_schedule=1f1b or zbv",
+        )
+    if p.pp_schedule in V_SCHEDULES and p.vpp != 2:
+        c.add(
+            "parallel.vpp",
+            p.vpp,
+            f"{p.pp_schedule} places exactly two chunks on each rank, in a V (rank r holds "
+            "stages r and 2pp-1-r)",
+            "set parallel.vpp=2",
+        )
+
+
+def runnable_problems(cfg: RecipeConfig) -> list[Problem]:
+    """Combinations the trainer cannot execute, with the reason each fails."""
+    p, k = cfg.parallel, cfg.compile
+    found = []
+    if p.cp > 1 and k.enabled and k.blocks:
+        found.append(
+            Problem(
+                "compile.blocks",
+                True,
+                "a block compiles as one graph (fullgraph) and dynamo cannot trace the context-"
+                "parallel ring's point-to-point exchange inside attention ('P2P compilation "
+                "disabled for P2POp construction', torch 2.13)",
+                "set compile.blocks=false (the loss may still be compiled), or parallel.cp=1",
+            )
+        )
+    if p.pp > 1 and p.pp_schedule in SPLIT_BACKWARD and k.enabled and k.blocks:
+        found.append(
+            Problem(
+                "compile.blocks",
+                True,
+                f"{p.pp_schedule} splits each backward into input and weight gradients, calling "
+                "backward with retain_graph=True, which a compiled block's backward refuses "
+                "('compiled with non-empty donated buffers ... requires retain_graph=False', "
+                "torch 2.13; torch rejects compiled stages for these schedules too)",
+                "set compile.blocks=false (the loss may still be compiled), or pp_schedule=1f1b, "
+                "interleaved_1f1b or 2bw",
+            )
+        )
+    return found

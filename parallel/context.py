@@ -1,0 +1,289 @@
+"""Context parallelism: each sequence split over the cp ranks, attention by a ring of K/V.
+
+Layout: the sequence is cut into 2 cp equal chunks and cp rank i holds chunks i and
+2cp-1-i (head and tail), so under the causal mask every rank has the same work: the first
+rank's early chunk sees little and its late chunk sees almost everything. The step feeds
+each rank its chunks of the inputs and targets (`ContextSplit.shard`); the rotary tables are
+indexed by the tokens' global positions (`Transformer.positions`), so a token is rotated
+exactly as in the unsplit sequence.
+
+Attention (`RingAttention`, swapped into each block's `Attention.core`): the rank's queries
+attend to every rank's keys and values, which travel around the ring of cp ranks
+(batch_isend_irecv to the next rank, from the previous, cp-1 hops), each hop overlapped
+with the attention over the chunks held. A pair of chunks is computed whole when the key
+chunk precedes the query chunk, with the causal mask when they are the same chunk, and not
+at all when the key chunk comes later. Partial results merge by their log-sum-exp. The
+backward is a second ring: keys and values travel again, followed by their gradients,
+which reach their owner one hop after the last block. Only q, k, v, the output and the
+log-sum-exp are saved, so the attention keeps 1/cp of its activations per rank.
+
+Gradients: every cp rank's loss is the mean over its own tokens and the cp ranks of a
+sequence hold the same weights, so averaging gradients over dp x cp (`JobMesh.dp_cp`) gives
+the gradient of the mean over all tokens; the step averages the loss over cp the same way.
+
+torch's `context_parallel` (torch.distributed.tensor.experimental) does not run on CPU: its
+SDPA dispatch has no sharding rule for aten._scaled_dot_product_flash_attention_for_cpu
+(NotImplementedError, torch 2.13 with gloo). One in-repo implementation runs on every device
+instead, so the CPU tests cover the code a GPU runs. The attention of a chunk pair is
+written out in FP32 matmuls over tiles of QUERY_TILE query rows rather than a fused kernel
+(so its scores never exceed a tile per head).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from parallel.mesh import JobMesh
+from pretrain_core.schema import ParallelConfig
+
+
+def chunk_order(cp: int, rank: int) -> tuple[int, int]:
+    """The two chunks of 2cp that cp rank `rank` holds: (rank, 2cp-1-rank)."""
+    return rank, 2 * cp - 1 - rank
+
+
+def shard_sequence(tensor: torch.Tensor, cp: int, rank: int, dim: int = 1) -> torch.Tensor:
+    """This cp rank's head and tail chunks of `tensor` along `dim`, concatenated."""
+    chunks = tensor.chunk(2 * cp, dim=dim)
+    head, tail = chunk_order(cp, rank)
+    return torch.cat([chunks[head], chunks[tail]], dim=dim)
+
+
+@dataclass
+class ContextSplit:
+    """What the step needs of context parallelism: this rank's chunks, and the mean over cp."""
+
+    rank: int
+    size: int
+    group: dist.ProcessGroup
+
+    def shard(self, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's chunks of a [batch, seq] tensor (inputs or targets)."""
+        return shard_sequence(tensor, self.size, self.rank)
+
+    def mean(self, value: torch.Tensor) -> torch.Tensor:
+        """The mean of `value` over the cp ranks (equal token counts, so the sequence mean)."""
+        value = value.detach().clone()
+        dist.all_reduce(value, group=self.group)
+        return value / self.size
+
+
+@dataclass
+class HeadTailPositions:
+    """Global positions of a cp rank's tokens: its head chunk's, then its tail chunk's."""
+
+    rank: int
+    cp: int
+    _cache: dict = field(default_factory=dict, repr=False)
+
+    def __call__(self, local_len: int, device: torch.device) -> torch.Tensor:
+        key = (local_len, str(device))
+        if key not in self._cache:
+            chunk = local_len // 2
+            head, tail = chunk_order(self.cp, self.rank)
+            self._cache[key] = torch.cat(
+                [
+                    torch.arange(head * chunk, (head + 1) * chunk, device=device),
+                    torch.arange(tail * chunk, (tail + 1) * chunk, device=device),
+                ]
+            )
+        return self._cache[key]
+
+
+def apply_context_parallel(model: nn.Module, mesh: JobMesh, parallel: ParallelConfig) -> None:
+    """Swap every block's attention core for the ring and index the rotary tables by global
+    position, in place (no-op at cp=1)."""
+    if parallel.cp == 1:
+        return
+    cp_mesh = mesh.world["cp"]
+    ring = RingAttention(cp_mesh.get_group(), cp_mesh.get_local_rank(), parallel.cp)
+    for block in model.layers.values():
+        block.attention.core = ring
+    model.positions = HeadTailPositions(cp_mesh.get_local_rank(), parallel.cp)
+
+
+def context_split(mesh: JobMesh, parallel: ParallelConfig) -> ContextSplit | None:
+    """The step's view of context parallelism; None at cp=1."""
+    if parallel.cp == 1:
+        return None
+    cp_mesh = mesh.world["cp"]
+    return ContextSplit(cp_mesh.get_local_rank(), parallel.cp, cp_mesh.get_group())
+
+
+class RingAttention:
+    """Causal grouped-query attention of q [b, heads, s, d] over k, v [b, kv_heads, s, d],
+    where s is this rank's head and tail chunks and the other chunks sit on the ring."""
+
+    def __init__(self, group: dist.ProcessGroup, rank: int, cp: int) -> None:
+        self.group, self.rank, self.cp = group, rank, cp
+        self.next = dist.get_global_rank(group, (rank + 1) % cp)
+        self.prev = dist.get_global_rank(group, (rank - 1) % cp)
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return _RingAttention.apply(q, k, v, self)
+
+    def holder(self, hop: int) -> int:
+        """The cp rank whose keys and values this rank holds after `hop` hops."""
+        return (self.rank - hop) % self.cp
+
+    def exchange(self, outgoing: torch.Tensor) -> tuple[torch.Tensor, list]:
+        """Start sending `outgoing` to the next rank and receiving its like from the previous;
+        returns the receive buffer and the works to wait for."""
+        incoming = torch.empty_like(outgoing)
+        works = dist.batch_isend_irecv(
+            [
+                dist.P2POp(dist.isend, outgoing, self.next, self.group),
+                dist.P2POp(dist.irecv, incoming, self.prev, self.group),
+            ]
+        )
+        return incoming, works
+
+
+def _pairs(cp: int, q_rank: int, kv_rank: int):
+    """(query half, key half, causal) of the chunk pairs that see each other: a key chunk
+    before the query chunk is seen whole, the same chunk under the causal mask."""
+    for qi, q_chunk in enumerate(chunk_order(cp, q_rank)):
+        for ki, k_chunk in enumerate(chunk_order(cp, kv_rank)):
+            if k_chunk <= q_chunk:
+                yield qi, ki, k_chunk == q_chunk
+
+
+QUERY_TILE = 256
+"""Query rows a chunk pair's attention computes at once: its FP32 scores stay a
+QUERY_TILE x chunk matrix per head, however long the chunk."""
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, row: int) -> torch.Tensor:
+    """Scaled scores [b, kv, g, rows, sk] in FP32 of query rows from `row` on; with
+    `causal`, the keys after each query's own position are at -inf."""
+    scores = (q.float() @ k.float().transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    if causal:
+        rows, keys = scores.shape[-2:]
+        future = torch.ones(rows, keys, dtype=torch.bool, device=q.device).triu(1 + row)
+        scores = scores.masked_fill(future, float("-inf"))
+    return scores
+
+
+def _tiles(length: int):
+    return ((row, min(row + QUERY_TILE, length)) for row in range(0, length, QUERY_TILE))
+
+
+def _block_forward(q, k, v, causal):
+    """Attention of one chunk pair: output [b, kv, g, sq, d] and log-sum-exp [b, kv, g, sq]."""
+    outs, lses = [], []
+    for row, end in _tiles(q.shape[-2]):
+        scores = _scores(q[..., row:end, :], k, causal, row)
+        lse = scores.logsumexp(-1)
+        outs.append((scores - lse.unsqueeze(-1)).exp() @ v.float())
+        lses.append(lse)
+    return torch.cat(outs, dim=-2), torch.cat(lses, dim=-1)
+
+
+def _merge(out, lse, block_out, block_lse):
+    """Two partial attentions over disjoint keys, as one (by their log-sum-exp)."""
+    total = torch.logaddexp(lse, block_lse)
+    merged = out * (lse - total).exp().unsqueeze(-1)
+    return merged + block_out * (block_lse - total).exp().unsqueeze(-1), total
+
+
+def _block_backward(q, k, v, out, lse, grad, causal):
+    """Gradients (dq, dk, dv) of one chunk pair, from the final output and log-sum-exp."""
+    scale = 1 / math.sqrt(q.shape[-1])
+    k32, v32 = k.float(), v.float()
+    grad_q, grad_k, grad_v = [], torch.zeros_like(k32), torch.zeros_like(v32)
+    for row, end in _tiles(q.shape[-2]):
+        q_rows, g_rows = q[..., row:end, :].float(), grad[..., row:end, :]
+        probs = (_scores(q_rows, k, causal, row) - lse[..., row:end].unsqueeze(-1)).exp()
+        grad_v += (probs.transpose(-1, -2) @ g_rows).sum(2, keepdim=True)
+        grad_probs = g_rows @ v32.transpose(-1, -2)
+        rowsum = (g_rows * out[..., row:end, :]).sum(-1, keepdim=True)
+        grad_scores = probs * (grad_probs - rowsum)
+        grad_q.append(grad_scores @ k32 * scale)
+        grad_k += (grad_scores.transpose(-1, -2) @ q_rows).sum(2, keepdim=True) * scale
+    return torch.cat(grad_q, dim=-2), grad_k, grad_v
+
+
+def _halves(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return x.chunk(2, dim=-2)
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, ring: RingAttention):
+        b, heads, s, d = q.shape
+        kv_heads = k.shape[1]
+        # Query head h uses key/value head h // (heads / kv_heads), as enable_gqa does.
+        qg = q.reshape(b, kv_heads, heads // kv_heads, s, d)
+        kv = torch.stack((k, v)).unsqueeze(3)  # [2, b, kv, 1, s, d]
+        outs: list = [None, None]
+        lses: list = [None, None]
+        q_halves = _halves(qg)
+        for hop in range(ring.cp):
+            pending = ring.exchange(kv) if hop < ring.cp - 1 else None
+            k_halves, v_halves = _halves(kv[0]), _halves(kv[1])
+            for qi, ki, causal in _pairs(ring.cp, ring.rank, ring.holder(hop)):
+                block = _block_forward(q_halves[qi], k_halves[ki], v_halves[ki], causal)
+                if outs[qi] is None:
+                    outs[qi], lses[qi] = block
+                else:
+                    outs[qi], lses[qi] = _merge(outs[qi], lses[qi], *block)
+            if pending is not None:
+                kv, works = pending
+                for work in works:
+                    work.wait()
+        # Saved in the compute dtype and laid out [b, s, heads, d] as SDPA's output is, so the
+        # output projection reads it through a view instead of saving a copy.
+        out = torch.cat(outs, dim=-2).reshape(b, heads, s, d).to(q.dtype)
+        out = out.transpose(1, 2).contiguous().transpose(1, 2)
+        lse = torch.cat(lses, dim=-1)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.ring = ring
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        ring: RingAttention = ctx.ring
+        b, heads, s, d = q.shape
+        kv_heads = k.shape[1]
+        qg = q.reshape(b, kv_heads, heads // kv_heads, s, d)
+        grad = grad_out.reshape(qg.shape).float()
+        q_halves, out_halves = _halves(qg), _halves(out.reshape(qg.shape).float())
+        lse_halves, grad_halves = lse.chunk(2, dim=-1), _halves(grad)
+        grad_q = [torch.zeros_like(h, dtype=torch.float32) for h in q_halves]
+        kv = torch.stack((k, v)).unsqueeze(3)
+        grad_kv = torch.zeros_like(kv, dtype=torch.float32)
+        for hop in range(ring.cp):
+            pending = ring.exchange(kv) if hop < ring.cp - 1 else None
+            k_halves, v_halves = _halves(kv[0]), _halves(kv[1])
+            gk_halves, gv_halves = _halves(grad_kv[0]), _halves(grad_kv[1])
+            for qi, ki, causal in _pairs(ring.cp, ring.rank, ring.holder(hop)):
+                dq, dk, dv = _block_backward(
+                    q_halves[qi],
+                    k_halves[ki],
+                    v_halves[ki],
+                    out_halves[qi],
+                    lse_halves[qi],
+                    grad_halves[qi],
+                    causal,
+                )
+                grad_q[qi] += dq
+                gk_halves[ki].add_(dk)
+                gv_halves[ki].add_(dv)
+            # The gradients travel one hop behind their keys and values: after the last
+            # block this hop brings each rank its own.
+            grad_kv, grad_works = ring.exchange(grad_kv)
+            if pending is not None:
+                kv, works = pending
+                for work in works:
+                    work.wait()
+            for work in grad_works:
+                work.wait()
+        grad_k, grad_v = grad_kv.squeeze(3).unbind(0)
+        dq = torch.cat(grad_q, dim=-2).reshape(b, heads, s, d)
+        return dq.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype), None

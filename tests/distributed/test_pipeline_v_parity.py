@@ -1,0 +1,40 @@
+"""The V-shaped schedules (ZB-V, DualPipeV) reproduce the single-process curves.
+
+FP32 on CPU, relative 1e-5 per step. vpp=2 chunks per rank placed in a V (rank r holds
+stages r and 2pp-1-r, so rank 0 runs both the embedding and the loss). pp=2 splits the
+harness's 4 layers into 4 stages; pp=4 needs 8 stages, so its reference has 8 layers, and
+micro-batches of one sequence, which give DualPipeV the 2pp = 8 micro-batches it needs per
+step without re-splitting the reference's micro-batches (4 steps: 4 ranks cost the most).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.distributed.harness import FP32_TOLERANCE, max_relative_difference, run_pretrain
+
+pytestmark = pytest.mark.distributed
+
+PP4_MODEL = ["model.n_layers=8", "train.micro_batch=1", "train.steps=4"]
+
+
+@pytest.fixture(scope="module")
+def references(workdir: Path, harness_reference) -> dict:
+    return {
+        "harness": harness_reference,
+        "pp4_model": run_pretrain(workdir / "reference_pp4_model", PP4_MODEL, nproc=1),
+    }
+
+
+@pytest.mark.parametrize("schedule", ["zbv", "dualpipev"])
+@pytest.mark.parametrize(
+    ("pp", "reference", "model"), [(2, "harness", []), (4, "pp4_model", PP4_MODEL)]
+)
+def test_v_schedule_matches_reference(workdir, references, schedule, pp, reference, model) -> None:
+    overrides = [*model, f"parallel.pp={pp}", "parallel.vpp=2", f"parallel.pp_schedule={schedule}"]
+    curve = run_pretrain(workdir / f"{schedule}_pp{pp}", overrides, nproc=pp)
+    expected = references[reference]
+    assert max_relative_difference(curve.loss, expected.loss) <= FP32_TOLERANCE
+    assert max_relative_difference(curve.grad_norm, expected.grad_norm) <= FP32_TOLERANCE

@@ -1,0 +1,139 @@
+"""The plan of context parallelism, the V schedules and PipeDream-2BW: memory per rank, the
+ring's traffic and the link it crosses, bubbles, and the layout search for long sequences."""
+
+from __future__ import annotations
+
+import pytest
+
+from launcher.cp_comm import cp_communication
+from launcher.memory import head_in_flight, memory_breakdown, stage_params
+from launcher.plan import LONG_CONTEXT, make_plan
+from launcher.suggest import search
+from models.flops import count_params
+from pretrain_core.layout import resolve_degrees
+from tests.helpers import configure
+
+LONG = {"train.seq_len": 8192, "model.max_seq_len": 8192, "train.micro_batch": 1}
+
+
+def breakdown(overrides: dict, rank: int = 0):
+    cfg = configure(overrides)
+    degrees = resolve_degrees(cfg)
+    micro = cfg.parallel.pp_microbatches or cfg.train.global_batch // (
+        cfg.train.micro_batch * degrees.dp
+    )
+    return memory_breakdown(cfg, degrees, micro, rank)
+
+
+@pytest.mark.parametrize("cp", [2, 4, 8])
+def test_activation_memory_per_rank_falls_about_1_over_cp(cp: int) -> None:
+    alone = breakdown({**LONG, "parallel.zero": 3})
+    split = breakdown({**LONG, "parallel.zero": 3, "parallel.cp": cp})
+    # Every saved tensor holds s/cp tokens; the ring's backward buffers add up to 10% at
+    # cp=8 (one query tile's scores over a chunk, and the K/V and gradient buffers).
+    assert 1 / cp <= split.activations / alone.activations <= 1.12 / cp
+    assert split.logits == pytest.approx(alone.logits / cp)
+
+
+def test_ring_traffic_per_layer_is_kv_hops_and_fp32_gradient_hops() -> None:
+    cfg = configure({**LONG, "parallel.cp": 4, "parallel.tp": 2, "parallel.zero": 3})
+    degrees = resolve_degrees(cfg)
+    comm = cp_communication(cfg, degrees)
+    # 64 sequences over dp=1 ... this rank's 8192/4 tokens of each; 8 kv heads of 16 dims
+    # over tp=2; k and v; fp32: forward 3 hops, backward 3 hops, gradients 4 hops of FP32.
+    tokens = cfg.train.global_batch // degrees.dp * 8192 // 4
+    kv = 2 * tokens * 8 * 16 / 2
+    assert comm.hops == {"forward": 3, "backward": 3, "gradients": 4}
+    assert comm.sent_bytes == pytest.approx(kv * (4 * 6 + 4 * 4))
+    assert (comm.ring_span, comm.crosses_nodes) == (8, False)
+
+
+def test_a_ring_wider_than_a_node_is_warned_about() -> None:
+    plan = make_plan(configure({**LONG, "parallel.cp": 4, "parallel.tp": 4, "cluster.nodes": 2}))
+    assert plan.cp_comm.crosses_nodes
+    assert any("context-parallel ring spans tp*cp = 16 ranks" in w for w in plan.warnings)
+
+
+def test_a_long_sequence_that_does_not_fit_is_told_the_long_context_order() -> None:
+    seq = 4 * LONG_CONTEXT
+    plan = make_plan(configure({"train.seq_len": seq, "model.max_seq_len": seq}))
+    [warning] = [w for w in plan.warnings if "exceeds" in w]
+    assert "pull recompute, then sp (with tp), then parallel.cp, then a smaller" in warning
+
+
+def test_2bw_holds_two_weight_versions_and_their_gradients() -> None:
+    one_pipeline = {"parallel.pp": 2, "cluster.gpus_per_node": 2}
+    flushed = breakdown(one_pipeline)
+    two_bw = breakdown({**one_pipeline, "parallel.pp_schedule": "2bw"})
+    assert two_bw.params == 2 * flushed.params
+    assert two_bw.grads == 2 * flushed.grads
+    assert two_bw.optimizer == flushed.optimizer  # one set of moments for both versions
+    assert "x2 weight versions (2BW)" in two_bw.notes["params"]
+
+
+def test_2bw_bubble_is_one_fill_per_segment_between_checkpoints() -> None:
+    cfg = configure(
+        {
+            "parallel.pp": 4,
+            "parallel.zero": 2,
+            "parallel.pp_schedule": "2bw",
+            "checkpoint.every": 50,
+        }
+    )
+    plan = make_plan(cfg)
+    m, p = plan.pp_microbatches, 4
+    assert plan.bubble_fraction == pytest.approx((p - 1) / (50 * m + p - 1))
+    assert plan.pipeline["charted_steps"] == 2
+    assert plan.pipeline["bubble_fraction"] == pytest.approx(plan.bubble_fraction)
+
+
+def test_v_schedules_put_the_embedding_and_the_head_on_rank_0() -> None:
+    cfg = configure(
+        {"parallel.pp": 4, "parallel.vpp": 2, "parallel.pp_schedule": "zbv", "parallel.zero": 2}
+    )
+    counts = count_params(cfg.model)
+    _, root, layers = stage_params(cfg, 0)
+    assert root == counts.embedding + counts.final_norm + counts.lm_head
+    assert layers == 2  # stages 0 and 7 of 8, one layer each
+    assert stage_params(cfg, 3)[1] == 0
+    # The last stage's chunk runs F, B, W back to back: one micro-batch of logits at a time.
+    assert head_in_flight(cfg, resolve_degrees(cfg), 8) == 1
+    chart = make_plan(cfg).pipeline["chart"]
+    assert chart.splitlines()[0].split("| ")[1].startswith("F0a F1a")
+
+
+def test_long_sequences_are_searched_with_cp_and_say_the_levers_in_order() -> None:
+    cfg = configure(
+        {
+            "train.seq_len": LONG_CONTEXT * 2,
+            "model.max_seq_len": LONG_CONTEXT * 2,
+            "train.micro_batch": 1,
+            "train.global_batch": 16,
+            "cluster.nodes": 2,
+            "precision.dtype": "bf16",
+        }
+    )
+    result = search(cfg, top=20)
+    assert any(s.layout.cp > 1 for s in result.suggestions)
+    note = result.suggestions[0].long_context
+    assert "levers cheapest first: recompute, then SP, then CP, then smaller micro-batch" in note
+    with_cp = next(s for s in result.suggestions if s.layout.cp > 1)
+    assert f"cp={with_cp.layout.cp}" in with_cp.long_context
+    assert "with cp=1 the peak would be" in with_cp.long_context
+
+
+def test_short_sequences_are_searched_without_cp() -> None:
+    result = search(configure({"precision.dtype": "bf16"}), top=50)
+    assert all(s.layout.cp == 1 and not s.long_context for s in result.suggestions)
+
+
+def test_the_rendered_plan_shows_the_ring_and_2bws_two_steps() -> None:
+    from launcher.render import render_plan
+
+    cp = render_plan(make_plan(configure({**LONG, "parallel.cp": 2, "parallel.zero": 3})))
+    assert "CP ring per layer per step (one rank)" in cp
+    assert "cp=2" in cp
+    two_bw = configure({"parallel.pp": 2, "parallel.zero": 2, "parallel.pp_schedule": "2bw"})
+    text = render_plan(make_plan(two_bw))
+    assert "over 100 steps between drains" in text
+    assert "2 steps without a flush" in text

@@ -190,7 +190,8 @@ def test_a_hung_rank_ends_the_run_at_the_collective_timeout_and_is_named(workdir
     assert "faults.collective_timeout_s" in summary[1]
     log = (run_dir / "logs" / "rank_0.log").read_text()
     # Rank 0 waits in step 3's metrics (the loss all-reduce); rank 1 hung after its step 3.
-    [error] = [line for line in log.splitlines() if "CollectiveTimeout: " in line]
+    # The log's header of the failure, then its traceback: the error's own line is last.
+    error = [line for line in log.splitlines() if "CollectiveTimeout: " in line][-1]
     waiting = re.search(r"ranks \[0\] entered collective #(\d+) \((\S+)\)", error)
     stuck = re.search(r"ranks \[1\] never arrived: rank 1 \(host \S+\) last entered #(\d+)", error)
     assert "rank 0 (host " in error and "step 3 (metrics)" in error

@@ -20,7 +20,7 @@ from parallel.pipeline import StageView, split_stage
 from parallel.precision import LossScaler
 from pretrain_core.layout import Degrees, grad_accum_steps
 from pretrain_core.schema import RecipeConfig
-from trainer.data import DataLoader, GlobalBatchSampler, prepare_dataset
+from trainer.data import DataLoader, one_process_loader
 from trainer.optim import build_optimizer
 from trainer.schedule import build_lr_scheduler
 from trainer.step import TrainState, apply_gradients, lm_loss, train_step
@@ -33,9 +33,7 @@ CPU = torch.device("cpu")
 
 
 def _loader(cfg: RecipeConfig) -> DataLoader:
-    dataset = prepare_dataset(cfg.data, vocab_size=cfg.model.vocab_size, seq_len=cfg.train.seq_len)
-    sampler = GlobalBatchSampler(len(dataset), cfg.train.global_batch, cfg.seed)
-    return DataLoader(dataset, sampler, dp_rank=0, dp_size=1, micro_batch=cfg.train.micro_batch)
+    return one_process_loader(cfg)
 
 
 def _state(cfg: RecipeConfig, view: torch.nn.Module) -> TrainState:

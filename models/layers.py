@@ -72,7 +72,7 @@ def document_mask(doc_ids: torch.Tensor) -> torch.Tensor | BlockMask:
 
 
 @functools.cache
-def _compiled_flex_attention():
+def compiled_flex_attention():
     # Fused only when compiled; eager flex_attention materializes the whole score matrix.
     return torch.compile(flex_attention, dynamic=False)
 
@@ -80,7 +80,7 @@ def _compiled_flex_attention():
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask) -> torch.Tensor:
     """Attention of q [b, heads, s, d] over k, v [b, kv_heads, s, d] under `mask`."""
     if isinstance(mask, BlockMask):
-        return _compiled_flex_attention()(q, k, v, block_mask=mask, enable_gqa=True)
+        return compiled_flex_attention()(q, k, v, block_mask=mask, enable_gqa=True)
     return F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=True
     )

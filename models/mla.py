@@ -23,8 +23,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.flex_attention import BlockMask
 
-from models.layers import RMSNorm, apply_rope
+from models.layers import AttentionMask, RMSNorm, apply_rope, compiled_flex_attention
 from pretrain_core.model_config import ModelConfig
 
 
@@ -55,7 +56,11 @@ class MultiHeadLatentAttention(nn.Module):
             return self.wq(x)
         return self.wq_b(self.q_norm(self.wq_a(x)))
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: AttentionMask = None
+    ) -> torch.Tensor:
+        """Causal attention, or block-causal over packed documents under `mask` (as
+        `models.layers.document_mask` builds it)."""
         b, s, _ = x.shape
         q = self._queries(x).view(b, s, -1, self.nope + self.rope)
         q_nope, q_rope = q.split([self.nope, self.rope], dim=-1)
@@ -68,11 +73,11 @@ class MultiHeadLatentAttention(nn.Module):
         k_rope = self.shared_key(apply_rope(k_rope.unsqueeze(2), cos, sin))
         k_rope = k_rope.expand(-1, -1, heads, -1)
         k = torch.cat([k_nope, k_rope], dim=-1)
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2),
-            k.transpose(1, 2),
-            v.transpose(1, 2),
-            is_causal=True,
-            scale=self.scale,
-        )
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if isinstance(mask, BlockMask):
+            out = compiled_flex_attention()(q, k, v, block_mask=mask, scale=self.scale)
+        else:
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scale
+            )
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))

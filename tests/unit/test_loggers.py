@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -190,5 +191,10 @@ def test_validation_and_mixture_metrics_reach_every_sink(
         "data/tokens_seen_code",
     ]
     [history] = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
+    # wandb's service process writes the file; on a loaded machine it may still be flushing
+    # when finish() returns.
+    deadline = time.monotonic() + 60
+    while b"data/tokens_seen_code" not in history.read_bytes() and time.monotonic() < deadline:
+        time.sleep(0.5)
     recorded = history.read_bytes()
     assert b"val/loss" in recorded and b"data/tokens_seen_code" in recorded

@@ -63,6 +63,20 @@ def test_a_later_token_changes_no_earlier_output() -> None:
     assert not torch.allclose(before[:, 6:], after[:, 6:])
 
 
+def test_packed_documents_do_not_see_each_other() -> None:
+    cfg = ModelConfig(**SMALL, mla_q_rank=24)
+    model = models.build(cfg)
+    init_weights(model, seed=0)
+    tokens = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))
+    doc_ids = torch.tensor([[0] * 5 + [1] * 7] * 2)
+    changed = tokens.clone()
+    changed[:, 2] = (changed[:, 2] + 1) % 64  # inside the first document
+    with torch.no_grad():
+        before, after = model(tokens, doc_ids=doc_ids), model(changed, doc_ids=doc_ids)
+    assert torch.equal(before[:, 5:], after[:, 5:])
+    assert not torch.allclose(before[:, 2:5], after[:, 2:5])
+
+
 def test_keys_share_one_rotary_part_across_heads() -> None:
     cfg = ModelConfig(**SMALL)
     attention = MultiHeadLatentAttention(cfg)

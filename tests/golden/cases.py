@@ -83,6 +83,7 @@ def write_golden(case: GoldenCase, curve: Curve) -> None:
         "made_with": corpus_identity(),
         "loss": curve.loss,
         "grad_norm": curve.grad_norm,
+        "val_loss": curve.val_loss,
     }
     case.path.write_text(json.dumps(data, indent=1) + "\n")
 
@@ -90,7 +91,8 @@ def write_golden(case: GoldenCase, curve: Curve) -> None:
 def read_golden(case: GoldenCase) -> tuple[Curve, str]:
     """The committed curve of `case` and the corpus identity it was made with."""
     data = json.loads(case.path.read_text())
-    return Curve(loss=data["loss"], grad_norm=data["grad_norm"]), data["made_with"]
+    curve = Curve(loss=data["loss"], grad_norm=data["grad_norm"], val_loss=data.get("val_loss", []))
+    return curve, data["made_with"]
 
 
 __all__ = [

@@ -119,15 +119,10 @@ class _StderrTee:
 
 
 def _torchrun_command(cfg: RecipeConfig, files: JobFiles) -> list[str]:
-    """torchrun as a module of this Python: the ranks run the same interpreter."""
+    """The agent (torchrun) as a module of this Python: the ranks run the same interpreter."""
     if importlib.util.find_spec("torch") is None:
         raise LaunchError(f"torch is not installed for {sys.executable}: install it to run here")
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        *torchrun_args(cfg, files.config_path)[1:],
-    ]
+    return [sys.executable, *torchrun_args(cfg, files.config_path)[1:]]
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from launcher.assets import SHIPPED_RECIPES
 from launcher.recipe_files import (
     HYDRA_SETTINGS_FILE,
     MAX_FILES,
@@ -39,7 +40,6 @@ from launcher.recipe_files import (
 from launcher.recipe_keys import key_exists, leaf_types, sections, unknown_key, value_problem
 from pretrain_core.problems import Problem, RecipeError, or_list
 
-SHIPPED_RECIPES = Path(__file__).resolve().parent.parent / "recipes"
 MAX_ARG_CHARS = 10_000
 """Longest command-line argument accepted (a list of a few hundred numbers fits)."""
 MAX_ARG_DEPTH = 32

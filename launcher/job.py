@@ -16,11 +16,13 @@ import json
 import os
 import re
 import shlex
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from string import Template
 
+from launcher.assets import SBATCH_TEMPLATE
 from launcher.resume import frozen_changes
 from pretrain_core.rundir import (
     CONFIG_FILE,
@@ -32,7 +34,6 @@ from pretrain_core.rundir import (
 )
 from pretrain_core.schema import RecipeConfig
 
-SBATCH_TEMPLATE = Path(__file__).resolve().parent.parent / "slurm" / "sbatch.template"
 
 RDZV_ENDPOINT = "$MASTER_ADDR:$MASTER_PORT"
 """torchrun argument the job script expands to the first node's address and the port."""
@@ -40,9 +41,9 @@ RDZV_ID = "$SLURM_JOB_ID"
 """torchrun argument the job script expands to the job's id (the same after a requeue)."""
 _SHELL_REFS = {RDZV_ENDPOINT, RDZV_ID}
 
-AGENT = ["python3", "-m", "trainer.agent"]
-"""The per-node agent: torchrun, except that a stop signal after which the ranks saved is a
-clean exit (see trainer/agent.py)."""
+AGENT = ["-m", "trainer.agent"]
+"""The per-node agent, run by `job_python`: torchrun, except that a stop signal after which
+the ranks saved is a clean exit (see trainer/agent.py)."""
 
 _ENV_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
@@ -68,6 +69,12 @@ class _ScriptTemplate(Template):
     flags = re.RegexFlag(0)
 
 
+def job_python(cfg: RecipeConfig) -> str:
+    """The Python the job runs the agent with: cluster.python, else this launcher's own
+    interpreter (so a venv need not be activated, nor torchrun be on PATH)."""
+    return cfg.cluster.python or sys.executable
+
+
 def torchrun_args(cfg: RecipeConfig, config_path: Path) -> list[str]:
     """The agent command line (torchrun's arguments) that starts every rank of one node.
 
@@ -83,8 +90,9 @@ def torchrun_args(cfg: RecipeConfig, config_path: Path) -> list[str]:
     per_node += ["--shutdown-timeout", str(c.signal_seconds)]
     program = ["-m", "trainer", str(config_path)]
     if c.nodes == 1:
-        return [*AGENT, "--standalone", *per_node, *program]
+        return [job_python(cfg), *AGENT, "--standalone", *per_node, *program]
     return [
+        job_python(cfg),
         *AGENT,
         "--nnodes",
         str(c.nodes),

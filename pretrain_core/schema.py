@@ -324,6 +324,9 @@ class ClusterConfig:
     """OMP_NUM_THREADS for every rank."""
     env: dict[str, str] = field(default_factory=dict)
     """Extra environment variables for the ranks (e.g. NCCL settings)."""
+    python: str = ""
+    """The Python that runs torchrun on each node: a command on the node's PATH or an
+    absolute path; empty: the launcher's own interpreter (inside cluster.container: python3)."""
     max_restarts: int = 0
     """torchrun restarts the whole group this many times when a rank dies; the restarted
     ranks resume from the last complete checkpoint."""

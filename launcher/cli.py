@@ -22,7 +22,8 @@ from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from launcher.compose import SHIPPED_RECIPES, checked_command_line, hydra_errors_as_problems
+from launcher.assets import SHIPPED_RECIPES
+from launcher.compose import checked_command_line, hydra_errors_as_problems
 from pretrain_core.problems import RecipeError
 from pretrain_core.schema import RecipeConfig, dump_config, to_recipe
 

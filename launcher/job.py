@@ -34,7 +34,6 @@ from pretrain_core.rundir import (
 )
 from pretrain_core.schema import RecipeConfig
 
-
 RDZV_ENDPOINT = "$MASTER_ADDR:$MASTER_PORT"
 """torchrun argument the job script expands to the first node's address and the port."""
 RDZV_ID = "$SLURM_JOB_ID"

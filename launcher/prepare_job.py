@@ -29,7 +29,6 @@ from pretrain_core.rundir import LOGS_DIR, PREPARE_CONFIG, PREPARE_SCRIPT
 from pretrain_core.schema import RecipeConfig, dump_config
 
 
-
 def render_prepare_sbatch(cfg: RecipeConfig, run_dir: Path, config_path: Path) -> str:
     """The CPU-only sbatch script that prepares the recipe's data."""
     c = cfg.cluster

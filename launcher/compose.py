@@ -38,6 +38,7 @@ from launcher.recipe_files import (
     yaml_files,
 )
 from launcher.recipe_keys import key_exists, leaf_types, sections, unknown_key, value_problem
+from launcher.sweep_settings import is_sweeper_setting, sweeper_problems
 from pretrain_core.problems import Problem, RecipeError, or_list
 
 MAX_ARG_CHARS = 10_000
@@ -196,7 +197,9 @@ def _override_problems(arguments: list[str], dirs: list[Path], multirun: bool) -
             problems.append(Problem(key, argument.partition("=")[2], reason, fix))
             continue
         key = override.key_or_group
-        if key == "hydra" or key.startswith(("hydra.", "hydra/")):
+        if is_sweeper_setting(key):
+            problems += sweeper_problems(override, multirun)
+        elif key == "hydra" or key.startswith(("hydra.", "hydra/")):
             problems.append(hydra_problem(key, argument.partition("=")[2]))
         elif override.package is not None:
             reason = "group@package overrides move a group elsewhere in the recipe"

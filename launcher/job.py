@@ -28,6 +28,7 @@ from pretrain_core.rundir import (
     CONFIG_FILE,
     LOCAL_SCRIPT,
     LOGS_DIR,
+    OVERRIDES_FILE,
     PLAN_FILE,
     PREEMPTED_MARKER,
     SLURM_SCRIPT,
@@ -235,10 +236,16 @@ def _write_atomic(path: Path, text: str, mode: int) -> None:
 
 
 def write_run_dir(
-    cfg: RecipeConfig, run_dir: Path, config_yaml: str, plan: dict | None = None
+    cfg: RecipeConfig,
+    run_dir: Path,
+    config_yaml: str,
+    plan: dict | None = None,
+    launched: dict | None = None,
 ) -> JobFiles:
-    """Create the run dir with its frozen config.yaml, job script (run.sh or job.sbatch) and
-    the plan (plan.json), leaving files that already hold the same text untouched.
+    """Create the run dir with its frozen config.yaml, job script (run.sh or job.sbatch),
+    the plan (plan.json) and how it was launched (overrides.yaml: `launched`, the recipe's
+    name and the command line's overrides), leaving files that already hold the same text
+    untouched.
 
     A run dir belongs to one config: if it already holds a config.yaml that differs in what
     is trained (see launcher/resume.py), nothing is written and a JobError says so. A change
@@ -246,7 +253,8 @@ def write_run_dir(
     (no space, no permission) is a JobError of one line.
     """
     try:
-        return _write_run_dir(cfg, Path(run_dir).expanduser().resolve(), config_yaml, plan)
+        resolved = Path(run_dir).expanduser().resolve()
+        return _write_run_dir(cfg, resolved, config_yaml, plan, launched)
     except OSError as err:
         where = f" {err.filename}" if err.filename else ""
         raise JobError(
@@ -299,7 +307,11 @@ def check_run_dir(cfg: RecipeConfig, run_dir: Path, config_yaml: str) -> None:
 
 
 def _write_run_dir(
-    cfg: RecipeConfig, run_dir: Path, config_yaml: str, plan: dict | None
+    cfg: RecipeConfig,
+    run_dir: Path,
+    config_yaml: str,
+    plan: dict | None,
+    launched: dict | None,
 ) -> JobFiles:
     # Render before touching the disk, so a rejected value leaves no half-made run dir.
     rendered = _render_run_dir(cfg, run_dir, config_yaml)
@@ -309,8 +321,14 @@ def _write_run_dir(
         # Keep every config the run dir was trained under: config.1.yaml, config.2.yaml, ...
         n = 1 + sum(1 for _ in run_dir.glob("config.*.yaml"))
         _write_atomic(run_dir / f"config.{n}.yaml", old_yaml, 0o644)
+        if (run_dir / OVERRIDES_FILE).is_file():
+            old_overrides = (run_dir / OVERRIDES_FILE).read_text()
+            _write_atomic(run_dir / f"overrides.{n}.yaml", old_overrides, 0o644)
     _write_atomic(files.config_path, config_yaml, 0o644)
     _write_atomic(files.script_path, rendered.script, 0o755)
+    if launched is not None:
+        text = json.dumps(launched, indent=1) + "\n"
+        _write_atomic(run_dir / OVERRIDES_FILE, text, 0o644)  # JSON is YAML
     if plan is not None:
         _write_atomic(run_dir / PLAN_FILE, json.dumps(plan, indent=1) + "\n", 0o644)
     return files

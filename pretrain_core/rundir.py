@@ -9,6 +9,9 @@ from __future__ import annotations
 
 CONFIG_FILE = "config.yaml"
 """The resolved recipe: the only config the ranks read."""
+OVERRIDES_FILE = "overrides.yaml"
+"""The recipe's name and the command line's overrides the run was launched with (the
+previous ones kept as overrides.N.yaml beside config.N.yaml when the config changed)."""
 LOCAL_SCRIPT = "run.sh"
 """The job script of a local run."""
 SLURM_SCRIPT = "job.sbatch"

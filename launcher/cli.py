@@ -22,7 +22,13 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from launcher.assets import SHIPPED_RECIPES
-from launcher.compose import checked_command_line, hydra_errors_as_problems
+from launcher.compose import (
+    checked_command_line,
+    hydra_errors_as_problems,
+    search_dirs,
+    with_user_recipes,
+)
+from launcher.help import render_help
 from launcher.sweep import (
     OUTCOMES,
     SWEPT_KEYS,
@@ -203,11 +209,26 @@ def _hydra_main(node: DictConfig) -> float | None:
     return run_point(hydra_cfg.job.num, point, lambda: execute(cfg, launched), maximize)
 
 
+def _wants_help(argv: list[str]) -> bool:
+    return "--help" in argv or "-h" in argv
+
+
+def _help_filter(argv: list[str]) -> str:
+    """`pretrain --help cluster`: the word after --help narrows the fields listed."""
+    flag = argv.index("--help") if "--help" in argv else argv.index("-h")
+    rest = argv[flag + 1 : flag + 2]
+    return rest[0] if rest and "=" not in rest[0] and not rest[0].startswith("-") else ""
+
+
 def main() -> None:
     """Console entry point of `pretrain`: the command line and recipe files are checked
     before Hydra composes, and Hydra's errors are reported like the validator's."""
     try:
-        sys.argv[1:] = checked_command_line(sys.argv[1:], DEFAULT_RECIPE)
+        argv = with_user_recipes(sys.argv[1:])
+        if _wants_help(argv):
+            print(render_help(search_dirs(argv), _help_filter(argv)))
+            return
+        sys.argv[1:] = checked_command_line(argv, DEFAULT_RECIPE)
         SWEPT_KEYS.update(swept_keys(sys.argv[1:]))
         with hydra_errors_as_problems():
             _hydra_main()

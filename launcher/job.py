@@ -47,6 +47,7 @@ the ranks saved is a clean exit (see trainer/agent.py)."""
 
 _ENV_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+_DIRECTIVE_NAME = re.compile(r"--[a-z][a-z0-9-]*")
 
 
 class JobError(ValueError):
@@ -72,7 +73,9 @@ class _ScriptTemplate(Template):
 def job_python(cfg: RecipeConfig) -> str:
     """The Python the job runs the agent with: cluster.python, else this launcher's own
     interpreter (so a venv need not be activated, nor torchrun be on PATH)."""
-    return cfg.cluster.python or sys.executable
+    if cfg.cluster.python:
+        return cfg.cluster.python
+    return "python3" if cfg.cluster.container.image else sys.executable
 
 
 def torchrun_args(cfg: RecipeConfig, config_path: Path) -> list[str]:
@@ -163,12 +166,14 @@ def render_sbatch(cfg: RecipeConfig, run_dir: Path, config_path: Path) -> str:
         value = getattr(c, field)
         if value:
             optional.append(f"#SBATCH --{field}={_directive(f'cluster.{field}', value)}")
+    optional += [_extra_directive(i, d) for i, d in enumerate(c.sbatch_extra)]
     _directive("run.dir", str(run_dir))  # name the run dir itself if it cannot be used
     # SLURM expands %j (job id) in the output path; a literal % is written %%.
     log_pattern = str(Path(run_dir) / LOGS_DIR).replace("%", "%%") + "/slurm-%j.out"
-    node_script = 'trap "" USR1; exec ' + " ".join(
-        _shell_word(a) for a in torchrun_args(cfg, config_path)
-    )
+    agent = " ".join(_shell_word(a) for a in torchrun_args(cfg, config_path))
+    # The user's setup lines are shell by design; they run before the agent on each node.
+    setup = "".join(f"{line}\n" for line in c.setup)
+    node_script = f'trap "" USR1; {setup}exec {agent}'
     values = {
         "job_name": _directive("name", cfg.name),
         "nodes": str(c.nodes),
@@ -182,17 +187,46 @@ def render_sbatch(cfg: RecipeConfig, run_dir: Path, config_path: Path) -> str:
         "master_port": str(c.master_port),
         "config_path": shlex.quote(str(config_path)),
         "node_command": shlex.quote(node_script),
+        "srun_options": " ".join(shlex.quote(o) for o in container_options(cfg, run_dir)),
         "preempted_path": shlex.quote(str(Path(run_dir) / PREEMPTED_MARKER)),
     }
-    template = _ScriptTemplate(SBATCH_TEMPLATE.read_text())
-    found = {m["named"] or m["braced"] for m in template.pattern.finditer(template.template)}
-    found.discard(None)
-    if found != values.keys():
-        raise JobError(
-            f"{SBATCH_TEMPLATE} and the renderer disagree on placeholders: "
-            f"{sorted(found ^ values.keys())}"
-        )
+    path = Path(c.sbatch_template) if c.sbatch_template else SBATCH_TEMPLATE
+    template = _ScriptTemplate(path.read_text())
+    mismatch = sorted(template_placeholders(template.template) ^ values.keys())
+    if mismatch:
+        raise JobError(f"{path} and the renderer disagree on placeholders: {mismatch}")
     return template.safe_substitute(values)
+
+
+def template_placeholders(text: str) -> set[str]:
+    """The ${placeholders} an sbatch template holds."""
+    template = _ScriptTemplate(text)
+    found = {m["named"] or m["braced"] for m in template.pattern.finditer(template.template)}
+    return found - {None}
+
+
+def _extra_directive(index: int, directive: str) -> str:
+    """One of cluster.sbatch_extra as an #SBATCH line, its value quoted for sbatch."""
+    name, eq, value = directive.partition("=")
+    if not _DIRECTIVE_NAME.fullmatch(name):
+        raise JobError(f"cluster.sbatch_extra[{index}]={directive!r}: not --name=value or --flag")
+    if not eq:
+        return f"#SBATCH {name}"
+    return f"#SBATCH {name}={_directive(f'cluster.sbatch_extra[{index}]', value)}"
+
+
+def container_options(cfg: RecipeConfig, run_dir: Path) -> list[str]:
+    """srun's pyxis options for cluster.container: the image, the run dir and the user's
+    mounts, the job's working directory; none without an image."""
+    box = cfg.cluster.container
+    if not box.image:
+        return []
+    mounts = [f"{run_dir}:{run_dir}", *box.mounts]
+    return [
+        f"--container-image={box.image}",
+        f"--container-mounts={','.join(mounts)}",
+        "--container-workdir=" + str(Path.cwd()),
+    ]
 
 
 def render_local(cfg: RecipeConfig, config_path: Path) -> str:

@@ -206,6 +206,10 @@ def _hydra_main(node: DictConfig) -> float | None:
     maximize = "max" in str(getattr(hydra_cfg.sweeper, "direction", ""))
     swept = [o for o in overrides if o.split("=", 1)[0].lstrip("+~") in SWEPT_KEYS]
     point = " ".join(swept or overrides)
+    # One W&B group per sweep, each point named by what it changes.
+    cfg.logging.wandb_name = cfg.logging.wandb_name or f"{cfg.name} {point}"[:128]
+    group = f"{cfg.name}:{','.join(sorted(SWEPT_KEYS)) or 'sweep'}"
+    cfg.logging.wandb_group = cfg.logging.wandb_group or group[:128]
     return run_point(hydra_cfg.job.num, point, lambda: execute(cfg, launched), maximize)
 
 

@@ -376,6 +376,18 @@ class LoggingConfig:
     """W&B project."""
     wandb_entity: str = ""
     """W&B entity (empty: the default of the API key)."""
+    wandb_name: str = ""
+    """W&B run name; empty: the recipe's name, and in a sweep the point's overrides after it."""
+    wandb_group: str = ""
+    """W&B group; empty: none, and in a sweep the recipe and the swept keys (one group per
+    sweep, kept when a point resumes)."""
+    wandb_job_type: str = "train"
+    """W&B job_type, to filter runs in the workspace."""
+    wandb_tags: list[str] = field(default_factory=list)
+    """W&B tags added to the automatic ones (the recipe, the layout, the precision)."""
+    tensorboard: bool = False
+    """Also write every scalar as TensorBoard events under RUN_DIR/tensorboard
+    (`pip install tensorboard`; read with `tensorboard --logdir RUN_DIR`)."""
     all_ranks: bool = False
     """Print the trainer's messages from every rank (prefixed with the rank), not only rank 0."""
 

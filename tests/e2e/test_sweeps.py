@@ -77,3 +77,12 @@ def test_an_optuna_search_of_two_trials_gets_each_trials_final_validation_loss(
     assert math.isclose(best["best_value"], min(losses.values()), rel_tol=1e-12)
     assert losses[best["best_params"]["optim.lr"]] == min(losses.values())
     assert "sweep: 2 points, 2 ok, 0 failed" in result.stderr
+
+
+def test_each_sweep_point_is_a_named_wandb_run_in_one_group_per_sweep(tmp_path: Path) -> None:
+    result = pretrain("-m", "seed=1,2", "action=script", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    sweep_dir = tmp_path / "runs" / "tiny"
+    configs = [yaml.safe_load((sweep_dir / f"seed={n}/config.yaml").read_text()) for n in (1, 2)]
+    assert [c["logging"]["wandb_name"] for c in configs] == ["tiny seed=1", "tiny seed=2"]
+    assert {c["logging"]["wandb_group"] for c in configs} == {"tiny:seed"}

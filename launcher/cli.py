@@ -69,13 +69,9 @@ def execute(cfg: RecipeConfig, launched: dict | None = None) -> float | None:
     """Validate, plan and carry out `cfg.action` for one composed recipe; the final
     validation (or training) loss of a local run, None for the other actions. `launched`
     (the recipe's name and the command line's overrides) goes to RUN_DIR/overrides.yaml."""
-    from launcher.memory_fit import check_fits
     from launcher.plan import make_plan, plan_to_dict
     from launcher.render import render_plan
-    from launcher.rules_data import unprepared_problems
-    from launcher.rules_parallel import check_runnable
     from launcher.short_run import fit_schedule_to_run
-    from launcher.validate import validate
 
     for warning in fit_schedule_to_run(cfg):
         print(f"warning: {warning}", file=sys.stderr)
@@ -91,6 +87,25 @@ def execute(cfg: RecipeConfig, launched: dict | None = None) -> float | None:
     if cfg.action == "prepare":
         _prepare(cfg)
         return None
+    _validate_for_action(cfg)
+    plan = make_plan(cfg)
+    if cfg.action == "plan":
+        if cfg.plan.format == "json":
+            print(json.dumps(plan_to_dict(plan)))
+        else:
+            print(render_plan(plan))
+        return None
+    print(render_plan(plan))
+    return _write_and_start(cfg, plan_to_dict(plan), launched)
+
+
+def _validate_for_action(cfg: RecipeConfig) -> None:
+    """Every check the action needs, before anything is written; exits on a problem."""
+    from launcher.memory_fit import check_fits
+    from launcher.rules_data import unprepared_problems
+    from launcher.rules_parallel import check_runnable
+    from launcher.validate import validate
+
     try:
         launch = cfg.action == "run"
         here = launch and cfg.cluster.backend == "local"
@@ -110,14 +125,10 @@ def execute(cfg: RecipeConfig, launched: dict | None = None) -> float | None:
         for problem in check_runnable(cfg):
             print(f"warning: {problem}", file=sys.stderr)
 
-    plan = make_plan(cfg)
-    if cfg.action == "plan":
-        if cfg.plan.format == "json":
-            print(json.dumps(plan_to_dict(plan)))
-        else:
-            print(render_plan(plan))
-        return None
 
+def _write_and_start(cfg: RecipeConfig, plan: dict, launched: dict | None) -> float | None:
+    """Claim and write the run dir, then run locally or submit (action run or script); the
+    final loss of a local run."""
     from launcher.backends import (
         LaunchError,
         claimed_run_dir,
@@ -128,12 +139,11 @@ def execute(cfg: RecipeConfig, launched: dict | None = None) -> float | None:
     from launcher.failure_summary import failure_message
     from launcher.job import JobError, check_run_dir, write_run_dir
 
-    print(render_plan(plan))
     config_yaml = dump_config(cfg)
     try:
         check_run_dir(cfg, Path(cfg.run.dir), config_yaml)  # refuse before anything is written
         with claimed_run_dir(cfg) as lock_token:
-            files = write_run_dir(cfg, Path(cfg.run.dir), config_yaml, plan_to_dict(plan), launched)
+            files = write_run_dir(cfg, Path(cfg.run.dir), config_yaml, plan, launched)
             print(f"run dir:    {files.run_dir}")
             print(f"config:     {files.config_path}")
             print(f"job script: {files.script_path}")
@@ -153,9 +163,8 @@ def execute(cfg: RecipeConfig, launched: dict | None = None) -> float | None:
     except (JobError, LaunchError) as err:
         _fail(str(err))
     if ended.stopped_by:
-        print(
-            f"stopped by {ended.stopped_by}; run the same command again to resume", file=sys.stderr
-        )
+        resume = "run the same command again to resume"
+        print(f"stopped by {ended.stopped_by}; {resume}", file=sys.stderr)
         raise Stopped(ended.code)
     if ended.code != 0:
         _fail(failure_message(files.run_dir, ended.code), ended.code)

@@ -236,6 +236,10 @@ def _help_filter(argv: list[str]) -> str:
 def main() -> None:
     """Console entry point of `pretrain`: the command line and recipe files are checked
     before Hydra composes, and Hydra's errors are reported like the validator's."""
+    if sys.argv[1:2] == ["status"]:
+        from launcher.status import main as status
+
+        raise SystemExit(status(sys.argv[2:]))
     try:
         argv = with_user_recipes(sys.argv[1:])
         if _wants_help(argv):

@@ -287,8 +287,8 @@ def wandb_records(history: Path) -> list:
             at += block - at % block
             continue
         _crc, length, kind = struct.unpack("<IHB", data[at : at + 7])
-        if kind == 0 and length == 0:
-            break
+        if (kind == 0 and length == 0) or at + 7 + length > len(data):
+            break  # the end, or a record still being written
         pending += data[at + 7 : at + 7 + length]
         at += 7 + length
         if kind in (1, 4):  # FULL or LAST: one whole record

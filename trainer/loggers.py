@@ -19,6 +19,7 @@ from typing import Any
 from rich.console import Console
 from rich.markup import escape
 
+from pretrain_core.durations import eta_seconds, format_duration
 from pretrain_core.rundir import METRICS_FILE, TENSORBOARD_DIR, WANDB_ID_FILE
 from pretrain_core.schema import LoggingConfig
 from trainer.run_identity import RunIdentity
@@ -123,26 +124,6 @@ def truncate_partial_line(path: Path) -> None:
 def _plain(value: Any) -> Any:
     """A JSON-ready number: 0-d tensors and numpy scalars become Python numbers."""
     return value.item() if hasattr(value, "item") else value
-
-
-def eta_seconds(step: int, total_steps: int, step_time_s: float | None) -> float | None:
-    """Seconds left at the current step time; None until a step time is measured."""
-    if step >= total_steps or step_time_s is None or step_time_s <= 0:
-        return None
-    return (total_steps - step) * step_time_s
-
-
-def format_duration(seconds: float) -> str:
-    """3d04h, 2h05m, 4m07s or 12s: the two largest units."""
-    s = round(seconds)
-    days, hours, minutes = s // 86400, s % 86400 // 3600, s % 3600 // 60
-    if days:
-        return f"{days}d{hours:02d}h"
-    if hours:
-        return f"{hours}h{minutes:02d}m"
-    if minutes:
-        return f"{minutes}m{s % 60:02d}s"
-    return f"{s}s"
 
 
 def console_line(step: int, total_steps: int, metrics: dict[str, Any]) -> str:

@@ -4,17 +4,18 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from pathlib import Path
 
 import pytest
 
+from pretrain_core.durations import format_duration
 from pretrain_core.schema import LoggingConfig
 from tests.helpers import wandb_records
 from trainer.loggers import (
     WANDB_ID_FILE,
     MetricsLogger,
     console_line,
-    format_duration,
     resolve_wandb_mode,
     truncate_partial_line,
     wandb_key,
@@ -209,7 +210,13 @@ def test_the_wandb_run_has_its_name_group_job_type_tags_and_the_plans_prediction
     with make_logger(tmp_path, wandb="offline") as logger:
         logger.log(1, METRICS)
     [history] = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
+    # W&B's service may still be writing the log when finish() returns: read to its exit.
+    deadline = time.monotonic() + 30
     records = wandb_records(history)
+    while not any(r.HasField("exit") for r in records):
+        assert time.monotonic() < deadline, "the W&B log never reached its exit record"
+        time.sleep(0.2)
+        records = wandb_records(history)
     [run] = [r.run for r in records if r.HasField("run")][:1]
     assert (run.display_name, run.run_group, run.job_type) == (
         "tiny lr=0.01",

@@ -7,7 +7,6 @@ W&B groups them into sections through WANDB_KEYS.
 from __future__ import annotations
 
 import json
-import netrc
 import os
 import secrets
 import string
@@ -22,6 +21,7 @@ from rich.markup import escape
 from pretrain_core.durations import eta_seconds, format_duration
 from pretrain_core.rundir import METRICS_FILE, TENSORBOARD_DIR, WANDB_ID_FILE
 from pretrain_core.schema import LoggingConfig
+from pretrain_core.wandb_credentials import api_key_configured as wandb_api_key_configured
 from trainer.run_identity import RunIdentity
 
 WANDB_KEYS = {
@@ -66,19 +66,6 @@ def wandb_key(name: str) -> str:
         if name.startswith(prefix):
             return section + name
     return name if "/" in name else f"train/{name}"
-
-
-def wandb_api_key_configured() -> bool:
-    """Whether W&B has credentials: WANDB_API_KEY or a netrc entry for its host."""
-    if os.environ.get("WANDB_API_KEY"):
-        return True
-    host = os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai").split("://")[-1]
-    host = host.split("/")[0].split(":")[0]
-    path = os.environ.get("NETRC") or os.path.expanduser("~/.netrc")
-    try:
-        return netrc.netrc(path).authenticators(host) is not None
-    except (OSError, netrc.NetrcParseError):
-        return False
 
 
 def resolve_wandb_mode(setting: str) -> str:

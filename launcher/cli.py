@@ -52,8 +52,8 @@ ConfigStore.instance().store(name="recipe_schema", node=RecipeConfig)
 def _run_dir(cfg: RecipeConfig) -> Path:
     """The run dir: `run.dir`, else runs/<name>; in a sweep, below it the override string."""
     run_dir = Path(cfg.run.dir).expanduser() if cfg.run.dir else Path("runs") / cfg.name
-    hydra_cfg = HydraConfig.get()
-    if hydra_cfg.mode is not None and hydra_cfg.mode.name == "MULTIRUN":
+    hydra_cfg = HydraConfig.get() if HydraConfig.initialized() else None
+    if hydra_cfg and hydra_cfg.mode is not None and hydra_cfg.mode.name == "MULTIRUN":
         run_dir = run_dir / point_dir_name(
             hydra_cfg.job.override_dirname, list(hydra_cfg.overrides.task), hydra_cfg.job.num
         )

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import signal
 import sys
 from pathlib import Path
 
@@ -165,7 +166,8 @@ def _write_and_start(cfg: RecipeConfig, plan: dict, launched: dict | None) -> fl
     if ended.stopped_by:
         resume = "run the same command again to resume"
         print(f"stopped by {ended.stopped_by}; {resume}", file=sys.stderr)
-        raise Stopped(ended.code)
+        # Stopped is not finished: exit as a shell reports a signal, 128 + its number.
+        raise Stopped(128 + signal.Signals[ended.stopped_by].value)
     if ended.code != 0:
         _fail(failure_message(files.run_dir, ended.code), ended.code)
     return final_loss(files.run_dir)

@@ -31,7 +31,8 @@ usage: pretrain [--config-name RECIPE] [--config-dir DIR] [KEY=VALUE | GROUP=OPT
                      hydra/sweeper=optuna searches KEY=interval(lo,hi) (docs/sweeps.md)
   --cfg job          print the composed recipe and exit
   --config-dir DIR   your own recipes (also PRETRAIN_RECIPES=DIR); see docs/recipes-and-cli.md
-  also: pretrain-report RUN_DIR..., pretrain-export RUN_DIR OUT_DIR"""
+  also: pretrain status RUN_DIR, pretrain-report RUN_DIR..., pretrain-export RUN_DIR OUT_DIR,
+        pretrain-dashboard --project P"""
 
 
 def _wrap(text: str, indent: int) -> list[str]:

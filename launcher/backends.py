@@ -28,7 +28,7 @@ from launcher.job import JobFiles, job_env, torchrun_args
 from pretrain_core import run_lock
 from pretrain_core.lifeline import child_dies_with_us
 from pretrain_core.run_lock import SLURM_FINAL_STATES
-from pretrain_core.rundir import LAUNCH_LOG, LOGS_DIR
+from pretrain_core.rundir import LAUNCH_LOG, LOGS_DIR, SLURM_JOB_FILE
 from pretrain_core.schema import RecipeConfig
 
 FINAL_STATES = SLURM_FINAL_STATES
@@ -119,15 +119,10 @@ class _StderrTee:
 
 
 def _torchrun_command(cfg: RecipeConfig, files: JobFiles) -> list[str]:
-    """torchrun as a module of this Python: the ranks run the same interpreter."""
+    """The agent (torchrun) as a module of this Python: the ranks run the same interpreter."""
     if importlib.util.find_spec("torch") is None:
         raise LaunchError(f"torch is not installed for {sys.executable}: install it to run here")
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        *torchrun_args(cfg, files.config_path)[1:],
-    ]
+    return [sys.executable, *torchrun_args(cfg, files.config_path)[1:]]
 
 
 @dataclass(frozen=True)
@@ -215,18 +210,21 @@ def submit_slurm(files: JobFiles) -> SubmittedJob:
     job_id = result.stdout.strip().split(";")[0]
     if not job_id.isdigit():
         raise LaunchError(f"sbatch printed no job id: {result.stdout.strip()!r}")
+    # `pretrain status RUN_DIR` asks SLURM about the run dir's last job.
+    with contextlib.suppress(OSError):
+        (files.run_dir / SLURM_JOB_FILE).write_text(job_id + "\n")
     return SubmittedJob(job_id=job_id, log_path=files.run_dir / LOGS_DIR / f"slurm-{job_id}.out")
 
 
 def slurm_job_state(job_id: str) -> str:
     """The job's current state as `scontrol show job` reports it (e.g. PENDING, COMPLETED)."""
-    return _show_job(job_id)["JobState"]
+    return show_job(job_id)["JobState"]
 
 
 def never_starts(job_id: str) -> str | None:
     """Why the job will never start as submitted (a pending reason of NEVER_STARTS, with the
     fix), or None while it runs, ran or may still start."""
-    return _never_starts(job_id, _show_job(job_id))
+    return _never_starts(job_id, show_job(job_id))
 
 
 def _never_starts(job_id: str, fields: dict[str, str]) -> str | None:
@@ -239,7 +237,7 @@ def _never_starts(job_id: str, fields: dict[str, str]) -> str | None:
     )
 
 
-def _show_job(job_id: str) -> dict[str, str]:
+def show_job(job_id: str) -> dict[str, str]:
     """The job's JobState and Reason as `scontrol show job` reports them."""
     try:
         result = subprocess.run(
@@ -268,7 +266,7 @@ def wait_for_slurm_job(job_id: str, timeout_s: float) -> str:
     """
     deadline = time.monotonic() + timeout_s
     while True:
-        fields = _show_job(job_id)
+        fields = show_job(job_id)
         state = fields["JobState"]
         if state in FINAL_STATES:
             return state

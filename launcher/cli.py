@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-import re
+import signal
 import sys
 from pathlib import Path
 
@@ -22,7 +22,25 @@ from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from launcher.compose import SHIPPED_RECIPES, checked_command_line, hydra_errors_as_problems
+from launcher.assets import SHIPPED_RECIPES
+from launcher.compose import (
+    checked_command_line,
+    hydra_errors_as_problems,
+    search_dirs,
+    with_user_recipes,
+)
+from launcher.help import render_help
+from launcher.sweep import (
+    OUTCOMES,
+    SWEPT_KEYS,
+    Failed,
+    Stopped,
+    final_loss,
+    point_dir_name,
+    run_point,
+    summary,
+    swept_keys,
+)
 from pretrain_core.problems import RecipeError
 from pretrain_core.schema import RecipeConfig, dump_config, to_recipe
 
@@ -33,24 +51,25 @@ ConfigStore.instance().store(name="recipe_schema", node=RecipeConfig)
 
 
 def _run_dir(cfg: RecipeConfig) -> Path:
-    """The run dir: `run.dir`, else runs/<name>, plus the override string in a sweep."""
-    if cfg.run.dir:
-        return Path(cfg.run.dir).expanduser().resolve()
-    run_dir = Path("runs") / cfg.name
-    hydra_cfg = HydraConfig.get()
-    if hydra_cfg.mode is not None and hydra_cfg.mode.name == "MULTIRUN":
-        point = hydra_cfg.job.override_dirname or f"point{hydra_cfg.job.num}"
-        run_dir = run_dir / re.sub(r"[^A-Za-z0-9_.=,-]+", "_", point)
+    """The run dir: `run.dir`, else runs/<name>; in a sweep, below it the override string."""
+    run_dir = Path(cfg.run.dir).expanduser() if cfg.run.dir else Path("runs") / cfg.name
+    hydra_cfg = HydraConfig.get() if HydraConfig.initialized() else None
+    if hydra_cfg and hydra_cfg.mode is not None and hydra_cfg.mode.name == "MULTIRUN":
+        run_dir = run_dir / point_dir_name(
+            hydra_cfg.job.override_dirname, list(hydra_cfg.overrides.task), hydra_cfg.job.num
+        )
     return run_dir.resolve()
 
 
 def _fail(message: str, code: int = 2) -> None:
     print(message, file=sys.stderr)
-    raise SystemExit(code)
+    raise Failed(code, message)
 
 
-def execute(cfg: RecipeConfig) -> None:
-    """Validate, plan and carry out `cfg.action` for one composed recipe."""
+def execute(cfg: RecipeConfig, launched: dict | None = None) -> float | None:
+    """Validate, plan and carry out `cfg.action` for one composed recipe; the final
+    validation (or training) loss of a local run, None for the other actions. `launched`
+    (the recipe's name and the command line's overrides) goes to RUN_DIR/overrides.yaml."""
     from launcher.plan import make_plan, plan_to_dict
     from launcher.render import render_plan
     from launcher.short_run import fit_schedule_to_run
@@ -65,10 +84,10 @@ def execute(cfg: RecipeConfig) -> None:
             print(report(cfg))
         except RecipeError as err:
             _fail(f"Recipe '{cfg.name}' cannot be searched:\n{err}")
-        return
+        return None
     if cfg.action == "prepare":
         _prepare(cfg)
-        return
+        return None
     _validate_for_action(cfg)
     plan = make_plan(cfg)
     if cfg.action == "plan":
@@ -76,9 +95,9 @@ def execute(cfg: RecipeConfig) -> None:
             print(json.dumps(plan_to_dict(plan)))
         else:
             print(render_plan(plan))
-        return
+        return None
     print(render_plan(plan))
-    _write_and_start(cfg, plan_to_dict(plan))
+    return _write_and_start(cfg, plan_to_dict(plan), launched)
 
 
 def _validate_for_action(cfg: RecipeConfig) -> None:
@@ -108,8 +127,9 @@ def _validate_for_action(cfg: RecipeConfig) -> None:
             print(f"warning: {problem}", file=sys.stderr)
 
 
-def _write_and_start(cfg: RecipeConfig, plan: dict) -> None:
-    """Claim and write the run dir, then run locally or submit (action run or script)."""
+def _write_and_start(cfg: RecipeConfig, plan: dict, launched: dict | None) -> float | None:
+    """Claim and write the run dir, then run locally or submit (action run or script); the
+    final loss of a local run."""
     from launcher.backends import (
         LaunchError,
         claimed_run_dir,
@@ -124,12 +144,12 @@ def _write_and_start(cfg: RecipeConfig, plan: dict) -> None:
     try:
         check_run_dir(cfg, Path(cfg.run.dir), config_yaml)  # refuse before anything is written
         with claimed_run_dir(cfg) as lock_token:
-            files = write_run_dir(cfg, Path(cfg.run.dir), config_yaml, plan)
+            files = write_run_dir(cfg, Path(cfg.run.dir), config_yaml, plan, launched)
             print(f"run dir:    {files.run_dir}")
             print(f"config:     {files.config_path}")
             print(f"job script: {files.script_path}")
             if cfg.action == "script":
-                return
+                return None
             if cfg.cluster.backend == "slurm":
                 job = submit_slurm(files)
                 print(f"submitted SLURM job {job.job_id}; log: {job.log_path}")
@@ -139,14 +159,18 @@ def _write_and_start(cfg: RecipeConfig, plan: dict) -> None:
                     cannot_start = never_starts(job.job_id)
                     if cannot_start:
                         _fail(cannot_start)
-                return
+                return None
             ended = run_local(files, cfg, lock_token)
     except (JobError, LaunchError) as err:
         _fail(str(err))
     if ended.stopped_by:
-        _fail(f"stopped by {ended.stopped_by}; run the same command again to resume", ended.code)
+        resume = "run the same command again to resume"
+        print(f"stopped by {ended.stopped_by}; {resume}", file=sys.stderr)
+        # Stopped is not finished: exit as a shell reports a signal, 128 + its number.
+        raise Stopped(128 + signal.Signals[ended.stopped_by].value)
     if ended.code != 0:
         _fail(failure_message(files.run_dir, ended.code), ended.code)
+    return final_loss(files.run_dir)
 
 
 def _prepare(cfg: RecipeConfig) -> None:
@@ -182,18 +206,54 @@ def _prepare(cfg: RecipeConfig) -> None:
 
 
 @hydra.main(config_path=RECIPES_DIR, config_name=DEFAULT_RECIPE, version_base=None)
-def _hydra_main(node: DictConfig) -> None:
+def _hydra_main(node: DictConfig) -> float | None:
     cfg = to_recipe(node)
     cfg.run.dir = str(_run_dir(cfg))
-    execute(cfg)
+    hydra_cfg = HydraConfig.get()
+    overrides = list(hydra_cfg.overrides.task)
+    launched = {"recipe": hydra_cfg.job.config_name, "overrides": overrides}
+    if hydra_cfg.mode is None or hydra_cfg.mode.name != "MULTIRUN":
+        return execute(cfg, launched)
+    maximize = "max" in str(getattr(hydra_cfg.sweeper, "direction", ""))
+    swept = [o for o in overrides if o.split("=", 1)[0].lstrip("+~") in SWEPT_KEYS]
+    point = " ".join(swept or overrides)
+    # One W&B group per sweep, each point named by what it changes.
+    cfg.logging.wandb_name = cfg.logging.wandb_name or f"{cfg.name} {point}"[:128]
+    group = f"{cfg.name}:{','.join(sorted(SWEPT_KEYS)) or 'sweep'}"
+    cfg.logging.wandb_group = cfg.logging.wandb_group or group[:128]
+    return run_point(hydra_cfg.job.num, point, lambda: execute(cfg, launched), maximize)
+
+
+def _wants_help(argv: list[str]) -> bool:
+    return "--help" in argv or "-h" in argv
+
+
+def _help_filter(argv: list[str]) -> str:
+    """`pretrain --help cluster`: the word after --help narrows the fields listed."""
+    flag = argv.index("--help") if "--help" in argv else argv.index("-h")
+    rest = argv[flag + 1 : flag + 2]
+    return rest[0] if rest and "=" not in rest[0] and not rest[0].startswith("-") else ""
 
 
 def main() -> None:
     """Console entry point of `pretrain`: the command line and recipe files are checked
     before Hydra composes, and Hydra's errors are reported like the validator's."""
+    if sys.argv[1:2] == ["status"]:
+        from launcher.status import main as status
+
+        raise SystemExit(status(sys.argv[2:]))
     try:
-        sys.argv[1:] = checked_command_line(sys.argv[1:], DEFAULT_RECIPE)
+        argv = with_user_recipes(sys.argv[1:])
+        if _wants_help(argv):
+            print(render_help(search_dirs(argv), _help_filter(argv)))
+            return
+        sys.argv[1:] = checked_command_line(argv, DEFAULT_RECIPE)
+        SWEPT_KEYS.update(swept_keys(sys.argv[1:]))
         with hydra_errors_as_problems():
             _hydra_main()
     except RecipeError as err:
         _fail(f"The command line or a recipe is not valid:\n{err}")
+    if OUTCOMES:
+        print(summary(OUTCOMES), file=sys.stderr)
+        if not all(o.ok for o in OUTCOMES):
+            raise SystemExit(1)

@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from launcher.assets import SHIPPED_RECIPES
 from launcher.recipe_files import (
     HYDRA_SETTINGS_FILE,
     MAX_FILES,
@@ -37,9 +38,11 @@ from launcher.recipe_files import (
     yaml_files,
 )
 from launcher.recipe_keys import key_exists, leaf_types, sections, unknown_key, value_problem
+from launcher.sweep_settings import is_sweeper_setting, sweeper_problems
 from pretrain_core.problems import Problem, RecipeError, or_list
 
-SHIPPED_RECIPES = Path(__file__).resolve().parent.parent / "recipes"
+RECIPES_ENV = "PRETRAIN_RECIPES"
+"""A directory of the user's own recipes, searched like --config-dir (which wins if given)."""
 MAX_ARG_CHARS = 10_000
 """Longest command-line argument accepted (a list of a few hundred numbers fits)."""
 MAX_ARG_DEPTH = 32
@@ -76,6 +79,28 @@ def _search_path(args: Any) -> tuple[list[Path], list[Path], list[Problem]]:
     if args.config_path is None:
         dirs.append(SHIPPED_RECIPES)
     return dirs + user, user, problems
+
+
+def search_dirs(argv: list[str]) -> list[Path]:
+    """The recipe directories this command line composes from (shipped, --config-path,
+    --config-dir, PRETRAIN_RECIPES), the ones that exist."""
+    from hydra._internal.utils import get_args_parser
+
+    return _search_path(get_args_parser().parse_args(argv))[0]
+
+
+def with_user_recipes(argv: list[str]) -> list[str]:
+    """`argv` with `--config-dir $PRETRAIN_RECIPES` in front when the variable is set and the
+    command line gives no --config-dir of its own (the flag wins)."""
+    from hydra._internal.utils import get_args_parser
+
+    env_dir = os.environ.get(RECIPES_ENV, "")
+    if not env_dir or get_args_parser().parse_args(argv).config_dir is not None:
+        return argv
+    if not Path(env_dir).expanduser().is_dir():
+        reason = "no such directory"
+        raise RecipeError([Problem(RECIPES_ENV, env_dir, reason, "give a directory of recipes")])
+    return ["--config-dir", str(Path(env_dir).expanduser().resolve()), *argv]
 
 
 def recipe_names(dirs: list[Path]) -> list[str]:
@@ -196,7 +221,9 @@ def _override_problems(arguments: list[str], dirs: list[Path], multirun: bool) -
             problems.append(Problem(key, argument.partition("=")[2], reason, fix))
             continue
         key = override.key_or_group
-        if key == "hydra" or key.startswith(("hydra.", "hydra/")):
+        if is_sweeper_setting(key):
+            problems += sweeper_problems(override, multirun)
+        elif key == "hydra" or key.startswith(("hydra.", "hydra/")):
             problems.append(hydra_problem(key, argument.partition("=")[2]))
         elif override.package is not None:
             reason = "group@package overrides move a group elsewhere in the recipe"

@@ -16,23 +16,24 @@ import json
 import os
 import re
 import shlex
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from string import Template
 
+from launcher.assets import SBATCH_TEMPLATE
 from launcher.resume import frozen_changes
 from pretrain_core.rundir import (
     CONFIG_FILE,
     LOCAL_SCRIPT,
     LOGS_DIR,
+    OVERRIDES_FILE,
     PLAN_FILE,
     PREEMPTED_MARKER,
     SLURM_SCRIPT,
 )
 from pretrain_core.schema import RecipeConfig
-
-SBATCH_TEMPLATE = Path(__file__).resolve().parent.parent / "slurm" / "sbatch.template"
 
 RDZV_ENDPOINT = "$MASTER_ADDR:$MASTER_PORT"
 """torchrun argument the job script expands to the first node's address and the port."""
@@ -40,12 +41,13 @@ RDZV_ID = "$SLURM_JOB_ID"
 """torchrun argument the job script expands to the job's id (the same after a requeue)."""
 _SHELL_REFS = {RDZV_ENDPOINT, RDZV_ID}
 
-AGENT = ["python3", "-m", "trainer.agent"]
-"""The per-node agent: torchrun, except that a stop signal after which the ranks saved is a
-clean exit (see trainer/agent.py)."""
+AGENT = ["-m", "trainer.agent"]
+"""The per-node agent, run by `job_python`: torchrun, except that a stop signal after which
+the ranks saved is a clean exit (see trainer/agent.py)."""
 
 _ENV_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+_DIRECTIVE_NAME = re.compile(r"--[a-z][a-z0-9-]*")
 
 
 class JobError(ValueError):
@@ -68,6 +70,14 @@ class _ScriptTemplate(Template):
     flags = re.RegexFlag(0)
 
 
+def job_python(cfg: RecipeConfig) -> str:
+    """The Python the job runs the agent with: cluster.python, else this launcher's own
+    interpreter (so a venv need not be activated, nor torchrun be on PATH)."""
+    if cfg.cluster.python:
+        return cfg.cluster.python
+    return "python3" if cfg.cluster.container.image else sys.executable
+
+
 def torchrun_args(cfg: RecipeConfig, config_path: Path) -> list[str]:
     """The agent command line (torchrun's arguments) that starts every rank of one node.
 
@@ -83,8 +93,9 @@ def torchrun_args(cfg: RecipeConfig, config_path: Path) -> list[str]:
     per_node += ["--shutdown-timeout", str(c.signal_seconds)]
     program = ["-m", "trainer", str(config_path)]
     if c.nodes == 1:
-        return [*AGENT, "--standalone", *per_node, *program]
+        return [job_python(cfg), *AGENT, "--standalone", *per_node, *program]
     return [
+        job_python(cfg),
         *AGENT,
         "--nnodes",
         str(c.nodes),
@@ -155,12 +166,14 @@ def render_sbatch(cfg: RecipeConfig, run_dir: Path, config_path: Path) -> str:
         value = getattr(c, field)
         if value:
             optional.append(f"#SBATCH --{field}={_directive(f'cluster.{field}', value)}")
+    optional += [_extra_directive(i, d) for i, d in enumerate(c.sbatch_extra)]
     _directive("run.dir", str(run_dir))  # name the run dir itself if it cannot be used
     # SLURM expands %j (job id) in the output path; a literal % is written %%.
     log_pattern = str(Path(run_dir) / LOGS_DIR).replace("%", "%%") + "/slurm-%j.out"
-    node_script = 'trap "" USR1; exec ' + " ".join(
-        _shell_word(a) for a in torchrun_args(cfg, config_path)
-    )
+    agent = " ".join(_shell_word(a) for a in torchrun_args(cfg, config_path))
+    # The user's setup lines are shell by design; they run before the agent on each node.
+    setup = "".join(f"{line}\n" for line in c.setup)
+    node_script = f'trap "" USR1; {setup}exec {agent}'
     values = {
         "job_name": _directive("name", cfg.name),
         "nodes": str(c.nodes),
@@ -174,17 +187,46 @@ def render_sbatch(cfg: RecipeConfig, run_dir: Path, config_path: Path) -> str:
         "master_port": str(c.master_port),
         "config_path": shlex.quote(str(config_path)),
         "node_command": shlex.quote(node_script),
+        "srun_options": " ".join(shlex.quote(o) for o in container_options(cfg, run_dir)),
         "preempted_path": shlex.quote(str(Path(run_dir) / PREEMPTED_MARKER)),
     }
-    template = _ScriptTemplate(SBATCH_TEMPLATE.read_text())
-    found = {m["named"] or m["braced"] for m in template.pattern.finditer(template.template)}
-    found.discard(None)
-    if found != values.keys():
-        raise JobError(
-            f"{SBATCH_TEMPLATE} and the renderer disagree on placeholders: "
-            f"{sorted(found ^ values.keys())}"
-        )
+    path = Path(c.sbatch_template) if c.sbatch_template else SBATCH_TEMPLATE
+    template = _ScriptTemplate(path.read_text())
+    mismatch = sorted(template_placeholders(template.template) ^ values.keys())
+    if mismatch:
+        raise JobError(f"{path} and the renderer disagree on placeholders: {mismatch}")
     return template.safe_substitute(values)
+
+
+def template_placeholders(text: str) -> set[str]:
+    """The ${placeholders} an sbatch template holds."""
+    template = _ScriptTemplate(text)
+    found = {m["named"] or m["braced"] for m in template.pattern.finditer(template.template)}
+    return found - {None}
+
+
+def _extra_directive(index: int, directive: str) -> str:
+    """One of cluster.sbatch_extra as an #SBATCH line, its value quoted for sbatch."""
+    name, eq, value = directive.partition("=")
+    if not _DIRECTIVE_NAME.fullmatch(name):
+        raise JobError(f"cluster.sbatch_extra[{index}]={directive!r}: not --name=value or --flag")
+    if not eq:
+        return f"#SBATCH {name}"
+    return f"#SBATCH {name}={_directive(f'cluster.sbatch_extra[{index}]', value)}"
+
+
+def container_options(cfg: RecipeConfig, run_dir: Path) -> list[str]:
+    """srun's pyxis options for cluster.container: the image, the run dir and the user's
+    mounts, the job's working directory; none without an image."""
+    box = cfg.cluster.container
+    if not box.image:
+        return []
+    mounts = [f"{run_dir}:{run_dir}", *box.mounts]
+    return [
+        f"--container-image={box.image}",
+        f"--container-mounts={','.join(mounts)}",
+        "--container-workdir=" + str(Path.cwd()),
+    ]
 
 
 def render_local(cfg: RecipeConfig, config_path: Path) -> str:
@@ -228,10 +270,16 @@ def _write_atomic(path: Path, text: str, mode: int) -> None:
 
 
 def write_run_dir(
-    cfg: RecipeConfig, run_dir: Path, config_yaml: str, plan: dict | None = None
+    cfg: RecipeConfig,
+    run_dir: Path,
+    config_yaml: str,
+    plan: dict | None = None,
+    launched: dict | None = None,
 ) -> JobFiles:
-    """Create the run dir with its frozen config.yaml, job script (run.sh or job.sbatch) and
-    the plan (plan.json), leaving files that already hold the same text untouched.
+    """Create the run dir with its frozen config.yaml, job script (run.sh or job.sbatch),
+    the plan (plan.json) and how it was launched (overrides.yaml: `launched`, the recipe's
+    name and the command line's overrides), leaving files that already hold the same text
+    untouched.
 
     A run dir belongs to one config: if it already holds a config.yaml that differs in what
     is trained (see launcher/resume.py), nothing is written and a JobError says so. A change
@@ -239,7 +287,8 @@ def write_run_dir(
     (no space, no permission) is a JobError of one line.
     """
     try:
-        return _write_run_dir(cfg, Path(run_dir).expanduser().resolve(), config_yaml, plan)
+        resolved = Path(run_dir).expanduser().resolve()
+        return _write_run_dir(cfg, resolved, config_yaml, plan, launched)
     except OSError as err:
         where = f" {err.filename}" if err.filename else ""
         raise JobError(
@@ -292,7 +341,11 @@ def check_run_dir(cfg: RecipeConfig, run_dir: Path, config_yaml: str) -> None:
 
 
 def _write_run_dir(
-    cfg: RecipeConfig, run_dir: Path, config_yaml: str, plan: dict | None
+    cfg: RecipeConfig,
+    run_dir: Path,
+    config_yaml: str,
+    plan: dict | None,
+    launched: dict | None,
 ) -> JobFiles:
     # Render before touching the disk, so a rejected value leaves no half-made run dir.
     rendered = _render_run_dir(cfg, run_dir, config_yaml)
@@ -302,8 +355,14 @@ def _write_run_dir(
         # Keep every config the run dir was trained under: config.1.yaml, config.2.yaml, ...
         n = 1 + sum(1 for _ in run_dir.glob("config.*.yaml"))
         _write_atomic(run_dir / f"config.{n}.yaml", old_yaml, 0o644)
+        if (run_dir / OVERRIDES_FILE).is_file():
+            old_overrides = (run_dir / OVERRIDES_FILE).read_text()
+            _write_atomic(run_dir / f"overrides.{n}.yaml", old_overrides, 0o644)
     _write_atomic(files.config_path, config_yaml, 0o644)
     _write_atomic(files.script_path, rendered.script, 0o755)
+    if launched is not None:
+        text = json.dumps(launched, indent=1) + "\n"
+        _write_atomic(run_dir / OVERRIDES_FILE, text, 0o644)  # JSON is YAML
     if plan is not None:
         _write_atomic(run_dir / PLAN_FILE, json.dumps(plan, indent=1) + "\n", 0o644)
     return files

@@ -14,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from launcher.assets import PREPARE_TEMPLATE as TEMPLATE
 from launcher.backends import SubmittedJob, submit_slurm
 from launcher.job import (
     JobError,
@@ -22,11 +23,10 @@ from launcher.job import (
     _exports,
     _ScriptTemplate,
     _write_atomic,
+    job_python,
 )
 from pretrain_core.rundir import LOGS_DIR, PREPARE_CONFIG, PREPARE_SCRIPT
 from pretrain_core.schema import RecipeConfig, dump_config
-
-TEMPLATE = Path(__file__).resolve().parent.parent / "slurm" / "prepare.sbatch.template"
 
 
 def render_prepare_sbatch(cfg: RecipeConfig, run_dir: Path, config_path: Path) -> str:
@@ -47,6 +47,7 @@ def render_prepare_sbatch(cfg: RecipeConfig, run_dir: Path, config_path: Path) -
         "optional_directives": "\n".join(optional),
         "env_exports": _exports(cfg),
         "config_path": shlex.quote(str(config_path)),
+        "python": shlex.quote(job_python(cfg)),
     }
     template = _ScriptTemplate(TEMPLATE.read_text())
     found = {m["named"] or m["braced"] for m in template.pattern.finditer(template.template)}

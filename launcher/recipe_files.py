@@ -190,7 +190,8 @@ def hydra_problem(field: str, value: Any) -> Problem:
         "Hydra's own settings (callbacks, launchers, sweepers, search path, output and "
         "logging) can run code or write files outside the run dir, so recipes and the "
         "command line may not set them",
-        "remove it; the launcher's Hydra settings live in recipes/base.yaml",
+        "remove it; the launcher's Hydra settings live in recipes/base.yaml (a sweep may "
+        "choose its sweeper: hydra/sweeper=optuna, see docs/sweeps.md)",
     )
 
 

@@ -18,6 +18,8 @@ from typing import Any
 from launcher.rules_attention import check_attention
 from launcher.rules_data import check_data
 from launcher.rules_env import check_env, check_local_device
+from launcher.rules_job import check_job
+from launcher.rules_logging import check_logging
 from launcher.rules_moe import check_moe
 from launcher.rules_parallel import SAFE_NAME, check_cluster, check_parallel, check_runnable
 from launcher.rules_precision import check_precision
@@ -53,6 +55,8 @@ def validate(
     batch_ok = _check_train(c, cfg)
     cluster_ok = check_cluster(c, cfg)
     check_env(c, cfg)
+    check_job(c, cfg)
+    check_logging(c, cfg)
     check_parallel(c, cfg, model_ok, batch_ok, cluster_ok)
     check_precision(c, cfg)
     check_moe(c, cfg, for_launch)

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 CONFIG_FILE = "config.yaml"
 """The resolved recipe: the only config the ranks read."""
+OVERRIDES_FILE = "overrides.yaml"
+"""The recipe's name and the command line's overrides the run was launched with (the
+previous ones kept as overrides.N.yaml beside config.N.yaml when the config changed)."""
 LOCAL_SCRIPT = "run.sh"
 """The job script of a local run."""
 SLURM_SCRIPT = "job.sbatch"
@@ -25,6 +28,10 @@ requeues the job when it finds it."""
 HANGS_DIR = "hangs"
 """Each rank's last collectives, written when it stalls or a collective fails (and, on CUDA,
 NCCL's flight recorder dumps)."""
+TENSORBOARD_DIR = "tensorboard"
+"""TensorBoard event files of the main rank (logging.tensorboard=true)."""
+SLURM_JOB_FILE = "slurm_job_id"
+"""The id of the last SLURM job submitted for this run dir (`pretrain status` asks SLURM)."""
 WANDB_ID_FILE = "wandb_run_id"
 """The W&B run id, kept so that a resumed run continues the same W&B run."""
 PREPARE_CONFIG = "prepare.yaml"

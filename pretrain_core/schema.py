@@ -302,6 +302,18 @@ class InitConfig:
 
 
 @dataclass
+class ContainerConfig:
+    """A container every node's task runs in (SLURM with the pyxis/enroot plugin)."""
+
+    image: str = ""
+    """Image for `srun --container-image`, e.g. nvcr.io/nvidia/pytorch:25.01-py3 or a
+    .sqsh file; empty: no container. pretrain must be installed in it (or mounted)."""
+    mounts: list[str] = field(default_factory=list)
+    """`--container-mounts` entries SRC:DST[:FLAGS] with absolute paths; the run dir is
+    always mounted at its own path."""
+
+
+@dataclass
 class ClusterConfig:
     """Where and how the job runs."""
 
@@ -337,6 +349,19 @@ class ClusterConfig:
     """OMP_NUM_THREADS for every rank."""
     env: dict[str, str] = field(default_factory=dict)
     """Extra environment variables for the ranks (e.g. NCCL settings)."""
+    sbatch_template: str = ""
+    """Your own sbatch template (absolute path) with the same ${placeholders} as
+    slurm/sbatch.template; empty: the shipped one."""
+    sbatch_extra: list[str] = field(default_factory=list)
+    """Extra #SBATCH directives, each `--name=value` or `--flag`, e.g. --constraint=h100,
+    --exclusive; the value is quoted for sbatch."""
+    setup: list[str] = field(default_factory=list)
+    """Shell lines run on each node before torchrun (in the container, if any), e.g.
+    `module load cuda/12.4`, `source /opt/venv/bin/activate`; SLURM only."""
+    container: ContainerConfig = field(default_factory=ContainerConfig)
+    python: str = ""
+    """The Python that runs torchrun on each node: a command on the node's PATH or an
+    absolute path; empty: the launcher's own interpreter (inside cluster.container: python3)."""
     max_restarts: int = 0
     """torchrun restarts the whole group this many times when a rank dies; the restarted
     ranks resume from the last complete checkpoint."""
@@ -364,6 +389,18 @@ class LoggingConfig:
     """W&B project."""
     wandb_entity: str = ""
     """W&B entity (empty: the default of the API key)."""
+    wandb_name: str = ""
+    """W&B run name; empty: the recipe's name, and in a sweep the point's overrides after it."""
+    wandb_group: str = ""
+    """W&B group; empty: none, and in a sweep the recipe and the swept keys (one group per
+    sweep, kept when a point resumes)."""
+    wandb_job_type: str = "train"
+    """W&B job_type, to filter runs in the workspace."""
+    wandb_tags: list[str] = field(default_factory=list)
+    """W&B tags added to the automatic ones (the recipe, the layout, the precision)."""
+    tensorboard: bool = False
+    """Also write every scalar as TensorBoard events under RUN_DIR/tensorboard
+    (`pip install tensorboard`; read with `tensorboard --logdir RUN_DIR`)."""
     all_ranks: bool = False
     """Print the trainer's messages from every rank (prefixed with the rank), not only rank 0."""
 

@@ -281,3 +281,30 @@ def tree(root: Path) -> dict[str, tuple[int, int]]:
         str(p.relative_to(root)): (p.lstat().st_size, p.lstat().st_mtime_ns)
         for p in root.rglob("*")
     }
+
+
+def wandb_records(history: Path) -> list:
+    """The protobuf records of an offline W&B run's .wandb file (W&B's transaction log: a
+    7-byte header, then LevelDB log records in 32 KiB blocks), parsed with W&B's own
+    message types; wandb itself no longer ships a Python reader."""
+    import struct
+
+    from wandb.proto import wandb_internal_pb2
+
+    data, block, at, records, pending = history.read_bytes(), 32768, 7, [], b""
+    assert data[:4] == b":W&B", f"{history} is not a W&B transaction log"
+    while at + 7 <= len(data):
+        if block - at % block < 7:  # too little room for a header: the block is padded
+            at += block - at % block
+            continue
+        _crc, length, kind = struct.unpack("<IHB", data[at : at + 7])
+        if (kind == 0 and length == 0) or at + 7 + length > len(data):
+            break  # the end, or a record still being written
+        pending += data[at + 7 : at + 7 + length]
+        at += 7 + length
+        if kind in (1, 4):  # FULL or LAST: one whole record
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            records.append(record)
+            pending = b""
+    return records

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -44,6 +43,7 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from parallel.tied_embedding import head_copies
+from pretrain_core.checkpoint_files import DCP_METADATA, META, complete_checkpoints, step_dir
 from pretrain_core.rundir import CHECKPOINTS_DIR, WANDB_ID_FILE
 from pretrain_core.schema import CheckpointConfig
 from trainer import checkpoint_integrity as integrity
@@ -54,32 +54,12 @@ from trainer.optim_states import StoredStateOptimizer
 from trainer.step import TrainState
 from trainer.vocab_resize import load_resizing_vocab
 
-META = "meta.json"
 STASH = "stash"
 """DCP key of PipeDream-2BW's older weight version."""
-DCP_METADATA = ".metadata"
-_STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
 EMBEDDING, HEAD = "tok_embeddings.weight", "output.weight"
 """The full model's names of a tied embedding and its LM head."""
-
-
-def step_dir(root: Path, step: int) -> Path:
-    """Where the complete checkpoint of `step` lives."""
-    return root / f"step_{step:08d}"
-
-
-def complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
-    """Complete checkpoints under `root`, oldest first; `.tmp` folders never count."""
-    if not root.is_dir():
-        return []
-    found = []
-    for path in root.iterdir():
-        match = _STEP_DIR.match(path.name)
-        if match and (path / META).is_file() and (path / DCP_METADATA).is_file():
-            found.append((int(match.group(1)), path))
-    return sorted(found)
 
 
 def find_checkpoint(root: Path, step: int | None = None) -> Path | None:

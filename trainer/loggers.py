@@ -7,7 +7,6 @@ W&B groups them into sections through WANDB_KEYS.
 from __future__ import annotations
 
 import json
-import netrc
 import os
 import secrets
 import string
@@ -19,8 +18,11 @@ from typing import Any
 from rich.console import Console
 from rich.markup import escape
 
-from pretrain_core.rundir import METRICS_FILE, WANDB_ID_FILE
+from pretrain_core.durations import eta_seconds, format_duration
+from pretrain_core.rundir import METRICS_FILE, TENSORBOARD_DIR, WANDB_ID_FILE
 from pretrain_core.schema import LoggingConfig
+from pretrain_core.wandb_credentials import api_key_configured as wandb_api_key_configured
+from trainer.run_identity import RunIdentity
 
 WANDB_KEYS = {
     "loss": "train/loss",
@@ -64,19 +66,6 @@ def wandb_key(name: str) -> str:
         if name.startswith(prefix):
             return section + name
     return name if "/" in name else f"train/{name}"
-
-
-def wandb_api_key_configured() -> bool:
-    """Whether W&B has credentials: WANDB_API_KEY or a netrc entry for its host."""
-    if os.environ.get("WANDB_API_KEY"):
-        return True
-    host = os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai").split("://")[-1]
-    host = host.split("/")[0].split(":")[0]
-    path = os.environ.get("NETRC") or os.path.expanduser("~/.netrc")
-    try:
-        return netrc.netrc(path).authenticators(host) is not None
-    except (OSError, netrc.NetrcParseError):
-        return False
 
 
 def resolve_wandb_mode(setting: str) -> str:
@@ -177,7 +166,7 @@ class MetricsLogger:
         is_main: bool,
         logging: LoggingConfig,
         config: dict,
-        run_name: str,
+        identity: RunIdentity,
         total_steps: int,
     ) -> None:
         self.run_dir = Path(run_dir)
@@ -188,6 +177,8 @@ class MetricsLogger:
         self._file = None
         self._wandb_run = None
         self._wandb_mode = "disabled"
+        self._tensorboard: Any = None
+        self._started = time.monotonic()
         mode = resolve_wandb_mode(logging.wandb)  # on every rank: a bad setting fails everywhere
         if not is_main:
             return
@@ -196,7 +187,11 @@ class MetricsLogger:
         truncate_partial_line(jsonl)
         self._file = jsonl.open("a", encoding="utf-8")
         if mode != "disabled":
-            self._init_wandb(mode, config, run_name)
+            self._init_wandb(mode, config, identity)
+        if logging.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tensorboard = SummaryWriter(str(self.run_dir / TENSORBOARD_DIR))
 
     def wandb_run_id(self) -> str:
         """The W&B run id of this run dir, created on first use and kept in RUN_DIR/wandb_run_id."""
@@ -212,7 +207,7 @@ class MetricsLogger:
         os.replace(tmp, path)
         return run_id
 
-    def _init_wandb(self, mode: str, config: dict, run_name: str) -> None:
+    def _init_wandb(self, mode: str, config: dict, identity: RunIdentity) -> None:
         os.environ.setdefault("WANDB_SILENT", "true")
         try:
             import wandb
@@ -220,11 +215,14 @@ class MetricsLogger:
             run = wandb.init(
                 project=self.logging.wandb_project,
                 entity=self.logging.wandb_entity or None,
-                name=run_name,
+                name=identity.name,
+                group=identity.group,
+                job_type=identity.job_type,
+                tags=identity.tags,
                 id=self.wandb_run_id(),
                 resume="allow",
                 dir=str(self.run_dir),
-                config=config,
+                config={**config, "plan": identity.predicted},
                 mode=mode,
                 settings=wandb.Settings(silent=True),
             )
@@ -235,6 +233,8 @@ class MetricsLogger:
             run.define_metric(WANDB_KEYS["tokens_per_s"], step_metric=WANDB_STEP, summary="max")
             run.define_metric(WANDB_KEYS["loss"], step_metric=WANDB_STEP, summary="min")
             run.define_metric(WANDB_KEYS["val_loss"], step_metric=WANDB_STEP, summary="min")
+            # The plan's predictions beside the measured summary values.
+            run.summary.update({f"plan/{k}": v for k, v in identity.predicted.items()})
         except Exception as exc:  # whatever W&B raises, training must go on
             reason = escape(f"{type(exc).__name__}: {exc}")
             self.console.print(f"[yellow]W&B disabled ({mode}): {reason}")
@@ -259,10 +259,19 @@ class MetricsLogger:
         if not self.is_main:
             return
         values = {k: _plain(v) for k, v in metrics.items()}
-        self.console.print(console_line(step, self.total_steps, values), markup=False)
+        line = console_line(step, self.total_steps, values)
+        eta = eta_seconds(step, self.total_steps, values.get("step_time_s"))
+        if eta is not None:
+            line += f" | ETA {format_duration(eta)}"
+        self.console.print(line, markup=False)
         record = {"step": step, "time": round(time.time(), 3), **values}
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
+        if self._tensorboard is not None:
+            for k, v in values.items():
+                if isinstance(v, (int, float)) and not isinstance(v, bool):
+                    self._tensorboard.add_scalar(wandb_key(k), v, step)
+            self._tensorboard.flush()
         if self._wandb_run is not None:
             data = {wandb_key(k): v for k, v in values.items() if v is not None}
             try:
@@ -276,6 +285,9 @@ class MetricsLogger:
         if self._file is not None:
             self._file.close()
             self._file = None
+        if self._tensorboard is not None:
+            self._tensorboard.close()
+            self._tensorboard = None
         if self._wandb_run is not None:
             run, self._wandb_run = self._wandb_run, None
             try:

@@ -42,6 +42,7 @@ from trainer.metrics import PeakFlops, ThroughputMeter, resolve_peak_flops
 from trainer.metrics_window import MetricsWindow
 from trainer.pipeline_step import pipeline_step
 from trainer.prefetch import PrefetchingLoader
+from trainer.run_identity import run_identity
 from trainer.step import LocalStep, Stepper, TrainState
 
 
@@ -120,7 +121,7 @@ def setup(cfg: RecipeConfig, rank: RankInfo) -> Run:
         is_main=rank.is_main,
         logging=cfg.logging,
         config=asdict(cfg),
-        run_name=cfg.name,
+        identity=run_identity(cfg, run_dir, degrees),
         total_steps=cfg.train.steps,
     )
     _announce(cfg, rank, degrees, state, data, peak)

@@ -182,7 +182,8 @@ def test_a_full_disk_is_named_before_the_save_and_the_launcher_refuses_cleanly(
     assert f"GiB on {run_dir / 'checkpoints'}" in result.stderr
     assert [p.name for p in (run_dir / "checkpoints").iterdir()] == ["step_00000002"]
     # Fill the disk to the last byte: a rerun must still end in one clear line.
-    with (small_disk / "filler").open("wb") as filler, pytest.raises(OSError):
+    # Unbuffered: the write that finds the disk full raises, and closing has nothing left.
+    with (small_disk / "filler").open("wb", buffering=0) as filler, pytest.raises(OSError):
         while True:
             filler.write(b"\0" * 65536)
             filler.flush()

@@ -140,5 +140,40 @@ def test_the_launchers_hydra_settings_file_is_the_only_one_allowed(tmp_path: Pat
         f"hydra.run.dir=/elsewhere: in {tmp_path / 'mine.yaml'}: Hydra's own settings "
         "(callbacks, launchers, sweepers, search path, output and logging) can run code or "
         "write files outside the run dir, so recipes and the command line may not set them; "
-        "remove it; the launcher's Hydra settings live in recipes/base.yaml"
+        "remove it; the launcher's Hydra settings live in recipes/base.yaml (a sweep may "
+        "choose its sweeper: hydra/sweeper=optuna, see docs/sweeps.md)"
     ]
+
+
+def test_a_sweep_may_choose_the_optuna_sweeper_and_its_allowed_settings_by_name() -> None:
+    argv = ["-m", "hydra/sweeper=optuna", "hydra.sweeper.n_trials=4", "hydra/sweeper/sampler=tpe",
+            "hydra.sweeper.sampler.seed=3", "hydra.sweeper.direction=minimize",
+            "optim.lr=interval(1e-4,1e-2)"]  # fmt: skip
+    assert checked_command_line(argv, "tiny") == [*argv, *QUIET_HYDRA]
+
+
+def test_the_rest_of_the_sweepers_settings_stay_refused() -> None:
+    found = problems_of(
+        "-m", "hydra/sweeper=optuna", "hydra.sweeper.storage=sqlite:///x.db",
+        "hydra.sweeper.custom_search_space=os.system", "hydra/launcher=joblib",
+    )  # fmt: skip
+    assert [p.split(":")[0] for p in found] == [
+        "hydra.sweeper.storage=sqlite", "hydra.sweeper.custom_search_space=os.system",
+        "hydra/launcher=joblib",
+    ]  # fmt: skip
+
+
+def test_bad_sweeper_values_are_refused_with_what_fits() -> None:
+    found = problems_of(
+        "-m", "hydra/sweeper=optina", "hydra.sweeper.n_trials=0", "hydra.sweeper.direction=up"
+    )
+    assert found == [
+        "hydra/sweeper=optina: no such option; did you mean optuna? use basic or optuna",
+        "hydra.sweeper.n_trials=0: must be at least 1; use 1 or more",
+        "hydra.sweeper.direction=up: no such option; use minimize or maximize",
+    ]
+
+
+def test_a_sweeper_outside_a_sweep_is_refused() -> None:
+    [found] = problems_of("hydra/sweeper=optuna")
+    assert found == "hydra/sweeper=optuna: a sweeper setting only matters in a sweep; add -m"

@@ -63,7 +63,7 @@ def test_one_node_runs_a_standalone_torchrun_through_the_agent() -> None:
     cfg.cluster.gpus_per_node = 2
     args = torchrun_args(cfg, Path("/runs/a/config.yaml"))
     assert args == [
-        "python3", "-m", "trainer.agent", "--standalone", "--nproc-per-node", "2",
+        sys.executable, "-m", "trainer.agent", "--standalone", "--nproc-per-node", "2",
         "--shutdown-timeout", str(cfg.cluster.signal_seconds),
         "-m", "trainer", "/runs/a/config.yaml",
     ]  # fmt: skip
@@ -73,7 +73,7 @@ def test_two_nodes_meet_in_a_c10d_rendezvous_keyed_by_the_job_id() -> None:
     cfg = slurm_recipe(nodes=2, gpus_per_node=4, max_restarts=3)
     args = torchrun_args(cfg, Path("/runs/a/config.yaml"))
     assert args == [
-        *AGENT, "--nnodes", "2", "--nproc-per-node", "4", "--max-restarts", "3",
+        sys.executable, *AGENT, "--nnodes", "2", "--nproc-per-node", "4", "--max-restarts", "3",
         "--shutdown-timeout", str(cfg.cluster.signal_seconds),
         "--rdzv-backend", "c10d", "--rdzv-endpoint", "$MASTER_ADDR:$MASTER_PORT",
         "--rdzv-id", "$SLURM_JOB_ID",
@@ -132,7 +132,7 @@ def test_the_job_ends_with_srun_of_the_agent_in_a_task_that_ignores_sigusr1(
     assert srun[3] == "-c"
     trap, exec_agent = srun[4].split("; ", 1)
     assert trap == 'trap "" USR1'
-    assert exec_agent.startswith("exec python3 -m trainer.agent ")
+    assert exec_agent.startswith(f"exec {shlex.quote(sys.executable)} -m trainer.agent ")
     node = {**os.environ, "SLURM_JOB_ID": "77", "MASTER_ADDR": "10.0.0.7", "MASTER_PORT": "29500"}
     expected = torchrun_args(cfg, config)
     expected[expected.index(RDZV_ENDPOINT)] = "10.0.0.7:29500"

@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from pretrain_core.durations import format_duration
 from pretrain_core.schema import LoggingConfig
+from tests.helpers import wandb_records
 from trainer.loggers import (
     WANDB_ID_FILE,
     MetricsLogger,
@@ -18,6 +20,7 @@ from trainer.loggers import (
     truncate_partial_line,
     wandb_key,
 )
+from trainer.run_identity import RunIdentity
 
 METRICS = {
     "loss": 3.25,
@@ -41,13 +44,19 @@ def wandb_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.delenv(var, raising=False)
 
 
-def make_logger(run_dir: Path, *, wandb: str = "disabled", is_main: bool = True) -> MetricsLogger:
+IDENTITY = RunIdentity("tiny lr=0.01", "tiny:optim.lr", "train", ["tiny", "tp1-pp1-dp2-zero0"],
+                       {"mfu": 0.41, "memory_gib": 3.5})  # fmt: skip
+
+
+def make_logger(
+    run_dir: Path, *, wandb: str = "disabled", is_main: bool = True, tensorboard: bool = False
+) -> MetricsLogger:
     return MetricsLogger(
         run_dir,
         is_main=is_main,
-        logging=LoggingConfig(wandb=wandb),
+        logging=LoggingConfig(wandb=wandb, tensorboard=tensorboard),
         config={"model": {"dim": 128}},
-        run_name="tiny",
+        identity=IDENTITY,
         total_steps=10,
     )
 
@@ -198,3 +207,62 @@ def test_validation_and_mixture_metrics_reach_every_sink(
         time.sleep(0.5)
     recorded = history.read_bytes()
     assert b"val/loss" in recorded and b"data/tokens_seen_code" in recorded
+
+
+def test_the_wandb_run_has_its_name_group_job_type_tags_and_the_plans_predictions(
+    tmp_path: Path,
+) -> None:
+    with make_logger(tmp_path, wandb="offline") as logger:
+        logger.log(1, METRICS)
+    [history] = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
+    # W&B's service may still be writing the log when finish() returns: read to its exit.
+    deadline = time.monotonic() + 30
+    records = wandb_records(history)
+    while not any(r.HasField("exit") for r in records):
+        assert time.monotonic() < deadline, "the W&B log never reached its exit record"
+        time.sleep(0.2)
+        records = wandb_records(history)
+    [run] = [r.run for r in records if r.HasField("run")][:1]
+    assert (run.display_name, run.run_group, run.job_type) == (
+        "tiny lr=0.01",
+        "tiny:optim.lr",
+        "train",
+    )
+    assert list(run.tags) == ["tiny", "tp1-pp1-dp2-zero0"]
+    config = {item.key: json.loads(item.value_json) for item in run.config.update}
+    assert config["plan"] == {"mfu": 0.41, "memory_gib": 3.5}
+    summary = {
+        item.key: json.loads(item.value_json)
+        for r in records if r.HasField("summary") for item in r.summary.update
+    }  # fmt: skip
+    assert summary["plan/mfu"] == 0.41 and summary["plan/memory_gib"] == 3.5
+
+
+def test_tensorboard_events_hold_the_same_scalars_as_metrics_jsonl(tmp_path: Path) -> None:
+    event_accumulator = pytest.importorskip(
+        "tensorboard.backend.event_processing.event_accumulator"
+    )
+    with make_logger(tmp_path, tensorboard=True) as logger:
+        logger.log(1, METRICS)
+        logger.log(2, {**METRICS, "loss": 3.0})
+    events = event_accumulator.EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    losses = [(e.step, e.value) for e in events.Scalars("train/loss")]
+    assert losses == [(1, pytest.approx(METRICS["loss"])), (2, 3.0)]
+    rows = read_jsonl(tmp_path / "metrics.jsonl")
+    numeric = {
+        k for k, v in rows[0].items() if isinstance(v, (int, float)) and k not in ("step", "time")
+    }
+    assert {wandb_key(k) for k in numeric} <= set(events.Tags()["scalars"])
+
+
+def test_the_step_line_ends_with_the_time_left_at_the_current_step_time(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    with make_logger(tmp_path) as logger:
+        logger.log(4, {**METRICS, "step_time_s": 125.0})
+        logger.log(10, {**METRICS, "step_time_s": 125.0})
+    first, last = capsys.readouterr().out.splitlines()[-2:]
+    assert first.endswith(" | ETA 12m30s")  # 6 steps of 125 s
+    assert "ETA" not in last
+    assert [format_duration(s) for s in (7, 247, 7500, 270000)] == ["7s", "4m07s", "2h05m", "3d03h"]

@@ -4,6 +4,7 @@ quoted like every job script; and a SLURM run's ranks refuse data nobody prepare
 from __future__ import annotations
 
 import shlex
+import sys
 from pathlib import Path
 
 import pytest
@@ -32,7 +33,8 @@ def test_the_prepare_job_asks_for_cpus_on_the_cpu_partition_and_no_gpus(tmp_path
     assert '#SBATCH --partition="cpu"' in lines and '#SBATCH --account="proj"' in lines
     assert not [line for line in lines if "gpu" in line.lower() and "partition" not in line]
     assert '#SBATCH --job-name="big-prepare"' in lines
-    assert f"python3 -m trainer.prepare {shlex.quote(str(tmp_path / 'prepare.yaml'))}" in script
+    config = shlex.quote(str(tmp_path / "prepare.yaml"))
+    assert f"{shlex.quote(sys.executable)} -m trainer.prepare {config}" in script
     cfg.cluster.cpu_partition, cfg.data.workers = "", 0
     script = render_prepare_sbatch(cfg, tmp_path, tmp_path / "prepare.yaml")
     assert '#SBATCH --partition="gpu"' in script

@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from launcher.report import load_metrics
+from launcher.report import figure, load_metrics, run_dirs
 
 REPO = Path(__file__).resolve().parents[2]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -81,3 +81,23 @@ def test_a_dir_without_metrics_is_refused_with_a_message(tmp_path):
     assert result.returncode == 2
     assert "no " in result.stderr and "metrics.jsonl" in result.stderr
     assert not (tmp_path / "report.png").exists()
+
+
+def test_several_runs_or_a_sweep_dir_are_overlaid_one_line_per_run(tmp_path):
+    (tmp_path / "sweep").mkdir()
+    for name in ("lr=1e-3", "lr=3e-3"):
+        write_run(tmp_path / "sweep" / name)
+    dirs = run_dirs([tmp_path / "sweep"])
+    assert [d.name for d in dirs] == ["lr=1e-3", "lr=3e-3"]
+    fig = figure([(d.name, load_metrics(d / "metrics.jsonl")) for d in dirs], "sweep")
+    titles = [ax.get_title(loc="left") for ax in fig.axes]
+    assert titles == ["loss", "validation loss", "tokens/s", "MFU (%)"]
+    loss, val = fig.axes[0], fig.axes[1]
+    assert [line.get_label() for line in loss.get_lines()] == ["lr=1e-3", "lr=3e-3"]
+    assert val.texts[0].get_text() == "val_loss not measured"
+    result = subprocess.run(
+        [sys.executable, "-m", "launcher.report", str(tmp_path / "sweep")],
+        capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHONPATH=str(REPO)),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == str((tmp_path / "sweep" / "report.png").resolve())

@@ -1,0 +1,67 @@
+"""`pretrain --help`: the recipes, actions, config groups and every field of the schema with
+its default, allowed values and doc (generated from the schema's docstrings, never kept by
+hand). `pretrain --help SECTION` lists only the fields whose path starts with SECTION."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+from launcher.compose import recipe_names
+from launcher.recipe_files import group_options
+from pretrain_core.field_docs import field_docs
+from pretrain_core.schema import RecipeConfig
+
+ACTIONS = {
+    "run": "plan, write the run dir, then train here (torchrun) or submit (sbatch); default",
+    "plan": "print the plan (layout, parameters, memory per rank, step time); write nothing",
+    "script": "write the run dir and its job script; launch nothing",
+    "suggest": "list the fastest layouts of the model that fit the cluster",
+    "prepare": "tokenize the data into a prepared dataset (here, or as a SLURM CPU job)",
+}
+"""What each `action=` does (the schema's `action` field lists the same names)."""
+
+USAGE = """\
+pretrain: compose a recipe (Hydra), validate it, plan it, then act.
+
+usage: pretrain [--config-name RECIPE] [--config-dir DIR] [KEY=VALUE | GROUP=OPTION |
+                +cluster.env.NAME=VALUE | ~KEY ...] [-m] [--cfg job] [--help [SECTION]]
+
+  -m                 a sweep: KEY=a,b,c gives one run dir per point (runs/RECIPE/POINT);
+                     hydra/sweeper=optuna searches KEY=interval(lo,hi) (docs/sweeps.md)
+  --cfg job          print the composed recipe and exit
+  --config-dir DIR   your own recipes (also PRETRAIN_RECIPES=DIR); see docs/recipes-and-cli.md
+  also: pretrain status RUN_DIR, pretrain-report RUN_DIR..., pretrain-export RUN_DIR OUT_DIR,
+        pretrain-dashboard --project P"""
+
+
+def _wrap(text: str, indent: int) -> list[str]:
+    return textwrap.wrap(text, 96, initial_indent=" " * indent, subsequent_indent=" " * indent)
+
+
+def render_help(dirs: list[Path], section: str = "") -> str:
+    """The help text for a search path of recipe directories; `section` narrows the fields."""
+    lines = [USAGE, ""]
+    if not section:
+        lines.append("recipes (--config-name RECIPE; default tiny):")
+        lines += _wrap(", ".join(recipe_names(dirs)), 2)
+        lines += ["", "actions (action=NAME):"]
+        lines += [f"  {name:<9} {doc}" for name, doc in ACTIONS.items()]
+        lines += ["", "config groups (GROUP=OPTION):"]
+        for group in sorted(
+            {d.name for directory in dirs for d in directory.iterdir() if d.is_dir()}
+        ):
+            options = group_options(group, dirs)
+            if options:
+                lines.append(f"  {group:<10} {', '.join(options)}")
+        lines.append("")
+    shown = [f for f in field_docs(RecipeConfig) if f.path.startswith(section)]
+    if not shown:
+        lines.append(f"no field starts with {section!r}; `pretrain --help` lists them all")
+        return "\n".join(lines)
+    lines.append("fields (KEY=VALUE; after '=' the schema's default, which a recipe may change):")
+    for f in shown:
+        choices = f"  [{' | '.join(f.choices)}]" if f.choices else ""
+        lines.append(f"  {f.path} = {f.default!r}{choices}")
+        lines += _wrap(f.doc, 6)
+    return "\n".join(lines)

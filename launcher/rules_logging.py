@@ -1,0 +1,38 @@
+"""Rules of the logging fields: W&B names, group, job type and tags within W&B's limits,
+and TensorBoard only where its package is installed."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+
+from pretrain_core.problems import Checks
+from pretrain_core.schema import RecipeConfig
+
+MAX_WANDB_TEXT = 128
+"""W&B keeps group and job_type names up to 128 characters."""
+MAX_WANDB_TAG = 64
+"""W&B refuses tags longer than 64 characters."""
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def check_logging(c: Checks, cfg: RecipeConfig) -> None:
+    """logging.wandb_{name,group,job_type,tags} and logging.tensorboard."""
+    g = cfg.logging
+    for name in ("wandb_name", "wandb_group", "wandb_job_type"):
+        value = getattr(g, name)
+        if len(value) > MAX_WANDB_TEXT or _CONTROL.search(value):
+            c.add(f"logging.{name}", value,
+                  f"W&B takes up to {MAX_WANDB_TEXT} characters on one line",
+                  "shorten it and drop line breaks")  # fmt: skip
+    if not g.wandb_job_type:
+        c.add("logging.wandb_job_type", "", "W&B needs a job type to filter by",
+              "use train (the default)")  # fmt: skip
+    for i, tag in enumerate(g.wandb_tags):
+        if not tag or len(tag) > MAX_WANDB_TAG or _CONTROL.search(tag):
+            c.add(f"logging.wandb_tags[{i}]", tag,
+                  f"a W&B tag is 1 to {MAX_WANDB_TAG} characters on one line",
+                  "shorten it, or remove it")  # fmt: skip
+    if g.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        c.add("logging.tensorboard", True, "the tensorboard package is not installed",
+              "pip install tensorboard, or set logging.tensorboard=false")  # fmt: skip

@@ -1,0 +1,76 @@
+"""`pretrain status`: a run dir's or a sweep's state, read from the files the run wrote."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from pretrain_core.checkpoint_files import DCP_METADATA, META, step_dir
+from pretrain_core.schema import RecipeConfig, dump_config
+
+
+def make_run(run_dir: Path, steps_done: int, total: int = 10, job: str = "") -> Path:
+    """A run dir as a trainer leaves it: config, metrics, a checkpoint, maybe a job id."""
+    cfg = RecipeConfig()
+    cfg.train.steps = total
+    run_dir.mkdir(parents=True)
+    (run_dir / "config.yaml").write_text(dump_config(cfg))
+    rows = [{"step": s, "loss": 5.0 - s / 10, "tokens_per_s": 1234.5, "step_time_s": 30.0}
+            for s in range(1, steps_done + 1)]  # fmt: skip
+    rows[-1]["val_loss"] = 4.75
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    checkpoint = step_dir(run_dir / "checkpoints", steps_done)
+    checkpoint.mkdir(parents=True)
+    (checkpoint / META).write_text("{}")
+    (checkpoint / DCP_METADATA).write_text("")
+    if job:
+        (run_dir / "slurm_job_id").write_text(job + "\n")
+    return run_dir
+
+
+def status(*paths: Path) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "SLURM_CONF"}  # no controller
+    return subprocess.run([sys.executable, "-m", "launcher", "status", *map(str, paths)],
+                          capture_output=True, text=True, env=env, timeout=60)  # fmt: skip
+
+
+def test_status_of_a_run_dir_names_its_step_losses_eta_checkpoint_and_job(tmp_path: Path) -> None:
+    run_dir = make_run(tmp_path / "run", steps_done=4, job="4242")
+    (run_dir / "preempted").touch()
+    result = status(run_dir)
+    assert result.returncode == 0, result.stderr
+    fields = dict(line.split(None, 1) if " " in line.strip() else (line.strip(), "")
+                  for line in result.stdout.splitlines()[1:])  # fmt: skip
+    assert fields["step"] == "4/10" and fields["loss"] == "4.6000"
+    assert fields["val"] == "loss    4.7500"
+    assert fields["ETA"] == "3m00s"  # 6 steps of 30 s
+    assert fields["checkpoint"] == "step 4" and fields["preempted"] == "yes"
+    assert fields["slurm"].startswith("4242 (unknown: ")  # no controller to ask here
+
+
+def test_status_of_a_sweep_dir_has_one_row_per_point(tmp_path: Path) -> None:
+    make_run(tmp_path / "sweep" / "seed=1", steps_done=10)
+    make_run(tmp_path / "sweep" / "seed=2", steps_done=3)
+    lines = status(tmp_path / "sweep").stdout.splitlines()
+    assert lines[0] == f"{tmp_path / 'sweep'}: 2 points"
+    assert lines[1].split() == [
+        "point",
+        "step",
+        "loss",
+        "val",
+        "loss",
+        "ETA",
+        "checkpoint",
+        "slurm",
+    ]
+    assert lines[2].split()[:5] == ["seed=1", "10/10", "4.0000", "4.7500", "done"]
+    assert lines[3].split()[:5] == ["seed=2", "3/10", "4.7000", "4.7500", "3m30s"]
+
+
+def test_status_of_a_path_that_is_no_run_dir_says_so_and_fails(tmp_path: Path) -> None:
+    result = status(tmp_path)
+    assert result.returncode == 2
+    assert "holds no config.yaml, nor run dirs that do" in result.stderr

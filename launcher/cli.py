@@ -42,6 +42,7 @@ from launcher.sweep import (
     swept_keys,
 )
 from pretrain_core.problems import RecipeError
+from pretrain_core.rundir import PREEMPTED_MARKER
 from pretrain_core.schema import RecipeConfig, dump_config, to_recipe
 
 RECIPES_DIR = str(SHIPPED_RECIPES)
@@ -166,8 +167,11 @@ def _write_and_start(cfg: RecipeConfig, plan: dict, launched: dict | None) -> fl
     if ended.stopped_by:
         resume = "run the same command again to resume"
         print(f"stopped by {ended.stopped_by}; {resume}", file=sys.stderr)
-        # Stopped is not finished: exit as a shell reports a signal, 128 + its number.
-        raise Stopped(128 + signal.Signals[ended.stopped_by].value)
+        # Ranks that saved and left the preempted marker stopped as asked (as a requeued
+        # SLURM job does): exit 0. A stop before that is not finished: exit as a shell
+        # reports a signal, 128 + its number. Either way a sweep stops here.
+        saved = ended.code == 0 and (files.run_dir / PREEMPTED_MARKER).is_file()
+        raise Stopped(0 if saved else 128 + signal.Signals[ended.stopped_by].value)
     if ended.code != 0:
         _fail(failure_message(files.run_dir, ended.code), ended.code)
     return final_loss(files.run_dir)

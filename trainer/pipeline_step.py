@@ -149,6 +149,8 @@ class PipelineStep:
         the same schedule), on every stage."""
         inputs = torch.cat([x for x, _ in micro_batches]).to(self.device)
         targets = torch.cat([y for _, y in micro_batches]).to(self.device)
+        if self.state.context is not None:
+            inputs, targets = self.state.context.shard(inputs), self.state.context.shard(targets)
         args = (inputs,) if self.has_first else ()
         self.losses, self.evaluating = [], True
         try:
@@ -160,4 +162,4 @@ class PipelineStep:
         if self.has_last:
             loss += torch.stack(self.losses[-self.n_microbatches :]).sum() / self.n_microbatches
         dist.all_reduce(loss, group=self.group)
-        return loss
+        return self.state.context.mean(loss) if self.state.context is not None else loss

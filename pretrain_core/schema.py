@@ -190,6 +190,10 @@ class TrainConfig:
     """Sequences per rank per forward/backward."""
     global_batch: int = 16
     """Sequences per optimizer step across all data-parallel ranks."""
+    loss_chunks: int = 1
+    """Compute the LM head and cross-entropy in this many sequence chunks, each recomputed
+    in backward, so the full logits and their gradient never exist at once (costs one more
+    head matmul per step); 1 computes them whole. Must divide seq_len."""
 
 
 @dataclass

@@ -3,7 +3,7 @@
 The order follows the design: plain model on meta -> pipeline split (this rank's stages) ->
 tensor/sequence -> recompute -> compile -> FSDP -> materialize and initialize (same weights
 for any layout) -> DDP; then the optimizer (ZeRO-1 sharded when asked), the LR schedule and
-the (compiled) loss.
+the (compiled, optionally chunked) loss.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from parallel.tensor import apply_tensor_parallel
 from parallel.tied_embedding import mark_head_copy
 from pretrain_core.layout import Degrees
 from pretrain_core.schema import RecipeConfig
+from trainer.chunked_loss import ChunkedLMLoss
 from trainer.optim import build_optimizer, optimizer_spec, param_groups, scaled_lr
 from trainer.schedule import build_lr_scheduler
 from trainer.step import TrainState, lm_loss
@@ -68,6 +69,7 @@ def _build_one(
         split_stage(plain, stage, cfg.parallel)
     parallelize(plain, cfg, mesh, degrees)
     mark_head_copy(plain)
+    plain.head_in_loss = cfg.train.loss_chunks > 1 and plain.output is not None
     materialize(plain, cfg.model, cfg.seed, device)
     if degrees.dp > 1 and not uses_fsdp(cfg.parallel, degrees):
         return apply_ddp(plain, mesh, cfg.parallel, cfg.precision), plain
@@ -92,12 +94,19 @@ def build_train_state(
             plain, cfg.optim, global_batch=cfg.train.global_batch, device=device
         )
     scheduler = build_lr_scheduler(optimizer, cfg.optim, cfg.schedule, cfg.train.steps)
+    # The vocab-parallel loss works on DTensor logits under loss_parallel: left eager.
+    loss_fn = compile_loss(lm_loss, cfg.compile) if degrees.tp == 1 else lm_loss
+    eval_fn = lm_loss
+    head = getattr(plain, "output", None)
+    if cfg.train.loss_chunks > 1 and head is not None:
+        loss_fn = ChunkedLMLoss(head, cfg.train.loss_chunks, loss_fn)
+        eval_fn = ChunkedLMLoss(head, cfg.train.loss_chunks, lm_loss)
     return TrainState(
         model=model,
         plain=plain,
         optimizer=optimizer,
         scheduler=scheduler,
         scaler=LossScaler(cfg.precision),
-        # The vocab-parallel loss works on DTensor logits under loss_parallel: left eager.
-        loss_fn=compile_loss(lm_loss, cfg.compile) if degrees.tp == 1 else lm_loss,
+        loss_fn=loss_fn,
+        eval_loss_fn=eval_fn,
     )

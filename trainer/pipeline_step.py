@@ -32,7 +32,7 @@ from parallel.tied_embedding import embedding_group, reduce_tied_grads
 from pretrain_core.layout import Degrees, grad_accum_steps
 from pretrain_core.schema import RecipeConfig
 from trainer.faults import StepGuard
-from trainer.step import MicroBatches, StepResult, TrainState, apply_gradients, lm_loss
+from trainer.step import MicroBatches, StepResult, TrainState, apply_gradients
 
 
 class PipelineStep:
@@ -80,7 +80,8 @@ class PipelineStep:
 
     def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         # Validation reads the plain loss (the state's may be compiled or fault-injected).
-        loss = lm_loss(logits, targets) if self.evaluating else self.state.loss_fn(logits, targets)
+        state = self.state
+        loss = (state.eval_loss_fn if self.evaluating else state.loss_fn)(logits, targets)
         # Every TP rank holds the same (replicated) loss.
         self.losses.append(local_value(loss.detach()))
         return self.state.scaler.scale_loss(loss / self.n_microbatches)

@@ -45,6 +45,9 @@ class TrainState:
     scheduler: torch.optim.lr_scheduler.LRScheduler
     scaler: LossScaler
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = lm_loss
+    """The training loss of the model's output (may be compiled, chunked, fault-injected)."""
+    eval_loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = lm_loss
+    """The plain loss of the model's output, for validation (chunked as training's is)."""
 
 
 MicroBatches = list[tuple[torch.Tensor, torch.Tensor]]
@@ -140,7 +143,7 @@ def eval_loss(
         with _autocast(cfg, degrees, device):
             logits = state.model(inputs, **model_kwargs(inputs, doc_eos))
         with vocab_parallel_loss(enabled=degrees.tp > 1):
-            total += local_value(lm_loss(logits, targets))
+            total += local_value(state.eval_loss_fn(logits, targets))
     return total / len(micro_batches)
 
 

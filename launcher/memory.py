@@ -446,6 +446,15 @@ def _logits(r: _RankShape, notes: dict[str, str]) -> tuple[float, float]:
     # and the gradient of the logits (in FP32 before the cast back).
     kept_logits = s * b * v / t * (r.compute + 4 + (4 if t > 1 else 0)) if r.last else 0.0
     logit_grads = s * b * v / t * 8 if r.last else 0.0
+    chunks = r.cfg.train.loss_chunks
+    if chunks > 1:
+        # Chunked loss: no micro-batch keeps logits; one chunk's exist at a time, in the
+        # forward and again when backward recomputes it.
+        notes["logits"] = f"one of {chunks} chunks: logits, log-softmax, 2 FP32 gradients"
+        if not r.last:
+            notes["logits"] = "on the last stage"
+        one_chunk = (kept_logits + logit_grads) / chunks
+        return one_chunk, one_chunk
     notes["logits"] = (
         "logits, log-softmax, 2 FP32 gradients"
         + (f", x{r.flight:g} in flight" if r.flight != 1 else "")

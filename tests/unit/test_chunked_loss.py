@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from launcher.memory_fit import predict
 from models.init import init_weights
 from models.llama import Transformer, build_on_meta
 from pretrain_core.model_config import ModelConfig
@@ -84,3 +85,11 @@ def test_loss_chunks_must_divide_the_sequence() -> None:
     assert "4" in problem.fix
     (problem,) = problems(configure({"train.loss_chunks": 0}))
     assert problem.field == "train.loss_chunks"
+
+
+def test_the_planner_counts_one_chunk_of_logits() -> None:
+    whole, chunked = configure({}), configure({"train.loss_chunks": 4})
+    for cfg in (whole, chunked):
+        cfg.model.vocab_size = 128256
+    assert predict(chunked).logits == pytest.approx(predict(whole).logits / 4)
+    assert predict(chunked).total < predict(whole).total

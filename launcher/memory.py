@@ -79,6 +79,8 @@ class MemoryBreakdown:
     peak_phase: str
     """'forward' or 'optimizer step': the moment the categories describe."""
     notes: dict[str, str] = field(default_factory=dict)
+    host: float = 0.0
+    """Host memory the rank's offloaded state takes (parallel.offload); not in `total`."""
 
     @property
     def total(self) -> float:
@@ -371,11 +373,16 @@ def memory_breakdown(
         grads_held += 4 * r.expert_local if r.accum > 1 else 0.0
         transients += r.compute * r.expert_local if cfg.precision.dtype != "fp32" else 0.0
         notes["params"] += f", experts split over ep={degrees.ep}"
-    forward = (params, grads_held + buckets, optimizer, activations, transients, logits)
     # The optimizer step: FP32 gradients (sharded under FSDP) and one parameter-sized
     # temporary of the foreach update.
     step_grads = 4 * r.local / r.shard + (4 * r.local if r.ddp else 0.0) + 4 * r.expert_local
     step_temp = (4 * r.local / r.opt_shard + 4 * r.expert_local) if r.moments else 0.0
+    host = 0.0
+    if cfg.parallel.offload == "params" and r.fsdp:
+        params, optimizer, step_grads, step_temp, host = _offload(
+            r, params, optimizer, step_grads, step_temp, notes
+        )
+    forward = (params, grads_held + buckets, optimizer, activations, transients, logits)
     step = (params, step_grads, optimizer + step_temp, 0.0, 0.0, 0.0)
     phase, chosen = ("forward", forward) if sum(forward) >= sum(step) else ("optimizer step", step)
     framework = 0.0
@@ -384,7 +391,29 @@ def memory_breakdown(
         notes["framework"] = f"{CUDA_FIXED_GIB:g} GiB + {FRAGMENTATION:.0%} fragmentation"
     else:
         notes["framework"] = "none counted on CPU"
-    return MemoryBreakdown(*chosen, framework=framework, peak_phase=phase, notes=notes)
+    return MemoryBreakdown(*chosen, framework=framework, peak_phase=phase, notes=notes, host=host)
+
+
+def _offload(
+    r: _RankShape,
+    params: float,
+    optimizer: float,
+    step_grads: float,
+    step_temp: float,
+    notes: dict[str, str],
+) -> tuple[float, float, float, float, float]:
+    """parallel.offload=params: the FP32 shards, their gradients, the optimizer states and
+    its step move to the host; the device keeps the rotary tables and expert weights.
+    Returns the device's (params, optimizer, step gradients, step temporaries) and the
+    host's peak (the optimizer step)."""
+    experts = 4 * r.expert_local
+    experts_temp = experts if r.moments else 0.0
+    sharded = 4 * r.local / r.shard
+    moments = 4 * r.moments * r.local / r.opt_shard
+    host = sharded + moments + (step_grads - experts) + (step_temp - experts_temp)
+    notes["params"] += "; FP32 shards offloaded to the host"
+    notes["optimizer"] += "; on the host"
+    return params - sharded, optimizer - moments, experts, experts_temp, host
 
 
 def _model_states(r: _RankShape, notes: dict[str, str]) -> tuple[float, float, float, float]:

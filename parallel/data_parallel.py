@@ -11,6 +11,7 @@
 Overlap: FSDP2 issues the all-gathers of the next `parallel.fsdp_prefetch` blocks ahead
 (forward and backward); DDP reduces buckets of `parallel.ddp_bucket_mb` while backward
 continues. `precision.reduce_dtype=bf16` halves the reduction traffic under both.
+`parallel.offload=params` keeps the shards in host memory (`parallel/offload.py`).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from parallel.expert import expert_parameter_names, expert_parameters
 from parallel.mesh import JobMesh, data_parallel_mesh
+from parallel.offload import offload_policy
 from parallel.precision import compute_dtype
 from pretrain_core.layout import Degrees
 from pretrain_core.schema import ParallelConfig, PrecisionConfig
@@ -52,6 +54,7 @@ def apply_fsdp(
         reduce_dtype=REDUCE_DTYPES[precision.reduce_dtype],
     )
     dp_mesh = data_parallel_mesh(mesh.world, degrees)
+    offload = offload_policy(parallel, dp_mesh.device_type)
     reshard = parallel.zero == 3
     # Expert-parallel weights are reduced over their own ranks (parallel/expert.py).
     ignored = set(expert_parameters(model)) or None
@@ -62,6 +65,7 @@ def apply_fsdp(
             mesh=dp_mesh,
             reshard_after_forward=reshard,
             mp_policy=mp_policy,
+            offload_policy=offload,
             ignored_params=ignored,
         )
     # The root's parameters (embedding, final norm, head) are needed again right at the
@@ -71,6 +75,7 @@ def apply_fsdp(
         mesh=dp_mesh,
         reshard_after_forward=False,
         mp_policy=mp_policy,
+        offload_policy=offload,
         ignored_params=ignored,
     )
     set_fsdp_prefetch(blocks, parallel.fsdp_prefetch)

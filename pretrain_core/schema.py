@@ -22,6 +22,7 @@ DTYPES = ("fp32", "bf16", "fp16", "fp8")
 FP8_BACKENDS = ("torchao", "te")
 FP8_SCALINGS = ("current", "rowwise", "delayed", "mxfp8")
 REDUCE_DTYPES = ("fp32", "bf16")
+OFFLOAD_MODES = ("none", "params")
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
 RECOMPUTE_POLICIES = ("none", "full", "selective")
 OPTIMIZERS = ("adamw", "lion", "sgd")
@@ -66,6 +67,10 @@ class ParallelConfig:
     what the other degrees leave of the world size."""
     zero: int = 0
     """ZeRO stage: 0 = DDP, 1 = sharded optimizer states, 2 = + gradients, 3 = + parameters."""
+    offload: str = one_of("none", OFFLOAD_MODES)
+    """none, or params: with ZeRO-2/3, keep each rank's FP32 parameter shards, gradients and
+    optimizer states in host memory and run the optimizer step on the host (FSDP2's
+    CPUOffloadPolicy); the device keeps the unsharded copies of the blocks in use."""
     ep: int = 1
     """Expert-parallel degree (MoE models), carved from the data-parallel ranks."""
     allow_tp_across_nodes: bool = False

@@ -17,6 +17,7 @@ from parallel.data_parallel import apply_ddp, apply_fsdp, build_zero1_optimizer,
 from parallel.expert import apply_expert_parallel
 from parallel.materialize import materialize
 from parallel.mesh import JobMesh
+from parallel.offload import optimizer_device_type
 from parallel.pipeline import StageView, split_stage, stage_indices
 from parallel.precision import LossScaler, apply_precision
 from parallel.recompute import apply_recompute
@@ -70,7 +71,8 @@ def _build_one(
     parallelize(plain, cfg, mesh, degrees)
     mark_head_copy(plain)
     plain.head_in_loss = cfg.train.loss_chunks > 1 and plain.output is not None
-    materialize(plain, cfg.model, cfg.seed, device)
+    host = torch.device(optimizer_device_type(cfg.parallel, device.type))
+    materialize(plain, cfg.model, cfg.seed, device, param_device=host)
     if degrees.dp > 1 and not uses_fsdp(cfg.parallel, degrees):
         return apply_ddp(plain, mesh, cfg.parallel, cfg.precision), plain
     return plain, plain
@@ -91,7 +93,10 @@ def build_train_state(
         optimizer = build_zero1_optimizer(groups, optimizer_class, kwargs, mesh)
     else:
         optimizer = build_optimizer(
-            plain, cfg.optim, global_batch=cfg.train.global_batch, device=device
+            plain,
+            cfg.optim,
+            global_batch=cfg.train.global_batch,
+            device=torch.device(optimizer_device_type(cfg.parallel, device.type)),
         )
     scheduler = build_lr_scheduler(optimizer, cfg.optim, cfg.schedule, cfg.train.steps)
     # The vocab-parallel loss works on DTensor logits under loss_parallel: left eager.

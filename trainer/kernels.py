@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from parallel.offload import offloaded_modules
 from pretrain_core.model_config import ModelConfig
 
 if TYPE_CHECKING:
@@ -82,8 +83,10 @@ def kernels_line(cfg: RecipeConfig, state: TrainState, device: torch.device) -> 
     compiled = [name for name, on in (("blocks", k.blocks), ("loss", k.loss)) if on]
     compile_text = f"{'+'.join(compiled)} ({k.backend})" if k.enabled else "off"
     prefetch = f"{cfg.data.prefetch} steps ahead" if cfg.data.prefetch else "off"
+    host = offloaded_modules(state.plain)
     return (
         f"kernels: attention {attention}, optimizer {optimizer_path(state.optimizer)}, "
         f"compile {compile_text}, data prefetch {prefetch}, "
         f"gradient reduction {cfg.precision.reduce_dtype}"
+        + (f", {host} FSDP units offloaded to host memory" if host else "")
     )

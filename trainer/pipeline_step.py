@@ -94,21 +94,23 @@ class PipelineStep:
         targets = torch.cat([y for _, y in micro_batches]).to(self.device)
         args = (inputs,) if self.has_first else ()
         self.losses = []
-        with vocab_parallel_loss(enabled=self.degrees.tp > 1):
+        phases = self.state.phases
+        with phases.phase("forward_backward"), vocab_parallel_loss(enabled=self.degrees.tp > 1):
             # The last stage's outputs (the logits) are not merged and kept to the step's end.
             self.schedule.step(
                 *args, target=targets if self.has_last else None, return_outputs=False
             )
-        reduce_expert_grads(self.state.plain)
-        reduce_tied_grads(self.state.plain, self.embedding_group)
+            reduce_expert_grads(self.state.plain)
+            reduce_tied_grads(self.state.plain, self.embedding_group)
         loss = torch.zeros((), device=self.device)
         if self.has_last:
             # The first step's shape inference calls the loss function once more, first.
             loss += torch.stack(self.losses[-self.n_microbatches :]).sum() / self.n_microbatches
         dist.all_reduce(loss, group=self.group)
-        return StepResult(
-            loss, *apply_gradients(self.state, self.cfg, self.guard, loss, self.group)
-        )
+        with phases.phase("optimizer"):
+            return StepResult(
+                loss, *apply_gradients(self.state, self.cfg, self.guard, loss, self.group)
+            )
 
     @torch.no_grad()
     def evaluate(self, micro_batches: MicroBatches) -> torch.Tensor:

@@ -43,6 +43,7 @@ from trainer.metrics_window import MetricsWindow
 from trainer.pipeline_step import PipelineStep
 from trainer.prefetch import PrefetchingLoader
 from trainer.step import LocalStep, Stepper, TrainState
+from trainer.step_phases import StepPhases
 
 
 @dataclass
@@ -89,6 +90,7 @@ def setup(cfg: RecipeConfig, rank: RankInfo) -> Run:
     if cfg.init.from_hf:
         load_hf_weights(state.plain, cfg.model, cfg.init.from_hf)
     state.loss_fn = faults.wrap_loss(state.loss_fn)
+    state.phases = StepPhases(rank.device)
     doc_eos = data.eos_id if cfg.data.doc_mask else None
     stepper, moe_pp_group = _stepper(cfg, state, degrees, mesh, rank, guard, doc_eos)
     dp_rank = mesh.dp.get_local_rank()

@@ -28,6 +28,7 @@ from parallel.tied_embedding import head_copies
 from pretrain_core.layout import Degrees
 from pretrain_core.schema import RecipeConfig
 from trainer.faults import StepGuard
+from trainer.step_phases import OFF, StepPhases
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -48,6 +49,8 @@ class TrainState:
     """The training loss of the model's output (may be compiled, chunked, fault-injected)."""
     eval_loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = lm_loss
     """The plain loss of the model's output, for validation (chunked as training's is)."""
+    phases: StepPhases = OFF
+    """Times the step's forward, backward and optimizer (read by the metrics window)."""
 
 
 MicroBatches = list[tuple[torch.Tensor, torch.Tensor]]
@@ -114,17 +117,21 @@ def train_step(
         inputs = inputs.to(device, non_blocking=True)
         targets = targets.to(device, non_blocking=True)
         with gradient_sync(state.model, enabled=i == accum - 1):
-            with _autocast(cfg, degrees, device):
+            with state.phases.phase("forward"), _autocast(cfg, degrees, device):
                 logits = state.model(inputs, **model_kwargs(inputs, doc_eos))
             with vocab_parallel_loss(enabled=degrees.tp > 1):
-                loss = state.loss_fn(logits, targets)
-                objective = add_router_losses(loss, state.plain)
-                state.scaler.scale_loss(objective / accum).backward()
+                with state.phases.phase("forward"):
+                    loss = state.loss_fn(logits, targets)
+                    objective = add_router_losses(loss, state.plain)
+                with state.phases.phase("backward"):
+                    state.scaler.scale_loss(objective / accum).backward()
         # Every TP rank holds the same (replicated) loss.
         loss_sum += local_value(loss.detach())
-    reduce_expert_grads(state.plain)
+    with state.phases.phase("backward"):
+        reduce_expert_grads(state.plain)
     loss = loss_sum / accum
-    return StepResult(loss, *apply_gradients(state, cfg, guard, loss))
+    with state.phases.phase("optimizer"):
+        return StepResult(loss, *apply_gradients(state, cfg, guard, loss))
 
 
 @torch.no_grad()

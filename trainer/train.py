@@ -70,7 +70,7 @@ def main(config_path: str) -> None:
     run_dir = Path(cfg.run.dir)
     enable_flight_recorder(run_dir, cfg.cluster.device)
     timeout_s = cfg.faults.collective_timeout_s
-    rank = init_distributed(cfg.cluster, timeout_s)
+    rank = init_distributed(cfg.cluster, timeout_s, cfg.parallel.offload == "params")
     try:
         with (
             run_lock.held(cfg.run.dir, enabled=rank.is_main) as took_over,

@@ -42,6 +42,7 @@ from trainer.metrics import PeakFlops, ThroughputMeter, resolve_peak_flops
 from trainer.metrics_window import MetricsWindow
 from trainer.pipeline_step import PipelineStep
 from trainer.prefetch import PrefetchingLoader
+from trainer.startup import CLOCK
 from trainer.step import LocalStep, Stepper, TrainState
 from trainer.step_phases import StepPhases
 
@@ -77,6 +78,7 @@ def setup(cfg: RecipeConfig, rank: RankInfo) -> Run:
         )
     torch.manual_seed(cfg.seed)
     mesh = build_mesh(degrees, rank.device.type)
+    CLOCK.mark("mesh")
     run_dir = Path(cfg.run.dir)
     if rank.is_main:
         # This run is the resumed one. Cleared before the model, data and checkpoint are
@@ -86,7 +88,9 @@ def setup(cfg: RecipeConfig, rank: RankInfo) -> Run:
     faults = FaultInjector.from_env(rank.rank)
     guard = StepGuard(cfg.faults.max_bad_steps, rank.device)
     data = packed_data(cfg, open_datasets(cfg, rank.is_main, get_logger().info))
+    CLOCK.mark("data open")
     state = build_train_state(cfg, mesh, degrees, rank.device)
+    CLOCK.mark("model build")
     if cfg.init.from_hf:
         load_hf_weights(state.plain, cfg.model, cfg.init.from_hf)
     state.loss_fn = faults.wrap_loss(state.loss_fn)
@@ -109,6 +113,7 @@ def setup(cfg: RecipeConfig, rank: RankInfo) -> Run:
         run_dir, cfg.checkpoint, rank=rank.rank, world_size=rank.world_size, faults=faults
     )
     start = checkpointer.restore(state, loader)
+    CLOCK.mark("loaders and checkpoint")
     if start:
         get_logger().info("resumed from the checkpoint of step %d", start)
     peak = resolve_peak_flops(rank.device, peak_dtype(cfg.precision), cfg.hardware)
@@ -135,6 +140,7 @@ def setup(cfg: RecipeConfig, rank: RankInfo) -> Run:
         total_steps=cfg.train.steps,
     )
     _announce(cfg, rank, degrees, state, data, peak)
+    CLOCK.mark("metrics and kernels")
     return Run(
         cfg,
         rank,

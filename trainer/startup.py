@@ -5,7 +5,8 @@ The launcher stamps its own start (PRETRAIN_LAUNCH_T0) and the moment it spawns 
 (PRETRAIN_RANK_T0, first thing in `trainer/__main__.py`) and marks the end of each setup
 phase. The line after the first step reads, e.g.: launcher 0.9 s, torchrun 1.6 s, imports
 2.7 s, process group 0.1 s, mesh 0.0 s, data 0.4 s, model 0.3 s, ... first step 0.5 s.
-Wall-clock stamps: comparable across processes of one node.
+Wall-clock stamps: comparable across processes of one node. Under SLURM the rank's own
+start is the first stamp (the queue wait is no part of the start).
 """
 
 from __future__ import annotations
@@ -22,7 +23,12 @@ class StartupClock:
     def __init__(self) -> None:
         self.marks: list[tuple[str, float]] = []
         self.reported = False
-        for name, env in (("start", LAUNCH_ENV), ("launcher", SPAWN_ENV), ("torchrun", RANK_ENV)):
+        stamps = [("start", LAUNCH_ENV), ("launcher", SPAWN_ENV), ("torchrun", RANK_ENV)]
+        if SPAWN_ENV not in os.environ:
+            # Not spawned by the local backend (e.g. a SLURM job, whose environment may still
+            # carry the submitting launcher's stamp): the queue is no part of the start.
+            stamps = stamps[2:]
+        for name, env in stamps:
             if env in os.environ:
                 self.marks.append((name, float(os.environ[env])))
 

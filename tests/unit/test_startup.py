@@ -24,9 +24,10 @@ def test_phases_run_from_the_launchers_stamp_to_the_first_step(monkeypatch) -> N
     )
 
 
-def test_a_rank_started_without_the_launcher_counts_from_its_own_start(monkeypatch) -> None:
-    for env in (LAUNCH_ENV, SPAWN_ENV):
-        monkeypatch.delenv(env, raising=False)
+def test_a_rank_not_spawned_by_the_launcher_counts_from_its_own_start(monkeypatch) -> None:
+    # A SLURM job inherits the submitting launcher's stamp: its queue wait is not counted.
+    monkeypatch.setenv(LAUNCH_ENV, "1.0")
+    monkeypatch.delenv(SPAWN_ENV, raising=False)
     monkeypatch.setenv(RANK_ENV, "10.0")
     clock = StartupClock()
     clock.marks.append(("imports", 12.0))

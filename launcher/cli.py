@@ -51,13 +51,9 @@ def _fail(message: str, code: int = 2) -> None:
 
 def execute(cfg: RecipeConfig) -> None:
     """Validate, plan and carry out `cfg.action` for one composed recipe."""
-    from launcher.memory_fit import check_fits
     from launcher.plan import make_plan, plan_to_dict
     from launcher.render import render_plan
-    from launcher.rules_data import unprepared_problems
-    from launcher.rules_parallel import check_runnable
     from launcher.short_run import fit_schedule_to_run
-    from launcher.validate import validate
 
     for warning in fit_schedule_to_run(cfg):
         print(f"warning: {warning}", file=sys.stderr)
@@ -73,6 +69,25 @@ def execute(cfg: RecipeConfig) -> None:
     if cfg.action == "prepare":
         _prepare(cfg)
         return
+    _validate_for_action(cfg)
+    plan = make_plan(cfg)
+    if cfg.action == "plan":
+        if cfg.plan.format == "json":
+            print(json.dumps(plan_to_dict(plan)))
+        else:
+            print(render_plan(plan))
+        return
+    print(render_plan(plan))
+    _write_and_start(cfg, plan_to_dict(plan))
+
+
+def _validate_for_action(cfg: RecipeConfig) -> None:
+    """Every check the action needs, before anything is written; exits on a problem."""
+    from launcher.memory_fit import check_fits
+    from launcher.rules_data import unprepared_problems
+    from launcher.rules_parallel import check_runnable
+    from launcher.validate import validate
+
     try:
         launch = cfg.action == "run"
         here = launch and cfg.cluster.backend == "local"
@@ -92,14 +107,9 @@ def execute(cfg: RecipeConfig) -> None:
         for problem in check_runnable(cfg):
             print(f"warning: {problem}", file=sys.stderr)
 
-    plan = make_plan(cfg)
-    if cfg.action == "plan":
-        if cfg.plan.format == "json":
-            print(json.dumps(plan_to_dict(plan)))
-        else:
-            print(render_plan(plan))
-        return
 
+def _write_and_start(cfg: RecipeConfig, plan: dict) -> None:
+    """Claim and write the run dir, then run locally or submit (action run or script)."""
     from launcher.backends import (
         LaunchError,
         claimed_run_dir,
@@ -110,12 +120,11 @@ def execute(cfg: RecipeConfig) -> None:
     from launcher.failure_summary import failure_message
     from launcher.job import JobError, check_run_dir, write_run_dir
 
-    print(render_plan(plan))
     config_yaml = dump_config(cfg)
     try:
         check_run_dir(cfg, Path(cfg.run.dir), config_yaml)  # refuse before anything is written
         with claimed_run_dir(cfg) as lock_token:
-            files = write_run_dir(cfg, Path(cfg.run.dir), config_yaml, plan_to_dict(plan))
+            files = write_run_dir(cfg, Path(cfg.run.dir), config_yaml, plan)
             print(f"run dir:    {files.run_dir}")
             print(f"config:     {files.config_path}")
             print(f"job script: {files.script_path}")

@@ -97,18 +97,9 @@ def setup(cfg: RecipeConfig, rank: RankInfo) -> Run:
     state.phases = StepPhases(rank.device)
     doc_eos = data.eos_id if cfg.data.doc_mask else None
     stepper, moe_pp_group = _stepper(cfg, state, degrees, mesh, rank, guard, doc_eos)
-    dp_rank = mesh.dp.get_local_rank()
-    training = train_loader(cfg, data, dp_rank, degrees.dp)
+    training = train_loader(cfg, data, mesh.dp.get_local_rank(), degrees.dp)
     loader = _prefetching(cfg, training, rank)
-    evaluator = Evaluator(
-        cfg.eval.every,
-        cfg.eval.batches,
-        stepper,
-        val_loader(cfg, data, dp_rank, degrees.dp),
-        dp_group=mesh.dp.get_group(),
-        model=state.plain,
-        device=rank.device,
-    )
+    evaluator = _evaluator(cfg, data, mesh, degrees, rank, stepper, state)
     checkpointer = Checkpointer(
         run_dir, cfg.checkpoint, rank=rank.rank, world_size=rank.world_size, faults=faults
     )
@@ -172,6 +163,27 @@ def _stepper(
         stepper = PipelineStep(state, cfg, degrees, mesh, rank.device, guard)
         return stepper, stepper.group if cfg.model.moe_experts else None
     return LocalStep(state, cfg, degrees, rank.device, guard, doc_eos), None
+
+
+def _evaluator(
+    cfg: RecipeConfig,
+    data: RunData,
+    mesh: JobMesh,
+    degrees: Degrees,
+    rank: RankInfo,
+    stepper: Stepper,
+    state: TrainState,
+) -> Evaluator:
+    """The validation loss over this rank's share of the held-out split, when due."""
+    return Evaluator(
+        cfg.eval.every,
+        cfg.eval.batches,
+        stepper,
+        val_loader(cfg, data, mesh.dp.get_local_rank(), degrees.dp),
+        dp_group=mesh.dp.get_group(),
+        model=state.plain,
+        device=rank.device,
+    )
 
 
 def _prefetching(

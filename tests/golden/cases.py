@@ -90,7 +90,9 @@ def write_golden(case: GoldenCase, curve: Curve) -> None:
 def read_golden(case: GoldenCase) -> tuple[Curve, str]:
     """The committed curve of `case` and the corpus identity it was made with."""
     data = json.loads(case.path.read_text())
-    return Curve(loss=data["loss"], grad_norm=data["grad_norm"]), data["made_with"]
+    # Golden curves record no validation loss.
+    curve = Curve(loss=data["loss"], grad_norm=data["grad_norm"], val_loss=[])
+    return curve, data["made_with"]
 
 
 __all__ = [

@@ -33,6 +33,7 @@ from trainer.data import RunData, open_datasets, packed_data, train_loader
 from trainer.dist import init_distributed
 from trainer.prefetch import PrefetchingLoader
 from trainer.step import train_step
+from trainer.step_phases import OFF, StepPhases
 
 RECIPES = str(Path(__file__).resolve().parent.parent / "recipes")
 
@@ -47,15 +48,20 @@ def load_recipe(name: str, overrides: list[str]) -> RecipeConfig:
     return to_recipe(node)
 
 
-def plain_loop_step(model, optimizer, micro_batches, grad_clip: float) -> None:
-    """What a hand-written PyTorch training step does, nothing more."""
+def plain_loop_step(
+    model, optimizer, micro_batches, grad_clip: float, phases: StepPhases = OFF
+) -> None:
+    """What a hand-written PyTorch training step does, nothing more (`phases` times it)."""
     for inputs, targets in micro_batches:
-        logits = model(inputs)
-        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
-        (loss / len(micro_batches)).backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+        with phases.phase("forward"):
+            logits = model(inputs)
+            loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        with phases.phase("backward"):
+            (loss / len(micro_batches)).backward()
+    with phases.phase("optimizer"):
+        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
 
 
 def plain_optimizer(model: torch.nn.Module, cfg: RecipeConfig) -> torch.optim.Optimizer:
@@ -135,6 +141,38 @@ def print_report(
     )
 
 
+def step_breakdown(
+    runners: dict[str, Callable[[int], float]],
+    phases: dict[str, StepPhases],
+    data_wait: dict[str, float],
+    steps: int,
+) -> dict[str, dict[str, float]]:
+    """Seconds per step of each runner's regions (what the trainer logs as time_*_s) over
+    one more block of `steps` steps each, with its data wait and whole step."""
+    out = {}
+    for key, run in runners.items():
+        phases[key].take(1)
+        data_wait[key] = 0.0
+        step_s = run(steps)
+        out[key] = {
+            "time_data_wait_s": data_wait[key] / steps,
+            **phases[key].take(steps),
+            "step_s": step_s,
+        }
+    return out
+
+
+def print_breakdown(breakdown: dict[str, dict[str, float]]) -> None:
+    """One row per runner: ms per step in each region, and what no region covers."""
+    columns = ("data_wait", "forward", "backward", "optimizer", "blocked")
+    print("step breakdown, ms/step: " + " | ".join(columns) + " | outside regions | step")
+    for key, row in breakdown.items():
+        cells = [row.get(f"time_{c}_s", 0.0) * 1e3 for c in columns]
+        outside = row["step_s"] * 1e3 - sum(cells[:4])
+        text = " | ".join(f"{c:7.2f}" for c in cells)
+        print(f"  ({key}) {text} | {outside:7.2f} | {row['step_s'] * 1e3:7.2f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--recipe", default="tiny")
@@ -165,30 +203,37 @@ def main() -> None:
     optimizer = plain_optimizer(plain, cfg)
     plain_batches = new_loader()
 
+    phases = {key: StepPhases(rank.device) for key in "abc"}
+    data_wait = dict.fromkeys("abc", 0.0)
+
     def plain_block(steps: int) -> float:
         batches = [plain_batches.next_step() for _ in range(steps)]
         start = time.perf_counter()
         for micro_batches in batches:
-            plain_loop_step(plain, optimizer, micro_batches, cfg.optim.grad_clip)
+            plain_loop_step(plain, optimizer, micro_batches, cfg.optim.grad_clip, phases["a"])
         return (time.perf_counter() - start) / steps
 
-    def trainer_runner(recipe: RecipeConfig) -> Callable[[int], float]:
+    def trainer_runner(recipe: RecipeConfig, key: str) -> Callable[[int], float]:
         state = build_train_state(recipe, mesh, degrees, rank.device)
+        state.phases = phases[key]  # as the trainer's setup does
         loader = new_loader()
 
         def block(steps: int) -> float:
             # The loader is inside the timed region, as in the trainer's loop.
             start = time.perf_counter()
             for _ in range(steps):
-                train_step(state, loader.next_step(), recipe, degrees, rank.device)
+                wait = time.perf_counter()
+                micro_batches = loader.next_step()
+                data_wait[key] += time.perf_counter() - wait
+                train_step(state, micro_batches, recipe, degrees, rank.device)
             return (time.perf_counter() - start) / steps
 
         return block
 
     runners = {
         "a": plain_block,
-        "b": trainer_runner(cfg),
-        "c": trainer_runner(compiled_cfg),
+        "b": trainer_runner(cfg, "b"),
+        "c": trainer_runner(compiled_cfg, "c"),
     }
     start = time.perf_counter()
     runners["c"](1)  # compiles the blocks and the loss (forward and backward)
@@ -196,10 +241,12 @@ def main() -> None:
     median, spread = interleaved_medians(
         runners, args.warmup_steps, args.rounds, args.steps_per_block
     )
+    breakdown = step_breakdown(runners, phases, data_wait, args.steps_per_block)
     consumed = cfg.train.global_batch / median["b"]
     delivered = loader_rate(data, cfg, steps=200)
 
     print_report(cfg, args, compile_s, median, spread, delivered, consumed)
+    print_breakdown(breakdown)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,11 @@
 """`python -m launcher` is the `pretrain` command."""
 
+import os
+import time
+
+# Before the CLI's imports: where the launch-to-first-step breakdown starts.
+os.environ.setdefault("PRETRAIN_LAUNCH_T0", str(time.time()))
+
 from launcher.cli import main
 
 if __name__ == "__main__":

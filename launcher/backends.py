@@ -142,7 +142,7 @@ def run_local(files: JobFiles, cfg: RecipeConfig, lock_token: str | None = None)
     with 128 + N, as a shell would report it.
     """
     args = _torchrun_command(cfg, files)
-    env = {**os.environ, **job_env(cfg)}
+    env = {**os.environ, **job_env(cfg), "PRETRAIN_SPAWN_T": str(time.time())}
     if lock_token:
         env[run_lock.TOKEN_ENV] = lock_token
     logs = files.run_dir / LOGS_DIR

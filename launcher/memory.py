@@ -110,6 +110,8 @@ class MemoryBreakdown:
     notes: dict[str, str] = field(default_factory=dict)
     optimizer_states: float = 0.0
     """The optimizer states alone (without the step's temporaries), at either moment."""
+    host: float = 0.0
+    """Host memory the rank's offloaded state takes (parallel.offload); not in `total`."""
 
     @property
     def total(self) -> float:
@@ -539,11 +541,16 @@ def memory_breakdown(
         transients *= versions
         notes["params"] += ", x2 weight versions (2BW)"
         notes["grads"] += ", in both weight versions (2BW)"
-    forward = (params, grads_held + buckets, optimizer, activations, transients, logits)
     # The optimizer step: FP32 gradients (sharded under FSDP) and the update's temporaries.
     step_grads = 4 * r.local / r.shard + (4 * r.local if r.ddp else 0.0) + 4 * r.expert_resident
     step_grads *= versions
     step_temp = _step_temporaries(cfg, degrees, r.local / r.opt_shard + r.expert_resident)
+    host = 0.0
+    if cfg.parallel.offload == "params" and r.fsdp:
+        params, optimizer, step_grads, step_temp, host = _offload(
+            r, params, optimizer, step_grads, step_temp, notes
+        )
+    forward = (params, grads_held + buckets, optimizer, activations, transients, logits)
     step = (params, step_grads, optimizer + step_temp, 0.0, 0.0, 0.0)
     phase, chosen = ("forward", forward) if sum(forward) >= sum(step) else ("optimizer step", step)
     framework = 0.0
@@ -553,7 +560,12 @@ def memory_breakdown(
     else:
         notes["framework"] = "none counted on CPU"
     return MemoryBreakdown(
-        *chosen, framework=framework, peak_phase=phase, notes=notes, optimizer_states=optimizer
+        *chosen,
+        framework=framework,
+        peak_phase=phase,
+        notes=notes,
+        optimizer_states=optimizer,
+        host=host,
     )
 
 
@@ -570,6 +582,31 @@ def _step_temporaries(cfg: RecipeConfig, degrees: Degrees, stepped: float) -> fl
     if m.moe_experts:
         largest = max(largest, m.moe_experts // degrees.ep * m.dim * m.expert_ffn_dim)
     return 4 * 4 * largest
+
+
+def _offload(
+    r: _RankShape,
+    params: float,
+    optimizer: float,
+    step_grads: float,
+    step_temp: float,
+    notes: dict[str, str],
+) -> tuple[float, float, float, float, float]:
+    """parallel.offload=params: the FP32 shards, their gradients, the optimizer states and
+    its step move to the host; the device keeps the rotary tables and expert weights.
+    Returns the device's (params, optimizer, step gradients, step temporaries) and the
+    host's peak (the optimizer step)."""
+    experts = 4 * r.expert_resident
+    experts_temp = _step_temporaries(r.cfg, r.degrees, r.expert_resident) if experts else 0.0
+    expert_states = state_bytes(r.cfg.optim.state_dtype) * (
+        state_tensors(r.cfg.optim)[0] * r.expert_resident
+    )
+    sharded = 4 * r.local / r.shard
+    dense_states = optimizer - expert_states
+    host = sharded + dense_states + (step_grads - experts) + (step_temp - experts_temp)
+    notes["params"] += "; FP32 shards offloaded to the host"
+    notes["optimizer"] += "; on the host"
+    return params - sharded, expert_states, experts, experts_temp, host
 
 
 def _model_states(r: _RankShape, notes: dict[str, str]) -> tuple[float, float, float, float]:
@@ -634,6 +671,15 @@ def _logits(r: _RankShape, notes: dict[str, str]) -> tuple[float, float]:
     # and the gradient of the logits (in FP32 before the cast back).
     kept_logits = s * b * v / t * (r.compute + 4 + (4 if t > 1 else 0)) if r.last else 0.0
     logit_grads = s * b * v / t * 8 if r.last else 0.0
+    chunks = r.cfg.train.loss_chunks
+    if chunks > 1:
+        # Chunked loss: no micro-batch keeps logits; one chunk's exist at a time, in the
+        # forward and again when backward recomputes it.
+        notes["logits"] = f"one of {chunks} chunks: logits, log-softmax, 2 FP32 gradients"
+        if not r.last:
+            notes["logits"] = "on the last stage"
+        one_chunk = (kept_logits + logit_grads) / chunks
+        return one_chunk, one_chunk
     flight = head_in_flight(r.cfg, r.degrees, r.microbatches) if r.last else r.flight
     notes["logits"] = (
         "logits, log-softmax, 2 FP32 gradients"

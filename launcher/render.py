@@ -203,6 +203,9 @@ def _breakdown_table(plan: Plan, breakdown: MemoryBreakdown) -> Table:
     for name, size, how in breakdown.rows():
         table.add_row(name, _bytes(size), _bar(size / scale), how)
     table.add_row("total", _bytes(breakdown.total), _bar(breakdown.total / scale), "")
+    if breakdown.host:
+        how = "offloaded shards, gradients and optimizer states (parallel.offload)"
+        table.add_row("host memory", _bytes(breakdown.host), "", how)
     return table
 
 

@@ -49,6 +49,14 @@ def check_context(c: Checks, cfg: RecipeConfig) -> None:
             "set parallel.cp=1 for MoE models (expert, tensor or pipeline parallelism split "
             "them instead)",
         )
+    local = t.seq_len // p.cp
+    if not t.seq_len % chunks and t.loss_chunks > 1 and local % t.loss_chunks:
+        c.add(
+            "train.loss_chunks",
+            t.loss_chunks,
+            f"the loss is chunked over each cp rank's {local} tokens, which it does not divide",
+            f"use a divisor of {local}",
+        )
     if cfg.model.is_mla:
         c.add(
             "parallel.cp",
@@ -88,6 +96,14 @@ def check_schedule(c: Checks, cfg: RecipeConfig) -> None:
             "PipeDream-2BW keeps two weight versions per stage and sums no gradient across "
             "stages, so the last stage's copy of a tied embedding would drift from the first's",
             "set model.tie_embeddings=false, or pp_schedule=1f1b, interleaved_1f1b or zbv",
+        )
+    if p.pp_schedule == "2bw" and cfg.train.loss_chunks > 1:
+        c.add(
+            "train.loss_chunks",
+            cfg.train.loss_chunks,
+            "the chunked loss applies the LM head of the newest weight version, while 2BW's "
+            "older micro-batches run on the other version",
+            "set train.loss_chunks=1 with pp_schedule=2bw",
         )
     if p.pp_schedule == "2bw" and cfg.eval.every:
         c.add(

@@ -16,7 +16,7 @@ from pretrain_core.problems import (
     nearby_multiples,
     or_list,
 )
-from pretrain_core.schema import PP_SCHEDULES, RecipeConfig
+from pretrain_core.schema import PP_SCHEDULES, ParallelConfig, RecipeConfig
 from pretrain_core.stages import V_SCHEDULES, balanced_split
 
 INTERLEAVED = ("interleaved_1f1b", "zero_bubble", *V_SCHEDULES)
@@ -134,6 +134,7 @@ def check_parallel(
     except RecipeError as error:
         c.extend(error.problems)
         return
+    _check_offload(c, p, degrees.dp)
     if degrees.dp % p.ep:
         c.add(
             "parallel.ep",
@@ -150,6 +151,26 @@ def check_parallel(
         return
     if p.pp > 1 and p.pp_schedule in PP_SCHEDULES and p.pp_microbatches >= 0:
         _check_pipeline_microbatches(c, cfg, degrees.dp, accum)
+
+
+def _check_offload(c: Checks, p: ParallelConfig, dp: int) -> None:
+    """Offload moves FSDP2's shards to the host: it needs ZeRO-2/3 over more than one rank."""
+    if p.offload == "none":
+        return
+    if p.zero < 2:
+        c.add(
+            "parallel.offload",
+            p.offload,
+            f"offloads the shards of ZeRO-2/3 (FSDP2), and parallel.zero={p.zero}",
+            "set parallel.zero=3 (or 2), or parallel.offload=none",
+        )
+    elif dp == 1:
+        c.add(
+            "parallel.offload",
+            p.offload,
+            "offloads FSDP2's shards, and with dp=1 nothing is sharded",
+            "use more data-parallel ranks, or parallel.offload=none",
+        )
 
 
 def _check_degrees(c: Checks, cfg: RecipeConfig) -> bool:

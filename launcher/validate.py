@@ -141,7 +141,21 @@ def _check_train(c: Checks, cfg: RecipeConfig) -> bool:
             f"longer than model.max_seq_len={cfg.model.max_seq_len}",
             f"use train.seq_len <= {cfg.model.max_seq_len} or raise model.max_seq_len",
         )
+    chunks_ok = c.at_least("train.loss_chunks", t.loss_chunks, 1)
+    if chunks_ok and t.seq_len >= 1 and t.seq_len % t.loss_chunks:
+        fits = or_list(_nearest_divisors(t.seq_len, t.loss_chunks))
+        c.add(
+            "train.loss_chunks",
+            t.loss_chunks,
+            f"does not divide train.seq_len={t.seq_len} (chunks split the sequence evenly)",
+            f"use a divisor of {t.seq_len}, e.g. {fits}",
+        )
     return ok
+
+
+def _nearest_divisors(n: int, value: int) -> list[int]:
+    """The two divisors of n closest to value, ascending."""
+    return sorted(sorted(divisors(n), key=lambda d: abs(d - value))[:2])
 
 
 def _check_optim(c: Checks, cfg: RecipeConfig) -> None:

@@ -65,6 +65,10 @@ class Transformer(nn.Module):
     """Global positions of the tokens this rank holds, given their count and device (set by
     context parallelism); None means 0 .. s-1."""
 
+    head_in_loss: bool = False
+    """The loss applies the LM head (in chunks, `train.loss_chunks`): forward returns the
+    final norm's output instead of the logits."""
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
@@ -111,7 +115,7 @@ class Transformer(nn.Module):
         each position) attention stays inside each document.
 
         A pipeline stage without `tok_embeddings` takes hidden states [b, s, dim] instead;
-        one without `output` returns hidden states.
+        one without `output` (or whose loss applies it) returns hidden states.
         """
         # The input's length, not the embedding's: sequence parallelism may shard the latter.
         seq_len = tokens.shape[1] * self.sequence_shards
@@ -130,7 +134,7 @@ class Transformer(nn.Module):
             h = layer(h, cos, sin, mask=mask)
         if self.norm is not None:
             h = self.norm(h)
-        if self.output is not None:
+        if self.output is not None and not self.head_in_loss:
             h = self.output(h)
         return h
 

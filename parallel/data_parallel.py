@@ -15,6 +15,7 @@
 Overlap: FSDP2 issues the all-gathers of the next `parallel.fsdp_prefetch` blocks ahead
 (forward and backward); DDP reduces buckets of `parallel.ddp_bucket_mb` while backward
 continues. `precision.reduce_dtype=bf16` halves the reduction traffic under both.
+`parallel.offload=params` keeps the shards in host memory (`parallel/offload.py`).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from parallel.expert import expert_parameter_names, expert_parameters, expert_replicas
 from parallel.mesh import JobMesh
+from parallel.offload import offload_policy
 from parallel.precision import compute_dtype
 from pretrain_core.layout import Degrees
 from pretrain_core.schema import ParallelConfig, PrecisionConfig
@@ -58,6 +60,7 @@ def apply_fsdp(
         reduce_dtype=REDUCE_DTYPES[precision.reduce_dtype],
     )
     dp_mesh = mesh.fsdp
+    offload = offload_policy(parallel, dp_mesh.device_type)
     reshard = parallel.zero == 3
     for experts, replicas in expert_replicas(model):
         # With one rank per set of experts there is nothing to shard: they stay outside
@@ -83,6 +86,7 @@ def apply_fsdp(
             mesh=dp_mesh,
             reshard_after_forward=reshard,
             mp_policy=mp_policy,
+            offload_policy=offload,
             ignored_params=ignored,
         )
     # The root's parameters (embedding, final norm, head) are needed again right at the
@@ -92,6 +96,7 @@ def apply_fsdp(
         mesh=dp_mesh,
         reshard_after_forward=False,
         mp_policy=mp_policy,
+        offload_policy=offload,
         ignored_params=ignored,
     )
     set_fsdp_prefetch(blocks, parallel.fsdp_prefetch)

@@ -18,9 +18,16 @@ from pretrain_core.model_config import ModelConfig
 
 
 @torch.no_grad()
-def materialize(model: nn.Module, cfg: ModelConfig, seed: int, device: torch.device) -> None:
-    """Allocate storage on `device` and fill parameters and buffers deterministically."""
-    model.to_empty(device=device)
+def materialize(
+    model: nn.Module,
+    cfg: ModelConfig,
+    seed: int,
+    device: torch.device,
+    param_device: torch.device | None = None,
+) -> None:
+    """Allocate storage on `device` (parameters on `param_device` where they are offloaded
+    to the host) and fill parameters and buffers deterministically."""
+    model.to_empty(device=param_device or device)
     for name, param in model.named_parameters():
         full = _initial_value(cfg, name, tuple(param.shape), seed).to(device)
         if isinstance(param, DTensor):

@@ -23,6 +23,7 @@ DTYPES = ("fp32", "bf16", "fp16", "fp8")
 FP8_BACKENDS = ("torchao", "te")
 FP8_SCALINGS = ("current", "rowwise", "delayed", "mxfp8")
 REDUCE_DTYPES = ("fp32", "bf16")
+OFFLOAD_MODES = ("none", "params")
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
 RECOMPUTE_POLICIES = ("none", "full", "selective")
 OPTIMIZERS = ("adamw", "lion", "sgd", "muon")
@@ -74,6 +75,10 @@ class ParallelConfig:
     what the other degrees leave of the world size."""
     zero: int = 0
     """ZeRO stage: 0 = DDP, 1 = sharded optimizer states, 2 = + gradients, 3 = + parameters."""
+    offload: str = one_of("none", OFFLOAD_MODES)
+    """none, or params: with ZeRO-2/3, keep each rank's FP32 parameter shards, gradients and
+    optimizer states in host memory and run the optimizer step on the host (FSDP2's
+    CPUOffloadPolicy); the device keeps the unsharded copies of the blocks in use."""
     ep: int = 1
     """Expert-parallel degree (MoE models), carved from the data-parallel ranks."""
     allow_tp_across_nodes: bool = False
@@ -203,6 +208,10 @@ class TrainConfig:
     """Sequences per rank per forward/backward."""
     global_batch: int = 16
     """Sequences per optimizer step across all data-parallel ranks."""
+    loss_chunks: int = 1
+    """Compute the LM head and cross-entropy in this many sequence chunks, each recomputed
+    in backward, so the full logits and their gradient never exist at once (costs one more
+    head matmul per step); 1 computes them whole. Must divide seq_len."""
 
 
 @dataclass

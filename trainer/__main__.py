@@ -7,6 +7,10 @@ failure ends it the one reported way (`trainer/failure_report.py`).
 
 import os
 import sys
+import time
+
+# Before any heavy import: the start of this rank's process (trainer/startup.py).
+os.environ.setdefault("PRETRAIN_RANK_T0", str(time.time()))
 
 from pretrain_core.lifeline import die_with_parent
 

@@ -3,7 +3,7 @@
 The order follows the design: plain model on meta -> pipeline split (this rank's stages) ->
 tensor/sequence -> context -> recompute -> compile -> FSDP -> materialize and initialize
 (same weights for any layout) -> DDP; then the optimizer (ZeRO-1 sharded when asked), the
-LR schedule and the (compiled) loss.
+LR schedule and the (compiled, optionally chunked) loss.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from parallel.data_parallel import apply_ddp, apply_fsdp, build_zero1_optimizer,
 from parallel.expert import apply_expert_parallel
 from parallel.materialize import materialize
 from parallel.mesh import JobMesh
+from parallel.offload import optimizer_device_type
 from parallel.pipeline import StageView, split_stage, stage_indices
 from parallel.precision import LossScaler, apply_precision
 from parallel.recompute import apply_recompute
@@ -25,6 +26,7 @@ from parallel.tensor import apply_tensor_parallel
 from parallel.tied_embedding import mark_head_copy
 from pretrain_core.layout import Degrees
 from pretrain_core.schema import RecipeConfig
+from trainer.chunked_loss import ChunkedLMLoss
 from trainer.optim import build_optimizer, optimizer_spec, param_groups, scaled_lr
 from trainer.schedule import build_lr_scheduler
 from trainer.step import TrainState, lm_loss
@@ -70,7 +72,9 @@ def _build_one(
         split_stage(plain, stage, cfg.parallel)
     parallelize(plain, cfg, mesh, degrees)
     mark_head_copy(plain)
-    materialize(plain, cfg.model, cfg.seed, device)
+    plain.head_in_loss = cfg.train.loss_chunks > 1 and plain.output is not None
+    host = torch.device(optimizer_device_type(cfg.parallel, device.type))
+    materialize(plain, cfg.model, cfg.seed, device, param_device=host)
     if degrees.grad_replicas > 1 and not uses_fsdp(cfg.parallel, degrees):
         return apply_ddp(plain, mesh, cfg.parallel, cfg.precision), plain
     return plain, plain
@@ -94,9 +98,19 @@ def build_train_state(
         optimizer = build_zero1_optimizer(groups, optimizer_class, kwargs, mesh)
     else:
         optimizer = build_optimizer(
-            plain, cfg.optim, global_batch=cfg.train.global_batch, device=device
+            plain,
+            cfg.optim,
+            global_batch=cfg.train.global_batch,
+            device=torch.device(optimizer_device_type(cfg.parallel, device.type)),
         )
     scheduler = build_lr_scheduler(optimizer, cfg.optim, cfg.schedule, cfg.train.steps)
+    # The vocab-parallel loss works on DTensor logits under loss_parallel: left eager.
+    loss_fn = compile_loss(lm_loss, cfg.compile) if degrees.tp == 1 else lm_loss
+    eval_fn = lm_loss
+    head = getattr(plain, "output", None)
+    if cfg.train.loss_chunks > 1 and head is not None:
+        loss_fn = ChunkedLMLoss(head, cfg.train.loss_chunks, loss_fn)
+        eval_fn = ChunkedLMLoss(head, cfg.train.loss_chunks, lm_loss)
     return TrainState(
         model=model,
         plain=plain,
@@ -104,8 +118,8 @@ def build_train_state(
         scheduler=scheduler,
         scaler=LossScaler(cfg.precision),
         routing_group=mesh.dp.get_group() if degrees.dp > 1 else None,
-        # The vocab-parallel loss works on DTensor logits under loss_parallel: left eager.
-        loss_fn=compile_loss(lm_loss, cfg.compile) if degrees.tp == 1 else lm_loss,
+        loss_fn=loss_fn,
+        eval_loss_fn=eval_fn,
         context=context_split(mesh, cfg.parallel),
         stash=stash,
     )

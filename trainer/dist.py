@@ -26,8 +26,11 @@ class RankInfo:
         return self.rank == 0
 
 
-def init_distributed(cluster: ClusterConfig, timeout_s: float = 600.0) -> RankInfo:
-    """Join the job's process group (gloo on CPU, NCCL on CUDA) from torchrun's environment.
+def init_distributed(
+    cluster: ClusterConfig, timeout_s: float = 600.0, host_collectives: bool = False
+) -> RankInfo:
+    """Join the job's process group (gloo on CPU, NCCL on CUDA) from torchrun's environment;
+    `host_collectives` adds gloo for CPU tensors on CUDA (offloaded gradients' norms).
 
     A single process started without torchrun still gets a one-rank group, so the trainer
     has one code path.
@@ -41,7 +44,7 @@ def init_distributed(cluster: ClusterConfig, timeout_s: float = 600.0) -> RankIn
             )
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
-        backend = "nccl"
+        backend = "cuda:nccl,cpu:gloo" if host_collectives else "nccl"
     else:
         device = torch.device("cpu")
         backend = "gloo"

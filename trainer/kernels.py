@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from models.moe import grouped_mm_supported
+from parallel.offload import offloaded_modules
 from pretrain_core.model_config import ModelConfig
 
 if TYPE_CHECKING:
@@ -83,10 +84,12 @@ def kernels_line(cfg: RecipeConfig, state: TrainState, device: torch.device) -> 
     compile_text = f"{'+'.join(compiled)} ({k.backend})" if k.enabled else "off"
     prefetch = f"{cfg.data.prefetch} steps ahead" if cfg.data.prefetch else "off"
     states = f" ({cfg.optim.state_dtype} states)" if cfg.optim.state_dtype != "fp32" else ""
+    host = offloaded_modules(state.plain)
     return (
         f"kernels: attention {attention}, optimizer {optimizer_path(state.optimizer)}"
         f"{states}, {experts_path(cfg, device, dtype)}compile {compile_text}, "
         f"data prefetch {prefetch}, gradient reduction {cfg.precision.reduce_dtype}"
+        + (f", {host} FSDP units offloaded to host memory" if host else "")
     )
 
 

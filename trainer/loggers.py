@@ -39,7 +39,7 @@ WANDB_KEYS = {
     "loss_scale": "train/loss_scale",
     "skipped_steps": "train/skipped_steps",
     "step_time_s": "perf/step_time_s",
-    "data_wait_s": "perf/data_wait_s",
+    "data_wait_s": "time/data_wait_s",
     "mem_peak_gib": "mem/peak_gib",
     "moe_tokens_per_expert_min": "moe/tokens_per_expert_min",
     "moe_tokens_per_expert_max": "moe/tokens_per_expert_max",
@@ -62,6 +62,8 @@ def wandb_key(name: str) -> str:
     """The W&B key of a flat metric name."""
     if name in WANDB_KEYS:
         return WANDB_KEYS[name]
+    if name.startswith("time_"):
+        return "time/" + name.removeprefix("time_")
     for prefix, section in WANDB_PREFIXES.items():
         if name.startswith(prefix):
             return section + name

@@ -63,8 +63,15 @@ class _StepTracker(MemTracker):
 
     def _pre_fw_hook(self, module: nn.Module, inputs) -> None:
         root = any(module is r for r in self._roots)
-        if root and module in self.memory_tracking and not self._mod_tracker.is_bw:
+        again = module in self.memory_tracking and not self._mod_tracker.is_bw
+        if root and again:
             self.reset_mod_stats()
+        elif again and set(self._mod_tracker.parents) - {
+            self._mod_tracker.get_known_fqn(module)
+        } == {"Global"}:
+            # The LM head called chunk by chunk from the loss (train.loss_chunks), outside
+            # any root: each call is a fresh top-level module for the tracker.
+            del self.memory_tracking[module]
         super()._pre_fw_hook(module, inputs)
 
 

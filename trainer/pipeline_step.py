@@ -39,7 +39,6 @@ from trainer.step import (
     StepResult,
     TrainState,
     apply_gradients,
-    lm_loss,
     run_again_for_slots,
 )
 
@@ -105,7 +104,8 @@ class PipelineStep:
 
     def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         # Validation reads the plain loss (the state's may be compiled or fault-injected).
-        loss = lm_loss(logits, targets) if self.evaluating else self.state.loss_fn(logits, targets)
+        state = self.state
+        loss = (state.eval_loss_fn if self.evaluating else state.loss_fn)(logits, targets)
         # Every TP rank holds the same (replicated) loss.
         self.losses.append(local_value(loss.detach()))
         return self.state.scaler.scale_loss(loss / self.n_microbatches)
@@ -119,9 +119,13 @@ class PipelineStep:
         if self.state.context is not None:
             inputs, targets = self.state.context.shard(inputs), self.state.context.shard(targets)
         args = (inputs,) if self.has_first else ()
+        phases = self.state.phases
         for _ in range(SLOT_RETRIES):
             self.losses = []
-            with vocab_parallel_loss(enabled=self.degrees.tp > 1):
+            with (
+                phases.phase("forward_backward"),
+                vocab_parallel_loss(enabled=self.degrees.tp > 1),
+            ):
                 # The last stage's outputs (the logits) are not merged and kept to the end.
                 self.schedule.step(
                     *args, target=targets if self.has_last else None, return_outputs=False
@@ -130,8 +134,9 @@ class PipelineStep:
                 break
         else:
             raise RuntimeError(f"the MoE dispatch slots overflowed {SLOT_RETRIES} runs of one step")
-        reduce_expert_grads(self.state.plain)
-        reduce_tied_grads(self.state.plain, self.embedding_group)
+        with phases.phase("forward_backward"):
+            reduce_expert_grads(self.state.plain)
+            reduce_tied_grads(self.state.plain, self.embedding_group)
         loss = torch.zeros((), device=self.device)
         if self.has_last:
             # The first step's shape inference calls the loss function once more, first.
@@ -139,9 +144,10 @@ class PipelineStep:
         dist.all_reduce(loss, group=self.group)
         if self.state.context is not None:
             loss = self.state.context.mean(loss)
-        return StepResult(
-            loss, *apply_gradients(self.state, self.cfg, self.guard, loss, self.group)
-        )
+        with phases.phase("optimizer"):
+            return StepResult(
+                loss, *apply_gradients(self.state, self.cfg, self.guard, loss, self.group)
+            )
 
     @torch.no_grad()
     def evaluate(self, micro_batches: MicroBatches) -> torch.Tensor:

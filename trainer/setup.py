@@ -43,7 +43,9 @@ from trainer.metrics_window import MetricsWindow
 from trainer.pipeline_step import pipeline_step
 from trainer.prefetch import PrefetchingLoader
 from trainer.run_identity import run_identity
+from trainer.startup import CLOCK
 from trainer.step import LocalStep, Stepper, TrainState
+from trainer.step_phases import StepPhases
 
 
 @dataclass
@@ -77,6 +79,7 @@ def setup(cfg: RecipeConfig, rank: RankInfo) -> Run:
         )
     torch.manual_seed(cfg.seed)
     mesh = build_mesh(degrees, rank.device.type)
+    CLOCK.mark("mesh")
     run_dir = Path(cfg.run.dir)
     if rank.is_main:
         # This run is the resumed one. Cleared before the model, data and checkpoint are
@@ -86,10 +89,13 @@ def setup(cfg: RecipeConfig, rank: RankInfo) -> Run:
     faults = FaultInjector.from_env(rank.rank)
     guard = StepGuard(cfg.faults.max_bad_steps, rank.device)
     data = packed_data(cfg, open_datasets(cfg, rank.is_main, get_logger().info))
+    CLOCK.mark("data open")
     state = build_train_state(cfg, mesh, degrees, rank.device)
+    CLOCK.mark("model build")
     if cfg.init.from_hf:
         load_hf_weights(state.plain, cfg.model, cfg.init.from_hf)
     state.loss_fn = faults.wrap_loss(state.loss_fn)
+    state.phases = StepPhases(rank.device)
     doc_eos = data.eos_id if cfg.data.doc_mask else None
     stepper, moe_pp_group = _stepper(cfg, state, degrees, mesh, rank, guard, doc_eos)
     training = train_loader(cfg, data, mesh.dp.get_local_rank(), degrees.dp)
@@ -99,6 +105,7 @@ def setup(cfg: RecipeConfig, rank: RankInfo) -> Run:
         run_dir, cfg.checkpoint, rank=rank.rank, world_size=rank.world_size, faults=faults
     )
     start = checkpointer.restore(state, loader)
+    CLOCK.mark("loaders and checkpoint")
     if start:
         get_logger().info("resumed from the checkpoint of step %d", start)
     peak = resolve_peak_flops(rank.device, peak_dtype(cfg.precision), cfg.hardware)
@@ -125,6 +132,7 @@ def setup(cfg: RecipeConfig, rank: RankInfo) -> Run:
         total_steps=cfg.train.steps,
     )
     _announce(cfg, rank, degrees, state, data, peak)
+    CLOCK.mark("metrics and kernels")
     return Run(
         cfg,
         rank,

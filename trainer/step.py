@@ -41,6 +41,7 @@ from parallel.tied_embedding import head_copies
 from pretrain_core.layout import Degrees
 from pretrain_core.schema import RecipeConfig
 from trainer.faults import StepGuard
+from trainer.step_phases import OFF, StepPhases
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -58,9 +59,13 @@ class TrainState:
     scheduler: torch.optim.lr_scheduler.LRScheduler
     scaler: LossScaler
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = lm_loss
+    """The training loss of the model's output (may be compiled, chunked, fault-injected)."""
+    eval_loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = lm_loss
+    """The plain loss of the model's output, for validation (chunked as training's is)."""
+    phases: StepPhases = OFF
+    """Times the step's forward, backward and optimizer (read by the metrics window)."""
     routing_group: dist.ProcessGroup | None = None
     """The data-parallel group whose loads the MoE balancing biases follow (None: one rank)."""
-
     context: ContextSplit | None = None
     """Context parallelism: which chunks of each sequence this rank computes (None: all)."""
     stash: nn.Module | None = None
@@ -156,8 +161,10 @@ def train_step(
             break
     else:
         raise RuntimeError(f"the MoE dispatch slots overflowed {SLOT_RETRIES} runs of one step")
-    reduce_expert_grads(state.plain)
-    return StepResult(loss, *apply_gradients(state, cfg, guard, loss))
+    with state.phases.phase("backward"):
+        reduce_expert_grads(state.plain)
+    with state.phases.phase("optimizer"):
+        return StepResult(loss, *apply_gradients(state, cfg, guard, loss))
 
 
 def _forward_backward(
@@ -178,12 +185,14 @@ def _forward_backward(
         if state.context is not None:
             inputs, targets = state.context.shard(inputs), state.context.shard(targets)
         with gradient_sync(state.model, enabled=i == accum - 1):
-            with _autocast(cfg, degrees, device):
+            with state.phases.phase("forward"), _autocast(cfg, degrees, device):
                 logits = state.model(inputs, **model_kwargs(inputs, doc_eos))
             with vocab_parallel_loss(enabled=degrees.tp > 1):
-                loss = state.loss_fn(logits, targets)
-                objective = add_router_losses(loss, state.plain)
-                state.scaler.scale_loss(objective / accum).backward()
+                with state.phases.phase("forward"):
+                    loss = state.loss_fn(logits, targets)
+                    objective = add_router_losses(loss, state.plain)
+                with state.phases.phase("backward"):
+                    state.scaler.scale_loss(objective / accum).backward()
         # Every TP rank holds the same (replicated) loss.
         loss_sum += local_value(loss.detach())
     loss = loss_sum / accum
@@ -209,7 +218,7 @@ def eval_loss(
         with _autocast(cfg, degrees, device):
             logits = state.model(inputs, **model_kwargs(inputs, doc_eos))
         with vocab_parallel_loss(enabled=degrees.tp > 1):
-            total += local_value(lm_loss(logits, targets))
+            total += local_value(state.eval_loss_fn(logits, targets))
     loss = total / len(micro_batches)
     return state.context.mean(loss) if state.context is not None else loss
 

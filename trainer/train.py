@@ -19,6 +19,7 @@ from trainer.dist import RankInfo, init_distributed
 from trainer.faults import install_stop_handlers, mark_preempted, stop_signal_name
 from trainer.log import get_logger
 from trainer.setup import Run, setup
+from trainer.startup import CLOCK
 from trainer.watchdog import Watchdog, enable_flight_recorder
 
 
@@ -31,6 +32,11 @@ def train(run: Run, watchdog: Watchdog) -> None:
             run.faults.begin_step(step)
             micro_batches = run.window.wait_for_data(run.loader.next_step)
             result = run.window.run_step(run.stepper, micro_batches)
+            if not CLOCK.reported:
+                CLOCK.mark("first step")
+                CLOCK.reported = True
+                if run.rank.is_main:
+                    get_logger().info("%s", CLOCK.line())
             run.guard.record(step, result.bad)
             run.faults.after_step()
             watchdog.beat(step, "checkpoint")
@@ -65,12 +71,14 @@ def run(cfg: RecipeConfig, rank: RankInfo, watchdog: Watchdog) -> None:
 def main(config_path: str) -> None:
     """Run one rank of the job described by the run dir's config.yaml; rank 0 holds the run
     dir's lock meanwhile (unless the launcher holds it for this job)."""
+    CLOCK.mark("imports")
     install_stop_handlers()
     cfg = load_config(config_path)
     run_dir = Path(cfg.run.dir)
     enable_flight_recorder(run_dir, cfg.cluster.device)
     timeout_s = cfg.faults.collective_timeout_s
-    rank = init_distributed(cfg.cluster, timeout_s)
+    rank = init_distributed(cfg.cluster, timeout_s, cfg.parallel.offload == "params")
+    CLOCK.mark("process group")
     try:
         with (
             run_lock.held(cfg.run.dir, enabled=rank.is_main) as took_over,

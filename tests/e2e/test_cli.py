@@ -147,6 +147,10 @@ def test_default_recipe_trains_end_to_end_on_two_ranks(tmp_path: Path) -> None:
     assert [r["step"] for r in rows] == [10, 20, 30]
     for key in ("loss", "lr", "grad_norm", "tokens_per_s", "tflops_per_device", "mfu"):
         assert key in rows[0]
+    # The step breakdown: its regions lie inside the step.
+    regions = ("time_forward_s", "time_backward_s", "time_optimizer_s", "data_wait_s")
+    assert 0 < sum(rows[-1][k] for k in regions) <= rows[-1]["step_time_s"]
+    assert rows[-1]["time_blocked_s"] >= 0
     assert rows[-1]["loss"] < rows[0]["loss"]
     assert "val_loss" not in rows[0] and rows[-1]["val_loss"] > 0
     assert f"val loss {rows[-1]['val_loss']:.4f}" in result.stdout

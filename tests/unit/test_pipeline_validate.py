@@ -148,6 +148,8 @@ def test_2bw_refuses_evaluation_and_cp_refuses_mla_and_document_masks():
     assert "eval.every=0" in problem.fix
     cfg = configure({"parallel.cp": 2, "model.attention": "mla", "model.n_kv_heads": 0})
     assert ("parallel.cp", 2) in [(p.field, p.value) for p in problems(cfg)]
+    cfg = configure({"parallel.pp": 2, "parallel.pp_schedule": "2bw", "train.loss_chunks": 2})
+    assert ("train.loss_chunks", 2) in [(p.field, p.value) for p in problems(cfg)]
     cfg = configure({"parallel.cp": 2, "data.doc_mask": True})
     assert [(p.field, p.value) for p in problems(cfg)] == [("data.doc_mask", True)]
 

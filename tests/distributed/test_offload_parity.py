@@ -1,0 +1,27 @@
+"""parallel.offload=params (FSDP2's CPUOffloadPolicy: shards, gradients and the optimizer on
+the host) reproduces the one-process run. On CPU the host is the device, so the policy moves
+nothing, but its code path (host-resident shards, the optimizer built for the host, the
+copies FSDP2 makes around each all-gather and reduce-scatter) runs and must match. The same
+launch computes the loss in chunks (train.loss_chunks) through the root's head, which FSDP
+keeps unsharded from forward to backward."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.distributed.harness import assert_same_curve, run_pretrain
+
+pytestmark = pytest.mark.distributed
+
+
+def test_zero3_offloaded_with_a_chunked_loss_matches_the_one_process_run(
+    workdir: Path, harness_reference
+) -> None:
+    overrides = ["parallel.zero=3", "parallel.offload=params", "train.loss_chunks=4"]
+    curve = run_pretrain(workdir / "zero3_offload", overrides, nproc=2, keep_output=True)
+    assert_same_curve(curve, harness_reference)
+    # Every block and the root: FSDP2 was given the host-offload policy.
+    log = (workdir / "zero3_offload.log").read_text()
+    assert "optimizer foreach" in log and "5 FSDP units offloaded to host memory" in log

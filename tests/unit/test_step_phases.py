@@ -1,0 +1,48 @@
+"""The step breakdown: regions timed per step, blocked time apart, W&B keys under time/."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from trainer.loggers import wandb_key
+from trainer.step_phases import OFF, StepPhases
+
+
+def _busy(seconds: float) -> None:
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
+
+
+def test_regions_are_reported_per_step_and_sleeping_counts_as_blocked() -> None:
+    phases = StepPhases(torch.device("cpu"))
+    for _ in range(2):
+        with phases.phase("forward"):
+            _busy(0.02)
+        with phases.phase("optimizer"):
+            time.sleep(0.05)
+    times = phases.take(steps=2)
+    assert times["time_forward_s"] >= 0.02
+    assert times["time_optimizer_s"] >= 0.05
+    # The sleep is blocked time; the busy loop only as far as the machine's load
+    # deschedules it, so the bound is the regions' wall time.
+    regions = times["time_forward_s"] + times["time_optimizer_s"]
+    assert 0.05 <= times["time_blocked_s"] <= regions
+    assert phases.take(steps=1) == {}
+
+
+def test_a_disabled_recorder_times_nothing() -> None:
+    with OFF.phase("forward"):
+        time.sleep(0.001)
+    assert OFF.take(steps=1) == {}
+
+
+@pytest.mark.parametrize(
+    ("name", "key"),
+    [("time_forward_s", "time/forward_s"), ("data_wait_s", "time/data_wait_s")],
+)
+def test_breakdown_goes_under_time_in_wandb(name: str, key: str) -> None:
+    assert wandb_key(name) == key

@@ -20,7 +20,7 @@ def test_zero3_offloaded_with_a_chunked_loss_matches_the_one_process_run(
     workdir: Path, harness_reference
 ) -> None:
     overrides = ["parallel.zero=3", "parallel.offload=params", "train.loss_chunks=4"]
-    curve = run_pretrain(workdir / "zero3_offload", overrides, nproc=2, keep_output=True)
+    curve = run_pretrain(workdir / "zero3_offload", overrides, nproc=2)
     assert_same_curve(curve, harness_reference)
     # Every block and the root: FSDP2 was given the host-offload policy.
     log = (workdir / "zero3_offload.log").read_text()

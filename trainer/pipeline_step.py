@@ -18,6 +18,8 @@ measured step time, so it never counts as work.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
@@ -87,14 +89,22 @@ class PipelineStep:
             in_context(inner, lambda: forward_context(cfg.precision, device, weights_cast))
             attach_router_losses(inner, self._term_weight)
         self.embedding_group = embedding_group(cfg, degrees)
-        self.schedule = build_schedule(
-            list(state.model),
-            stages,
-            cfg.parallel,
+        self.stages = stages
+        self.schedule = self._new_schedule()
+        # Validation runs through a schedule of its own: torch's stages infer their shapes
+        # again after a forward-only pass, and that extra forward inside the next training
+        # step would count in the step's MoE routing (and its balancing bias).
+        self.eval_schedule: Any = None
+
+    def _new_schedule(self) -> Any:
+        return build_schedule(
+            list(self.state.model),
+            self.stages,
+            self.cfg.parallel,
             self.n_microbatches,
             self._loss,
             self.group,
-            device,
+            self.device,
         )
 
     def _term_weight(self) -> torch.Tensor:
@@ -161,7 +171,9 @@ class PipelineStep:
         self.losses, self.evaluating = [], True
         try:
             with vocab_parallel_loss(enabled=self.degrees.tp > 1):
-                self.schedule.eval(*args, target=targets if self.has_last else None)
+                if self.eval_schedule is None:
+                    self.eval_schedule = self._new_schedule()
+                self.eval_schedule.eval(*args, target=targets if self.has_last else None)
         finally:
             self.evaluating = False
         loss = torch.zeros((), device=self.device)

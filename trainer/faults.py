@@ -63,7 +63,7 @@ class StepGuard:
 
     def stop_requested(self) -> bool:
         """Whether this rank received SIGTERM or SIGUSR1 (`agree` tells every rank)."""
-        return self._signal is not None
+        return stop_requested()
 
     def agree(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> tuple[bool, bool]:
         """(bad, stop) as every rank sees it: bad when any rank's loss or the norm is not

@@ -111,7 +111,16 @@ def check_schedule(c: Checks, cfg: RecipeConfig) -> None:
             cfg.eval.every,
             "PipeDream-2BW's in-repo schedule has no forward-only pass yet, and an evaluation "
             "between its never-flushed steps would have to drain the pipeline",
-            "set eval.every=0 with pp_schedule=2bw, or use pp_schedule=1f1b or zbv",
+            "set eval.every=0 with pp_schedule=2bw, or use pp_schedule=1f1b",
+        )
+    if p.pp_schedule in V_SCHEDULES and cfg.eval.every:
+        c.add(
+            "eval.every",
+            cfg.eval.every,
+            f"torch's {p.pp_schedule} schedule has no forward-only pass (its eval runs the "
+            "split backward's actions)",
+            f"set eval.every=0 with pp_schedule={p.pp_schedule}, or use pp_schedule=1f1b or "
+            "interleaved_1f1b",
         )
     if p.pp_schedule in V_SCHEDULES and p.vpp != 2:
         c.add(

@@ -129,13 +129,18 @@ def read_curve(path: Path) -> Curve:
     )
 
 
-def assert_same_curve(curve: Curve, expected: Curve) -> None:
-    """Loss and validation loss agree step by step within FP32_TOLERANCE, the gradient norm
-    within GRAD_NORM_TOLERANCE (and at the first step, where the weights are identical,
-    within FP32_TOLERANCE too)."""
+def assert_same_training(curve: Curve, expected: Curve) -> None:
+    """The loss agrees step by step within FP32_TOLERANCE, the gradient norm within
+    GRAD_NORM_TOLERANCE (and at the first step, where the weights are identical, within
+    FP32_TOLERANCE too)."""
     assert max_relative_difference(curve.loss, expected.loss) <= FP32_TOLERANCE
     assert max_relative_difference(curve.grad_norm[:1], expected.grad_norm[:1]) <= FP32_TOLERANCE
     assert max_relative_difference(curve.grad_norm, expected.grad_norm) <= GRAD_NORM_TOLERANCE
+
+
+def assert_same_curve(curve: Curve, expected: Curve) -> None:
+    """`assert_same_training`, and the validation loss within FP32_TOLERANCE too."""
+    assert_same_training(curve, expected)
     assert expected.val_loss, "the reference evaluated nothing"
     assert max_relative_difference(curve.val_loss, expected.val_loss) <= FP32_TOLERANCE
 

@@ -11,6 +11,7 @@ import pytest
 
 from tests.distributed.harness import (
     assert_same_curve,
+    assert_same_training,
     run_pretrain,
 )
 
@@ -53,7 +54,9 @@ def test_tied_embeddings_under_pp2_match_the_single_process_run(workdir) -> None
     ranks (1F1B), and under ZB-V, whose rank 0 holds both the first and the last stage."""
     tied = ["model.tie_embeddings=true"]
     reference = run_pretrain(workdir / "tied_reference", tied, nproc=1)
-    v_shape = ["parallel.vpp=2", "parallel.pp_schedule=zbv"]
-    for label, extra in (("tied_pp2", []), ("tied_pp2_zbv", v_shape)):
-        curve = run_pretrain(workdir / label, [*tied, "parallel.pp=2", *extra], nproc=2)
-        assert_same_curve(curve, reference)
+    curve = run_pretrain(workdir / "tied_pp2", [*tied, "parallel.pp=2"], nproc=2)
+    assert_same_curve(curve, reference)
+    # torch's V schedules have no forward-only pass: that run does not evaluate.
+    v_shape = ["parallel.vpp=2", "parallel.pp_schedule=zbv", "eval.every=0"]
+    curve = run_pretrain(workdir / "tied_pp2_zbv", [*tied, "parallel.pp=2", *v_shape], nproc=2)
+    assert_same_training(curve, reference)

@@ -115,7 +115,11 @@ _NAMES = {
 def _type_name(hint: Any) -> str:
     origin = typing.get_origin(hint)
     if origin is list:
-        return f"a list of {_NAMES[typing.get_args(hint)[0]][1]}"
+        element = typing.get_args(hint)[0]
+        if dataclasses.is_dataclass(element):
+            fields = ", ".join(f.name for f in dataclasses.fields(element))
+            return f"a list of mappings with {fields}"
+        return f"a list of {_NAMES[element][1]}"
     if origin is dict:
         return "a mapping of names to strings"
     return _NAMES[hint][0]
@@ -124,7 +128,7 @@ def _type_name(hint: Any) -> str:
 def value_problem(path: str, value: Any) -> Problem | None:
     """The problem of assigning `value` to the field `path`, as OmegaConf would convert it;
     None when it converts (or is an interpolation, which only composition can resolve)."""
-    from omegaconf import DictConfig, ListConfig
+    from omegaconf import DictConfig, ListConfig, OmegaConf
     from omegaconf.errors import OmegaConfBaseException
     from omegaconf.nodes import BooleanNode, FloatNode, IntegerNode, StringNode
 
@@ -133,7 +137,13 @@ def value_problem(path: str, value: Any) -> Problem | None:
         return None
     origin = typing.get_origin(hint)
     try:
-        if origin is list:
+        if origin is list and dataclasses.is_dataclass(typing.get_args(hint)[0]):
+            # A list of structured entries (data.sources): each one merged onto its schema.
+            if not isinstance(value, list):
+                raise ValueError("not a list")
+            for item in value:
+                OmegaConf.merge(OmegaConf.structured(typing.get_args(hint)[0]), item)
+        elif origin is list:
             ListConfig(content=value, element_type=typing.get_args(hint)[0])
         elif origin is dict:
             DictConfig(content=value, key_type=str, element_type=typing.get_args(hint)[1])

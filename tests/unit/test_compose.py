@@ -41,6 +41,13 @@ def test_every_bad_override_is_reported_at_once() -> None:
     ]
 
 
+def test_a_mixture_of_sources_is_checked_entry_by_entry() -> None:
+    sound = ["data.sources=[{source:/x,weight:3},{source:/y,weight:1,name:b}]"]
+    assert checked_command_line(sound, "tiny") == [*sound, *QUIET_HYDRA]
+    [found] = problems_of("data.sources=[{sourc:/x}]")
+    assert found.startswith("data.sources=") and "a list of mappings with source, weight" in found
+
+
 def test_plus_of_an_unknown_key_is_an_error_and_of_a_known_one_says_drop_the_plus() -> None:
     assert problems_of("+parallel.tpp=2")[0].startswith("parallel.tpp=2: no such key")
     assert problems_of("+parallel.tp=2") == [

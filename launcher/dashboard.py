@@ -36,7 +36,7 @@ SECTIONS: dict[str, tuple[Panel, ...]] = {
         Panel("HFU", ("perf/hfu",)),
         Panel("TFLOP/s per device", ("perf/tflops_per_device",)),
         Panel("tokens/s", ("perf/tokens_per_s",)),
-        Panel("step time (s)", ("perf/step_time_s", "perf/data_wait_s")),
+        Panel("step time (s)", ("perf/step_time_s", "time/data_wait_s")),
         Panel("predicted vs measured MFU", ("plan/mfu", "perf/mfu"), summary=True),
         Panel(
             "predicted vs measured tokens/s",

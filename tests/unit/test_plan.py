@@ -21,15 +21,8 @@ from pretrain_core.layout import Degrees, grad_accum_steps, rank_groups, resolve
 from pretrain_core.model_config import ModelConfig
 from pretrain_core.problems import RecipeError
 from pretrain_core.schema import RecipeConfig
+from tests.helpers import LLAMA3_8B, LLAMA3_70B
 
-LLAMA3_8B = ModelConfig(
-    vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336,
-    max_seq_len=8192, rope_theta=500000.0,
-)  # fmt: skip
-LLAMA3_70B = ModelConfig(
-    vocab_size=128256, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim=28672,
-    max_seq_len=8192, rope_theta=500000.0,
-)  # fmt: skip
 LLAMA2_7B_SHAPE = ModelConfig(
     vocab_size=32000, dim=4096, n_layers=32, n_heads=32, ffn_dim=11008, max_seq_len=4096
 )

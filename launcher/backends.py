@@ -1,8 +1,9 @@
 """Start a written run dir: torchrun in the foreground (local) or sbatch (SLURM).
 
-A local run owns its run dir (the lock, `claimed_run_dir`) and its processes: torchrun dies
-with the launcher (a parent-death signal, and every rank asks for the same from torchrun),
-Ctrl-C, SIGTERM and a closed terminal are forwarded to it, and its stderr is kept in
+A local run owns its run dir (the lock, `claimed_run_dir`) and its processes: torchrun (or,
+for a single rank, the rank itself: `launcher.job.local_command`) dies with the launcher (a
+parent-death signal, and every rank asks for the same from its parent), Ctrl-C, SIGTERM
+and a closed terminal are forwarded to it, and its stderr is kept in
 RUN_DIR/logs/torchrun.log. Once a rank has reported a failure (or the run is being
 stopped) the rest of that stderr goes to the log only: the launcher prints the summary.
 """
@@ -24,13 +25,16 @@ from pathlib import Path
 from typing import IO
 
 from launcher.failure_summary import clear_failures, has_failures
-from launcher.job import JobFiles, job_env, torchrun_args
+from launcher.job import JobFiles, job_env, local_command
 from pretrain_core import run_lock
 from pretrain_core.lifeline import child_dies_with_us
 from pretrain_core.run_lock import SLURM_FINAL_STATES
 from pretrain_core.rundir import LAUNCH_LOG, LOGS_DIR, SLURM_JOB_FILE
 from pretrain_core.schema import RecipeConfig
 
+KILL_MARGIN_S = 10.0
+"""How long past `cluster.signal_seconds` a stopped local run may take before it is killed:
+the agent's own shutdown timeout comes first."""
 FINAL_STATES = SLURM_FINAL_STATES
 """SLURM job states after which the job will not run again by itself."""
 
@@ -118,11 +122,12 @@ class _StderrTee:
         self._thread.join(timeout=10)
 
 
-def _torchrun_command(cfg: RecipeConfig, files: JobFiles) -> list[str]:
-    """The agent (torchrun) as a module of this Python: the ranks run the same interpreter."""
+def _local_command(cfg: RecipeConfig, files: JobFiles) -> list[str]:
+    """The agent (torchrun), or the single rank, as a module of this Python: the ranks run
+    the same interpreter."""
     if importlib.util.find_spec("torch") is None:
         raise LaunchError(f"torch is not installed for {sys.executable}: install it to run here")
-    return [sys.executable, *torchrun_args(cfg, files.config_path)[1:]]
+    return [sys.executable, *local_command(cfg, files.config_path)[1:]]
 
 
 @dataclass(frozen=True)
@@ -141,7 +146,7 @@ def run_local(files: JobFiles, cfg: RecipeConfig, lock_token: str | None = None)
     and SIGHUP (as SIGTERM) are forwarded to its group. A child killed by signal N exits
     with 128 + N, as a shell would report it.
     """
-    args = _torchrun_command(cfg, files)
+    args = _local_command(cfg, files)
     env = {**os.environ, **job_env(cfg), "PRETRAIN_SPAWN_T": str(time.time())}
     if lock_token:
         env[run_lock.TOKEN_ENV] = lock_token
@@ -157,22 +162,33 @@ def run_local(files: JobFiles, cfg: RecipeConfig, lock_token: str | None = None)
         )  # fmt: skip
         assert proc.stderr is not None
         tee = _StderrTee(proc.stderr, log, quiet, files.run_dir)
-        code = _wait_forwarding_signals(proc, quiet, stopped)
+        code = _wait_forwarding_signals(proc, quiet, stopped, cfg.cluster.signal_seconds)
         tee.join()
     return LocalRun(128 - code if code < 0 else code, stopped[0] if stopped else None)
 
 
 def _wait_forwarding_signals(
-    proc: subprocess.Popen, quiet: threading.Event, stopped: list[str]
+    proc: subprocess.Popen, quiet: threading.Event, stopped: list[str], grace_s: float
 ) -> int:
     """Wait for `proc`, forwarding stop signals to its group (noted in `stopped`; its stderr
-    turns quiet: the ranks' reactions to the signal are logged, not shown)."""
+    turns quiet: the ranks' reactions to the signal are logged, not shown). A group still
+    alive `grace_s` (plus a margin) after the first signal is killed, as torchrun kills its
+    ranks after `--shutdown-timeout`: a rank started without the agent has no one else to."""
+
+    def kill_group() -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+
+    deadline = threading.Timer(grace_s + KILL_MARGIN_S, kill_group)
+    deadline.daemon = True
 
     def forward(signum: int, _frame: object) -> None:
         quiet.set()
         stopped.append(signal.Signals(signum).name)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGTERM if signum == signal.SIGHUP else signum)
+        if len(stopped) == 1:
+            deadline.start()
 
     forwarded = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
     # Signal handlers can only be installed from the main thread.
@@ -181,6 +197,7 @@ def _wait_forwarding_signals(
     try:
         return proc.wait()
     finally:
+        deadline.cancel()
         for s, handler in previous.items():
             signal.signal(s, handler)
 

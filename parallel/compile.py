@@ -19,7 +19,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._dynamo.exc import TorchDynamoException
 
 from pretrain_core.schema import CompileConfig
 
@@ -47,6 +46,10 @@ class GuardedCompile:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self._call is not None:
             return self._call(*args, **kwargs)
+        # Imported here: torch._dynamo costs every rank about 0.9 s of start-up, and a run
+        # without compile never needs it.
+        from torch._dynamo.exc import TorchDynamoException
+
         try:
             out = self.compiled(*args, **kwargs)
         except TorchDynamoException as error:

@@ -18,30 +18,40 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
-from torch.distributed.pipelining import (
-    PipelineStage,
-    Schedule1F1B,
-    ScheduleDualPipeV,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-    ScheduleInterleavedZeroBubble,
-    ScheduleZBVZeroBubble,
-)
 
 from pretrain_core.schema import ParallelConfig
 from pretrain_core.stages import placement, rank_stages, stage_layers
 
-SCHEDULES = {
-    "gpipe": ScheduleGPipe,
-    "1f1b": Schedule1F1B,
-    "interleaved_1f1b": ScheduleInterleaved1F1B,
-    # Splits each backward into input and weight gradients and fills bubbles with the latter.
-    "zero_bubble": ScheduleInterleavedZeroBubble,
-    # Two chunks per rank in a V; zero-bubble's split backward (ZB-V), and DeepSeek's
-    # DualPipeV, which pairs one chunk's forward with the other's backward.
-    "zbv": ScheduleZBVZeroBubble,
-    "dualpipev": ScheduleDualPipeV,
-}
+
+def schedule_classes() -> dict[str, type]:
+    """torch's schedule class for each `parallel.pp_schedule` but 2BW (ours).
+
+    Imported on first use: torch.distributed.pipelining brings in torch._dynamo, about 0.6 s
+    of every rank's start-up, which a run without a pipeline does not need.
+    """
+    from torch.distributed.pipelining import (
+        Schedule1F1B,
+        ScheduleDualPipeV,
+        ScheduleGPipe,
+        ScheduleInterleaved1F1B,
+        ScheduleInterleavedZeroBubble,
+        ScheduleZBVZeroBubble,
+    )
+
+    return {
+        "gpipe": ScheduleGPipe,
+        "1f1b": Schedule1F1B,
+        "interleaved_1f1b": ScheduleInterleaved1F1B,
+        # Splits each backward into input and weight gradients and fills bubbles with the
+        # latter.
+        "zero_bubble": ScheduleInterleavedZeroBubble,
+        # Two chunks per rank in a V; zero-bubble's split backward (ZB-V), and DeepSeek's
+        # DualPipeV, which pairs one chunk's forward with the other's backward.
+        "zbv": ScheduleZBVZeroBubble,
+        "dualpipev": ScheduleDualPipeV,
+    }
+
+
 MULTI_STAGE = ("interleaved_1f1b", "zero_bubble", "zbv", "dualpipev")
 """Schedules that take a list of stages per rank (any vpp, including 1; the V ones 2)."""
 
@@ -97,12 +107,14 @@ def build_schedule(
     Gradients are not scaled by the schedule: `loss_fn` divides by the micro-batch count, as
     gradient accumulation does, so the fp16 loss scale and the mean stay in one place.
     """
+    from torch.distributed.pipelining import PipelineStage
+
     total = parallel.pp * parallel.vpp
     pipeline_stages = [
         PipelineStage(chunk, index, total, device, group=group)
         for chunk, index in zip(chunks, stages, strict=True)
     ]
-    schedule_class = SCHEDULES[parallel.pp_schedule]
+    schedule_class = schedule_classes()[parallel.pp_schedule]
     if parallel.pp_schedule in MULTI_STAGE:
         return schedule_class(
             pipeline_stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False

@@ -40,8 +40,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
-from torch.distributed.optim import ZeroRedundancyOptimizer
 
+from parallel.data_parallel import is_zero1_optimizer
 from parallel.tied_embedding import head_copies
 from pretrain_core.checkpoint_files import DCP_METADATA, META, complete_checkpoints, step_dir
 from pretrain_core.rundir import CHECKPOINTS_DIR, WANDB_ID_FILE
@@ -92,7 +92,7 @@ def _names(plain: nn.Module) -> dict[int, str]:
     return {id(p): name for name, p in plain.named_parameters()}
 
 
-def _zero1_optim_state(optimizer: ZeroRedundancyOptimizer, plain: nn.Module) -> dict[str, Any]:
+def _zero1_optim_state(optimizer: torch.optim.Optimizer, plain: nn.Module) -> dict[str, Any]:
     """This rank's share of a ZeRO-1 optimizer, in the layout `get_state_dict` uses.
 
     Each rank holds the states of the parameters it owns; keyed by parameter name, the
@@ -118,7 +118,7 @@ def _zero1_optim_state(optimizer: ZeroRedundancyOptimizer, plain: nn.Module) -> 
 
 
 def _store_zero1_states(
-    optimizer: ZeroRedundancyOptimizer, plain: nn.Module, loaded: dict[str, Any]
+    optimizer: torch.optim.Optimizer, plain: nn.Module, loaded: dict[str, Any]
 ) -> None:
     """Put loaded FP32 states back into an optimizer that keeps them in another dtype (the
     loaded tensors of the others are the live states, filled in place)."""
@@ -133,7 +133,7 @@ def _store_zero1_states(
 
 
 @torch.no_grad()
-def _init_zero1_state(optimizer: ZeroRedundancyOptimizer) -> None:
+def _init_zero1_state(optimizer: torch.optim.Optimizer) -> None:
     """Allocate this rank's optimizer states (a step with zero gradients and lr 0) so that
     DCP has tensors to load into; the loaded values replace them."""
     local = optimizer.optim
@@ -181,7 +181,7 @@ def _collective_device() -> torch.device:
 
 def _state_dicts(state: TrainState) -> dict[str, Any]:
     model = _named_model(state)
-    if isinstance(state.optimizer, ZeroRedundancyOptimizer):
+    if is_zero1_optimizer(state.optimizer):
         return {
             "model": get_model_state_dict(model),
             "optim": _zero1_optim_state(state.optimizer, state.plain),
@@ -439,7 +439,7 @@ class Checkpointer:
         model = _named_model(state)
         # The optimizer's states only: its groups (which depend on the layout) and their
         # hyperparameters come from the recipe, and the lr from the restored schedule.
-        if isinstance(state.optimizer, ZeroRedundancyOptimizer):
+        if is_zero1_optimizer(state.optimizer):
             _init_zero1_state(state.optimizer)
             model_sd = get_model_state_dict(model)
             optim_sd = _zero1_optim_state(state.optimizer, state.plain)

@@ -1,9 +1,10 @@
 """Where the time from `pretrain` to the first finished step goes, logged once per run.
 
-The launcher stamps its own start (PRETRAIN_LAUNCH_T0) and the moment it spawns torchrun
-(PRETRAIN_SPAWN_T) into the environment; each rank stamps its process start
-(PRETRAIN_RANK_T0, first thing in `trainer/__main__.py`) and marks the end of each setup
-phase. The line after the first step reads, e.g.: launcher 0.9 s, torchrun 1.6 s, imports
+The launcher stamps its own start (PRETRAIN_LAUNCH_T0) and the moment it spawns torchrun,
+or the rank itself for a one-rank run (PRETRAIN_SPAWN_T), into the environment; each rank
+stamps its process start (PRETRAIN_RANK_T0, first thing in `trainer/__main__.py`) and marks
+the end of each setup phase. The line after the first step reads, e.g.: launcher 0.9 s,
+spawn 1.6 s (torchrun's agent, until it started this rank), imports
 2.7 s, process group 0.1 s, mesh 0.0 s, data 0.4 s, model 0.3 s, ... first step 0.5 s.
 Wall-clock stamps: comparable across processes of one node. Under SLURM the rank's own
 start is the first stamp (the queue wait is no part of the start).
@@ -23,7 +24,7 @@ class StartupClock:
     def __init__(self) -> None:
         self.marks: list[tuple[str, float]] = []
         self.reported = False
-        stamps = [("start", LAUNCH_ENV), ("launcher", SPAWN_ENV), ("torchrun", RANK_ENV)]
+        stamps = [("start", LAUNCH_ENV), ("launcher", SPAWN_ENV), ("spawn", RANK_ENV)]
         if SPAWN_ENV not in os.environ:
             # Not spawned by the local backend (e.g. a SLURM job, whose environment may still
             # carry the submitting launcher's stamp): the queue is no part of the start.

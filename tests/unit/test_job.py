@@ -17,6 +17,7 @@ from launcher.job import (
     RDZV_ENDPOINT,
     RDZV_ID,
     JobError,
+    local_command,
     render_sbatch,
     torchrun_args,
     write_run_dir,
@@ -216,7 +217,7 @@ def test_local_run_script_is_the_torchrun_command_with_the_environment(tmp_path:
     lines = script.splitlines()
     assert "export OMP_NUM_THREADS=3" in lines
     assert "export NCCL_DEBUG=WARN" in lines
-    assert lines[-1] == "exec " + shlex.join(torchrun_args(cfg, files.config_path))
+    assert lines[-1] == "exec " + shlex.join(local_command(cfg, files.config_path))
     subprocess.run(["bash", "-n", str(files.script_path)], check=True)
 
 
@@ -336,3 +337,14 @@ def test_the_job_requeues_whenever_the_trainer_left_the_preempted_marker(
     result = subprocess.run(["bash", str(files.script_path)], env=env, capture_output=True)
     assert result.returncode == exit_code
     assert ("scontrol requeue 42" in calls.read_text().splitlines()) == requeued
+
+
+def test_one_rank_that_is_never_restarted_runs_without_the_agent(tmp_path: Path) -> None:
+    cfg = RecipeConfig()
+    cfg.cluster.gpus_per_node = 1
+    config = tmp_path / "config.yaml"
+    assert local_command(cfg, config) == [sys.executable, "-m", "trainer", str(config)]
+    cfg.cluster.max_restarts = 2  # torchrun restarts the group: the agent stays
+    assert local_command(cfg, config) == torchrun_args(cfg, config)
+    cfg.cluster.max_restarts, cfg.cluster.gpus_per_node = 0, 2
+    assert local_command(cfg, config) == torchrun_args(cfg, config)

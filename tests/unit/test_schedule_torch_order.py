@@ -23,8 +23,7 @@ from torch.distributed.pipelining.schedules import _ComputationType
 from launcher.memory import in_flight
 from launcher.schedule_sim import SCHEDULES, SIMULATED, program
 from launcher.validate import validate
-from parallel.pipeline import MULTI_STAGE
-from parallel.pipeline import SCHEDULES as TORCH_SCHEDULES
+from parallel.pipeline import MULTI_STAGE, schedule_classes
 from pretrain_core.problems import RecipeError
 from tests.helpers import configure
 
@@ -80,7 +79,7 @@ SHAPES = [
 @functools.cache
 def torch_order(schedule: str, pp: int, vpp: int, m: int) -> dict[int, list[tuple]]:
     """(kind, micro-batch, chunk) of each rank's compute actions in torch's schedule IR."""
-    cls = TORCH_SCHEDULES[schedule]
+    cls = schedule_classes()[schedule]
     if schedule in MULTI_STAGE:
         built = cls([StandInStage(c * pp, pp * vpp, pp) for c in range(vpp)], n_microbatches=m)
     else:

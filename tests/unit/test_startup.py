@@ -15,11 +15,11 @@ def test_phases_run_from_the_launchers_stamp_to_the_first_step(monkeypatch) -> N
     clock = StartupClock()
     clock.marks += [("imports", 104.5), ("mesh", 104.75), ("first step", 105.25)]
     assert clock.phases() == pytest.approx(
-        {"launcher": 0.5, "torchrun": 1.5, "imports": 2.5, "mesh": 0.25, "first step": 0.5,
+        {"launcher": 0.5, "spawn": 1.5, "imports": 2.5, "mesh": 0.25, "first step": 0.5,
          "total": 5.25}
     )  # fmt: skip
     assert clock.line() == (
-        "startup: launcher 0.50 s, torchrun 1.50 s, imports 2.50 s, mesh 0.25 s, "
+        "startup: launcher 0.50 s, spawn 1.50 s, imports 2.50 s, mesh 0.25 s, "
         "first step 0.50 s; 5.25 s from launch to the first step"
     )
 

@@ -110,6 +110,8 @@ def apply_tensor_parallel(model: nn.Module, mesh: JobMesh, parallel: ParallelCon
     }
     if sp:
         root_plan["norm"] = SequenceParallel()
+    # A pipeline stage holds None in place of the modules of other stages.
+    root_plan = {key: style for key, style in root_plan.items() if getattr(model, key) is not None}
     parallelize_module(model, tp_mesh, root_plan)
     if model.cfg.tie_embeddings and None not in (model.tok_embeddings, model.output):
         # Each style distributed its own copy; the embedding's and head's shards coincide

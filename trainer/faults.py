@@ -40,6 +40,11 @@ def stop_requested() -> bool:
     return _stop_signal is not None
 
 
+def received_stop_signal() -> int | None:
+    """The stop signal this rank received itself, if any."""
+    return _stop_signal
+
+
 def stop_signal_name() -> str:
     """The stop signal this rank received ("a peer's signal" when only another rank got one)."""
     return signal.Signals(_stop_signal).name if _stop_signal else "a peer's signal"

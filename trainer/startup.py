@@ -24,6 +24,10 @@ class StartupClock:
     def __init__(self) -> None:
         self.marks: list[tuple[str, float]] = []
         self.reported = False
+
+    def _stamps(self) -> None:
+        # Read at the first mark, not at import: a rank forked from the agent (which
+        # imported this module) stamps its own start after the fork.
         stamps = [("start", LAUNCH_ENV), ("launcher", SPAWN_ENV), ("spawn", RANK_ENV)]
         if SPAWN_ENV not in os.environ:
             # Not spawned by the local backend (e.g. a SLURM job, whose environment may still
@@ -33,9 +37,11 @@ class StartupClock:
             if env in os.environ:
                 self.marks.append((name, float(os.environ[env])))
 
-    def mark(self, name: str) -> None:
-        """The phase `name` ends now."""
-        self.marks.append((name, time.time()))
+    def mark(self, name: str, at: float | None = None) -> None:
+        """The phase `name` ends now (or at wall-clock time `at`)."""
+        if not self.marks:
+            self._stamps()
+        self.marks.append((name, time.time() if at is None else at))
 
     def phases(self) -> dict[str, float]:
         """Seconds of each phase, in order, and `total` from the first stamp."""

@@ -401,8 +401,9 @@ class LoggingConfig:
     wandb_name: str = ""
     """W&B run name; empty: the recipe's name, and in a sweep the point's overrides after it."""
     wandb_group: str = ""
-    """W&B group; empty: none, and in a sweep the recipe and the swept keys (one group per
-    sweep, kept when a point resumes)."""
+    """W&B group; empty: none, in a sweep the recipe and the swept keys (one group per
+    sweep, kept when a point resumes), and on several nodes the run dir's name (beside the
+    runs of the other nodes' system metrics)."""
     wandb_job_type: str = "train"
     """W&B job_type, to filter runs in the workspace."""
     wandb_tags: list[str] = field(default_factory=list)

@@ -308,3 +308,17 @@ def wandb_records(history: Path) -> list:
             records.append(record)
             pending = b""
     return records
+
+
+def finished_wandb_records(history: Path, timeout_s: float = 30) -> list:
+    """`wandb_records` of an offline run read up to its exit record: W&B's service may still
+    be writing the log when finish() returns."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    records = wandb_records(history)
+    while not any(r.HasField("exit") for r in records):
+        assert time.monotonic() < deadline, f"{history} never reached its exit record"
+        time.sleep(0.2)
+        records = wandb_records(history)
+    return records

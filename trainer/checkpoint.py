@@ -51,8 +51,10 @@ from trainer.data import DataLoader
 from trainer.fault_injection import FaultInjector
 from trainer.log import get_logger
 from trainer.optim_states import StoredStateOptimizer
+from trainer.progress import human
 from trainer.step import TrainState
 from trainer.vocab_resize import load_resizing_vocab
+from trainer.waiting import Wait
 
 STASH = "stash"
 """DCP key of PipeDream-2BW's older weight version."""
@@ -243,6 +245,14 @@ class _Pending:
     rank 0 computes them all for the manifest)."""
 
 
+def _loading(step: int, path: Path) -> Wait:
+    """The progress display of verifying and loading the checkpoint at `path` (its size
+    counted once); lines through the trainer's logger (rank 0's)."""
+    size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    what = f"checkpoint: loading step {step} ({human(size)}B) from {path}"
+    return Wait(what, get_logger().info, announce=False)
+
+
 class Checkpointer:
     """Saves and restores one run's checkpoints; every rank makes the same calls."""
 
@@ -400,10 +410,13 @@ class Checkpointer:
             if not candidates:
                 raise FileNotFoundError(f"no checkpoint of step {step} in {self.root}")
         failures = []
-        for _, path in candidates:
-            problems = integrity.verify(
-                path, META, DCP_METADATA, self.rank, self.world_size
-            ) or self._agreed_load(path, state, loader)
+        for step_of, path in candidates:
+            with _loading(step_of, path) as wait:
+                problems = integrity.verify(
+                    path, META, DCP_METADATA, self.rank, self.world_size
+                ) or self._agreed_load(path, state, loader)
+                done = wait.what.replace("loading", "loaded", 1)
+                wait.outcome = f"checkpoint: could not load step {step_of}" if problems else done
             if not problems:
                 return self.saved_step
             failures.append(f"{path.name}: {'; '.join(problems)}")

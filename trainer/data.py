@@ -2,9 +2,10 @@
 
 Every source the recipe names is a prepared dataset (`trainer/prepare.py`). A local run
 prepares a missing one first (rank 0, with `data.workers` processes, while the other ranks
-wait for its manifest); a SLURM run refuses and names the command that prepares it, so GPU
-nodes never tokenize. The loaders serve each data-parallel rank its share of every global
-batch (`trainer/sampler.py`), the same under any layout, and resume from a small state.
+wait for its manifest, showing the wait: `trainer/waiting.py`); a SLURM run refuses and
+names the command that prepares it, so GPU nodes never tokenize. The loaders serve each
+data-parallel rank its share of every global batch (`trainer/sampler.py`), the same under
+any layout, and resume from a small state.
 """
 
 from __future__ import annotations
@@ -12,22 +13,24 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
 from pretrain_core.data_sources import (
+    DatasetPlace,
     dataset_places,
     read_manifest,
     resolved_sources,
     source_label,
 )
 from pretrain_core.schema import RecipeConfig
+from trainer.cache_lock import holder_detail, holder_fraction
 from trainer.dataset import PackedSequences, PreparedDataset, TokenStream
-from trainer.prepare import prepare_data
+from trainer.prepare import dataset_lock, prepare_data
 from trainer.sampler import MixtureSampler
+from trainer.waiting import Wait
 
 Batches = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -36,10 +39,29 @@ class DataNotPrepared(RuntimeError):
     """A SLURM run found a source without its prepared dataset."""
 
 
-def _wait_for(folders: list[Path], poll_s: float = 0.5) -> None:
-    """Until every folder's manifest exists (the main rank prepares them)."""
-    while any(read_manifest(f) is None for f in folders):
-        time.sleep(poll_s)
+def _unprepared(places: list[DatasetPlace]) -> DatasetPlace | None:
+    return next((p for p in places if read_manifest(p.folder) is None), None)
+
+
+def _wait_for(
+    places: list[DatasetPlace], report: Callable[[str], None], poll_s: float = 0.5
+) -> None:
+    """Until every dataset's manifest exists (the main rank prepares them), showing the wait:
+    whose preparation it is and how far along it says it is."""
+    names = ", ".join(repr(p.source.source) for p in places)
+
+    def holder() -> str:
+        place = _unprepared(places)
+        return holder_detail(dataset_lock(place)) if place is not None else ""
+
+    def fraction() -> float | None:
+        place = _unprepared(places)
+        return holder_fraction(dataset_lock(place)) if place is not None else None
+
+    what = f"data: waiting for the preparation of {names} (by the main rank)"
+    with Wait(what, report, detail=holder, fraction=fraction):
+        while _unprepared(places) is not None:
+            time.sleep(poll_s)
 
 
 def open_datasets(
@@ -58,7 +80,7 @@ def open_datasets(
     if missing and is_main:
         prepare_data(cfg, report=report, tty=False)
     elif missing:
-        _wait_for([p.folder for p in places])
+        _wait_for(places, report)
     datasets = [PreparedDataset(p.folder) for p in places]
     for place, dataset in zip(places, datasets, strict=True):
         top = dataset.manifest.get("max_token_id", -1)

@@ -20,10 +20,18 @@ class RankInfo:
     world_size: int
     local_rank: int
     device: torch.device
+    node: int = 0
+    """The node's rank in the job (torchrun's GROUP_RANK); global rank 0 is on node 0."""
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def system_node(self) -> int | None:
+        """The node whose system metrics this rank records in a W&B run of its own: its node
+        on the first local rank of every node but node 0 (the main run records that one)."""
+        return self.node if self.local_rank == 0 and self.node > 0 else None
 
 
 def init_distributed(
@@ -77,4 +85,5 @@ def init_distributed(
         world_size=dist.get_world_size(),
         local_rank=local_rank,
         device=device,
+        node=int(os.environ.get("GROUP_RANK", "0")),
     )

@@ -1,7 +1,10 @@
 """Where metrics go: a console line, RUN_DIR/metrics.jsonl and Weights & Biases (main rank only).
 
 Metric names are flat and the same in every sink (loss, lr, grad_norm, tokens_per_s, mfu...);
-W&B groups them into sections through WANDB_KEYS.
+W&B groups them into sections through WANDB_KEYS. The main run records node 0's system
+metrics; the first local rank of every other node records its node's in a run of its own in
+the same group (`<name>-nodeN`, job_type node-system, system metrics labelled nodeN): W&B's
+shared mode would put them in one run, but it works online only, and these work offline too.
 """
 
 from __future__ import annotations
@@ -56,6 +59,28 @@ WANDB_PREFIXES = {"tokens_seen_": "data/"}
 """Flat metric name prefix -> W&B section (tokens_seen_fineweb -> data/tokens_seen_fineweb)."""
 WANDB_STEP = "train/step"
 WANDB_MODES = ("auto", "online", "offline", "disabled")
+NODE_JOB_TYPE = "node-system"
+"""W&B job_type of the runs that hold another node's system metrics."""
+
+
+def node_wandb_dir(run_dir: Path, node: int) -> Path:
+    """Where node `node`'s W&B run lives (its id file, its offline files)."""
+    return Path(run_dir) / "wandb" / f"node{node}"
+
+
+def stored_run_id(path: Path) -> str:
+    """The W&B run id kept in `path`, created on first use (so a resumed run continues it)."""
+    if path.exists():
+        run_id = path.read_text().strip()
+        if run_id:
+            return run_id
+    # W&B run ids: lowercase letters and digits; 8 random ones like W&B's own.
+    run_id = "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(run_id + "\n")
+    os.replace(tmp, path)
+    return run_id
 
 
 def wandb_key(name: str) -> str:
@@ -170,7 +195,10 @@ class MetricsLogger:
         config: dict,
         identity: RunIdentity,
         total_steps: int,
+        node: int | None = None,
     ) -> None:
+        """`node`: on a rank other than the main one, the node whose system metrics it
+        records in a W&B run of its own (the first local rank of each node but the first)."""
         self.run_dir = Path(run_dir)
         self.is_main = is_main
         self.logging = logging
@@ -183,6 +211,8 @@ class MetricsLogger:
         self._started = time.monotonic()
         mode = resolve_wandb_mode(logging.wandb)  # on every rank: a bad setting fails everywhere
         if not is_main:
+            if node is not None and mode != "disabled":
+                self._init_node_wandb(mode, identity, node)
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
         jsonl = self.run_dir / METRICS_FILE
@@ -197,17 +227,34 @@ class MetricsLogger:
 
     def wandb_run_id(self) -> str:
         """The W&B run id of this run dir, created on first use and kept in RUN_DIR/wandb_run_id."""
-        path = self.run_dir / WANDB_ID_FILE
-        if path.exists():
-            run_id = path.read_text().strip()
-            if run_id:
-                return run_id
-        # W&B run ids: lowercase letters and digits; 8 random ones like W&B's own.
-        run_id = "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(run_id + "\n")
-        os.replace(tmp, path)
-        return run_id
+        return stored_run_id(self.run_dir / WANDB_ID_FILE)
+
+    def _init_node_wandb(self, mode: str, identity: RunIdentity, node: int) -> None:
+        """A run of this node's system metrics only, beside the main run in its group."""
+        os.environ.setdefault("WANDB_SILENT", "true")
+        folder = node_wandb_dir(self.run_dir, node)
+        try:
+            import wandb
+
+            self._wandb_run = wandb.init(
+                project=self.logging.wandb_project,
+                entity=self.logging.wandb_entity or None,
+                name=f"{identity.name}-node{node}",
+                group=identity.group,
+                job_type=NODE_JOB_TYPE,
+                tags=identity.tags,
+                id=stored_run_id(folder / "run_id"),
+                resume="allow",
+                dir=str(folder),
+                mode=mode,
+                # The main run has the console; this one only samples the node.
+                settings=wandb.Settings(silent=True, console="off", x_label=f"node{node}"),
+            )
+        except Exception as exc:  # whatever W&B raises, training must go on
+            reason = escape(f"{type(exc).__name__}: {exc}")
+            self.console.print(f"[yellow]W&B system metrics of node {node} disabled: {reason}")
+            return
+        self._wandb_mode = mode
 
     def _init_wandb(self, mode: str, config: dict, identity: RunIdentity) -> None:
         os.environ.setdefault("WANDB_SILENT", "true")

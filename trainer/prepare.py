@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from filelock import FileLock
 
 from pretrain_core.data_checks import check_data_on_disk
 from pretrain_core.data_sources import (
@@ -41,6 +40,7 @@ from pretrain_core.data_sources import (
 )
 from pretrain_core.problems import Checks
 from pretrain_core.schema import RecipeConfig, load_config
+from trainer.cache_lock import Holding, held
 from trainer.corpus import plan_units
 from trainer.progress import Progress
 from trainer.shards import SHARD_TOKENS, UnitJob, read_marker, write_json_atomic
@@ -111,8 +111,10 @@ def prepare_text_source(
     workers: int,
     report: Report,
     tty: bool | None = None,
+    holding: Holding | None = None,
 ) -> dict[str, Any]:
-    """Tokenize a text source into `place.folder` (resuming), then write its manifest."""
+    """Tokenize a text source into `place.folder` (resuming), then write its manifest; the
+    progress goes to `report` and to the lock's note for the processes waiting on it."""
     src, folder = place.source, place.folder
     eos = eos_id(tokenizer)
     dtype = "uint16" if max_token_id(tokenizer) < 2**16 else "uint32"
@@ -134,7 +136,9 @@ def prepare_text_source(
             f"data: resuming {src.source!r}: {len(frontier.records)} of {len(units)} units "
             "already done"
         )
-    progress = Progress(src.source, len(units), total, (src.max_tokens, src.max_bytes), report, tty)
+    publish = holding.publish if holding is not None else None
+    goals = (src.max_tokens, src.max_bytes)
+    progress = Progress(src.source, len(units), total, goals, report, tty, publish)
     progress.resumed(
         len(frontier.records),
         sum(u.input_bytes for u in units if u.index in frontier.records),
@@ -204,16 +208,23 @@ def prepare_token_source(place: DatasetPlace, eos: int | None) -> dict[str, Any]
     )
 
 
+def dataset_lock(place: DatasetPlace) -> Path:
+    """The lock its preparation holds (beside the dataset's folder)."""
+    return place.folder.parent / f"{place.key}.lock"
+
+
 def _prepare_one(
     cfg: RecipeConfig, place: DatasetPlace, workers: int, report: Report, tty: bool | None
 ) -> dict[str, Any]:
-    """Prepare one dataset unless it is; one process at a time, others wait and reuse it."""
+    """Prepare one dataset unless it is; one process at a time, others wait (showing it)
+    and reuse it."""
     if place.kind == "prepared":
         manifest = read_manifest(place.folder)
         assert manifest is not None  # validation refused a prepared dir without one
         return manifest
     place.folder.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(place.folder.parent / f"{place.key}.lock")):
+    waiting = f"data: waiting for the preparation of {place.source.source!r} in {place.folder}"
+    with held(dataset_lock(place), waiting, report, tty) as holding:
         manifest = read_manifest(place.folder)
         if manifest is not None:
             return manifest
@@ -222,14 +233,17 @@ def _prepare_one(
         if cfg.data.tokenizer == "none":
             manifest = prepare_token_source(place, None)
         else:
-            tokenizer = load_tokenizer(cfg.data, cfg.model.vocab_size, report)
+            holding.publish(None, f"preparing the tokenizer of {place.source.source!r}")
+            tokenizer = load_tokenizer(cfg.data, cfg.model.vocab_size, report, tty)
             copy = place.folder / TOKENIZER_FILE
             tokenizer.save(str(copy))
             extra["tokenizer_sha256"] = file_sha256(copy)
             if place.kind in ("nanogpt", "megatron"):
                 manifest = prepare_token_source(place, eos_id(tokenizer))
             else:
-                manifest = prepare_text_source(place, tokenizer, copy, workers, report, tty)
+                manifest = prepare_text_source(
+                    place, tokenizer, copy, workers, report, tty, holding
+                )
         manifest.update(extra, created=time.strftime("%Y-%m-%dT%H:%M:%S"))
         write_json_atomic(place.folder / MANIFEST, manifest)
         report(

@@ -1,17 +1,31 @@
 """Progress of a preparation: documents, tokens, MB/s, tokens/s and the ETA.
 
 On a terminal one line is redrawn in place twice a second; elsewhere (a SLURM log, a rank's
-logger) a plain line is written every `PLAIN_EVERY_S` seconds, and always at the end.
+logger) a plain line is written every `plain_every_s()` seconds, and always at the end.
+Waits and loads show theirs the same way (`trainer/waiting.py`).
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from collections.abc import Callable
 
 PLAIN_EVERY_S = 15.0
+"""Seconds between plain progress lines, unless PRETRAIN_PROGRESS_EVERY_S says otherwise."""
+PLAIN_EVERY_ENV = "PRETRAIN_PROGRESS_EVERY_S"
 TTY_EVERY_S = 0.5
+PUBLISH_EVERY_S = 1.0
+"""Seconds between the progress notes a preparation leaves for the processes waiting on it."""
+
+
+def plain_every_s() -> float:
+    """Seconds between plain progress lines: PRETRAIN_PROGRESS_EVERY_S, else PLAIN_EVERY_S."""
+    try:
+        return max(0.1, float(os.environ.get(PLAIN_EVERY_ENV, PLAIN_EVERY_S)))
+    except ValueError:
+        return PLAIN_EVERY_S
 
 
 def human(n: float) -> str:
@@ -43,17 +57,20 @@ class Progress:
         goals: tuple[int, int],
         report: Callable[[str], None] | None = None,
         tty: bool | None = None,
+        publish: Callable[[float | None, str], None] | None = None,
     ) -> None:
         """`total_bytes` of input (0: unknown) and the goals (max_tokens, max_bytes; 0: none)
-        give the ETA; `report` takes finished lines (default: stdout)."""
+        give the ETA; `report` takes finished lines (default: stdout); `publish` takes the
+        fraction done and the line about once a second (for the processes waiting on it)."""
         self.label = label
         self.units = units
         self.total_bytes = total_bytes
         self.token_goal, self.byte_goal = goals
         self.tty = sys.stdout.isatty() if tty is None and report is None else bool(tty)
         self.report = report or (lambda line: print(line, flush=True))
+        self.publish = publish
         self.start = time.perf_counter()
-        self.last = self.start
+        self.last = self.published = self.start
         self.units_done = self.documents = self.tokens = self.text_bytes = self.input_bytes = 0
         self._before = (0, 0, 0)
 
@@ -105,7 +122,10 @@ class Progress:
     def tick(self, force: bool = False) -> None:
         """Show the line if it is time to (or `force`)."""
         now = time.perf_counter()
-        if not force and now - self.last < (TTY_EVERY_S if self.tty else PLAIN_EVERY_S):
+        if self.publish is not None and (force or now - self.published >= PUBLISH_EVERY_S):
+            self.published = now
+            self.publish(self.fraction(), self.line())
+        if not force and now - self.last < (TTY_EVERY_S if self.tty else plain_every_s()):
             return
         self.last = now
         if self.tty:

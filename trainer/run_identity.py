@@ -48,13 +48,15 @@ def predicted(run_dir: Path) -> dict[str, Any]:
 
 def run_identity(cfg: RecipeConfig, run_dir: Path, degrees: Degrees) -> RunIdentity:
     """The run's W&B identity from logging.wandb_* (the launcher fills them for a sweep
-    point) and the automatic tags: the recipe, the layout, the precision."""
+    point) and the automatic tags: the recipe, the layout, the precision. A run on several
+    nodes without a group gets the run dir's name as one, so that the runs holding the
+    other nodes' system metrics sit beside it."""
     g = cfg.logging
     auto = [cfg.name, layout_tag(degrees, cfg.parallel.zero), cfg.precision.dtype]
     tags = list(dict.fromkeys([*auto, *g.wandb_tags]))
     return RunIdentity(
         name=g.wandb_name or cfg.name,
-        group=g.wandb_group or None,
+        group=g.wandb_group or (run_dir.name if cfg.cluster.nodes > 1 else None),
         job_type=g.wandb_job_type,
         tags=tags,
         predicted=predicted(run_dir),

@@ -123,14 +123,7 @@ def setup(cfg: RecipeConfig, rank: RankInfo) -> Run:
             training.sampler, data.labels, cfg.train.seq_len, step
         ),
     )
-    metrics = MetricsLogger(
-        run_dir,
-        is_main=rank.is_main,
-        logging=cfg.logging,
-        config=asdict(cfg),
-        identity=run_identity(cfg, run_dir, degrees),
-        total_steps=cfg.train.steps,
-    )
+    metrics = _metrics_logger(cfg, rank, run_dir, degrees)
     _announce(cfg, rank, degrees, state, data, peak)
     CLOCK.mark("metrics and kernels")
     return Run(
@@ -147,6 +140,22 @@ def setup(cfg: RecipeConfig, rank: RankInfo) -> Run:
         window,
         metrics,
         start,
+    )
+
+
+def _metrics_logger(
+    cfg: RecipeConfig, rank: RankInfo, run_dir: Path, degrees: Degrees
+) -> MetricsLogger:
+    """The sinks of the main rank's metrics; on the first rank of another node, the W&B run
+    of that node's system metrics."""
+    return MetricsLogger(
+        run_dir,
+        is_main=rank.is_main,
+        logging=cfg.logging,
+        config=asdict(cfg),
+        identity=run_identity(cfg, run_dir, degrees),
+        total_steps=cfg.train.steps,
+        node=rank.system_node,
     )
 
 

@@ -9,16 +9,16 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from filelock import FileLock
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from pretrain_core.data_sources import text_sources, tokenizer_file, trained_tokenizer_path
+from trainer.cache_lock import held
 from trainer.corpus import source_documents
+from trainer.waiting import Wait
 
 if TYPE_CHECKING:
     from pretrain_core.schema import DataConfig
@@ -79,27 +79,34 @@ def train_bpe(batches: Iterable[list[str]], vocab_size: int) -> Tokenizer:
 
 
 def trained_tokenizer(
-    data: DataConfig, vocab_size: int, report: Callable[[str], None] = print
+    data: DataConfig,
+    vocab_size: int,
+    report: Callable[[str], None] = print,
+    tty: bool | None = None,
 ) -> Path:
-    """The path of the tokenizer `train` names, training it on first use. Concurrent callers
-    wait on a file lock while one of them trains; readers only ever see a complete file."""
+    """The path of the tokenizer `train` names, training it on first use (showing how long
+    it takes). Concurrent callers wait on a file lock while one of them trains, showing the
+    wait; readers only ever see a complete file."""
     path = trained_tokenizer_path(data, vocab_size)
     if path.exists():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(path.parent / "build.lock")):
+    sources = ", ".join(repr(s.source) for s in text_sources(data))
+    waiting = f"data: waiting for the tokenizer {path.name} to be trained"
+    with held(path.parent / "build.lock", waiting, report, tty) as holding:
         if path.exists():
             return path
-        start = time.perf_counter()
-        tokenizer = train_tokenizer(data, vocab_size)
-        tmp = path.with_suffix(".json.tmp")
-        tokenizer.save(str(tmp))
-        os.replace(tmp, path)
-        sources = ", ".join(repr(s.source) for s in text_sources(data))
-        report(
-            f"data: trained byte-level BPE ({tokenizer.get_vocab_size()} tokens) on "
-            f"{sources} in {time.perf_counter() - start:.1f}s -> {path}"
-        )
+        holding.publish(None, f"training a byte-level BPE on {sources}")
+        training = f"data: training a byte-level BPE ({vocab_size} tokens) on {sources}"
+        with Wait(training, report, tty=tty) as wait:
+            tokenizer = train_tokenizer(data, vocab_size)
+            tmp = path.with_suffix(".json.tmp")
+            tokenizer.save(str(tmp))
+            os.replace(tmp, path)
+            wait.outcome = (
+                f"data: trained byte-level BPE ({tokenizer.get_vocab_size()} tokens) on "
+                f"{sources} -> {path}"
+            )
     return path
 
 
@@ -114,14 +121,17 @@ def _pretrained_eos(folder: Path) -> str | None:
 
 
 def load_tokenizer(
-    data: DataConfig, vocab_size: int, report: Callable[[str], None] = print
+    data: DataConfig,
+    vocab_size: int,
+    report: Callable[[str], None] = print,
+    tty: bool | None = None,
 ) -> Tokenizer:
     """The tokenizer `data.tokenizer` names (training and caching one for `train`), checked to
     fit a model embedding of `vocab_size` rows and to have an end-of-sequence token."""
     if data.tokenizer == "none":
         raise ValueError("data.tokenizer=none: the sources are pre-tokenized; there is none")
     if data.tokenizer == "train":
-        path = trained_tokenizer(data, vocab_size, report)
+        path = trained_tokenizer(data, vocab_size, report, tty)
         eos = EOS_TOKEN
     else:
         path = tokenizer_file(data) or Path()

@@ -98,7 +98,11 @@ def test_resume_after_a_crash_during_a_save_is_bit_exact(
     resumed = workdir / "resumed_zero3"
     shutil.copytree(crashed_zero3, resumed)
     after = train(resumed, ["parallel.zero=3"], nproc=2)
-    assert "resumed from the checkpoint of step 4" in (workdir / "resumed_zero3.log").read_text()
+    log = (workdir / "resumed_zero3.log").read_text()
+    assert "resumed from the checkpoint of step 4" in log
+    # The load's progress line: the step, its size on disk, where, and how long it took.
+    loaded = r"checkpoint: loaded step 4 \([\d.]+[kM]?B\) from \S+/step_00000004 in \d+\.\ds"
+    assert re.search(loaded, log), log[-3000:]
     assert after == uninterrupted
     complete = sorted(p.name for p in (resumed / "checkpoints").iterdir())
     assert complete == ["step_00000004", "step_00000006", "step_00000008"]

@@ -2,7 +2,9 @@
 c10d rendezvous hosted on the first node), the harness model, FP32 on CPU.
 
 - 2 nodes x 1 rank and 2 nodes x 2 ranks reproduce the single process within the FP32
-  tolerance;
+  tolerance; the 2 x 1 job also runs a cluster.setup line on each node before torchrun,
+  and records each node's system metrics in W&B (offline): node 0's in the main run, node
+  1's in a run of its own in the main run's group;
 - a 2 x 1 job that loses a rank (the agents of both nodes restart their ranks from the last
   checkpoint: cluster.max_restarts), is warned by SIGUSR1 (what SLURM sends before the time
   limit) and then preempted by SIGTERM, saving and requeueing itself after each signal,
@@ -29,7 +31,9 @@ from tests.distributed.harness import (
     max_relative_difference,
     read_curve,
 )
+from tests.helpers import finished_wandb_records
 from tests.slurm.conftest import JOB_TIMEOUT_S, submit
+from trainer.loggers import node_wandb_dir
 
 pytestmark = pytest.mark.slurm
 
@@ -84,7 +88,9 @@ def uninterrupted_2x1(
     two_nodes: None, harness_data: None, tmp_path_factory: pytest.TempPathFactory
 ) -> Path:
     run_dir = tmp_path_factory.mktemp("multinode") / "uninterrupted_2x1"
-    job = submit(run_dir, ["cluster.nodes=2", "cluster.gpus_per_node=1", *LONGER], run_dir.parent)
+    setup = f"cluster.setup=['touch {run_dir}/setup-ran-on-$SLURMD_NODENAME']"
+    overrides = ["cluster.nodes=2", "cluster.gpus_per_node=1", *LONGER, setup]
+    job = submit(run_dir, [*overrides, "logging.wandb=offline"], run_dir.parent)
     assert wait_for_slurm_job(job, JOB_TIMEOUT_S) == "COMPLETED", log_of(run_dir, job)
     assert "on node[1-2]" in log_of(run_dir, job)
     return run_dir
@@ -92,6 +98,31 @@ def uninterrupted_2x1(
 
 def test_two_nodes_of_one_rank_match_one_process(uninterrupted_2x1, harness_reference) -> None:
     assert_matches_reference(uninterrupted_2x1, harness_reference)
+
+
+def test_the_setup_lines_run_on_every_node(uninterrupted_2x1) -> None:
+    ran = sorted(path.name for path in uninterrupted_2x1.glob("setup-ran-on-*"))
+    assert ran == ["setup-ran-on-node1", "setup-ran-on-node2"]
+
+
+def test_every_node_records_its_system_metrics_in_the_runs_group(uninterrupted_2x1) -> None:
+    [main] = (uninterrupted_2x1 / "wandb").glob("offline-run-*/run-*.wandb")
+    [node] = (node_wandb_dir(uninterrupted_2x1, 1) / "wandb").glob("offline-run-*/run-*.wandb")
+    runs = {}
+    for name, history in (("main", main), ("node", node)):
+        records = finished_wandb_records(history)
+        [runs[name]] = [r.run for r in records if r.HasField("run")][:1]
+        runs[name + " stats"] = {
+            i.key for r in records if r.HasField("stats") for i in r.stats.item
+        }
+        runs[name + " history"] = any(r.HasField("history") for r in records)
+    # A group of their own: the run dir's name (a multi-node run without logging.wandb_group).
+    assert (runs["main"].run_group, runs["main"].job_type) == ("uninterrupted_2x1", "train")
+    assert (runs["node"].display_name, runs["node"].run_group, runs["node"].job_type) == (
+        f"{runs['main'].display_name}-node1", "uninterrupted_2x1", "node-system",
+    )  # fmt: skip
+    assert "memory_percent" in runs["main stats"] and runs["main history"]
+    assert "memory_percent/l:node1" in runs["node stats"] and not runs["node history"]
 
 
 def test_two_nodes_of_two_ranks_match_one_process(

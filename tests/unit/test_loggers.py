@@ -10,17 +10,19 @@ from pathlib import Path
 import pytest
 
 from pretrain_core.durations import format_duration
-from pretrain_core.schema import LoggingConfig
-from tests.helpers import wandb_records
+from pretrain_core.layout import resolve_degrees
+from pretrain_core.schema import LoggingConfig, RecipeConfig
+from tests.helpers import finished_wandb_records
 from trainer.loggers import (
     WANDB_ID_FILE,
     MetricsLogger,
     console_line,
+    node_wandb_dir,
     resolve_wandb_mode,
     truncate_partial_line,
     wandb_key,
 )
-from trainer.run_identity import RunIdentity
+from trainer.run_identity import RunIdentity, run_identity
 
 METRICS = {
     "loss": 3.25,
@@ -215,13 +217,7 @@ def test_the_wandb_run_has_its_name_group_job_type_tags_and_the_plans_prediction
     with make_logger(tmp_path, wandb="offline") as logger:
         logger.log(1, METRICS)
     [history] = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
-    # W&B's service may still be writing the log when finish() returns: read to its exit.
-    deadline = time.monotonic() + 30
-    records = wandb_records(history)
-    while not any(r.HasField("exit") for r in records):
-        assert time.monotonic() < deadline, "the W&B log never reached its exit record"
-        time.sleep(0.2)
-        records = wandb_records(history)
+    records = finished_wandb_records(history)
     [run] = [r.run for r in records if r.HasField("run")][:1]
     assert (run.display_name, run.run_group, run.job_type) == (
         "tiny lr=0.01",
@@ -266,3 +262,45 @@ def test_the_step_line_ends_with_the_time_left_at_the_current_step_time(
     assert first.endswith(" | ETA 12m30s")  # 6 steps of 125 s
     assert "ETA" not in last
     assert [format_duration(s) for s in (7, 247, 7500, 270000)] == ["7s", "4m07s", "2h05m", "3d03h"]
+
+
+def test_another_nodes_first_rank_records_its_system_metrics_in_a_run_of_its_own(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    node_logger = MetricsLogger(
+        tmp_path, is_main=False, logging=LoggingConfig(wandb="offline"), config={},
+        identity=IDENTITY, total_steps=10, node=1,
+    )  # fmt: skip
+    with node_logger:
+        node_logger.log(1, METRICS)  # the main run's to log
+    run_id = (node_wandb_dir(tmp_path, 1) / "run_id").read_text().strip()
+    [history] = (node_wandb_dir(tmp_path, 1) / "wandb").glob(f"offline-run-*-{run_id}/*.wandb")
+    records = finished_wandb_records(history)
+    [run] = [r.run for r in records if r.HasField("run")][:1]
+    assert (run.display_name, run.run_group, run.job_type) == (
+        "tiny lr=0.01-node1",
+        "tiny:optim.lr",
+        "node-system",
+    )
+    keys = {item.key for r in records if r.HasField("stats") for item in r.stats.item}
+    # W&B samples once at the start, then every 15 s (WANDB__STATS_SAMPLING_INTERVAL).
+    assert {"memory_percent/l:node1", "proc.memory.rssMB/l:node1"} <= keys
+    assert all(key.endswith("/l:node1") for key in keys)
+    assert not any(r.HasField("history") for r in records)  # no training metric
+    assert not (tmp_path / "metrics.jsonl").exists() and not (tmp_path / WANDB_ID_FILE).exists()
+    assert f"wandb sync {history.parent}" in capsys.readouterr().out
+
+
+def test_a_run_on_several_nodes_is_grouped_under_its_run_dir_unless_a_group_is_set(
+    tmp_path: Path,
+) -> None:
+    cfg = RecipeConfig()
+    run_dir = tmp_path / "llama-2node"
+
+    def group(nodes: int, wandb_group: str = "") -> str | None:
+        cfg.cluster.nodes, cfg.logging.wandb_group = nodes, wandb_group
+        return run_identity(cfg, run_dir, resolve_degrees(cfg)).group
+
+    assert group(1) is None
+    assert group(2) == "llama-2node"  # where the other nodes' system-metrics runs sit too
+    assert group(2, "sweep:optim.lr") == "sweep:optim.lr"

@@ -1,6 +1,7 @@
 """Launch to first step, by phase: `pretrain` on the tiny recipe (one CPU rank) until its
 first optimizer step, against a plain script that imports torch, builds the same model and
-runs one step.
+runs one step; and the same with `--nproc` ranks, forked from the agent (the CPU default)
+and started as fresh interpreters (PRETRAIN_FORK_RANKS=0).
 
 The trainer logs the phases itself (`trainer/startup.py`): launcher (compose, validate,
 plan, run dir), torchrun (the agent until the rank's process starts), imports, process
@@ -8,7 +9,7 @@ group, mesh, data open, model build, loaders and checkpoint, metrics and kernels
 step. Runs alternate between the two, after one untimed warm-up of each (so the prepared
 dataset and tokenizer are cached); medians over the rounds.
 
-    python bench/launch_breakdown.py [--rounds 3]
+    python bench/launch_breakdown.py [--rounds 3] [--nproc 4]
 """
 
 from __future__ import annotations
@@ -43,11 +44,14 @@ opt.step()
 PHASE = re.compile(r"([a-z ]+) ([0-9.]+) s")
 
 
-def trainer_run(work: Path, index: int) -> dict[str, float]:
-    """The phases of one `pretrain` launch that stops after its first step."""
+def trainer_run(work: Path, index: str, nproc: int = 1, fork: bool = True) -> dict[str, float]:
+    """The phases of one `pretrain` launch that stops after its first step (rank 0's), with
+    `nproc` ranks forked from the agent or, with `fork` off, started as fresh interpreters."""
     cmd = [sys.executable, "-m", "launcher", "--config-name", "tiny", "train.steps=1"]
-    cmd += ["logging.wandb=disabled", "cluster.gpus_per_node=1", f"run.dir={work / str(index)}"]
-    result = subprocess.run(cmd, capture_output=True, text=True, cwd=work, check=False)
+    cmd += ["logging.wandb=disabled", f"cluster.gpus_per_node={nproc}"]
+    cmd += [f"train.global_batch={16 * nproc}", f"run.dir={work / index}"]
+    env = dict(os.environ, PRETRAIN_FORK_RANKS="1" if fork else "0")
+    result = subprocess.run(cmd, capture_output=True, text=True, cwd=work, check=False, env=env)
     line = next((x for x in result.stdout.splitlines() if "startup:" in x), None)
     if result.returncode or line is None:
         sys.exit(result.stdout[-2000:] + result.stderr[-2000:])
@@ -68,20 +72,30 @@ def plain_run() -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--nproc", type=int, default=4, help="ranks of the multi-rank launches (forked vs fresh)"
+    )
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "2")
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        trainer_run(work, -1)
+        trainer_run(work, "warm-up")
         plain_run()
-        runs, plains = [], []
+        runs, forked, fresh, plains = [], [], [], []
         for i in range(args.rounds):
-            runs.append(trainer_run(work, i))
+            runs.append(trainer_run(work, f"one-{i}"))
             plains.append(plain_run())
+            forked.append(trainer_run(work, f"forked-{i}", args.nproc, fork=True))
+            fresh.append(trainer_run(work, f"fresh-{i}", args.nproc, fork=False))
     print(f"launch to first step, {args.rounds} rounds, medians (seconds):")
-    for name in runs[0]:
-        print(f"  {name:24s} {statistics.median(r[name] for r in runs):6.2f}")
-    print(f"  {'plain script (total)':24s} {statistics.median(plains):6.2f}")
+    print(
+        f"  {'phase':24s} {'1 rank':>8s} {f'{args.nproc} forked':>10s} {f'{args.nproc} fresh':>10s}"
+    )
+    names = list(dict.fromkeys(n for r in runs + forked + fresh for n in r))
+    for name in names:
+        cells = [statistics.median(r.get(name, 0.0) for r in rs) for rs in (runs, forked, fresh)]
+        print(f"  {name:24s} {cells[0]:8.2f} {cells[1]:10.2f} {cells[2]:10.2f}")
+    print(f"  {'plain script (total)':24s} {statistics.median(plains):8.2f}")
 
 
 if __name__ == "__main__":

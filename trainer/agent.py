@@ -36,11 +36,15 @@ def stopped_after_saving(argv: list[str]) -> bool:
 
 
 TRAINER_MODULE = ["-m", "trainer"]
+FORK_ENV = "PRETRAIN_FORK_RANKS"
+"""Set to 0 to start CPU ranks as fresh interpreters, as on CUDA."""
 
 
 def forked_ranks(argv: list[str]) -> list[str]:
     """`argv` (ending in `-m trainer CONFIG`) with the ranks forked from this process when
     the job runs on CPU, after importing what every rank imports; `argv` itself otherwise."""
+    if os.environ.get(FORK_ENV, "1") == "0":
+        return argv
     if argv[-3:-1] != TRAINER_MODULE or load_config(argv[-1]).cluster.device != "cpu":
         return argv
     import trainer.failure_report

@@ -46,6 +46,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         in_slow_dir = any(item.path.is_relative_to(d) for d in SLOW_DIRS)
         if in_slow_dir or item.get_closest_marker("distributed"):
             item.add_marker(pytest.mark.slow)
+        if item.get_closest_marker("slurm"):
+            # One test cluster of two nodes: under `-n 2 --dist loadgroup` its jobs run one
+            # at a time, in one worker, while the other worker runs local tests.
+            item.add_marker(pytest.mark.xdist_group("slurm"))
 
 
 @pytest.fixture(scope="session")

@@ -28,6 +28,16 @@ def plain_every_s() -> float:
         return PLAIN_EVERY_S
 
 
+def show_line(line: str, tty: bool, report: Callable[[str], None], last: bool = False) -> None:
+    """Redraw `line` in place on a terminal (ending it when `last`), else hand it to
+    `report` as a plain line."""
+    if tty:
+        sys.stdout.write("\r" + line + "\x1b[K" + ("\n" if last else ""))
+        sys.stdout.flush()
+    else:
+        report(line)
+
+
 def human(n: float) -> str:
     """1234567 -> '1.23M'."""
     for unit, size in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
@@ -128,11 +138,7 @@ class Progress:
         if not force and now - self.last < (TTY_EVERY_S if self.tty else plain_every_s()):
             return
         self.last = now
-        if self.tty:
-            sys.stdout.write("\r" + self.line() + "\x1b[K")
-            sys.stdout.flush()
-        else:
-            self.report(self.line())
+        show_line(self.line(), self.tty, self.report)
 
     def finish(self) -> None:
         """The final line (ending the redrawn one on a terminal)."""

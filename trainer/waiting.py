@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from types import TracebackType
 
-from trainer.progress import TTY_EVERY_S, duration, plain_every_s
+from trainer.progress import TTY_EVERY_S, duration, plain_every_s, show_line
 
 Report = Callable[[str], None]
 
@@ -90,11 +90,7 @@ class Wait:
         return f"{self.what}{detail}: " + ", ".join(parts)
 
     def _show(self) -> None:
-        if self.tty:
-            sys.stdout.write("\r" + self.line() + "\x1b[K")
-            sys.stdout.flush()
-        else:
-            self.report(self.line())
+        show_line(self.line(), self.tty, self.report)
 
     def _run(self) -> None:
         every = TTY_EVERY_S if self.tty else plain_every_s()
@@ -123,8 +119,4 @@ class Wait:
             final = f"{self.what}: stopped after {seconds} ({exc_type.__name__})"
         else:
             final = f"{self.outcome or self.what + ': done'} in {seconds}"
-        if self.tty:
-            sys.stdout.write("\r" + final + "\x1b[K\n")
-            sys.stdout.flush()
-        else:
-            self.report(final)
+        show_line(final, self.tty, self.report, last=True)

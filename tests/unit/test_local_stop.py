@@ -14,16 +14,23 @@ import pytest
 from launcher import backends
 
 
-def test_a_job_that_ignores_the_forwarded_sigterm_is_killed_after_its_grace(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.setattr(backends, "KILL_MARGIN_S", 0.0)
+def started_job(script: str) -> subprocess.Popen:
+    """A bash job in a session of its own, once it says it is ready; a SIGTERM to this
+    process follows 0.2 s later (the launcher forwards it to the job)."""
     job = subprocess.Popen(
-        ["bash", "-c", 'trap "" TERM; echo ready; sleep 60 & wait; sleep 60'],
+        ["bash", "-c", f"{script}; echo ready; sleep 60 & wait; sleep 60"],
         start_new_session=True, stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
     assert job.stdout is not None and job.stdout.readline() == "ready\n"
     threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGTERM)).start()
+    return job
+
+
+def test_a_job_that_ignores_the_forwarded_sigterm_is_killed_after_its_grace(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(backends, "KILL_MARGIN_S", 0.0)
+    job = started_job('trap "" TERM')
     stopped: list[str] = []
     start = time.monotonic()
     code = backends._wait_forwarding_signals(job, threading.Event(), stopped, grace_s=1.0)
@@ -33,12 +40,7 @@ def test_a_job_that_ignores_the_forwarded_sigterm_is_killed_after_its_grace(
 
 
 def test_a_job_that_ends_within_its_grace_keeps_its_own_exit_code() -> None:
-    job = subprocess.Popen(
-        ["bash", "-c", "trap 'exit 0' TERM; echo ready; sleep 60 & wait"],
-        start_new_session=True, stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    assert job.stdout is not None and job.stdout.readline() == "ready\n"
-    threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGTERM)).start()
+    job = started_job("trap 'exit 0' TERM")
     stopped: list[str] = []
     assert backends._wait_forwarding_signals(job, threading.Event(), stopped, grace_s=30) == 0
     assert stopped == ["SIGTERM"]

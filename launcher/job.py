@@ -36,6 +36,10 @@ from pretrain_core.rundir import (
 from pretrain_core.schema import RecipeConfig
 
 RDZV_ENDPOINT = "$MASTER_ADDR:$MASTER_PORT"
+JOB_PORT = "$((10000 + SLURM_JOB_ID % 20000))"
+"""The rendezvous port of cluster.master_port=0, one per job: two jobs on one node with the
+same port would share a store (torchrun's agent joins a store it cannot bind as a client),
+and their ranks would find each other's addresses. Below Linux's ephemeral ports (32768+)."""
 """torchrun argument the job script expands to the first node's address and the port."""
 RDZV_ID = "$SLURM_JOB_ID"
 """torchrun argument the job script expands to the job's id (the same after a requeue)."""
@@ -198,7 +202,7 @@ def render_sbatch(cfg: RecipeConfig, run_dir: Path, config_path: Path) -> str:
         "optional_directives": "\n".join(optional),
         "omp_num_threads": shlex.quote(omp_num_threads(cfg)),
         "env_exports": _exports(cfg),
-        "master_port": str(c.master_port),
+        "master_port": str(c.master_port) if c.master_port else JOB_PORT,
         "config_path": shlex.quote(str(config_path)),
         "node_command": shlex.quote(node_script),
         "srun_options": " ".join(shlex.quote(o) for o in container_options(cfg, run_dir)),

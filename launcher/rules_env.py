@@ -42,8 +42,11 @@ def check_env(c: Checks, cfg: RecipeConfig, environ: Mapping[str, str] = os.envi
         _check_env_entry(c, name, value)
     _check_secret_values(c, cfg, environ)
     k = cfg.cluster
-    if not 1 <= k.master_port <= 65535:
-        c.add("cluster.master_port", k.master_port, "not a TCP port", "use 1-65535, e.g. 29500")
+    if not 0 <= k.master_port <= 65535:
+        c.add(
+            "cluster.master_port", k.master_port, "not a TCP port",
+            "use 1-65535, or 0 for a port per job (the default)",
+        )  # fmt: skip
     c.at_least("cluster.cpus_per_task", k.cpus_per_task, 1)
     c.at_least("cluster.signal_seconds", k.signal_seconds, 0)
     c.at_least("cluster.omp_num_threads", k.omp_num_threads, 1)

@@ -352,8 +352,9 @@ class ClusterConfig:
     """CPU cores per node's task (data loading threads)."""
     signal_seconds: int = 120
     """Seconds before the time limit at which SLURM sends SIGUSR1."""
-    master_port: int = 29500
-    """Rendezvous port on the first node."""
+    master_port: int = 0
+    """Rendezvous port on the first node; 0: one port per job (10000 + SLURM_JOB_ID % 20000),
+    so that jobs sharing a node never meet in each other's rendezvous."""
     omp_num_threads: int = 1
     """OMP_NUM_THREADS for every rank."""
     env: dict[str, str] = field(default_factory=dict)

@@ -40,6 +40,9 @@ def single_rank_group(tmp_path: Path):
     dist.destroy_process_group()
 
 
+# First: xdist's own hook reads the xdist_group marks (under --dist loadgroup) and must
+# find the ones added here.
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     # Each torchrun launch costs 5-9 s and a SLURM job more: `-m "not slow"` leaves them out.
     for item in items:

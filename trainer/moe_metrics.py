@@ -50,13 +50,14 @@ def expert_load_metrics(
         ranks = dist.get_world_size(dp_group)
     else:
         ranks = 1
-    routed = totals[:, :-3] / steps
-    assignments = totals[:, :-3].sum()
+    routed = totals[:, :-3].double() / steps
+    assignments = totals[:, :-3].sum().item()
     return {
         "moe_tokens_per_expert_min": routed.min().item(),
         "moe_tokens_per_expert_max": routed.max().item(),
-        "moe_tokens_per_expert_mean": routed.mean().item(),
-        "moe_dropped_frac": (totals[:, -3].sum() / assignments).item(),
+        # From the integer total, not a mean of rounded quotients: exactly tokens x k / N.
+        "moe_tokens_per_expert_mean": assignments / (steps * routed.numel()),
+        "moe_dropped_frac": totals[:, -3].sum().item() / assignments,
         "moe_aux_loss": (totals[:, -2].sum() / (forwards * ranks)).item(),
         "moe_z_loss": (totals[:, -1].sum() / (forwards * ranks)).item(),
     }

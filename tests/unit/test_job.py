@@ -141,6 +141,25 @@ def test_the_job_ends_with_srun_of_the_agent_in_a_task_that_ignores_sigusr1(
     assert words_bash_passes(exec_agent, node) == expected
 
 
+def rendezvous_port(script: str, job_id: str) -> str:
+    """MASTER_PORT as the job script's export line sets it in a job of id `job_id`."""
+    [line] = [line for line in script.splitlines() if line.startswith("export MASTER_PORT=")]
+    env = {**os.environ, "SLURM_JOB_ID": job_id}
+    command = ["bash", "-c", f'{line}\nprintf %s "$MASTER_PORT"']
+    return subprocess.run(command, env=env, capture_output=True, text=True, check=True).stdout
+
+
+def test_each_job_meets_on_a_port_of_its_own_unless_the_recipe_names_one(
+    tmp_path: Path,
+) -> None:
+    # Jobs sharing a node on one port would share one store and dial each other's ranks.
+    script = render_sbatch(slurm_recipe(nodes=2), tmp_path, tmp_path / "config.yaml")
+    ports = {job: rendezvous_port(script, job) for job in ("77", "78", "20077")}
+    assert ports == {"77": "10077", "78": "10078", "20077": "10077"}
+    fixed = render_sbatch(slurm_recipe(master_port=29500), tmp_path, tmp_path / "config.yaml")
+    assert rendezvous_port(fixed, "77") == "29500"
+
+
 @pytest.mark.parametrize("attack", INJECTIONS)
 def test_recipe_strings_reach_the_shell_as_literals_and_never_run(
     tmp_path: Path, attack: str
@@ -153,11 +172,12 @@ def test_recipe_strings_reach_the_shell_as_literals_and_never_run(
     files = write_run_dir(cfg, run_dir, "name: x\n")
     script = files.script_path.read_text()
 
-    # The environment part runs for real; every value arrives byte for byte.
+    # The environment part runs for real (in a job: SLURM sets the job id); every value
+    # arrives byte for byte.
     exports = "\n".join(line for line in script.splitlines() if line.startswith("export "))
     env = subprocess.run(
         ["bash", "-c", "set -euo pipefail\n" + exports + "\nprintf '%s' \"$EVIL\""],
-        capture_output=True, text=True, check=True,
+        env={**os.environ, "SLURM_JOB_ID": "77"}, capture_output=True, text=True, check=True,
     ).stdout  # fmt: skip
     assert env == value
     # The node command: bash expands it to torchrun's argv with the literal config path.

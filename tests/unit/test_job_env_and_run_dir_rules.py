@@ -70,7 +70,7 @@ def test_the_value_of_a_secret_variable_is_refused_in_any_field() -> None:
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("master_port", 0), ("master_port", 70000), ("cpus_per_task", 0), ("signal_seconds", -5),
+    [("master_port", -1), ("master_port", 70000), ("cpus_per_task", 0), ("signal_seconds", -5),
      ("omp_num_threads", 0)],
 )  # fmt: skip
 def test_cluster_numbers_out_of_range_are_refused(field: str, value: int) -> None:

@@ -2,9 +2,10 @@
 c10d rendezvous hosted on the first node), the harness model, FP32 on CPU.
 
 - 2 nodes x 1 rank and 2 nodes x 2 ranks reproduce the single process within the FP32
-  tolerance; the 2 x 1 job also runs a cluster.setup line on each node before torchrun,
-  and records each node's system metrics in W&B (offline): node 0's in the main run, node
-  1's in a run of its own in the main run's group;
+  tolerance; a twin of the 2 x 1 job runs beside it on the same nodes, each job on a
+  rendezvous port of its own, with the same curve; the 2 x 1 job also runs a cluster.setup
+  line on each node before torchrun, and records each node's system metrics in W&B
+  (offline): node 0's in the main run, node 1's in a run of its own in the main run's group;
 - a 2 x 1 job that loses a rank (the agents of both nodes restart their ranks from the last
   checkpoint: cluster.max_restarts), is warned by SIGUSR1 (what SLURM sends before the time
   limit) and then preempted by SIGTERM, saving and requeueing itself after each signal,
@@ -17,8 +18,10 @@ their first 8 steps are the reference's and there are steps left for three inter
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import time
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -83,21 +86,51 @@ def log_of(run_dir: Path, job_id: str) -> str:
     return (run_dir / "logs" / f"slurm-{job_id}.out").read_text()
 
 
+TWIN = "twin_2x1"
+"""The run dir, beside the uninterrupted one, of the same job submitted with it."""
+
+
 @pytest.fixture(scope="module")
 def uninterrupted_2x1(
     two_nodes: None, harness_data: None, tmp_path_factory: pytest.TempPathFactory
 ) -> Path:
+    """The 2 x 1 job run through, and a twin of it (no W&B, no setup) submitted at the same
+    time: each takes one of a node's two CPUs, so both run at once on the same nodes."""
     run_dir = tmp_path_factory.mktemp("multinode") / "uninterrupted_2x1"
     setup = f"cluster.setup=['touch {run_dir}/setup-ran-on-$SLURMD_NODENAME']"
-    overrides = ["cluster.nodes=2", "cluster.gpus_per_node=1", *LONGER, setup]
-    job = submit(run_dir, [*overrides, "logging.wandb=offline"], run_dir.parent)
-    assert wait_for_slurm_job(job, JOB_TIMEOUT_S) == "COMPLETED", log_of(run_dir, job)
-    assert "on node[1-2]" in log_of(run_dir, job)
+    overrides = ["cluster.nodes=2", "cluster.gpus_per_node=1", *LONGER]
+    job = submit(run_dir, [*overrides, setup, "logging.wandb=offline"], run_dir.parent)
+    twin_dir = run_dir.parent / TWIN
+    twin = submit(twin_dir, overrides, run_dir.parent)
+    for dir_, id_ in ((run_dir, job), (twin_dir, twin)):
+        assert wait_for_slurm_job(id_, JOB_TIMEOUT_S) == "COMPLETED", log_of(dir_, id_)
+        assert "on node[1-2]" in log_of(dir_, id_)
+    (run_dir.parent / "job_ids").write_text(f"{job} {twin}")
     return run_dir
 
 
 def test_two_nodes_of_one_rank_match_one_process(uninterrupted_2x1, harness_reference) -> None:
     assert_matches_reference(uninterrupted_2x1, harness_reference)
+
+
+def test_jobs_sharing_nodes_meet_on_ports_of_their_own_and_never_in_each_others_store(
+    uninterrupted_2x1,
+) -> None:
+    job, twin = (uninterrupted_2x1.parent / "job_ids").read_text().split()
+    times = {
+        j: [datetime.fromisoformat(job_field(j, f)) for f in ("StartTime", "EndTime")]
+        for j in (job, twin)
+    }
+    assert times[job][0] < times[twin][1] and times[twin][0] < times[job][1], times
+    logs = [log_of(uninterrupted_2x1, job), log_of(uninterrupted_2x1.parent / TWIN, twin)]
+    ports = {re.search(r"rendezvous [^:]+:(\d+),", log)[1] for log in logs}
+    assert len(ports) == 2
+    # On one port the later job's agents would join the earlier one's store, and lose it
+    # when that job ends: "Connection was likely closed" in the exit barrier.
+    assert not any(
+        "DistNetworkError" in log or "Connection was likely closed" in log for log in logs
+    )
+    assert losses(uninterrupted_2x1.parent / TWIN) == losses(uninterrupted_2x1)
 
 
 def test_the_setup_lines_run_on_every_node(uninterrupted_2x1) -> None:

@@ -53,6 +53,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             # One test cluster of two nodes: under `-n 2 --dist loadgroup` its jobs run one
             # at a time, in one worker, while the other worker runs local tests.
             item.add_marker(pytest.mark.xdist_group("slurm"))
+    # The SLURM group first: its jobs, one at a time, overlap the other worker's tests
+    # instead of running alone at the end.
+    items.sort(key=lambda item: item.get_closest_marker("slurm") is None)
 
 
 @pytest.fixture(scope="session")

@@ -59,8 +59,17 @@ def assert_matches_reference(run_dir: Path, reference: Curve) -> None:
     evaluated = len(reference.val_loss)
     val = max_relative_difference(measured.val_loss[:evaluated], reference.val_loss)
     print(f"{run_dir.name}: loss {loss:.2e}, grad norm {norm:.2e}, val loss {val:.2e}")
-    assert loss <= FP32_TOLERANCE and val <= FP32_TOLERANCE
-    assert norm <= GRAD_NORM_TOLERANCE
+    steps = "\n".join(
+        f"step {i}: loss {a} vs {b}, grad norm {c} vs {d}"
+        for i, (a, b, c, d) in enumerate(
+            zip(
+                measured.loss, reference.loss, measured.grad_norm, reference.grad_norm, strict=False
+            ),
+            1,
+        )
+    )
+    assert loss <= FP32_TOLERANCE and val <= FP32_TOLERANCE, steps
+    assert norm <= GRAD_NORM_TOLERANCE, steps
 
 
 def job_field(job_id: str, name: str) -> str:

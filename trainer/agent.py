@@ -12,7 +12,8 @@ It is torchrun, with two differences that matter for stopping and restarting a j
   `--start-method fork --run-path`), instead of each starting an interpreter that imports
   torch and the trainer again: about 3 s of CPU per rank, which on a small machine running
   eight ranks is most of the start. On CUDA the ranks are started afresh as usual: a CUDA
-  driver touched before a fork does not work in the child.
+  driver touched before a fork does not work in the child. A forked rank's exit is logged
+  in one line, as a fresh rank's is, without the traceback of torchrun's own join.
 - Every rendezvous round gets its own store, hosted by the new rank 0, so the ranks of a
   group that torchrun restarted never read the keys of the group that died, on every node
   alike (torchrun's shared store would need a per-attempt prefix, and the attempt counters
@@ -22,6 +23,7 @@ It is torchrun, with two differences that matter for stopping and restarting a j
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from pathlib import Path
@@ -40,6 +42,25 @@ FORK_ENV = "PRETRAIN_FORK_RANKS"
 """Set to 0 to start CPU ranks as fresh interpreters, as on CUDA."""
 
 
+ELASTIC_PROCESS_LOGGER = "torch.distributed.elastic.multiprocessing.api"
+"""torchrun's logger that reports a rank's exit."""
+
+
+class ForkedExitWithoutTraceback(logging.Filter):
+    """Drops the traceback torchrun logs with a forked rank's exit.
+
+    A forked rank's death reaches the agent as an exception of its own join
+    (`ProcessExitedException`), which torchrun logs with that exception's traceback: agent
+    code, nothing of the rank. A fresh rank's exit is logged as one line; so is this one.
+    The rank's own traceback is in its log either way.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.getMessage().startswith("failed (exitcode"):
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
 def forked_ranks(argv: list[str]) -> list[str]:
     """`argv` (ending in `-m trainer CONFIG`) with the ranks forked from this process when
     the job runs on CPU, after importing what every rank imports; `argv` itself otherwise."""
@@ -50,6 +71,7 @@ def forked_ranks(argv: list[str]) -> list[str]:
     import trainer.failure_report
     import trainer.train
 
+    logging.getLogger(ELASTIC_PROCESS_LOGGER).addFilter(ForkedExitWithoutTraceback())
     main_file = Path(trainer.__file__).with_name("__main__.py")
     return [*argv[:-3], "--start-method", "fork", "--run-path", str(main_file), argv[-1]]
 

@@ -178,6 +178,11 @@ def test_a_killed_rank_restarts_the_group_from_the_last_checkpoint(workdir, unin
     assert "rank 1 kills itself after step 5" in output
     assert "resumed from the checkpoint of step 4" in output
     assert losses(run_dir) == uninterrupted
+    # The forked rank's death is one line in the agent's log, as a fresh rank's would be:
+    # no traceback of torchrun's own join.
+    agent_log = (run_dir / "logs" / "torchrun.log").read_text()
+    assert "failed (exitcode: -9) local_rank: 1" in agent_log
+    assert "Traceback" not in agent_log
 
 
 def test_a_hung_rank_ends_the_run_at_the_collective_timeout_and_is_named(workdir) -> None:

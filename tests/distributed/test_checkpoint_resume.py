@@ -3,8 +3,8 @@
 Interrupted runs are made with a crash injected while the checkpoint of step 6 is being
 written (PRETRAIN_FAULT_CRASH_IN_SAVE): steps 5-6 were trained, step 6's checkpoint is left
 incomplete, so the resumed run must start from step 4 and replay 5-8. Under the same layout
-the FP32 losses must equal the uninterrupted run's bit for bit; under another layout they
-must match within the parity tolerance.
+the FP32 losses (and gradient norms) must equal the uninterrupted run's bit for bit; under
+another layout they must match within the parity tolerance.
 """
 
 from __future__ import annotations
@@ -69,10 +69,11 @@ def crash_during_save(run_dir: Path, overrides: list[str], nproc: int) -> None:
     assert names == ["step_00000002", "step_00000004", f"step_{CRASH_STEP:08d}.tmp"]
 
 
-def losses(run_dir: Path) -> dict[int, float]:
-    """Loss per step from metrics.jsonl; a step logged again after a resume counts last."""
+def losses(run_dir: Path, metric: str = "loss") -> dict[int, float]:
+    """`metric` (the loss) per step from metrics.jsonl; a step logged again after a resume
+    counts last."""
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {row["step"]: row["loss"] for row in rows}
+    return {row["step"]: row[metric] for row in rows}
 
 
 def max_relative(a: dict[int, float], b: dict[int, float]) -> float:
@@ -104,6 +105,7 @@ def test_resume_after_a_crash_during_a_save_is_bit_exact(
     loaded = r"checkpoint: loaded step 4 \([\d.]+[kM]?B\) from \S+/step_00000004 in \d+\.\ds"
     assert re.search(loaded, log), log[-3000:]
     assert after == uninterrupted
+    assert losses(resumed, "grad_norm") == losses(workdir / "uninterrupted", "grad_norm")
     complete = sorted(p.name for p in (resumed / "checkpoints").iterdir())
     assert complete == ["step_00000004", "step_00000006", "step_00000008"]
 

@@ -9,7 +9,8 @@ c10d rendezvous hosted on the first node), the harness model, FP32 on CPU.
 - a 2 x 1 job that loses a rank (the agents of both nodes restart their ranks from the last
   checkpoint: cluster.max_restarts), is warned by SIGUSR1 (what SLURM sends before the time
   limit) and then preempted by SIGTERM, saving and requeueing itself after each signal,
-  ends with the loss curve of the same job run uninterrupted, bit for bit, in one W&B run.
+  ends with the loss and gradient-norm curves of the same job run uninterrupted, bit for
+  bit, in one W&B run.
 
 The preempted jobs run 12 steps whose learning rate decays over the reference's 8, so that
 their first 8 steps are the reference's and there are steps left for three interruptions.
@@ -44,10 +45,11 @@ LONGER = ["train.steps=12", "schedule.decay_steps=6", "checkpoint.every=2", "che
 """12 steps with the reference's schedule (2 warmup + 6 decay) over the first 8."""
 
 
-def losses(run_dir: Path) -> dict[int, float]:
-    """Loss per step from metrics.jsonl; a step logged again after a resume counts last."""
+def losses(run_dir: Path, metric: str = "loss") -> dict[int, float]:
+    """`metric` (the loss) per step from metrics.jsonl; a step logged again after a resume
+    counts last."""
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {row["step"]: row["loss"] for row in rows}
+    return {row["step"]: row[metric] for row in rows}
 
 
 def assert_matches_reference(run_dir: Path, reference: Curve) -> None:
@@ -208,6 +210,7 @@ def test_a_job_that_loses_a_rank_and_is_signalled_twice_resumes_bit_exactly(
     assert "[agent] stopped by SIGTERM; the ranks saved" in terminated
     assert "Traceback" not in terminated
     assert losses(run_dir) == losses(uninterrupted_2x1)
+    assert losses(run_dir, "grad_norm") == losses(uninterrupted_2x1, "grad_norm")
     run_id = (run_dir / "wandb_run_id").read_text().strip()
     wandb_runs = sorted((run_dir / "wandb").glob("offline-run-*"))
     assert len(wandb_runs) >= 3  # the first job run, its elastic restart, two requeued runs

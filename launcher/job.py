@@ -36,13 +36,13 @@ from pretrain_core.rundir import (
 from pretrain_core.schema import RecipeConfig
 
 RDZV_ENDPOINT = "$MASTER_ADDR:$MASTER_PORT"
-JOB_PORT = "$((10000 + SLURM_JOB_ID % 20000))"
-"""The rendezvous port of cluster.master_port=0, one per job: two jobs on one node with the
-same port would share a store (torchrun's agent joins a store it cannot bind as a client),
-and their ranks would find each other's addresses. Below Linux's ephemeral ports (32768+)."""
 """torchrun argument the job script expands to the first node's address and the port."""
 RDZV_ID = "$SLURM_JOB_ID"
 """torchrun argument the job script expands to the job's id (the same after a requeue)."""
+JOB_PORT = "$((10000 + SLURM_JOB_ID % 20000))"
+"""The rendezvous port of cluster.master_port=0, one per job (below Linux's ephemeral ports,
+32768+): on one port, a second job on the same first node would join the first job's store
+as a client (torchrun's agent does when it cannot bind) and lose it when that job ends."""
 _SHELL_REFS = {RDZV_ENDPOINT, RDZV_ID}
 
 AGENT = ["-m", "trainer.agent"]

@@ -28,6 +28,7 @@ from pathlib import Path
 import pytest
 
 from launcher.backends import wait_for_slurm_job
+from pretrain_core.rundir import SLURM_JOB_FILE
 from tests.distributed.harness import (
     FP32_TOLERANCE,
     GRAD_NORM_TOLERANCE,
@@ -45,11 +46,10 @@ LONGER = ["train.steps=12", "schedule.decay_steps=6", "checkpoint.every=2", "che
 """12 steps with the reference's schedule (2 warmup + 6 decay) over the first 8."""
 
 
-def losses(run_dir: Path, metric: str = "loss") -> dict[int, float]:
-    """`metric` (the loss) per step from metrics.jsonl; a step logged again after a resume
-    counts last."""
+def losses(run_dir: Path) -> dict[int, float]:
+    """Loss per step from metrics.jsonl; a step logged again after a resume counts last."""
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {row["step"]: row[metric] for row in rows}
+    return {row["step"]: row["loss"] for row in rows}
 
 
 def assert_matches_reference(run_dir: Path, reference: Curve) -> None:
@@ -116,7 +116,6 @@ def uninterrupted_2x1(
     for dir_, id_ in ((run_dir, job), (twin_dir, twin)):
         assert wait_for_slurm_job(id_, JOB_TIMEOUT_S) == "COMPLETED", log_of(dir_, id_)
         assert "on node[1-2]" in log_of(dir_, id_)
-    (run_dir.parent / "job_ids").write_text(f"{job} {twin}")
     return run_dir
 
 
@@ -127,7 +126,10 @@ def test_two_nodes_of_one_rank_match_one_process(uninterrupted_2x1, harness_refe
 def test_jobs_sharing_nodes_meet_on_ports_of_their_own_and_never_in_each_others_store(
     uninterrupted_2x1,
 ) -> None:
-    job, twin = (uninterrupted_2x1.parent / "job_ids").read_text().split()
+    job, twin = (
+        (run_dir / SLURM_JOB_FILE).read_text().strip()
+        for run_dir in (uninterrupted_2x1, uninterrupted_2x1.parent / TWIN)
+    )
     times = {
         j: [datetime.fromisoformat(job_field(j, f)) for f in ("StartTime", "EndTime")]
         for j in (job, twin)
@@ -210,7 +212,8 @@ def test_a_job_that_loses_a_rank_and_is_signalled_twice_resumes_bit_exactly(
     assert "[agent] stopped by SIGTERM; the ranks saved" in terminated
     assert "Traceback" not in terminated
     assert losses(run_dir) == losses(uninterrupted_2x1)
-    assert losses(run_dir, "grad_norm") == losses(uninterrupted_2x1, "grad_norm")
+    metrics = [run_dir / "metrics.jsonl", uninterrupted_2x1 / "metrics.jsonl"]
+    assert read_curve(metrics[0]).grad_norm == read_curve(metrics[1]).grad_norm
     run_id = (run_dir / "wandb_run_id").read_text().strip()
     wandb_runs = sorted((run_dir / "wandb").glob("offline-run-*"))
     assert len(wandb_runs) >= 3  # the first job run, its elastic restart, two requeued runs

@@ -2,9 +2,9 @@
 
 Llama 3's vocabulary (128,256) at seq 2048 on the tiny depth (4 layers, d=128), FP32, one
 CPU process, micro-batch 1: the logits dominate the step. For each `train.loss_chunks` the
-step is measured by `trainer.memcheck` (every tensor's storage at the second step's peak,
+step is measured by `trainer.observe.memcheck` (every tensor's storage at the second step's peak,
 MemTracker) in a fresh process, which also reports its peak RSS; the planner's prediction
-(launcher/memory.py) is printed beside it.
+(launcher/plan/memory.py) is printed beside it.
 
 Run: python bench/chunked_loss_memory.py [CHUNKS ...]   (default 1 4 16; about a minute each)
 """
@@ -19,14 +19,14 @@ import sys
 import tempfile
 from pathlib import Path
 
-from launcher.memory import memory_breakdown
+from launcher.plan.memory import memory_breakdown
 from pretrain_core.layout import resolve_degrees
 from pretrain_core.schema import RecipeConfig, dump_config
 
 MIB = 2**20
 CHILD = """
 import json, resource, sys
-from trainer.memcheck import main
+from trainer.observe.memcheck import main
 main(sys.argv[1], sys.argv[2])
 print(json.dumps({"rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
 """

@@ -6,7 +6,7 @@ swapped for the ring (`parallel.context.apply_context_parallel`). Every tensor a
 saves is counted once (by storage), parameters excluded: per block (its forward only) and
 for the whole forward (embedding, blocks, final norm and the logits of the LM head). The
 largest rank's figure is reported beside cp=1's and beside the memory model's per-block
-bytes for s/cp tokens (`launcher.memory.llama_block_activations`), which the plan uses.
+bytes for s/cp tokens (`launcher.plan.memory.llama_block_activations`), which the plan uses.
 
 At cp=1 attention is the CPU flash kernel of SDPA, which saves q, k, v, its output and a
 log-sum-exp per head and token; the ring saves the same tensors for this rank's tokens, so
@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import models
-from launcher.memory import llama_block_activations
+from launcher.plan.memory import llama_block_activations
 from parallel.context import apply_context_parallel, shard_sequence
 from parallel.materialize import materialize
 from parallel.mesh import build_mesh

@@ -3,7 +3,7 @@ first optimizer step, against a plain script that imports torch, builds the same
 runs one step; and the same with `--nproc` ranks, forked from the agent (the CPU default)
 and started as fresh interpreters (PRETRAIN_FORK_RANKS=0).
 
-The trainer logs the phases itself (`trainer/startup.py`): launcher (compose, validate,
+The trainer logs the phases itself (`trainer/observe/startup.py`): launcher (compose, validate,
 plan, run dir), torchrun (the agent until the rank's process starts), imports, process
 group, mesh, data open, model build, loaders and checkpoint, metrics and kernels, first
 step. Runs alternate between the two, after one untimed warm-up of each (so the prepared

@@ -3,7 +3,7 @@
 For AdamW and Muon and each state dtype: build the model of a recipe in one CPU process,
 take one optimizer step on random gradients, and add up the bytes of every tensor the
 optimizer keeps (codes, block scales, step counts; the shared code maps excluded). The
-planner's figure is launcher/memory.py's `optimizer_states` for the same recipe on one rank.
+planner's figure is launcher/plan/memory.py's `optimizer_states` for the same recipe on one rank.
 
     python bench/optim_state_memory.py [--recipe tiny] [key=value ...]
 """
@@ -17,14 +17,14 @@ import torch
 from hydra import compose, initialize_config_dir
 
 import launcher.cli  # noqa: F401  (registers the recipe schema with Hydra)
-from launcher.memory import memory_breakdown
+from launcher.plan.memory import memory_breakdown
 from models import build
 from models.init import init_weights
 from pretrain_core.layout import resolve_degrees
 from pretrain_core.optim_states import STATE_DTYPES
 from pretrain_core.schema import RecipeConfig, to_recipe
-from trainer.optim import build_optimizer
-from trainer.optim_states import StoredStateOptimizer
+from trainer.optim.optimizers import build_optimizer
+from trainer.optim.states import StoredStateOptimizer
 
 RECIPES = str(Path(__file__).resolve().parent.parent / "recipes")
 

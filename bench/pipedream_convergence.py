@@ -2,7 +2,7 @@
 
 Both runs train the shipped `tiny` recipe (1.8M parameters, 128-token sequences, 16 per
 step, AdamW at a 2e-3 peak with 20 warmup steps and cosine decay) in one process over the
-real stage modules (`trainer/pipedream_local.py`): synchronously, and under 2BW over
+real stage modules (`tests/pipedream_oracle.py`): synchronously, and under 2BW over
 `--pp` stages, whose every gradient lands one step late. Prints the loss curve every
 `--every` steps and the mean loss of the last 20 steps of each, with their ratio.
 
@@ -20,7 +20,7 @@ from hydra import compose, initialize_config_dir
 
 import launcher.cli  # noqa: F401  (registers the recipe schema with Hydra)
 from pretrain_core.schema import RecipeConfig, to_recipe
-from trainer.pipedream_local import pipedream_curve, synchronous_curve
+from tests.pipedream_oracle import pipedream_curve, synchronous_curve
 
 RECIPES = str(Path(__file__).resolve().parent.parent / "recipes")
 TAIL = 20

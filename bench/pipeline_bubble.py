@@ -1,6 +1,6 @@
 """Pipeline bubble and saved activations, measured: PP=2 under GPipe and 1F1B on CPU.
 
-Two gloo ranks run the repo's schedule builder (`parallel.pipeline.build_schedule`) over a
+Two gloo ranks run the repo's schedule builder (`parallel.pipeline.stages.build_schedule`) over a
 stack of MLP blocks split into two stages, for m = 2, 4 and 8 micro-batches of fixed size.
 Per stage it measures:
 
@@ -10,10 +10,11 @@ Per stage it measures:
   tensor counted while saved, parameters excluded), at its peak during the step.
 
 Beside them: the bubble the plan predicts, (p-1)/(m+p-1), and the peak micro-batches in
-flight of the simulated schedule (`launcher/schedule_sim.py`).
+flight of the simulated schedule (`launcher/plan/schedule_sim.py`).
 
 A second table runs many steps back to back under 1F1B, the V schedules (ZB-V, DualPipeV:
-two chunks per rank, each half a stage's blocks) and PipeDream-2BW (`parallel/pipedream.py`,
+two chunks per rank, each half a stage's blocks) and PipeDream-2BW
+(`parallel/pipeline/pipedream.py`,
 never flushed; each step's update agreed without blocking, as the trainer does), every
 step with the same SGD update of the stage's weights (2BW's also copies the version in
 use first, and runs mid-pipeline, where a rank's update delays its neighbours). It reports
@@ -36,9 +37,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import schedules
 
-from launcher.schedule_sim import bubble_fraction, pipedream_bubble, simulate
-from parallel.pipedream import P2PTransport, PipeDream, Version, copy_weights
-from parallel.pipeline import build_schedule
+from launcher.plan.schedule_sim import bubble_fraction, pipedream_bubble, simulate
+from parallel.pipeline.pipedream import P2PTransport, PipeDream, Version, copy_weights
+from parallel.pipeline.stages import build_schedule
 from pretrain_core.schema import ParallelConfig
 from pretrain_core.stages import rank_stages
 

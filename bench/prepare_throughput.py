@@ -25,8 +25,8 @@ from pathlib import Path
 import numpy as np
 
 from pretrain_core.schema import RecipeConfig
-from trainer.prepare import prepare_data
-from trainer.tokenizer import train_bpe
+from pretrain_data.prepare import prepare_data
+from pretrain_data.tokenizer import train_bpe
 
 WORDS = [
     "the",

@@ -14,9 +14,9 @@ from bench.step_overhead import load_recipe
 from parallel.mesh import build_mesh
 from pretrain_core.layout import resolve_degrees
 from trainer.build import build_train_state
-from trainer.data import one_process_loader
+from trainer.data.loader import one_process_loader
 from trainer.dist import init_distributed
-from trainer.step import train_step
+from trainer.step.local import train_step
 
 
 def main() -> None:

@@ -2,7 +2,7 @@
 
     python -m bench.sampler_memory [--sequences 1000000000] [--global-batch 1024]
 
-The Feistel sampler (`trainer/sampler.py`) is built for `--sequences` sequences and asked
+The Feistel sampler (`trainer/data/sampler.py`) is built for `--sequences` sequences and asked
 for the global batches of a few steps across the run (and past an epoch boundary); its
 peak traced allocation is measured with tracemalloc. The sampler it replaced kept a seeded
 `numpy` permutation of every sequence for two epochs: measured at 10^7 sequences and scaled
@@ -17,7 +17,7 @@ import tracemalloc
 
 import numpy as np
 
-from trainer.sampler import MixtureSampler
+from trainer.data.sampler import MixtureSampler
 
 PERMUTATION_MEASURED_AT = 10**7
 

@@ -29,11 +29,11 @@ from parallel.mesh import build_mesh
 from pretrain_core.layout import resolve_degrees
 from pretrain_core.schema import RecipeConfig, to_recipe
 from trainer.build import build_train_state
-from trainer.data import RunData, open_datasets, packed_data, train_loader
+from trainer.data.loader import RunData, open_datasets, packed_data, train_loader
+from trainer.data.prefetch import PrefetchingLoader
 from trainer.dist import init_distributed
-from trainer.prefetch import PrefetchingLoader
-from trainer.step import train_step
-from trainer.step_phases import OFF, StepPhases
+from trainer.step.local import train_step
+from trainer.step.phases import OFF, StepPhases
 
 RECIPES = str(Path(__file__).resolve().parent.parent / "recipes")
 

@@ -10,7 +10,9 @@ another editable install on the same Python.
 from __future__ import annotations
 
 import importlib.util
+import re
 from pathlib import Path
+from string import Template
 
 _SOURCE_ROOT = Path(__file__).resolve().parent.parent
 _PACKAGES = {"recipes": "pretrain_recipes", "slurm": "pretrain_slurm"}
@@ -36,3 +38,17 @@ SBATCH_TEMPLATE = shipped_dir("slurm") / "sbatch.template"
 """The training job's sbatch template (`cluster.sbatch_template` replaces it)."""
 PREPARE_TEMPLATE = shipped_dir("slurm") / "prepare.sbatch.template"
 """The data preparation job's sbatch template."""
+
+
+class ScriptTemplate(Template):
+    """`${name}` placeholders are lowercase; `$UPPERCASE` and `$(...)` are left to the shell."""
+
+    idpattern = r"[a-z][a-z0-9_]*"
+    flags = re.RegexFlag(0)
+
+
+def template_placeholders(text: str) -> set[str]:
+    """The ${placeholders} an sbatch template holds."""
+    template = ScriptTemplate(text)
+    found = {m["named"] or m["braced"] for m in template.pattern.finditer(template.template)}
+    return found - {None}

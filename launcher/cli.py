@@ -23,14 +23,14 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from launcher.assets import SHIPPED_RECIPES
-from launcher.compose import (
+from launcher.compose.command_line import (
     checked_command_line,
     hydra_errors_as_problems,
     search_dirs,
     with_user_recipes,
 )
 from launcher.help import render_help
-from launcher.sweep import (
+from launcher.job.sweep import (
     OUTCOMES,
     SWEPT_KEYS,
     Failed,
@@ -42,7 +42,7 @@ from launcher.sweep import (
     swept_keys,
 )
 from pretrain_core.problems import RecipeError
-from pretrain_core.rundir import PREEMPTED_MARKER
+from pretrain_core.run.rundir import PREEMPTED_MARKER
 from pretrain_core.schema import RecipeConfig, dump_config, to_recipe
 
 RECIPES_DIR = str(SHIPPED_RECIPES)
@@ -71,15 +71,15 @@ def execute(cfg: RecipeConfig, launched: dict | None = None) -> float | None:
     """Validate, plan and carry out `cfg.action` for one composed recipe; the final
     validation (or training) loss of a local run, None for the other actions. `launched`
     (the recipe's name and the command line's overrides) goes to RUN_DIR/overrides.yaml."""
-    from launcher.plan import make_plan, plan_to_dict
-    from launcher.render import render_plan
-    from launcher.short_run import fit_schedule_to_run
+    from launcher.plan.plan import make_plan, plan_to_dict
+    from launcher.plan.render import render_plan
+    from launcher.validate.short_run import fit_schedule_to_run
 
     for warning in fit_schedule_to_run(cfg):
         print(f"warning: {warning}", file=sys.stderr)
     if cfg.action == "suggest":
         # The search chooses the layout: only problems that no layout fixes are refused.
-        from launcher.suggest import report
+        from launcher.plan.suggest import report
 
         try:
             print(report(cfg))
@@ -103,10 +103,10 @@ def execute(cfg: RecipeConfig, launched: dict | None = None) -> float | None:
 
 def _validate_for_action(cfg: RecipeConfig) -> None:
     """Every check the action needs, before anything is written; exits on a problem."""
-    from launcher.memory_fit import check_fits
-    from launcher.rules_data import unprepared_problems
-    from launcher.rules_parallel import check_runnable
-    from launcher.validate import validate
+    from launcher.plan.memory_fit import check_fits
+    from launcher.validate.data import unprepared_problems
+    from launcher.validate.layout import check_runnable
+    from launcher.validate.recipe import validate
 
     try:
         launch = cfg.action == "run"
@@ -131,15 +131,15 @@ def _validate_for_action(cfg: RecipeConfig) -> None:
 def _write_and_start(cfg: RecipeConfig, plan: dict, launched: dict | None) -> float | None:
     """Claim and write the run dir, then run locally or submit (action run or script); the
     final loss of a local run."""
-    from launcher.backends import (
+    from launcher.job.backends import (
         LaunchError,
         claimed_run_dir,
         never_starts,
         run_local,
         submit_slurm,
     )
-    from launcher.failure_summary import failure_message
-    from launcher.job import JobError, check_run_dir, write_run_dir
+    from launcher.job.failure_summary import failure_message
+    from launcher.job.run_dir import JobError, check_run_dir, write_run_dir
 
     config_yaml = dump_config(cfg)
     try:
@@ -179,11 +179,11 @@ def _write_and_start(cfg: RecipeConfig, plan: dict, launched: dict | None) -> fl
 
 def _prepare(cfg: RecipeConfig) -> None:
     """Validate the data fields (and, locally, the files), then prepare or submit."""
-    from launcher.backends import LaunchError
-    from launcher.job import JobError
-    from launcher.prepare_job import run_prepare_here, submit_prepare, write_prepare_files
-    from launcher.rules_data import prepare_problems
-    from launcher.validate import validate
+    from launcher.job.backends import LaunchError
+    from launcher.job.prepare import run_prepare_here, submit_prepare, write_prepare_files
+    from launcher.job.run_dir import JobError
+    from launcher.validate.data import prepare_problems
+    from launcher.validate.recipe import validate
     from pretrain_core.problems import RecipeError
 
     try:
@@ -243,7 +243,7 @@ def main() -> None:
     """Console entry point of `pretrain`: the command line and recipe files are checked
     before Hydra composes, and Hydra's errors are reported like the validator's."""
     if sys.argv[1:2] == ["status"]:
-        from launcher.status import main as status
+        from launcher.job.status import main as status
 
         raise SystemExit(status(sys.argv[2:]))
     try:

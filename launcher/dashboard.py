@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     if not args.project:
         parser.error("--project is needed to create the workspace (or --print the spec)")
-    from pretrain_core.wandb_credentials import api_key_configured
+    from pretrain_core.run.wandb_credentials import api_key_configured
 
     if not api_key_configured(os.environ):
         why = "no W&B credentials (WANDB_API_KEY or a netrc entry)"

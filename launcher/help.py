@@ -7,8 +7,8 @@ from __future__ import annotations
 import textwrap
 from pathlib import Path
 
-from launcher.compose import recipe_names
-from launcher.recipe_files import group_options
+from launcher.compose.command_line import recipe_names
+from launcher.compose.recipe_files import group_options
 from pretrain_core.field_docs import field_docs
 from pretrain_core.schema import RecipeConfig
 

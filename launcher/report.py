@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pretrain_core.rundir import METRICS_FILE
+from pretrain_core.run.rundir import METRICS_FILE
 
 PANELS = (
     ("loss", "loss", 1.0),

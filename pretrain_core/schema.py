@@ -158,7 +158,7 @@ class OptimConfig:
 
     name: str = one_of("adamw", OPTIMIZERS)
     """adamw, lion, sgd or muon (Muon on the blocks' weight matrices, AdamW with `betas` and
-    `eps` on embeddings, head, norms and biases; trainer/muon.py)."""
+    `eps` on embeddings, head, norms and biases; trainer/optim/muon.py)."""
     lr: float = 3e-4
     """Peak learning rate (after warmup, before any batch-size scaling)."""
     min_lr: float = 3e-5
@@ -179,7 +179,7 @@ class OptimConfig:
     """Global batch (sequences) that `lr` was tuned for; needed when lr_scaling != none."""
     state_dtype: str = one_of("fp32", STATE_DTYPES)
     """Dtype of the optimizer states (adamw, lion, muon): fp32; bf16; int8 or int4 (blocks of
-    32 along the last dim with an FP32 scale each, dynamic code maps; trainer/optim_states.py).
+    32 along the last dim with an FP32 scale each, dynamic code maps; trainer/optim/states.py).
     The update itself runs in FP32; checkpoints hold the states in FP32."""
 
 
@@ -476,7 +476,7 @@ class RecipeConfig:
     action: str = one_of("run", ACTIONS)
     """run (plan, write the run dir, launch or submit), plan (print only) or script
     (write the run dir and job script, launch nothing) or suggest (list the fastest layouts
-    of the model on the cluster that fit; launcher/suggest.py) or prepare (tokenize the
+    of the model on the cluster that fit; launcher/plan/suggest.py) or prepare (tokenize the
     data into a prepared dataset, here or as a CPU-only SLURM job)."""
     seed: int = 1234
     """Seed for weights and data order; the same seed gives the same run in every layout."""

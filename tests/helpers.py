@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from launcher.memory_fit import check_fits
-from launcher.validate import validate
+from launcher.plan.memory_fit import check_fits
+from launcher.validate.recipe import validate
 from pretrain_core.model_config import ModelConfig
 from pretrain_core.problems import Problem, RecipeError
 from pretrain_core.schema import RecipeConfig
@@ -167,7 +167,7 @@ def generated_documents(count: int, seed: int = 0, words: tuple[int, int] = (5, 
 
 def write_tokenizer(path: Path, texts: list[str], vocab_size: int = 320) -> Path:
     """A byte-level BPE trained on `texts` (as the trainer trains one), saved at `path`."""
-    from trainer.tokenizer import train_bpe
+    from pretrain_data.tokenizer import train_bpe
 
     path.parent.mkdir(parents=True, exist_ok=True)
     train_bpe([texts], vocab_size).save(str(path))
@@ -178,7 +178,7 @@ def encode_documents(tokenizer_path: Path, docs: list[str]) -> list[int]:
     """What a prepared dataset holds for `docs`: each document's ids, then EOS."""
     from tokenizers import Tokenizer
 
-    from trainer.tokenizer import EOS_TOKEN
+    from pretrain_data.tokenizer import EOS_TOKEN
 
     tokenizer = Tokenizer.from_file(str(tokenizer_path))
     eos = tokenizer.token_to_id(EOS_TOKEN)

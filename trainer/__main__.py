@@ -3,7 +3,7 @@ this file run in a process forked from the agent (`trainer/agent.py`, on CPU).
 
 The rank first ties its life to torchrun's (torchrun starts it in a session of its own, so
 nothing else would stop it if torchrun and the launcher were killed), then runs; any
-failure ends it the one reported way (`trainer/failure_report.py`).
+failure ends it the one reported way (`trainer/faults/failure_report.py`).
 """
 
 import multiprocessing
@@ -12,10 +12,10 @@ import signal
 import sys
 import time
 
-# Before any heavy import: the start of this rank's process (trainer/startup.py).
+# Before any heavy import: the start of this rank's process (trainer/observe/startup.py).
 os.environ.setdefault("PRETRAIN_RANK_T0", str(time.time()))
 
-from pretrain_core.lifeline import die_with_parent
+from pretrain_core.run.lifeline import die_with_parent
 
 if __name__ == "__main__":
     if len(sys.argv) != 2:
@@ -29,7 +29,7 @@ if __name__ == "__main__":
         for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
             signal.signal(sig, signal.SIG_DFL)
         sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
-    from trainer.failure_report import reported_failures
+    from trainer.faults.failure_report import reported_failures
     from trainer.train import main
 
     with reported_failures(sys.argv[1]):
@@ -37,7 +37,7 @@ if __name__ == "__main__":
     if forked:
         sys.stdout.flush()
         sys.stderr.flush()
-        from trainer.faults import received_stop_signal
+        from trainer.faults.step_guard import received_stop_signal
 
         stopped_by = received_stop_signal()
         if stopped_by == signal.SIGTERM:

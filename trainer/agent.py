@@ -28,7 +28,7 @@ import os
 import sys
 from pathlib import Path
 
-from pretrain_core.rundir import PREEMPTED_MARKER
+from pretrain_core.run.rundir import PREEMPTED_MARKER
 from pretrain_core.schema import load_config
 
 
@@ -68,7 +68,7 @@ def forked_ranks(argv: list[str]) -> list[str]:
         return argv
     if argv[-3:-1] != TRAINER_MODULE or load_config(argv[-1]).cluster.device != "cpu":
         return argv
-    import trainer.failure_report
+    import trainer.faults.failure_report
     import trainer.train
 
     logging.getLogger(ELASTIC_PROCESS_LOGGER).addFilter(ForkedExitWithoutTraceback())

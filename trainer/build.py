@@ -19,17 +19,17 @@ from parallel.expert import apply_expert_parallel
 from parallel.materialize import materialize
 from parallel.mesh import JobMesh
 from parallel.offload import optimizer_device_type
-from parallel.pipeline import StageView, split_stage, stage_indices
+from parallel.pipeline.stages import StageView, split_stage, stage_indices
+from parallel.pipeline.tied_embedding import mark_head_copy
 from parallel.precision import LossScaler, apply_precision
 from parallel.recompute import apply_recompute
 from parallel.tensor import apply_tensor_parallel
-from parallel.tied_embedding import mark_head_copy
 from pretrain_core.layout import Degrees
 from pretrain_core.schema import RecipeConfig
-from trainer.chunked_loss import ChunkedLMLoss
-from trainer.optim import build_optimizer, optimizer_spec, param_groups, scaled_lr
-from trainer.schedule import build_lr_scheduler
-from trainer.step import TrainState, lm_loss
+from trainer.optim.lr_schedule import build_lr_scheduler
+from trainer.optim.optimizers import build_optimizer, optimizer_spec, param_groups, scaled_lr
+from trainer.step.chunked_loss import ChunkedLMLoss
+from trainer.step.local import TrainState, lm_loss
 
 
 def parallelize(plain: nn.Module, cfg: RecipeConfig, mesh: JobMesh, degrees: Degrees) -> None:

@@ -20,8 +20,9 @@ from pretrain_core.precision import peak_dtype
 from pretrain_core.recompute import recomputed_blocks
 from pretrain_core.schema import RecipeConfig
 from trainer.build import build_train_state
-from trainer.checkpoint import Checkpointer
-from trainer.data import (
+from trainer.checkpoint.checkpointer import Checkpointer
+from trainer.checkpoint.hf_import import load_hf_weights
+from trainer.data.loader import (
     DataLoader,
     RunData,
     open_datasets,
@@ -30,22 +31,21 @@ from trainer.data import (
     train_loader,
     val_loader,
 )
+from trainer.data.prefetch import PrefetchingLoader
 from trainer.dist import RankInfo
-from trainer.evaluate import Evaluator
-from trainer.fault_injection import FaultInjector
-from trainer.faults import StepGuard, clear_preempted
-from trainer.hf_import import load_hf_weights
+from trainer.faults.injection import FaultInjector
+from trainer.faults.step_guard import StepGuard, clear_preempted
 from trainer.kernels import kernels_line
 from trainer.log import get_logger, setup_logging
-from trainer.loggers import MetricsLogger
-from trainer.metrics import PeakFlops, ThroughputMeter, resolve_peak_flops
-from trainer.metrics_window import MetricsWindow
-from trainer.pipeline_step import pipeline_step
-from trainer.prefetch import PrefetchingLoader
-from trainer.run_identity import run_identity
-from trainer.startup import CLOCK
-from trainer.step import LocalStep, Stepper, TrainState
-from trainer.step_phases import StepPhases
+from trainer.observe.loggers import MetricsLogger
+from trainer.observe.metrics import PeakFlops, ThroughputMeter, resolve_peak_flops
+from trainer.observe.metrics_window import MetricsWindow
+from trainer.observe.run_identity import run_identity
+from trainer.observe.startup import CLOCK
+from trainer.step.evaluate import Evaluator
+from trainer.step.local import LocalStep, Stepper, TrainState
+from trainer.step.phases import StepPhases
+from trainer.step.pipeline import pipeline_step
 
 
 @dataclass

@@ -13,14 +13,14 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from pretrain_core import run_lock
+from pretrain_core.run import run_lock
 from pretrain_core.schema import RecipeConfig, load_config
 from trainer.dist import RankInfo, init_distributed
-from trainer.faults import install_stop_handlers, mark_preempted, stop_signal_name
+from trainer.faults.step_guard import install_stop_handlers, mark_preempted, stop_signal_name
+from trainer.faults.watchdog import Watchdog, enable_flight_recorder
 from trainer.log import get_logger
+from trainer.observe.startup import CLOCK
 from trainer.setup import Run, setup
-from trainer.startup import CLOCK
-from trainer.watchdog import Watchdog, enable_flight_recorder
 
 
 def train(run: Run, watchdog: Watchdog) -> None:

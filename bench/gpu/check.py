@@ -30,8 +30,8 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
-from launcher.plan import make_plan  # noqa: E402
-from launcher.validate import validate  # noqa: E402
+from launcher.plan.plan import make_plan  # noqa: E402
+from launcher.validate.recipe import validate  # noqa: E402
 from models.flops import flops_per_token  # noqa: E402
 from parallel.mesh import build_mesh  # noqa: E402
 from pretrain_core.hardware import match_device_name  # noqa: E402
@@ -41,8 +41,8 @@ from pretrain_core.schema import HardwareConfig, RecipeConfig, to_recipe  # noqa
 from trainer.build import build_train_state  # noqa: E402
 from trainer.dist import init_distributed  # noqa: E402
 from trainer.kernels import optimizer_path, sdpa_backend  # noqa: E402
-from trainer.metrics import resolve_peak_flops  # noqa: E402
-from trainer.step import train_step  # noqa: E402
+from trainer.observe.metrics import resolve_peak_flops  # noqa: E402
+from trainer.step.local import train_step  # noqa: E402
 
 PRECISIONS = {"bf16": ("bf16", None), "fp8-torchao": ("fp8", "torchao"), "fp8-te": ("fp8", "te")}
 RECOMPUTE = ("none", "selective", "full")

@@ -16,8 +16,8 @@ from parallel.mesh import build_mesh
 from pretrain_core.layout import resolve_degrees
 from pretrain_core.schema import load_config
 from trainer.build import build_train_state
+from trainer.checkpoint.hf_import import load_hf_weights
 from trainer.dist import init_distributed
-from trainer.hf_import import load_hf_weights
 
 TOKENS = torch.tensor([[5, 17, 300, 42, 7, 7, 120, 3], [1, 2, 3, 4, 5, 6, 7, 8]])
 

@@ -24,8 +24,8 @@ from safetensors.torch import load_file
 from torch import nn
 
 from tests.distributed.harness import BASE_OVERRIDES, FP32_TOLERANCE, read_curve
-from trainer.export import export, load_model
-from trainer.step import lm_loss
+from trainer.checkpoint.export import export, load_model
+from trainer.step.local import lm_loss
 
 pytestmark = pytest.mark.distributed
 

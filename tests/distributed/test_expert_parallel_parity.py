@@ -28,7 +28,7 @@ from tests.distributed.harness import (
     read_curve,
     run_pretrain,
 )
-from trainer.export import load_model
+from trainer.checkpoint.export import load_model
 
 pytestmark = pytest.mark.distributed
 

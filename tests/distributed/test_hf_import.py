@@ -14,7 +14,7 @@ import torch
 from tests.distributed.harness import BASE_OVERRIDES, run_pretrain
 from tests.distributed.hf_logits import TOKENS
 from tests.helpers import pretrain
-from trainer.export import export
+from trainer.checkpoint.export import export
 
 transformers = pytest.importorskip("transformers")
 

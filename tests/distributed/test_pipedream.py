@@ -3,7 +3,7 @@ simulation of the same schedule over the same stage modules computes, and a run 
 from a checkpoint continues bit for bit, both weight versions restored.
 
 2BW's numerics differ from synchronous training by design (each step's gradient lands one
-step late), so the reference is `trainer.pipedream_local.pipedream_curve`: the 2BW engines
+step late), so the reference is `tests.pipedream_oracle.pipedream_curve`: the 2BW engines
 of both stages in one process, fed and initialized as the trainer does. FP32, relative
 1e-5 per step, as for every layout. The first step applies no update (NaN norm, logged as
 null). Checkpoints every 2 steps drain the pipeline, which must not change the numerics.
@@ -31,7 +31,7 @@ from tests.distributed.harness import (
     max_relative_difference,
     run_pretrain,
 )
-from trainer.pipedream_local import pipedream_curve
+from tests.pipedream_oracle import pipedream_curve
 
 pytestmark = pytest.mark.distributed
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pretrain_core.data_sources import MANIFEST
+from pretrain_data.sources import MANIFEST
 from tests.distributed.harness import BASE_OVERRIDES, run_pretrain
 from tests.helpers import encode_documents, generated_documents, pretrain, write_jsonl
 

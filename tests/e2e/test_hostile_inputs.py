@@ -26,7 +26,7 @@ from typing import Any
 import pytest
 
 from launcher import cli as pretrain_cli
-from pretrain_core.rundir import LOCK_FILE
+from pretrain_core.run.rundir import LOCK_FILE
 from pretrain_core.schema import to_recipe
 from tests.helpers import pretrain, pretrain_in_process, tree
 
@@ -273,8 +273,8 @@ def environment(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     def launched(*args: object, **kwargs: object) -> None:
         raise AssertionError("a hostile case reached the launch")
 
-    monkeypatch.setattr("launcher.backends.run_local", launched)
-    monkeypatch.setattr("launcher.backends.submit_slurm", launched)
+    monkeypatch.setattr("launcher.job.backends.run_local", launched)
+    monkeypatch.setattr("launcher.job.backends.submit_slurm", launched)
 
 
 def skip_if_not_applicable(case: Case) -> None:

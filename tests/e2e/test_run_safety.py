@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from pretrain_core.rundir import LOCK_FILE, PREEMPTED_MARKER
+from pretrain_core.run.rundir import LOCK_FILE, PREEMPTED_MARKER
 from pretrain_core.schema import load_config
 from tests.distributed.harness import BASE_OVERRIDES
 from tests.helpers import pretrain

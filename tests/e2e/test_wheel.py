@@ -19,7 +19,7 @@ from tests.helpers import REPO
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 SOURCES = ("pyproject.toml", "README.md", "LICENSE", "launcher", "models", "parallel",
-           "pretrain_core", "trainer", "recipes", "slurm")  # fmt: skip
+           "pretrain_core", "pretrain_data", "trainer", "recipes", "slurm")  # fmt: skip
 """What the wheel is built from (copied, so the build leaves nothing in the checkout)."""
 
 

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from launcher.backends import wait_for_slurm_job
-from launcher.prepare_job import submit_prepare, write_prepare_files
-from pretrain_core.data_checks import unprepared
+from launcher.job.backends import wait_for_slurm_job
+from launcher.job.prepare import submit_prepare, write_prepare_files
 from pretrain_core.schema import RecipeConfig
+from pretrain_data.checks import unprepared
 from tests.distributed.harness import BASE_OVERRIDES
 
 REPO = Path(__file__).resolve().parents[2]

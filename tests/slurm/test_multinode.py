@@ -27,8 +27,8 @@ from pathlib import Path
 
 import pytest
 
-from launcher.backends import wait_for_slurm_job
-from pretrain_core.rundir import SLURM_JOB_FILE
+from launcher.job.backends import wait_for_slurm_job
+from pretrain_core.run.rundir import SLURM_JOB_FILE
 from tests.distributed.harness import (
     FP32_TOLERANCE,
     GRAD_NORM_TOLERANCE,
@@ -38,7 +38,7 @@ from tests.distributed.harness import (
 )
 from tests.helpers import finished_wandb_records
 from tests.slurm.conftest import JOB_TIMEOUT_S, submit
-from trainer.loggers import node_wandb_dir
+from trainer.observe.loggers import node_wandb_dir
 
 pytestmark = pytest.mark.slurm
 

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from launcher.backends import LaunchError, submit_slurm, wait_for_slurm_job
-from launcher.job import JobFiles, write_run_dir
+from launcher.job.backends import LaunchError, submit_slurm, wait_for_slurm_job
+from launcher.job.run_dir import JobFiles, write_run_dir
 from pretrain_core.schema import dump_config, load_config
 from tests.slurm.conftest import JOB_TIMEOUT_S, REPO, cpu_recipe
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import torch
 
-from trainer.checkpoint import DCP_METADATA, META
-from trainer.checkpoint_integrity import (
+from trainer.checkpoint.checkpointer import DCP_METADATA, META
+from trainer.checkpoint.integrity import (
     MANIFEST,
     checksum_problems,
     checksums,

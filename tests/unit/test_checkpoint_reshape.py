@@ -10,8 +10,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from trainer.checkpoint import _scheduler_state
-from trainer.vocab_resize import load_resizing_vocab
+from trainer.checkpoint.checkpointer import _scheduler_state
+from trainer.checkpoint.vocab_resize import load_resizing_vocab
 
 DIM = 4
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from launcher.validate import validate
+from launcher.validate.recipe import validate
 from pretrain_core.problems import RecipeError
 from pretrain_core.schema import RecipeConfig
 

@@ -10,9 +10,9 @@ import pytest
 from hydra.errors import ConfigCompositionException, MissingConfigException
 from omegaconf.errors import ValidationError
 
-from launcher.compose import QUIET_HYDRA, checked_command_line, translate
-from launcher.recipe_files import MAX_ALIASES, load, package_of
-from launcher.recipe_keys import did_you_mean, value_problem
+from launcher.compose.command_line import QUIET_HYDRA, checked_command_line, translate
+from launcher.compose.recipe_files import MAX_ALIASES, load, package_of
+from launcher.compose.recipe_keys import did_you_mean, value_problem
 from pretrain_core.problems import RecipeError
 
 

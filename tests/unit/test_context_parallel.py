@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from launcher.validate import check_runnable, validate
+from launcher.validate.recipe import check_runnable, validate
 from parallel.context import (
     HeadTailPositions,
     _block_backward,

@@ -12,8 +12,11 @@ import pytest
 import torch
 from tokenizers import Tokenizer, models
 
-from pretrain_core.data_sources import single_source, stdlib_files
 from pretrain_core.schema import DataConfig, SourceConfig
+from pretrain_data.corpus import source_documents
+from pretrain_data.prepare import prepare_data
+from pretrain_data.sources import single_source, stdlib_files
+from pretrain_data.tokenizer import EOS_TOKEN, eos_id, load_tokenizer
 from tests.helpers import (
     data_recipe,
     encode_documents,
@@ -21,13 +24,10 @@ from tests.helpers import (
     write_jsonl,
     write_tokenizer,
 )
-from trainer import dataset as dataset_module
-from trainer.corpus import source_documents
-from trainer.data import DataLoader, open_datasets, packed_data, train_loader, val_loader
-from trainer.dataset import PackedSequences, PreparedDataset, TokenStream
-from trainer.prepare import prepare_data
-from trainer.sampler import MixtureSampler
-from trainer.tokenizer import EOS_TOKEN, eos_id, load_tokenizer
+from trainer.data import dataset as dataset_module
+from trainer.data.dataset import PackedSequences, PreparedDataset, TokenStream
+from trainer.data.loader import DataLoader, open_datasets, packed_data, train_loader, val_loader
+from trainer.data.sampler import MixtureSampler
 
 SMALL_VOCAB = 512
 DOCS = generated_documents(200, seed=5)

@@ -12,7 +12,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pretrain_core.data_sources import resolve_format, single_source
+from pretrain_data.corpus import plan_units
+from pretrain_data.prepare import prepare_data
+from pretrain_data.sources import resolve_format, single_source
 from tests.helpers import (
     data_recipe,
     encode_documents,
@@ -21,9 +23,7 @@ from tests.helpers import (
     write_megatron,
     write_tokenizer,
 )
-from trainer.corpus import plan_units
-from trainer.dataset import PreparedDataset, TokenStream
-from trainer.prepare import prepare_data
+from trainer.data.dataset import PreparedDataset, TokenStream
 
 DOCS = generated_documents(40, seed=1)
 

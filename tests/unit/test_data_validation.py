@@ -11,10 +11,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from launcher.rules_data import unprepared_problems
-from launcher.validate import validate
+from launcher.validate.data import unprepared_problems
+from launcher.validate.recipe import validate
 from pretrain_core.problems import RecipeError
 from pretrain_core.schema import SourceConfig
+from pretrain_data.prepare import prepare_data
 from tests.helpers import (
     configure,
     data_recipe,
@@ -23,7 +24,6 @@ from tests.helpers import (
     write_megatron,
     write_tokenizer,
 )
-from trainer.prepare import prepare_data
 
 DOCS = generated_documents(30, seed=7)
 

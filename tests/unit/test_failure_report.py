@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from launcher.failure_summary import failure_message, has_failures, read_failures
-from pretrain_core.run_lock import LockHolder, RunDirInUse
-from pretrain_core.rundir import PLAN_FILE
-from trainer.checkpoint_integrity import DiskSpaceError, NoUsableCheckpoint
-from trainer.failure_report import classify, record
-from trainer.faults import TooManyBadSteps
+from launcher.job.failure_summary import failure_message, has_failures, read_failures
+from pretrain_core.run.run_lock import LockHolder, RunDirInUse
+from pretrain_core.run.rundir import PLAN_FILE
+from trainer.checkpoint.integrity import DiskSpaceError, NoUsableCheckpoint
+from trainer.faults.failure_report import classify, record
+from trainer.faults.step_guard import TooManyBadSteps
 
 
 def raised(exc: BaseException, *, chained_from: BaseException | None = None) -> BaseException:
@@ -28,8 +28,8 @@ def raised(exc: BaseException, *, chained_from: BaseException | None = None) -> 
 
 
 def raised_in_data(exc: BaseException) -> BaseException:
-    """`exc` raised from inside trainer/data.py's code, as a data loader would."""
-    code = compile("def load():\n    raise exc\n", "/repo/trainer/data.py", "exec")
+    """`exc` raised from inside trainer/data/loader.py's code, as a data loader would."""
+    code = compile("def load():\n    raise exc\n", "/repo/trainer/data/loader.py", "exec")
     scope: dict = {"exc": exc}
     exec(code, scope)
     try:

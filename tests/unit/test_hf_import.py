@@ -12,7 +12,7 @@ import torch
 import models
 from models.init import init_weights
 from pretrain_core.model_config import ModelConfig
-from trainer.hf_import import load_hf_weights
+from trainer.checkpoint.hf_import import load_hf_weights
 
 transformers = pytest.importorskip("transformers")
 

@@ -15,16 +15,21 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-PACKAGES = ("pretrain_core", "models", "parallel", "trainer", "launcher")
+PACKAGES = ("pretrain_core", "pretrain_data", "models", "parallel", "trainer", "launcher")
 MAY_IMPORT = {
     "pretrain_core": set(),
+    "pretrain_data": {"pretrain_core"},
     "models": {"pretrain_core"},
     "parallel": {"models", "pretrain_core"},
-    "trainer": {"parallel", "models", "pretrain_core"},
-    "launcher": {"pretrain_core", "models"},
+    "trainer": {"parallel", "models", "pretrain_data", "pretrain_core"},
+    "launcher": {"pretrain_core", "pretrain_data", "models"},
 }
 """The repo's packages each package may import (besides itself)."""
-TORCH_FREE = ("pretrain_core", "launcher")
+TORCH_FREE = ("pretrain_core", "pretrain_data", "launcher")
+LAUNCHER_STAGES = ("compose", "validate", "plan", "job")
+"""The launcher's stages, in the order a command runs them: a stage imports earlier stages
+and the launcher's shared leaf modules (`launcher.assets`), never a later stage or the CLI."""
+LAUNCHER_LEAVES = ("launcher.assets",)
 
 
 def module_name(root: Path, path: Path) -> str:
@@ -110,7 +115,34 @@ def violations(root: Path) -> list[str]:
                 problems.append(f"{module} imports {target}: {package} may not import {other}")
         if package in TORCH_FREE and "torch" in external[module]:
             problems.append(f"{module} imports torch: {package} must stay torch-free")
+    problems += _stage_violations(internal)
     problems += [f"import cycle: {' <-> '.join(group)}" for group in cycles(internal)]
+    return problems
+
+
+def _stage(module: str) -> int | None:
+    """The index of the launcher stage `module` belongs to; None outside the stages."""
+    parts = module.split(".")
+    if parts[0] == "launcher" and len(parts) > 1 and parts[1] in LAUNCHER_STAGES:
+        return LAUNCHER_STAGES.index(parts[1])
+    return None
+
+
+def _stage_violations(internal: dict[str, set[str]]) -> list[str]:
+    problems = []
+    for module, targets in sorted(internal.items()):
+        stage = _stage(module)
+        if stage is None:
+            continue
+        for target in sorted(targets):
+            if not target.startswith("launcher") or target in LAUNCHER_LEAVES:
+                continue
+            other = _stage(target)
+            if other is None or other > stage:
+                where = "the CLI" if other is None else f"the later stage {LAUNCHER_STAGES[other]}"
+                problems.append(
+                    f"{module} imports {target}: a launcher stage may not import {where}"
+                )
     return problems
 
 
@@ -123,6 +155,7 @@ def _tree(root: Path, files: dict[str, str]) -> Path:
         (root / pkg).mkdir(parents=True, exist_ok=True)
         (root / pkg / "__init__.py").write_text("")
     for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
         (root / name).write_text(text)
     return root
 
@@ -153,8 +186,39 @@ def _tree(root: Path, files: dict[str, str]) -> Path:
             },
             "import cycle: models.llama <-> models.moe",
         ),
+        (
+            {
+                "launcher/validate/__init__.py": "",
+                "launcher/validate/job.py": "from launcher.job.run_dir import render\n",
+                "launcher/job/__init__.py": "",
+                "launcher/job/run_dir.py": "",
+            },
+            "launcher.validate.job imports launcher.job.run_dir: a launcher stage may not import "
+            "the later stage job",
+        ),
+        (
+            {
+                "launcher/plan/__init__.py": "",
+                "launcher/plan/cost.py": "import launcher.cli\n",
+                "launcher/cli.py": "",
+            },
+            "launcher.plan.cost imports launcher.cli: a launcher stage may not import the CLI",
+        ),
+        (
+            {"pretrain_data/prepare.py": "from trainer.loop import x\n", "trainer/loop.py": ""},
+            "pretrain_data.prepare imports trainer.loop: pretrain_data may not import trainer",
+        ),
     ],
-    ids=["trainer-to-launcher", "function-level", "torch-in-core", "core-to-models", "cycle"],
+    ids=[
+        "trainer-to-launcher",
+        "function-level",
+        "torch-in-core",
+        "core-to-models",
+        "cycle",
+        "later-stage",
+        "stage-to-cli",
+        "data-to-trainer",
+    ],
 )
 def test_a_bad_import_is_reported(tmp_path: Path, files: dict[str, str], expected: str) -> None:
     assert violations(_tree(tmp_path, files)) == [expected]

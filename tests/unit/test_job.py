@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from launcher.job import (
+from launcher.job.run_dir import (
     AGENT,
     RDZV_ENDPOINT,
     RDZV_ID,
@@ -267,8 +267,8 @@ def test_local_backend_refuses_more_than_one_node(tmp_path: Path) -> None:
 LAUNCHER = """
 import sys
 from pathlib import Path
-from launcher.backends import run_local
-from launcher.job import write_run_dir
+from launcher.job.backends import run_local
+from launcher.job.run_dir import write_run_dir
 from pretrain_core.schema import RecipeConfig, dump_config
 
 cfg = RecipeConfig()

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from launcher.rules_env import HIDDEN, check_env, check_local_device
-from launcher.rules_rundir import check_run_dir
-from launcher.short_run import fit_schedule_to_run
+from launcher.validate.env import HIDDEN, check_env, check_local_device
+from launcher.validate.rundir import check_run_dir
+from launcher.validate.short_run import fit_schedule_to_run
 from pretrain_core.problems import Checks, Problem
 from pretrain_core.schema import RecipeConfig
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from launcher.assets import SBATCH_TEMPLATE
-from launcher.job import render_sbatch
-from launcher.validate import validate
+from launcher.job.run_dir import render_sbatch
+from launcher.validate.recipe import validate
 from pretrain_core.schema import RecipeConfig
 from tests.helpers import configure, problems
 

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from pretrain_core.durations import format_duration
 from pretrain_core.layout import resolve_degrees
+from pretrain_core.run.durations import format_duration
 from pretrain_core.schema import LoggingConfig, RecipeConfig
 from tests.helpers import finished_wandb_records
-from trainer.loggers import (
+from trainer.observe.loggers import (
     WANDB_ID_FILE,
     MetricsLogger,
     console_line,
@@ -22,7 +22,7 @@ from trainer.loggers import (
     truncate_partial_line,
     wandb_key,
 )
-from trainer.run_identity import RunIdentity, run_identity
+from trainer.observe.run_identity import RunIdentity, run_identity
 
 METRICS = {
     "loss": 3.25,

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import pytest
 
-from launcher.memory import in_flight, llama_block_activations, memory_breakdown
-from launcher.validate import validate
+from launcher.plan.memory import in_flight, llama_block_activations, memory_breakdown
+from launcher.validate.recipe import validate
 from pretrain_core.layout import grad_accum_steps, resolve_degrees
 from pretrain_core.schema import RecipeConfig
 from tests import megatron_memory as megatron

@@ -6,13 +6,13 @@ from pathlib import Path
 
 import pytest
 
-from launcher.memory import (
+from launcher.plan.memory import (
     korthikanti_layer_activations,
     memory_breakdown,
     textbook_model_states,
 )
-from launcher.memory_fit import predict
-from launcher.validate import validate
+from launcher.plan.memory_fit import predict
+from launcher.validate.recipe import validate
 from models.flops import count_params
 from pretrain_core.layout import resolve_degrees
 from pretrain_core.model_config import ModelConfig

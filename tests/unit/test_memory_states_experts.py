@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from launcher.memory import memory_breakdown, tp_replicated
+from launcher.plan.memory import memory_breakdown, tp_replicated
 from models.flops import count_params
 from pretrain_core.layout import resolve_degrees
 from pretrain_core.optim_states import state_bytes

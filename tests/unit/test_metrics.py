@@ -10,7 +10,7 @@ import torch
 from models.flops import flops_per_token
 from pretrain_core.model_config import ModelConfig
 from pretrain_core.schema import HardwareConfig
-from trainer.metrics import (
+from trainer.observe.metrics import (
     GIB,
     PeakFlops,
     StepTimer,

@@ -13,7 +13,7 @@ from models.mla import MultiHeadLatentAttention
 from pretrain_core.model_config import ModelConfig
 from pretrain_core.schema import RecipeConfig
 from tests.helpers import REPO
-from trainer.export import refuse_unexportable
+from trainer.checkpoint.export import refuse_unexportable
 
 SMALL = dict(vocab_size=64, dim=64, n_heads=4, ffn_dim=96, n_layers=2, attention="mla")
 

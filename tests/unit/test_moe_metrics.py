@@ -7,8 +7,8 @@ import torch
 import models
 from models.init import init_weights
 from pretrain_core.model_config import ModelConfig
-from trainer.loggers import console_line, wandb_key
-from trainer.moe_metrics import expert_load_metrics
+from trainer.observe.loggers import console_line, wandb_key
+from trainer.observe.moe_metrics import expert_load_metrics
 
 
 def test_tokens_per_expert_average_to_tokens_times_k_over_n_and_reset_after_reading() -> None:

@@ -9,8 +9,8 @@ import models
 from models.init import init_weights
 from pretrain_core.model_config import ModelConfig
 from pretrain_core.schema import OptimConfig
-from trainer.muon import Muon, orthogonalize
-from trainer.optim import build_optimizer
+from trainer.optim.muon import Muon, orthogonalize
+from trainer.optim.optimizers import build_optimizer
 
 
 def test_with_bf16_newton_schulz_the_update_is_torch_optim_muons() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from launcher.memory_fit import predict
+from launcher.plan.memory_fit import predict
 from models.flops import count_params
 from tests.helpers import configure, problems
 

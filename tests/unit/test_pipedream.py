@@ -3,7 +3,7 @@ checked exactly against the 2BW recurrence on a hand-computable two-stage pipeli
 
 (a) Two stages, each a scalar weight (y = w0 x, z = w1 y, loss (z - t)^2 / 2 per
 micro-batch, averaged over the step's 2 micro-batches), plain SGD, run by the engines of
-`parallel/pipedream.py` in one process. The 2BW recurrence (Narayanan et al. 2021) is
+`parallel/pipeline/pipedream.py` in one process. The 2BW recurrence (Narayanan et al. 2021) is
 W(t+1) = W(t) - lr grad f_t(W(t-1)) with W(0) = W(1): every micro-batch of step t runs on
 W(t), also the one whose backward runs after W(t+1) exists (weight stashing), and its
 gradient lands one step late. The expected weights are computed below in plain Python.
@@ -18,8 +18,8 @@ import pytest
 import torch
 from torch import nn
 
-from launcher.schedule_sim import bubble_fraction, pipedream_bubble, simulate
-from parallel.pipedream import LocalTransport, PipeDream, Version, local_drain, local_step
+from launcher.plan.schedule_sim import bubble_fraction, pipedream_bubble, simulate
+from parallel.pipeline.pipedream import LocalTransport, PipeDream, Version, local_drain, local_step
 from pretrain_core import pipedream
 
 LR, M = 0.1, 2

@@ -4,7 +4,7 @@ The harness-sized tiny model (0.26M parameters, 64-token sequences, 8 per step, 
 micro-batches: a step's math does not depend on how it is split) for 200 steps with the tiny
 recipe's optimizer (AdamW, peak lr 2e-3, 20 warmup steps, cosine to 2e-4), once
 synchronously (what 1F1B computes, equal to the one-process run) and once under 2BW over 2
-stages, both in one process over the real stage modules (`trainer/pipedream_local.py`; the
+stages, both in one process over the real stage modules (`tests/pipedream_oracle.py`; the
 distributed run equals it, tests/distributed/test_pipedream.py). Stated margin: 2BW's mean
 loss over the last 20 steps within 10% of the synchronous run's (measured: 6.8%, 4.098
 against 3.837). `bench/pipedream_convergence.py` runs the shipped tiny recipe (1.8M
@@ -19,7 +19,7 @@ import torch
 
 from tests.distributed.harness import BASE_OVERRIDES
 from tests.helpers import compose_recipe
-from trainer.pipedream_local import pipedream_curve, synchronous_curve
+from tests.pipedream_oracle import pipedream_curve, synchronous_curve
 
 STEPS, TAIL, MARGIN = 200, 20, 0.10
 SETTINGS = [

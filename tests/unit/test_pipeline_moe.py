@@ -7,7 +7,7 @@ import torch
 import models
 from models.init import init_weights
 from models.moe import moe_modules, router_losses
-from parallel.pipeline_moe import attach_router_losses
+from parallel.pipeline.moe import attach_router_losses
 from pretrain_core.model_config import ModelConfig
 
 CFG = ModelConfig(

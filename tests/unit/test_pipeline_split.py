@@ -8,13 +8,13 @@ import torch
 
 import models
 from parallel.materialize import materialize
-from parallel.pipeline import StageView, split_stage
+from parallel.pipeline.stages import StageView, split_stage
+from parallel.pipeline.tied_embedding import head_copies, mark_head_copy
 from parallel.recompute import apply_recompute
-from parallel.tied_embedding import head_copies, mark_head_copy
 from pretrain_core.model_config import ModelConfig
 from pretrain_core.schema import ParallelConfig, RecomputeConfig
-from trainer.checkpoint import read_tied_copy_from_embedding
-from trainer.optim import param_groups
+from trainer.checkpoint.checkpointer import read_tied_copy_from_embedding
+from trainer.optim.optimizers import param_groups
 
 CFG = ModelConfig(vocab_size=64, dim=32, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=64)
 

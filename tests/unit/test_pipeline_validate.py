@@ -2,8 +2,8 @@
 
 import pytest
 
-from launcher.memory import memory_breakdown, stage_params
-from launcher.validate import check_runnable, validate
+from launcher.plan.memory import memory_breakdown, stage_params
+from launcher.validate.recipe import check_runnable, validate
 from models.flops import count_params
 from pretrain_core.layout import grad_accum_steps, resolve_degrees
 from pretrain_core.stages import rank_stages, stage_layers

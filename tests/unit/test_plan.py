@@ -9,11 +9,11 @@ from itertools import product
 
 import pytest
 
-from launcher.cost import predicted_mfu, step_cost
-from launcher.plan import GROUPS_SHOWN, make_plan, plan_to_dict
-from launcher.render import render_plan
-from launcher.schedule_sim import bubble_fraction
-from launcher.validate import validate
+from launcher.plan.cost import predicted_mfu, step_cost
+from launcher.plan.plan import GROUPS_SHOWN, make_plan, plan_to_dict
+from launcher.plan.render import render_plan
+from launcher.plan.schedule_sim import bubble_fraction
+from launcher.validate.recipe import validate
 from models.flops import count_params, flops_per_token
 from pretrain_core import hardware
 from pretrain_core.hardware import GIB, gpu_spec
@@ -241,7 +241,8 @@ def test_rendered_table_shows_every_section():
 
 def test_planning_and_validation_do_not_import_torch():
     code = (
-        "import sys, launcher.plan, launcher.validate, launcher.render, pretrain_core.hardware;"
+        "import sys, launcher.plan.plan, launcher.validate.recipe, launcher.plan.render,"
+        " pretrain_core.hardware;"
         "print('torch' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

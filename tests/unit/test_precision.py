@@ -16,10 +16,10 @@ from parallel.precision import LossScaler, apply_precision
 from pretrain_core.layout import Degrees
 from pretrain_core.model_config import ModelConfig
 from pretrain_core.schema import PrecisionConfig, RecipeConfig
-from trainer.faults import StepGuard
-from trainer.optim import build_optimizer
-from trainer.schedule import build_lr_scheduler
-from trainer.step import TrainState, train_step
+from trainer.faults.step_guard import StepGuard
+from trainer.optim.lr_schedule import build_lr_scheduler
+from trainer.optim.optimizers import build_optimizer
+from trainer.step.local import TrainState, train_step
 
 ONE_RANK = Degrees(pp=1, dp_replicate=1, dp_shard=1, tp=1, ep=1, world=1)
 BLOCK_LINEARS = (
@@ -152,8 +152,8 @@ def test_gradients_are_unscaled_before_the_norm_is_clipped(one_rank_group):
 
 def test_an_fp8_run_names_the_fp8_peak_in_every_sink():
     from pretrain_core.hardware import gpu_spec
-    from trainer.loggers import console_line, wandb_key
-    from trainer.metrics import ThroughputMeter, table_peak_flops
+    from trainer.observe.loggers import console_line, wandb_key
+    from trainer.observe.metrics import ThroughputMeter, table_peak_flops
 
     peak = table_peak_flops("NVIDIA H100 80GB HBM3", "fp8")
     assert (peak.tflops, peak.dtype) == (gpu_spec("h100_sxm").peak_tflops["fp8"], "fp8")

@@ -2,8 +2,8 @@
 
 import pytest
 
-from launcher.plan import make_plan
-from launcher.validate import validate
+from launcher.plan.plan import make_plan
+from launcher.validate.recipe import validate
 from pretrain_core.precision import backend_installed, peak_dtype
 from tests.helpers import configure, problems
 

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from tests.helpers import data_recipe
-from trainer.data import DataLoader, open_datasets
-from trainer.dataset import PackedSequences, TokenStream
-from trainer.prefetch import PrefetchingLoader
-from trainer.sampler import MixtureSampler
+from trainer.data.dataset import PackedSequences, TokenStream
+from trainer.data.loader import DataLoader, open_datasets
+from trainer.data.prefetch import PrefetchingLoader
+from trainer.data.sampler import MixtureSampler
 
 SEQ_LEN = 8
 

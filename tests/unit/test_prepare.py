@@ -10,7 +10,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pretrain_core.data_sources import MANIFEST, single_source
+from pretrain_data.corpus import plan_units
+from pretrain_data.prepare import prepare_data
+from pretrain_data.progress import Progress
+from pretrain_data.shards import UnitJob, tokenize_unit
+from pretrain_data.sources import MANIFEST, single_source
 from tests.helpers import (
     data_recipe,
     encode_documents,
@@ -18,11 +22,7 @@ from tests.helpers import (
     write_jsonl,
     write_tokenizer,
 )
-from trainer.corpus import plan_units
-from trainer.dataset import PreparedDataset, TokenStream
-from trainer.prepare import prepare_data
-from trainer.progress import Progress
-from trainer.shards import UnitJob, tokenize_unit
+from trainer.data.dataset import PreparedDataset, TokenStream
 
 DOCS = generated_documents(600, seed=3)
 

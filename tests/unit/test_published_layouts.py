@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from launcher.memory_fit import device_memory_gib, predict
-from launcher.suggest import HEADROOM, Layout, Suggestion, judge, layouts, search
+from launcher.plan.memory_fit import device_memory_gib, predict
+from launcher.plan.suggest import HEADROOM, Layout, Suggestion, judge, layouts, search
 from models.flops import flops_per_token
 from pretrain_core import hardware
 from pretrain_core.model_config import ModelConfig

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from launcher.job import JobError, write_run_dir
-from launcher.resume import changed_fields, frozen_changes
+from launcher.job.run_dir import JobError, write_run_dir
+from launcher.validate.resume import changed_fields, frozen_changes
 from pretrain_core.schema import RecipeConfig, dump_config
 
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from launcher.job import JobError, render_sbatch, write_run_dir
-from pretrain_core.rundir import PLAN_FILE
+from launcher.job.run_dir import JobError, render_sbatch, write_run_dir
+from pretrain_core.run.rundir import PLAN_FILE
 from pretrain_core.schema import RecipeConfig, dump_config, load_config
 
 

@@ -12,9 +12,9 @@ import sys
 
 import pytest
 
-from pretrain_core import run_lock
-from pretrain_core.run_lock import LockHolder, RunDirInUse, acquire, check_free, held, release
-from pretrain_core.rundir import LOCK_FILE
+from pretrain_core.run import run_lock
+from pretrain_core.run.run_lock import LockHolder, RunDirInUse, acquire, check_free, held, release
+from pretrain_core.run.rundir import LOCK_FILE
 
 
 def dead_pid() -> int:

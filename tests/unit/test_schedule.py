@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from pretrain_core.schema import OptimConfig, ScheduleConfig
-from trainer.schedule import build_lr_scheduler, lr_factor
+from trainer.optim.lr_schedule import build_lr_scheduler, lr_factor
 
 MIN = 0.1
 

@@ -1,7 +1,7 @@
 """The simulator's programs are the schedule IR torch runs: for every looped-placement
 schedule the trainer accepts, at every (pp, vpp, micro-batches) shape validation lets
 through, each rank's order of F, B and W ops equals the `pipeline_order` of the
-`torch.distributed.pipelining` class `parallel/pipeline.py` builds, and the memory model's
+`torch.distributed.pipelining` class `parallel/pipeline/stages.py` builds, and the memory model's
 in-flight count is the one that order implies.
 
 The torch classes are built over stand-in stages (their constructors read only the stage
@@ -20,10 +20,10 @@ import pytest
 import torch
 from torch.distributed.pipelining.schedules import _ComputationType
 
-from launcher.memory import in_flight
-from launcher.schedule_sim import SCHEDULES, SIMULATED, program
-from launcher.validate import validate
-from parallel.pipeline import MULTI_STAGE, schedule_classes
+from launcher.plan.memory import in_flight
+from launcher.plan.schedule_sim import SCHEDULES, SIMULATED, program
+from launcher.validate.recipe import validate
+from parallel.pipeline.stages import MULTI_STAGE, schedule_classes
 from pretrain_core.problems import RecipeError
 from tests.helpers import configure
 

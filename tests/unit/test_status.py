@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from pretrain_core.checkpoint_files import DCP_METADATA, META, step_dir
+from pretrain_core.run.checkpoint_files import DCP_METADATA, META, step_dir
 from pretrain_core.schema import RecipeConfig, dump_config
 
 

@@ -7,8 +7,8 @@ import time
 import pytest
 import torch
 
-from trainer.loggers import wandb_key
-from trainer.step_phases import OFF, StepPhases
+from trainer.observe.loggers import wandb_key
+from trainer.step.phases import OFF, StepPhases
 
 
 def _busy(seconds: float) -> None:

@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from launcher.cost import COMPUTE_EFFICIENCY, step_cost
-from launcher.memory_fit import predict
-from launcher.suggest import Layout, degrees_of, search
-from launcher.validate import validate
+from launcher.plan.cost import COMPUTE_EFFICIENCY, step_cost
+from launcher.plan.memory_fit import predict
+from launcher.plan.suggest import Layout, degrees_of, search
+from launcher.validate.recipe import validate
 from models.flops import flops_per_token
 from pretrain_core import hardware
 from pretrain_core.layout import rank_groups, resolve_degrees

@@ -2,9 +2,9 @@
 
 import pytest
 
-from launcher.plan import make_plan, plan_to_dict
-from launcher.render import render_plan
-from launcher.tp_comm import ACTIVATION_BYTES, tp_communication
+from launcher.plan.plan import make_plan, plan_to_dict
+from launcher.plan.render import render_plan
+from launcher.plan.tp_comm import ACTIVATION_BYTES, tp_communication
 from pretrain_core.layout import resolve_degrees
 from tests.helpers import configure
 

@@ -2,8 +2,8 @@
 
 import pytest
 
-from launcher.rules_parallel import check_runnable
-from launcher.validate import validate
+from launcher.validate.layout import check_runnable
+from launcher.validate.recipe import validate
 from pretrain_core.problems import RecipeError
 from tests.helpers import base, configure, problems
 

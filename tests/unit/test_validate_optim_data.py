@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from launcher.validate import validate
+from launcher.validate.recipe import validate
 from pretrain_core.problems import RecipeError
 from tests.helpers import configure
 

@@ -1,0 +1,1 @@
+"""Stage 1: the command line and the recipe files, read defensively, then composed by Hydra."""

@@ -1,0 +1,311 @@
+"""The command line and the recipe files, checked before Hydra composes; Hydra's own errors
+turned into the validator's `field=value: reason; fix` list.
+
+Hydra stops at the first problem, silently drops a `+key` the schema lacks, lists its search
+path for a mistyped recipe and lets `hydra.*` settings run code. So, before it runs:
+
+- every argument is bounded (length, nesting) and UTF-8;
+- every YAML file on the search path is read defensively (`launcher/compose/recipe_files.py`);
+- every override is parsed on its own and checked: Hydra settings refused, keys against the
+  schema (with a did-you-mean), values against the field's type, group options and the
+  recipe name against what exists;
+
+and everything found is raised as one RecipeError. What Hydra still raises while composing
+is translated by `hydra_errors_as_problems`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from launcher.assets import SHIPPED_RECIPES
+from launcher.compose.recipe_files import (
+    HYDRA_SETTINGS_FILE,
+    MAX_FILES,
+    check,
+    content_problems,
+    defaults_problems,
+    file_problem,
+    group_options,
+    hydra_problem,
+    load,
+    package_of,
+    unknown_option,
+    yaml_files,
+)
+from launcher.compose.recipe_keys import (
+    key_exists,
+    leaf_types,
+    sections,
+    unknown_key,
+    value_problem,
+)
+from launcher.compose.sweep_settings import is_sweeper_setting, sweeper_problems
+from pretrain_core.problems import Problem, RecipeError, or_list
+
+RECIPES_ENV = "PRETRAIN_RECIPES"
+"""A directory of the user's own recipes, searched like --config-dir (which wins if given)."""
+MAX_ARG_CHARS = 10_000
+"""Longest command-line argument accepted (a list of a few hundred numbers fits)."""
+MAX_ARG_DEPTH = 32
+"""Deepest nesting of brackets in one argument."""
+QUIET_HYDRA = (
+    "hydra.output_subdir=null",
+    "hydra.run.dir=.",
+    "hydra.job.chdir=false",
+    "hydra/job_logging=none",
+    "hydra/hydra_logging=none",
+)
+"""Hydra settings the launcher always adds: Hydra itself writes nothing (no outputs/, no
+.hydra/, no log files), whatever recipe is composed."""
+
+
+def _search_path(args: Any) -> tuple[list[Path], list[Path], list[Problem]]:
+    """(every config dir, the user's own dirs, problems) from --config-path/--config-dir."""
+    dirs, user, problems = [], [], []
+    for flag, raw in (("--config-path", args.config_path), ("--config-dir", args.config_dir)):
+        if raw is None:
+            continue
+        if "://" in raw and not raw.startswith("file://"):
+            reason = "only a directory of YAML files can hold recipes here"
+            problems.append(Problem(flag, raw, reason, "give a directory path"))
+            continue
+        path = Path(raw.removeprefix("file://")).expanduser()
+        # Hydra reads a relative --config-path from the directory of launcher/cli.py.
+        if flag == "--config-path" and not path.is_absolute():
+            path = Path(__file__).resolve().parents[1] / path
+        if not path.is_dir():
+            problems.append(Problem(flag, raw, "no such directory", "give a directory of recipes"))
+            continue
+        user.append(path.resolve())
+    if args.config_path is None:
+        dirs.append(SHIPPED_RECIPES)
+    return dirs + user, user, problems
+
+
+def search_dirs(argv: list[str]) -> list[Path]:
+    """The recipe directories this command line composes from (shipped, --config-path,
+    --config-dir, PRETRAIN_RECIPES), the ones that exist."""
+    from hydra._internal.utils import get_args_parser
+
+    return _search_path(get_args_parser().parse_args(argv))[0]
+
+
+def with_user_recipes(argv: list[str]) -> list[str]:
+    """`argv` with `--config-dir $PRETRAIN_RECIPES` in front when the variable is set and the
+    command line gives no --config-dir of its own (the flag wins)."""
+    from hydra._internal.utils import get_args_parser
+
+    env_dir = os.environ.get(RECIPES_ENV, "")
+    if not env_dir or get_args_parser().parse_args(argv).config_dir is not None:
+        return argv
+    if not Path(env_dir).expanduser().is_dir():
+        reason = "no such directory"
+        raise RecipeError([Problem(RECIPES_ENV, env_dir, reason, "give a directory of recipes")])
+    return ["--config-dir", str(Path(env_dir).expanduser().resolve()), *argv]
+
+
+def recipe_names(dirs: list[Path]) -> list[str]:
+    """The top-level recipes in the search path (base.yaml is shared settings, not one)."""
+    names = {
+        p.stem for d in dirs for p in d.iterdir()
+        if p.suffix in (".yaml", ".yml") and p.name != HYDRA_SETTINGS_FILE
+    }  # fmt: skip
+    return sorted(names)
+
+
+def _primary_file(name: str, dirs: list[Path]) -> Path | None:
+    for d in dirs:
+        for suffix in ("", ".yaml", ".yml"):
+            path = d / f"{name}{suffix}"
+            if path.is_file():
+                return path
+    return None
+
+
+def _file_problems(dirs: list[Path], user: list[Path]) -> list[Problem]:
+    """Every YAML file of the search path read defensively; the user's own files checked
+    like the command line too (the shipped recipes are tested)."""
+    problems: list[Problem] = []
+    for directory in dirs:
+        files = yaml_files(directory)
+        if len(files) > MAX_FILES:
+            reason = f"holds more than {MAX_FILES} YAML files"
+            problems.append(file_problem(directory, reason, "give a directory of recipes"))
+            continue
+        own = directory in user
+        for path in files:
+            content, found = load(path) if own else (None, check(path)[1])
+            problems += found
+            if content is None:
+                continue
+            section = package_of(path, directory)
+            if section and section not in sections():
+                continue  # a folder of the user's own that no recipe section matches
+            problems += content_problems(path, content, section)
+            problems += defaults_problems(path, content, dirs)
+    return problems
+
+
+def _argument_problems(argument: str) -> list[Problem]:
+    """Length, bracket nesting and encoding of one raw argument."""
+    key = argument.split("=", 1)[0].lstrip("+~")[:80]
+    try:
+        argument.encode("utf-8")
+    except UnicodeEncodeError:
+        return [Problem(key, "...", "the argument is not UTF-8 text", "retype it in UTF-8")]
+    if len(argument) > MAX_ARG_CHARS:
+        reason = f"the argument is {len(argument):,} characters, more than {MAX_ARG_CHARS:,}"
+        return [Problem(key, "...", reason, "put long values in a recipe file")]
+    depth = deepest = 0
+    for char in argument:
+        depth += (char in "[{(") - (char in "]})")
+        deepest = max(deepest, depth)
+    if deepest > MAX_ARG_DEPTH:
+        reason = f"brackets nested {deepest} deep, more than {MAX_ARG_DEPTH}"
+        return [Problem(key, "...", reason, "no recipe field is nested that deep")]
+    return []
+
+
+def _values(override: Any) -> list[Any]:
+    """The values an override assigns: one, or each of a choice sweep (a,b,c)."""
+    if not override.is_sweep_override():
+        return [override.value()]
+    return list(getattr(override.value(), "list", []))
+
+
+def _group_problems(override: Any, options: list[str]) -> list[Problem]:
+    key = override.key_or_group
+    if override.is_delete():
+        return []
+    problems = []
+    for value in _values(override):
+        if not isinstance(value, str):
+            reason = f"{key} is a config group, which takes the name of one of its options"
+            fix = f"use {key}={or_list(options)}, or set its fields as {key}.FIELD=VALUE"
+            problems.append(Problem(key, value, reason, fix))
+        elif value not in options:
+            problems.append(unknown_option(key, value, options))
+    return problems
+
+
+def _field_problems(override: Any) -> list[Problem]:
+    key = override.key_or_group
+    shown = None if override.is_delete() else override.value()
+    if not key_exists(key):
+        return [unknown_key(key, shown)]
+    if override.is_add() and (key in leaf_types() or key in sections()):
+        reason = f"{key} is in the schema already, so '+' would add it a second time"
+        return [Problem(f"+{key}", shown, reason, f"drop the '+': {override.input_line[1:]}")]
+    if override.is_delete():
+        return []
+    return [p for v in _values(override) if (p := value_problem(key, v)) is not None]
+
+
+def _override_problems(arguments: list[str], dirs: list[Path], multirun: bool) -> list[Problem]:
+    """Each override parsed and checked on its own, so that every problem is found."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import OverrideParseException
+
+    parser = OverridesParser.create()
+    problems: list[Problem] = []
+    for argument in arguments:
+        found = _argument_problems(argument)
+        if found:
+            problems += found
+            continue
+        try:
+            [override] = parser.parse_overrides([argument])
+        except OverrideParseException as err:
+            key = argument.split("=", 1)[0].lstrip("+~")
+            reason = f"Hydra cannot parse it ({str(err).splitlines()[0]})"
+            fix = "quote values with spaces or brackets: key='a b'; lists are [a,b]"
+            problems.append(Problem(key, argument.partition("=")[2], reason, fix))
+            continue
+        key = override.key_or_group
+        if is_sweeper_setting(key):
+            problems += sweeper_problems(override, multirun)
+        elif key == "hydra" or key.startswith(("hydra.", "hydra/")):
+            problems.append(hydra_problem(key, argument.partition("=")[2]))
+        elif override.package is not None:
+            reason = "group@package overrides move a group elsewhere in the recipe"
+            field = f"{key}@{override.package}"
+            problems.append(Problem(field, override.value(), reason, f"use {key}=OPTION"))
+        elif override.is_sweep_override() and not multirun:
+            value = argument.partition("=")[2]
+            reason = "several values sweep only with -m"
+            fix = f"add -m to sweep, or write a list as {key}=[{value}]"
+            problems.append(Problem(key, value, reason, fix))
+        elif "." not in key and group_options(key, dirs):
+            problems += _group_problems(override, group_options(key, dirs))
+        else:
+            problems += _field_problems(override)
+    return problems
+
+
+def checked_command_line(argv: list[str], default_recipe: str) -> list[str]:
+    """The arguments to hand Hydra: `argv` plus QUIET_HYDRA, once the command line and the
+    recipe files are found sound. Raises RecipeError listing every problem."""
+    from hydra._internal.utils import get_args_parser
+
+    args = get_args_parser().parse_args(argv)
+    if args.help or args.hydra_help or args.shell_completion or args.info:
+        return argv
+    dirs, user, problems = _search_path(args)
+    name = (args.config_name or default_recipe).removesuffix(".yaml")
+    primary = _primary_file(name, dirs)
+    if primary is None:
+        recipes = recipe_names(dirs)
+        problems.append(unknown_option("--config-name", name, recipes, "no such recipe"))
+    problems += _file_problems(dirs, user)
+    problems += _override_problems(args.overrides, dirs, args.multirun)
+    if problems:
+        raise RecipeError(problems)
+    return [*argv, *QUIET_HYDRA]
+
+
+def translate(error: Exception) -> list[Problem] | None:
+    """Hydra's or OmegaConf's error as problems; None for errors of other kinds."""
+    from hydra.errors import HydraException, MissingConfigException
+    from omegaconf.errors import OmegaConfBaseException
+
+    if isinstance(error, MissingConfigException):
+        missing = error.missing_cfg_file or ""
+        group, _, option = missing.rpartition("/")
+        if error.options:
+            return [unknown_option(group or "recipe", option, list(error.options))]
+        return [Problem("--config-name", missing, "no such recipe", "see recipes/")]
+    cause = error.__cause__ if isinstance(error.__cause__, OmegaConfBaseException) else error
+    if not isinstance(cause, (HydraException, OmegaConfBaseException)):
+        return None
+    lines = [line for line in str(cause).splitlines() if line.strip()]
+    field = getattr(cause, "full_key", None) or "recipe"
+    value = getattr(cause, "value", None)
+    reason = lines[0] if lines else type(cause).__name__
+    if field != "recipe" and not key_exists(field):
+        return [unknown_key(field, value)]
+    return [Problem(field, value, reason, "see `pretrain --cfg job` for the composed recipe")]
+
+
+@contextlib.contextmanager
+def hydra_errors_as_problems() -> Iterator[None]:
+    """Run Hydra so that its errors reach us (HYDRA_FULL_ERROR) and re-raise them as one
+    RecipeError; other errors pass unchanged."""
+    previous = os.environ.get("HYDRA_FULL_ERROR")
+    os.environ["HYDRA_FULL_ERROR"] = "1"
+    try:
+        yield
+    except Exception as error:
+        problems = None if isinstance(error, RecipeError) else translate(error)
+        if problems is None:
+            raise
+        raise RecipeError(problems) from error
+    finally:
+        if previous is None:
+            os.environ.pop("HYDRA_FULL_ERROR", None)
+        else:
+            os.environ["HYDRA_FULL_ERROR"] = previous

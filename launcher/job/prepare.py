@@ -1,0 +1,85 @@
+"""`action=prepare`: tokenize the recipe's data here, or submit it as a CPU-only SLURM job.
+
+The resolved recipe is written to RUN_DIR/prepare.yaml (the training job's config.yaml is
+left alone) and `python -m pretrain_data.prepare` runs on it: in the foreground for a local
+cluster, as RUN_DIR/prepare.sbatch (one task, `data.workers` CPUs or cluster.cpus_per_task,
+no GPUs, cluster.cpu_partition) for SLURM. Preparation is resumable, so a stopped job
+resubmitted continues where it was.
+"""
+
+from __future__ import annotations
+
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+from launcher.assets import PREPARE_TEMPLATE as TEMPLATE
+from launcher.assets import ScriptTemplate
+from launcher.job.backends import SubmittedJob, submit_slurm
+from launcher.job.run_dir import (
+    JobError,
+    JobFiles,
+    _directive,
+    _exports,
+    _write_atomic,
+    job_python,
+)
+from pretrain_core.run.rundir import LOGS_DIR, PREPARE_CONFIG, PREPARE_SCRIPT
+from pretrain_core.schema import RecipeConfig, dump_config
+
+
+def render_prepare_sbatch(cfg: RecipeConfig, run_dir: Path, config_path: Path) -> str:
+    """The CPU-only sbatch script that prepares the recipe's data."""
+    c = cfg.cluster
+    optional = []
+    partition = c.cpu_partition or c.partition
+    for field, value in (("partition", partition), ("account", c.account), ("qos", c.qos)):
+        if value:
+            name = "cluster.cpu_partition" if field == "partition" and c.cpu_partition else ""
+            optional.append(f"#SBATCH --{field}={_directive(name or f'cluster.{field}', value)}")
+    log_pattern = str(run_dir / LOGS_DIR).replace("%", "%%") + "/slurm-%j.out"
+    values = {
+        "job_name": _directive("name", f"{cfg.name}-prepare"),
+        "cpus_per_task": str(cfg.data.workers or c.cpus_per_task),
+        "time": _directive("cluster.time", c.time),
+        "log_pattern": _directive("run.dir", log_pattern),
+        "optional_directives": "\n".join(optional),
+        "env_exports": _exports(cfg),
+        "config_path": shlex.quote(str(config_path)),
+        "python": shlex.quote(job_python(cfg)),
+    }
+    template = ScriptTemplate(TEMPLATE.read_text())
+    found = {m["named"] or m["braced"] for m in template.pattern.finditer(template.template)}
+    found.discard(None)
+    if found != values.keys():
+        raise JobError(
+            f"{TEMPLATE} and the renderer disagree on placeholders: {sorted(found ^ values.keys())}"
+        )
+    return template.safe_substitute(values)
+
+
+def write_prepare_files(cfg: RecipeConfig, run_dir: Path) -> JobFiles:
+    """RUN_DIR/prepare.yaml, and prepare.sbatch for SLURM (rendered before anything is
+    written, so a value the script cannot carry leaves nothing behind)."""
+    run_dir = Path(run_dir).expanduser().resolve()
+    config_path = run_dir / PREPARE_CONFIG
+    script_path = run_dir / PREPARE_SCRIPT
+    script = None
+    if cfg.cluster.backend == "slurm":
+        script = render_prepare_sbatch(cfg, run_dir, config_path)
+    (run_dir / LOGS_DIR).mkdir(parents=True, exist_ok=True)
+    _write_atomic(config_path, dump_config(cfg), 0o644)
+    if script is not None:
+        _write_atomic(script_path, script, 0o755)
+    return JobFiles(run_dir=run_dir, config_path=config_path, script_path=script_path)
+
+
+def run_prepare_here(files: JobFiles) -> int:
+    """Prepare in the foreground with this Python; its exit code."""
+    return subprocess.call([sys.executable, "-m", "pretrain_data.prepare", str(files.config_path)])
+
+
+def submit_prepare(files: JobFiles) -> SubmittedJob:
+    """Queue RUN_DIR/prepare.sbatch."""
+    return submit_slurm(files)

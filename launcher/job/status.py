@@ -1,0 +1,133 @@
+"""`pretrain status RUN_DIR`: where a run stands, read from its run dir (and SLURM).
+
+For a run dir: the recipe, the last step and its loss, validation loss and tokens/s, the
+time left at the current step time, the newest complete checkpoint, the preempted marker,
+who holds the lock, and the SLURM job's state with its pending reason. For a sweep dir
+(the parent of the points' run dirs): one row per point.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from pretrain_core.run.checkpoint_files import complete_checkpoints
+from pretrain_core.run.durations import eta_seconds, format_duration
+from pretrain_core.run.rundir import (
+    CHECKPOINTS_DIR,
+    CONFIG_FILE,
+    METRICS_FILE,
+    PREEMPTED_MARKER,
+    SLURM_JOB_FILE,
+)
+
+
+def _last_rows(run_dir: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The last metrics row, and the last one with a validation loss ({} when none)."""
+    path = run_dir / METRICS_FILE
+    last: dict[str, Any] = {}
+    last_val: dict[str, Any] = {}
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue  # a line cut by a crash
+            last = row
+            if "val_loss" in row:
+                last_val = row
+    return last, last_val
+
+
+def slurm_state(run_dir: Path) -> str:
+    """`JOB_ID STATE (Reason=...)` of the run dir's last SLURM job, or why it is unknown."""
+    from launcher.job.backends import LaunchError, show_job
+
+    path = run_dir / SLURM_JOB_FILE
+    if not path.is_file():
+        return "-"
+    job_id = path.read_text().strip()
+    try:
+        fields = show_job(job_id)
+    except LaunchError as err:
+        return f"{job_id} (unknown: {str(err).splitlines()[0][:80]})"
+    reason = fields.get("Reason", "None")
+    return f"{job_id} {fields['JobState']}" + ("" if reason == "None" else f" (Reason={reason})")
+
+
+def run_status(run_dir: Path) -> dict[str, str]:
+    """The status fields of one run dir, as text."""
+    from pretrain_core.run.run_lock import holder_alive, read_holder
+
+    config = yaml.safe_load((run_dir / CONFIG_FILE).read_text()) or {}
+    total = int(config.get("train", {}).get("steps", 0))
+    last, last_val = _last_rows(run_dir)
+    step = int(last.get("step", 0))
+    eta = eta_seconds(step, total, last.get("step_time_s"))
+    checkpoints = complete_checkpoints(run_dir / CHECKPOINTS_DIR)
+    try:
+        holder = read_holder(run_dir)
+    except ValueError:
+        holder = None
+    alive = holder_alive(holder) if holder is not None else None
+    lock = (
+        "-"
+        if holder is None
+        else f"{holder.host} pid {holder.pid}" + (" (gone)" if alive is False else "")
+    )
+    return {
+        "recipe": str(config.get("name", "?")),
+        "step": f"{step}/{total}",
+        "loss": _number(last.get("loss"), ".4f"),
+        "val loss": _number(last_val.get("val_loss"), ".4f"),
+        "tokens/s": _number(last.get("tokens_per_s"), ",.0f"),
+        "ETA": "done" if total and step >= total else format_duration(eta) if eta else "-",
+        "checkpoint": f"step {checkpoints[-1][0]}" if checkpoints else "-",
+        "preempted": "yes" if (run_dir / PREEMPTED_MARKER).exists() else "no",
+        "lock": lock,
+        "slurm": slurm_state(run_dir),
+    }
+
+
+def _number(value: Any, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def render_status(path: Path) -> str:
+    """The status of a run dir, or one row per point of a sweep dir."""
+    if (path / CONFIG_FILE).is_file():
+        status = run_status(path)
+        width = max(map(len, status))
+        return "\n".join([str(path), *(f"  {k:<{width}}  {v}" for k, v in status.items())])
+    points = sorted(p for p in path.iterdir() if (p / CONFIG_FILE).is_file())
+    if not points:
+        raise FileNotFoundError(f"{path} holds no {CONFIG_FILE}, nor run dirs that do")
+    columns = ["step", "loss", "val loss", "ETA", "checkpoint", "slurm"]
+    rows = [[p.name, *(run_status(p)[c] for c in columns)] for p in points]
+    header = ["point", *columns]
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    lines = [f"{path}: {len(points)} points"]
+    lines += [
+        "  " + "  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip()
+        for r in [header, *rows]
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    """`pretrain status RUN_DIR [RUN_DIR ...]`: print each one's status; 2 for a bad path."""
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: pretrain status RUN_DIR [RUN_DIR ...]  (a run dir or a sweep dir)")
+        return 0 if argv else 2
+    code = 0
+    for raw in argv:
+        try:
+            print(render_status(Path(raw)))
+        except (OSError, ValueError, yaml.YAMLError) as err:
+            print(f"pretrain status {raw}: {err}", file=sys.stderr)
+            code = 2
+    return code

@@ -1,0 +1,292 @@
+"""Estimated step time of a layout: one cost model, stated term by term, for the plan and
+the layout search alike.
+
+    step = m * max_r u_r + (sum_r u_r - max_r u_r) / v + dp exposed
+    u_r  = compute_r + tp_r + cp_r + pp_p2p     (pipeline rank r, one micro-batch)
+
+- compute_r: the FLOPs pipeline rank r runs per micro-batch (its own blocks, with the
+  recomputation of those that recompute, from `models.flops`, the functions MFU uses; the
+  last rank adds the LM head; the embedding costs no matmul) at COMPUTE_EFFICIENCY of the
+  GPU's dense peak. Uneven stages (`parallel.pp_layers`) give each rank its own share.
+- tp_r: tensor parallelism's collectives, not overlapped. Per block and micro-batch, forward
+  and backward each move two all-reduces of the block's s*b*h activations in the compute
+  dtype (with SP, a reduce-scatter and an all-gather each: the same bytes); a fully
+  recomputed block repeats the forward's. A ring moves 2(t-1)/t of the message per rank.
+- cp_r: context parallelism's K/V ring (`launcher.plan.cp_comm`: every layer's hops, over the
+  link the ring crosses), hidden up to CP_OVERLAP of the attention-score compute it
+  overlaps; the rest is exposed. Under cp, every rank computes and sends 1/cp of each
+  sequence's tokens, and gradients are reduced over dp x cp.
+- pp_p2p: one activation forward and one gradient backward per micro-batch and chunk between
+  stages (1/t of it with SP), not overlapped; with tied embeddings the all-reduce of the
+  embedding's gradient between the first and the last stage after the last backward (none
+  under a V schedule, whose first rank holds both).
+- bubble: the pipeline runs at the pace of its slowest rank (m of its micro-batches), and the
+  fill and drain cost every other rank's time once, divided by v under the interleaved
+  schedules (v chunks per rank). With equal ranks this is the closed form
+  `schedule_sim.bubble_fraction`, x/(1+x) with x=(p-1)/(v m); zero_bubble is counted at
+  that value, an upper bound. The V schedules (zbv, dualpipev) and 2bw have no closed
+  form: their simulated idle share (F = B = W; 2bw's over a segment between two drains,
+  `schedule_sim.bubble_fraction`) of the slowest rank's time.
+- dp: the data-parallel traffic of the trainer's bookkeeping (`launcher.plan.memory` states it),
+  FP32 gradients and parameter all-gathers in the compute dtype:
+  ZeRO-0/1 all-reduce the gradients over dp (ZeRO-1 then all-gathers the updated FP32
+  parameters over dp_shard after the step: exposed); ZeRO-2/3 reduce-scatter them over
+  dp_shard and all-reduce the shard over dp_replicate, and all-gather the parameters once
+  (ZeRO-2) or twice (ZeRO-3) per micro-batch. Gradient reduction overlaps the last
+  micro-batch's backward, parameter gathers the compute of every micro-batch, each up to
+  DP_OVERLAP of that window; the rest is exposed.
+
+A group's collectives run at the GPU's intra-node bandwidth when the whole group sits in one
+node (mesh dims outer to inner: pp, dp_replicate, dp_shard, tp), else at its inter-node
+bandwidth (`pretrain_core.hardware.LINKS`), both at LINK_EFFICIENCY. Embedding, loss and latency
+terms are left out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from launcher.plan.cp_comm import cp_communication
+from launcher.plan.memory import COMPUTE_BYTES, rank_layers, stage_params
+from launcher.plan.schedule_sim import SIMULATED, bubble_fraction
+from models.flops import block_flops_per_token, count_params, flops_per_token
+from pretrain_core.hardware import Links
+from pretrain_core.layout import Degrees, world_size
+from pretrain_core.pipedream import segment_steps
+from pretrain_core.recompute import is_recomputed, recomputed_blocks
+from pretrain_core.schema import RecipeConfig
+from pretrain_core.stages import head_rank, placement
+
+COMPUTE_EFFICIENCY = 0.6
+"""Share of the dense peak that a training step's kernels reach while computing."""
+LINK_EFFICIENCY = 0.8
+"""Share of a link's nominal bandwidth that NCCL collectives reach (bus bandwidth)."""
+DP_OVERLAP = 0.8
+"""Share of its overlap window that data-parallel traffic hides in."""
+CP_OVERLAP = 0.8
+"""Share of the attention-score compute a ring hop hides behind."""
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """Seconds per optimizer step, by term."""
+
+    compute: float
+    tp: float
+    pp_p2p: float
+    bubble: float
+    dp_total: float
+    """All data-parallel traffic, hidden or not."""
+    dp_exposed: float
+    """The part of `dp_total` the overlap windows do not hide."""
+    cp: float = 0.0
+    """Context parallelism's ring traffic the attention does not hide."""
+
+    @property
+    def total(self) -> float:
+        return self.compute + self.tp + self.cp + self.pp_p2p + self.bubble + self.dp_exposed
+
+    @property
+    def communication(self) -> float:
+        """Seconds of traffic of every kind, hidden or not (the ranking's tie-break)."""
+        return self.tp + self.cp + self.pp_p2p + self.dp_total
+
+    def terms(self) -> dict[str, float]:
+        """The terms that add up to `total`, by name."""
+        return {
+            "compute": self.compute,
+            "tp": self.tp,
+            "cp": self.cp,
+            "pp p2p": self.pp_p2p,
+            "bubble": self.bubble,
+            "dp exposed": self.dp_exposed,
+        }
+
+
+def group_bandwidth(links: Links, gpus_per_node: int, stride: int, size: int) -> float:
+    """Bytes/s per rank of a group of `size` ranks `stride` apart: NVLink inside one node."""
+    span = stride * size
+    inside = span <= gpus_per_node and gpus_per_node % span == 0
+    gbs = links.intra_node_gbs if inside else links.inter_node_gbs
+    return gbs * 1e9 * LINK_EFFICIENCY
+
+
+def stage_flops(cfg: RecipeConfig, pp_rank: int) -> tuple[int, int]:
+    """(hardware FLOPs, forward FLOPs) per token that pipeline rank `pp_rank` runs: its
+    blocks, with the recomputation of those that recompute, and the LM head on the last
+    rank; the whole model's without PP."""
+    return _rank_flops(cfg, _layer_flops(cfg), pp_rank)
+
+
+def _layer_flops(cfg: RecipeConfig) -> list[tuple[int, int]]:
+    """(hardware, forward) FLOPs per token of each block, recomputation included."""
+    m, seq, policy = cfg.model, cfg.train.seq_len, cfg.recompute.policy
+    # Every block of a dense model is the same, recomputed or not.
+    dense = block_flops_per_token(m, seq, 0)
+    plain = (dense.with_recompute(policy, 0.0), dense.forward)
+    again = (dense.with_recompute(policy, 1.0), dense.forward)
+    flops = []
+    for layer in range(m.n_layers):
+        recomputed = is_recomputed(cfg.recompute, layer)
+        if m.moe_experts:
+            block = block_flops_per_token(m, seq, layer)
+            flops.append((block.with_recompute(policy, float(recomputed)), block.forward))
+        else:
+            flops.append(again if recomputed else plain)
+    return flops
+
+
+def _rank_flops(cfg: RecipeConfig, layers: list[tuple[int, int]], pp_rank: int) -> tuple[int, int]:
+    held = rank_layers(cfg, pp_rank)
+    hardware, forward = sum(layers[i][0] for i in held), sum(layers[i][1] for i in held)
+    p = cfg.parallel
+    if pp_rank == head_rank(p.pp, p.vpp, placement(p.pp_schedule) if p.pp > 1 else "loop"):
+        head = flops_per_token(cfg.model, cfg.train.seq_len).lm_head
+        hardware, forward = hardware + 3 * head, forward + head
+    return hardware, forward
+
+
+def step_cost(
+    cfg: RecipeConfig, degrees: Degrees, microbatches: int, peak_tflops: float, links: Links
+) -> StepCost:
+    """Estimated seconds per optimizer step of `cfg`'s layout (see the module's model)."""
+    p, t, pp = cfg.parallel, degrees.tp, degrees.pp
+    gpn = cfg.cluster.gpus_per_node
+    seq, b, c = cfg.train.seq_len, cfg.train.micro_batch, COMPUTE_BYTES[cfg.precision.dtype]
+    tokens = cfg.train.global_batch * seq
+    rate = peak_tflops * 1e12 * COMPUTE_EFFICIENCY
+    # Under cp every rank computes (and sends) 1/cp of each sequence's tokens.
+    mb_tokens = tokens / (degrees.dp * degrees.cp) / microbatches
+    activation = seq // degrees.cp * b * cfg.model.dim * c
+
+    layer_flops = _layer_flops(cfg)
+    work = [_rank_flops(cfg, layer_flops, r) for r in range(pp)]
+    compute = [mb_tokens * hardware / t / rate for hardware, _ in work]
+    tp_time = [0.0] * pp
+    if t > 1:
+        bandwidth = group_bandwidth(links, gpn, 1, t)
+        full = cfg.recompute.policy == "full"
+        for r in range(pp):
+            layers = rank_layers(cfg, r)
+            # Forward and backward of every block, and the forward again where recomputed.
+            passes = 2 * len(layers) + (
+                len(recomputed_blocks(cfg.recompute, layers)) if full else 0
+            )
+            tp_time[r] = passes * 2 * 2 * (t - 1) / t * activation / bandwidth
+    chunks = p.vpp if p.pp_schedule in ("interleaved_1f1b", "zero_bubble") else 1
+    p2p = tied = 0.0
+    if pp > 1:
+        pp_bandwidth = group_bandwidth(links, gpn, t * degrees.dp, pp)
+        p2p = 2 * chunks * activation / (t if p.sp else 1) / pp_bandwidth
+        if cfg.model.tie_embeddings and placement(p.pp_schedule) != "v":
+            # Two ranks all-reduce the embedding's FP32 gradient (its dp shard under FSDP).
+            grad = 4 * count_params(cfg.model).embedding / t
+            tied = grad / (degrees.dp_shard if p.zero >= 2 else 1) / pp_bandwidth
+
+    ring = _ring(cfg, degrees, links, microbatches, rate)
+    per_rank = [compute[r] + tp_time[r] + ring[r] + p2p for r in range(pp)]
+    slowest = max(range(pp), key=lambda r: per_rank[r])
+    fill_drain = (sum(per_rank) - per_rank[slowest]) / chunks
+    if p.pp_schedule in SIMULATED and pp > 1:
+        fraction = bubble_fraction(p.pp_schedule, pp, microbatches, p.vpp, segment_steps(cfg))
+        fill_drain = microbatches * per_rank[slowest] * fraction / (1 - fraction)
+    hardware, forward = work[slowest]
+    # The gradient reduction overlaps the last micro-batch's backward (recomputation included).
+    last_backward = compute[slowest] * (1 - forward / hardware) if hardware else 0.0
+    dp_total, dp_exposed = _data_parallel(
+        cfg, degrees, microbatches, links, microbatches * compute[slowest], last_backward
+    )
+    return StepCost(
+        compute=microbatches * compute[slowest],
+        tp=microbatches * tp_time[slowest],
+        pp_p2p=microbatches * p2p + tied,
+        bubble=fill_drain,
+        dp_total=dp_total,
+        dp_exposed=dp_exposed,
+        cp=microbatches * ring[slowest],
+    )
+
+
+def _ring(
+    cfg: RecipeConfig, degrees: Degrees, links: Links, microbatches: int, rate: float
+) -> list[float]:
+    """Per pipeline rank and micro-batch, the seconds of its layers' K/V ring traffic the
+    attention scores do not hide (zeros without cp)."""
+    comm = cp_communication(cfg, degrees)
+    if comm is None:
+        return [0.0] * degrees.pp
+    m = cfg.model
+    bandwidth = group_bandwidth(links, cfg.cluster.gpus_per_node, degrees.tp, degrees.cp)
+    tokens = cfg.train.global_batch * cfg.train.seq_len / (degrees.dp * degrees.cp)
+    scores = 3 * flops_per_token(m, cfg.train.seq_len).attention_scores / m.n_layers
+    ring = []
+    for r in range(degrees.pp):
+        layers = len(rank_layers(cfg, r))
+        hidden = CP_OVERLAP * layers * scores * tokens / degrees.tp / rate
+        ring.append(max(0.0, layers * comm.sent_bytes / bandwidth - hidden) / microbatches)
+    return ring
+
+
+def _data_parallel(
+    cfg: RecipeConfig,
+    degrees: Degrees,
+    microbatches: int,
+    links: Links,
+    compute: float,
+    last_backward: float,
+) -> tuple[float, float]:
+    """(all data-parallel seconds, the part not hidden) for the largest pipeline rank."""
+    p, d, s_dp, r_dp = cfg.parallel, degrees.dp, degrees.dp_shard, degrees.dp_replicate
+    t, gpn, c = degrees.tp, cfg.cluster.gpus_per_node, COMPUTE_BYTES[cfg.precision.dtype]
+    # The largest pipeline rank's parameters (embedding, head and uneven splits counted).
+    counts = count_params(cfg.model)
+    local = max(sum(stage_params(cfg, r, counts)[:2]) for r in range(degrees.pp)) / t
+    grads = 4 * local
+    # cp joins the gradient reduction: dp x cp ranks, tp apart (FSDP shards over dp_shard x cp).
+    d, s_dp = d * degrees.cp, s_dp * degrees.cp
+    dp_bw = group_bandwidth(links, gpn, t, d)
+    shard_bw = group_bandwidth(links, gpn, t, s_dp)
+    replicate_bw = group_bandwidth(links, gpn, t * s_dp, r_dp)
+    reduce = gather = after_step = 0.0
+    if d > 1 and p.zero <= 1:
+        reduce = 2 * grads * (d - 1) / d / dp_bw
+        if p.zero == 1 and s_dp > 1:
+            after_step = 4 * local * (s_dp - 1) / s_dp / shard_bw
+    elif d > 1:
+        reduce = grads * (s_dp - 1) / s_dp / shard_bw
+        if r_dp > 1:
+            reduce += 2 * grads / s_dp * (r_dp - 1) / r_dp / replicate_bw
+        gathers = microbatches * (2 if p.zero == 3 else 1)
+        gather = gathers * c * local * (s_dp - 1) / s_dp / shard_bw
+    exposed = (
+        max(0.0, reduce - DP_OVERLAP * last_backward)
+        + max(0.0, gather - DP_OVERLAP * compute)
+        + after_step
+    )
+    return reduce + gather + after_step, exposed
+
+
+def predicted_mfu(cfg: RecipeConfig, step_s: float, peak_tflops: float) -> float:
+    """Model FLOPs utilisation of a step of `step_s` seconds: model FLOPs per second over
+    the dense peak of every rank (recomputation is not counted, as in the trainer's MFU)."""
+    tokens = cfg.train.global_batch * cfg.train.seq_len
+    train = flops_per_token(cfg.model, cfg.train.seq_len).train
+    return tokens * train / (world_size(cfg) * step_s * peak_tflops * 1e12)
+
+
+def assumptions(gpu_type: str, links: Links, peak_tflops: float, dtype: str) -> list[str]:
+    """The cost model's stated figures for a GPU, one line each."""
+    return [
+        f"compute at {COMPUTE_EFFICIENCY:.0%} of {gpu_type}'s dense {dtype} peak "
+        f"({peak_tflops:g} TFLOP/s), recomputation included",
+        f"links at {LINK_EFFICIENCY:.0%} of nominal: {links.intra_node_gbs:g} GB/s inside a node, "
+        f"{links.inter_node_gbs:g} GB/s per GPU between nodes",
+        "TP/SP collectives and pipeline sends exposed; DP traffic hidden up to "
+        f"{DP_OVERLAP:.0%} of its window (gradients: the last micro-batch's backward; "
+        "parameter gathers: all compute); ZeRO-1's parameter all-gather after the step exposed",
+        "the pipeline at the pace of its slowest rank (its own blocks, the LM head on the "
+        "last), the others' fill and drain once, divided by vpp when interleaved; the V "
+        "schedules' and 2bw's simulated bubble",
+        f"context parallelism: each layer's K/V ring over the link its tp*cp ranks span, "
+        f"hidden up to {CP_OVERLAP:.0%} of the attention-score compute",
+    ]

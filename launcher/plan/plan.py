@@ -1,0 +1,278 @@
+"""The plan: pure arithmetic on a valid recipe, before anything runs.
+
+Layout and rank groups, parameter counts per rank, FLOPs per token (the same `models.flops`
+functions the trainer's MFU uses), pipeline bubble, memory per rank (`launcher.plan.memory`) and
+the step time and MFU of the cost model the layout search ranks by (`launcher.plan.cost`).
+Every assumption behind a number is listed in `Plan.assumptions`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+
+from launcher.plan import cost, schedule_sim
+from launcher.plan.cp_comm import CPComm, cp_communication
+from launcher.plan.memory import (
+    MemoryBreakdown,
+    peak_breakdown,
+    stage_params,
+    state_tensors,
+    textbook_activations,
+    textbook_model_states,
+)
+from launcher.plan.tp_comm import TPComm, tp_communication
+from models.flops import count_params, flops_per_token
+from pretrain_core import hardware
+from pretrain_core.hardware import GIB
+from pretrain_core.layout import Degrees, grad_accum_steps, rank_groups, resolve_degrees
+from pretrain_core.optim_states import state_bytes
+from pretrain_core.pipedream import segment_steps
+from pretrain_core.precision import peak_dtype
+from pretrain_core.recompute import recomputed_blocks
+from pretrain_core.schema import OptimConfig, RecipeConfig
+from pretrain_core.stages import V_SCHEDULES
+
+LONG_CONTEXT = 16384
+"""Sequences from this length on are long: context parallelism is among the fixes the plan
+and the layout search offer."""
+GROUPS_SHOWN = 4
+"""Rank groups kept per dim in a plan; the rest are counted."""
+
+
+@dataclass(frozen=True)
+class ModelStates:
+    """Bytes per rank of parameters, gradients and optimizer states under one ZeRO stage."""
+
+    params: float
+    grads: float
+    optimizer: float
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer
+
+
+@dataclass
+class Plan:
+    """Everything `action=plan` reports about a recipe."""
+
+    name: str
+    degrees: Degrees
+    rank_groups: dict[str, list[list[int]]]
+    """The first `GROUPS_SHOWN` groups of each dim."""
+    rank_group_counts: dict[str, int]
+    params_total: int
+    params_non_embedding: int
+    params_active: int
+    """Parameters one token runs through (all of them for a dense model)."""
+    params_first_stage: int
+    params_last_stage: int
+    params_per_rank: int
+    """The largest stage's parameters split over tp."""
+    flops_per_token_forward: int
+    flops_per_token_train: int
+    """Forward + backward: what MFU counts."""
+    flops_per_token_hardware: int
+    """Train FLOPs plus recomputation: what HFU counts."""
+    tokens_per_step: int
+    grad_accum: int
+    pp_microbatches: int
+    bubble_fraction: float
+    zero: int
+    model_states_by_zero: dict[int, ModelStates]
+    """Bytes per rank under ZeRO stages 0-3 (the recipe uses `zero`)."""
+    activations: float
+    """Bytes per rank of activations (peak micro-batches in flight)."""
+    gpu_type: str
+    gpu_memory_gib: float | None
+    peak_tflops: float | None
+    step_time_s: float | None
+    """The cost model's step time (`launcher.plan.cost`); None without a GPU peak and links."""
+    tokens_per_s: float | None
+    mfu: float | None = None
+    """Model FLOPs utilisation at `step_time_s`."""
+    step_cost: cost.StepCost | None = None
+    """The step time's terms."""
+    memory: MemoryBreakdown | None = None
+    """Peak bytes per rank by category as this trainer allocates them (launcher/plan/memory.py)."""
+    assumptions: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    tp_comm: TPComm | None = None
+    """One layer's tensor-parallel collectives per step and rank (None without TP)."""
+    pipeline: dict | None = None
+    """The simulated schedule: chart, bubble, in-flight per stage (None without PP)."""
+    cp_comm: CPComm | None = None
+    """One layer's context-parallel ring exchanges per step and rank (None without CP)."""
+
+    @property
+    def memory_gib(self) -> float:
+        """Model states under the recipe's ZeRO stage plus activations, in GiB per rank."""
+        return (self.model_states_by_zero[self.zero].total + self.activations) / GIB
+
+
+def make_plan(cfg: RecipeConfig) -> Plan:
+    """Plan a recipe that passes `validate` (RecipeError from the layout otherwise)."""
+    degrees = resolve_degrees(cfg)
+    accum = grad_accum_steps(cfg)
+    micro = cfg.parallel.pp_microbatches or accum
+    groups = rank_groups(degrees)
+    counts = count_params(cfg.model)
+    stages = [sum(stage_params(cfg, r)[:2]) for r in range(degrees.pp)]
+    first, last = stages[0], stages[-1]
+    # Routed experts are split over ep rather than tp (parallel/expert.py).
+    experts = counts.experts // degrees.pp
+    per_rank = math.ceil((max(stages) - experts) / degrees.tp + experts / degrees.ep)
+    fpt = flops_per_token(cfg.model, cfg.train.seq_len)
+    fraction = len(recomputed_blocks(cfg.recompute, cfg.model.n_layers)) / cfg.model.n_layers
+    on_gpu = cfg.cluster.device == "cuda"
+    spec = hardware.gpu_spec(cfg.cluster.gpu_type if on_gpu else "cpu")
+    peak = cfg.hardware.peak_tflops or spec.peak_tflops.get(peak_dtype(cfg.precision))
+    tokens = cfg.train.global_batch * cfg.train.seq_len
+    links = hardware.links(spec.name)
+    step = cost.step_cost(cfg, degrees, micro, peak, links) if peak and links else None
+    step_time = step.total if step else None
+    memory = (cfg.cluster.gpu_memory_gib or spec.memory_gib) if on_gpu else None
+    plan = Plan(
+        name=cfg.name,
+        degrees=degrees,
+        rank_groups={dim: g[:GROUPS_SHOWN] for dim, g in groups.items()},
+        rank_group_counts={dim: len(g) for dim, g in groups.items()},
+        params_total=counts.total,
+        params_non_embedding=counts.non_embedding,
+        params_active=counts.active,
+        params_first_stage=first,
+        params_last_stage=last,
+        params_per_rank=per_rank,
+        flops_per_token_forward=fpt.forward,
+        flops_per_token_train=fpt.train,
+        flops_per_token_hardware=fpt.with_recompute(cfg.recompute.policy, fraction),
+        tokens_per_step=tokens,
+        grad_accum=accum,
+        pp_microbatches=micro,
+        bubble_fraction=schedule_sim.bubble_fraction(
+            cfg.parallel.pp_schedule, degrees.pp, micro, cfg.parallel.vpp, segment_steps(cfg)
+        ),
+        zero=cfg.parallel.zero,
+        model_states_by_zero={
+            z: model_states(per_rank, cfg.precision.dtype, cfg.optim, z, degrees.dp_shard)
+            for z in range(4)
+        },
+        activations=textbook_activations(cfg, degrees, micro),
+        gpu_type=spec.name,
+        gpu_memory_gib=memory,
+        peak_tflops=peak,
+        step_time_s=step_time,
+        tokens_per_s=tokens / step_time if step_time else None,
+        mfu=cost.predicted_mfu(cfg, step_time, peak) if step_time and peak else None,
+        step_cost=step,
+    )
+    plan.memory = peak_breakdown(cfg, degrees, micro)
+    plan.assumptions = _assumptions(cfg)
+    if step and peak and links:
+        plan.assumptions += [
+            "step time: " + line
+            for line in cost.assumptions(spec.name, links, peak, peak_dtype(cfg.precision))
+        ]
+    plan.tp_comm = tp_communication(cfg, degrees)
+    plan.cp_comm = cp_communication(cfg, degrees)
+    if degrees.pp > 1:
+        plan.pipeline = schedule_sim.summary(
+            cfg.parallel.pp_schedule, degrees.pp, micro, cfg.parallel.vpp, segment_steps(cfg)
+        )
+    plan.warnings += _warnings(cfg, plan, spec.name)
+    return plan
+
+
+def _warnings(cfg: RecipeConfig, plan: Plan, gpu: str) -> list[str]:
+    """A context-parallel ring that leaves its node, and a peak over the device's memory
+    with the levers that lower it (for long sequences, in the order to pull them)."""
+    found = []
+    if plan.cp_comm is not None and plan.cp_comm.crosses_nodes:
+        found.append(
+            f"the context-parallel ring spans tp*cp = {plan.cp_comm.ring_span} ranks, more than "
+            f"a node's {cfg.cluster.gpus_per_node}: every hop crosses the inter-node link"
+        )
+    memory = plan.gpu_memory_gib
+    assert plan.memory is not None
+    if memory and max(plan.memory_gib, plan.memory.total_gib) > memory:
+        peak = max(plan.memory_gib, plan.memory.total_gib)
+        fixes = "raise parallel.zero, tp or pp, lower train.micro_batch, or recompute"
+        if cfg.train.seq_len >= LONG_CONTEXT:
+            fixes = (
+                "for a long sequence pull recompute, then sp (with tp), then parallel.cp, then "
+                "a smaller train.micro_batch; or raise parallel.zero, tp or pp"
+            )
+        found.append(
+            f"estimated {peak:.1f} GiB per rank exceeds the {memory:g} GiB of {gpu}: {fixes}"
+        )
+    return found
+
+
+def model_states(
+    params: int, dtype: str, optim: OptimConfig, zero: int, dp_shard: int
+) -> ModelStates:
+    """The ZeRO paper's bytes of params, grads and optimizer states on one rank holding
+    `params` parameters (`launcher.plan.memory.textbook_model_states`), sharded over dp_shard;
+    the moments take `optim.state_dtype`'s bytes (Muon: its one state of the weight
+    matrices, which dominate)."""
+    moments = state_tensors(optim)[0]
+    states = textbook_model_states(
+        params, optim.name, zero, dp_shard, dtype, moments, state_bytes(optim.state_dtype)
+    )
+    return ModelStates(*states)
+
+
+def _assumptions(cfg: RecipeConfig) -> list[str]:
+    one = model_states(1, cfg.precision.dtype, cfg.optim, 0, 1)
+    master = "fp32 master weights and " if cfg.precision.dtype != "fp32" else ""
+    notes = [
+        f"model states: {one.params:g} B params + {one.grads:g} B grads + {one.optimizer:g} B "
+        f"of {master}{cfg.optim.name} states per parameter (ZeRO paper bookkeeping), "
+        "sharded over tp and pp always and over dp_shard by the ZeRO stage",
+        "activations: Korthikanti et al. 2022 per-layer formula (16-bit, doubled for fp32) on the "
+        "first stage, plus one micro-batch of fp32 logits; no allocator overhead or buffers",
+    ]
+    if cfg.parallel.tp > 1:
+        notes.append(
+            "TP communication: bytes sent per rank on a ring; recompute repeats the forward "
+            "collectives of recomputed layers, not counted"
+        )
+    p = cfg.parallel
+    if p.pp > 1 and p.pp_schedule == "zero_bubble":
+        notes.append(
+            "bubble: zero_bubble reported at the interleaved 1F1B value, an upper bound "
+            "(the simulated schedule below shows how much its weight gradients fill)"
+        )
+    if p.pp > 1 and p.pp_schedule in V_SCHEDULES:
+        notes.append(
+            f"bubble and in-flight: {p.pp_schedule}'s own op order (torch's), simulated with "
+            "F = B = W; rank 0 holds the first and the last stage"
+        )
+    if p.pp > 1 and p.pp_schedule == "2bw":
+        notes.append(
+            f"2bw: the pipeline fills once per {segment_steps(cfg)} steps (a checkpoint drains "
+            "it); each step's gradient is applied one step late; two weight versions and "
+            "their gradients per stage in memory"
+        )
+    if p.cp > 1:
+        notes.append(
+            f"context parallelism: activations of s/cp = {cfg.train.seq_len // p.cp} tokens "
+            "per rank; the K/V ring's traffic per layer is listed (hops overlap the attention)"
+        )
+    return notes
+
+
+def plan_to_dict(plan: Plan) -> dict:
+    """The plan as plain JSON-serialisable data (numbers in bytes, GiB and seconds)."""
+    data = dataclasses.asdict(plan)
+    data["degrees"]["dp"] = plan.degrees.dp
+    data["model_states_by_zero"] = {
+        f"zero{z}": {**dataclasses.asdict(states), "total": states.total}
+        for z, states in plan.model_states_by_zero.items()
+    }
+    data["memory_gib"] = plan.memory_gib
+    if plan.memory is not None:
+        data["memory"]["total"] = plan.memory.total
+    return data

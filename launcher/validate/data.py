@@ -1,0 +1,165 @@
+"""Rules of the data, validation and initialization fields.
+
+The field rules hold anywhere. What needs the disk (the sources' files, the tokenizer, the
+cache dir, a Hugging Face checkpoint) is checked for a local launch or a local prepare,
+where this machine sees the data. A SLURM run is submitted only once its datasets are
+prepared (`unprepared_problems`, asked after validation like the memory fit), since its
+ranks never tokenize.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+from pretrain_core.hf_llama import checkpoint_problems
+from pretrain_core.problems import Checks, Problem
+from pretrain_core.schema import DATA_FORMATS, RecipeConfig
+from pretrain_data.checks import check_data_on_disk, source_fields, unprepared
+from pretrain_data.sources import SourceError, resolved_sources, source_label
+
+PREPARE_FIX = (
+    "prepare it first: the same command with action=prepare (on SLURM a CPU-only job; "
+    "cluster.cpu_partition picks its partition)"
+)
+
+
+def check_data(c: Checks, cfg: RecipeConfig, for_launch: bool) -> None:
+    """Every data, eval and init rule; with `for_launch`, those that read the disk too."""
+    d = cfg.data
+    for name in ("max_bytes", "max_tokens", "vocab_size", "workers"):
+        c.at_least(f"data.{name}", getattr(d, name), 0)
+    if not 0 <= d.val_fraction < 1:
+        c.add("data.val_fraction", d.val_fraction, "must lie in [0, 1)", "use e.g. 0.005, or 0")
+    if d.val_fraction and d.val_source:
+        c.add(
+            "data.val_source",
+            d.val_source,
+            "and data.val_fraction both give a validation split",
+            "keep one: data.val_fraction=0 or data.val_source=''",
+        )
+    if not d.sources and not d.source.strip():
+        c.add(
+            "data.source",
+            d.source,
+            "is empty: a run needs at least one source",
+            "name a file, directory, glob, stdlib or hf:NAME, or give data.sources",
+        )
+    _check_mixture(c, cfg)
+    _check_eval(c, cfg)
+    if d.doc_mask and d.tokenizer == "none":
+        c.add(
+            "data.doc_mask",
+            True,
+            "documents are split at the end-of-sequence token, and data.tokenizer=none has none",
+            "give the sources' tokenizer",
+        )
+    if d.doc_mask and cfg.parallel.pp > 1 and for_launch:
+        c.add(
+            "data.doc_mask",
+            True,
+            "not supported with pipeline parallelism yet (later stages do not see the tokens)",
+            "use parallel.pp=1 or data.doc_mask=false",
+        )
+    if cfg.init.from_hf and cfg.model.moe_experts:
+        c.add(
+            "init.from_hf",
+            cfg.init.from_hf,
+            "only dense Llama checkpoints load; this model has mixture-of-experts layers",
+            "set init.from_hf='' or use a dense model",
+        )
+    if for_launch and cfg.cluster.backend == "local":
+        check_data_on_disk(c, cfg)
+        _check_hf_checkpoint(c, cfg)
+
+
+def prepare_problems(cfg: RecipeConfig) -> list[Problem]:
+    """What `action=prepare` refuses beyond `validate`: locally, what the disk shows."""
+    c = Checks()
+    if cfg.cluster.backend == "local":
+        check_data_on_disk(c, cfg)
+    return c.problems
+
+
+def _check_mixture(c: Checks, cfg: RecipeConfig) -> None:
+    """Each source of data.sources: a format we read, a positive weight, sane limits, a
+    label of its own in the metrics."""
+    for i, src in enumerate(cfg.data.sources):
+        at = f"data.sources[{i}]"
+        if not src.source.strip():
+            c.add(f"{at}.source", src.source, "is empty", "name a file, directory, glob or hf:NAME")
+        c.choice(f"{at}.format", src.format, DATA_FORMATS)
+        if not (math.isfinite(src.weight) and src.weight > 0):
+            c.add(
+                f"{at}.weight",
+                src.weight,
+                "must be a positive number",
+                "give each source its share, e.g. 0.3 and 0.7",
+            )
+        for name in ("max_bytes", "max_tokens", "vocab_size"):
+            c.at_least(f"{at}.{name}", getattr(src, name), 0)
+    sources = resolved_sources(cfg.data)
+    labels = [source_label(s, i) for i, s in enumerate(sources)]
+    for i, label in enumerate(labels):
+        if label in labels[:i]:
+            c.add(
+                f"data.sources[{i}].name",
+                sources[i].name,
+                f"the metrics label {label!r} is also source {labels.index(label)}'s",
+                "give the sources distinct names",
+            )
+
+
+def _check_eval(c: Checks, cfg: RecipeConfig) -> None:
+    e, d = cfg.eval, cfg.data
+    c.at_least("eval.every", e.every, 0)
+    c.at_least("eval.batches", e.batches, 1)
+    if e.every > 0 and not (d.val_fraction > 0 or d.val_source):
+        c.add(
+            "eval.every",
+            e.every,
+            "there is no validation split to evaluate on",
+            "set data.val_fraction (e.g. 0.005) or data.val_source, or eval.every=0",
+        )
+
+
+def _check_hf_checkpoint(c: Checks, cfg: RecipeConfig) -> None:
+    """init.from_hf names a Llama directory whose config and tensor shapes fit the model."""
+    if not cfg.init.from_hf:
+        return
+    folder = Path(os.path.expanduser(cfg.init.from_hf))
+    if not folder.is_dir():
+        c.add(
+            "init.from_hf",
+            cfg.init.from_hf,
+            "no such directory",
+            "give a Hugging Face Llama directory (config.json + *.safetensors)",
+        )
+        return
+    for problem in checkpoint_problems(folder, cfg.model):
+        c.add(
+            "init.from_hf",
+            cfg.init.from_hf,
+            problem,
+            "use a checkpoint of this model's shape, or change model.* to match it",
+        )
+
+
+def unprepared_problems(cfg: RecipeConfig) -> list[Problem]:
+    """A SLURM run reads prepared datasets only: one problem per source not prepared yet."""
+    c = Checks()
+    try:
+        missing = unprepared(cfg)
+    except (OSError, SourceError) as exc:
+        field, src = next(iter(source_fields(cfg)))
+        c.add(field, src.source, f"cannot be found from here ({exc})", PREPARE_FIX)
+        return c.problems
+    for field, place in missing:
+        c.add(
+            field,
+            place.source.source,
+            f"not prepared (no {place.folder}/manifest.json)",
+            PREPARE_FIX,
+        )
+    return c.problems

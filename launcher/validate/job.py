@@ -1,0 +1,136 @@
+"""Rules of the job script's extension fields: the Python that runs torchrun on each node,
+the user's sbatch template, extra #SBATCH lines, setup lines and a container.
+
+Each value reaches the rendered script quoted (see launcher/job/run_dir.py); these rules refuse what
+quoting cannot make right: line breaks in one-line values, paths that mean something else
+on the node than here, directives the launcher writes itself, setup lines bash cannot parse,
+and SLURM-only settings on a local run (they would be silently ignored).
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+
+from launcher.assets import SBATCH_TEMPLATE, template_placeholders
+from pretrain_core.problems import Checks
+from pretrain_core.schema import RecipeConfig
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+_DIRECTIVE = re.compile(r"--[a-z][a-z0-9-]*(=.*)?")
+OWNED_DIRECTIVES = {
+    "--job-name": "name", "--nodes": "cluster.nodes", "--ntasks-per-node": "(one per node)",
+    "--cpus-per-task": "cluster.cpus_per_task", "--time": "cluster.time",
+    "--output": "run.dir", "--error": "run.dir", "--requeue": "(always)",
+    "--open-mode": "(append)", "--signal": "cluster.signal_seconds",
+    "--gpus-per-node": "cluster.gpus_per_node", "--partition": "cluster.partition",
+    "--account": "cluster.account", "--qos": "cluster.qos",
+}  # fmt: skip
+"""#SBATCH directives the launcher writes from recipe fields: set the field instead."""
+MAX_TEMPLATE_BYTES = 1 << 20
+
+
+def check_job(c: Checks, cfg: RecipeConfig) -> None:
+    """cluster.python, sbatch_template, sbatch_extra, setup and container."""
+    k = cfg.cluster
+    _check_python(c, k.python)
+    if k.backend != "slurm":
+        for name, value in (("sbatch_template", k.sbatch_template),
+                            ("sbatch_extra", k.sbatch_extra), ("setup", k.setup),
+                            ("container.image", k.container.image)):  # fmt: skip
+            if value:
+                c.add(f"cluster.{name}", value, "only a SLURM job's script uses it",
+                      "use cluster=slurm, or leave it unset for a local run")  # fmt: skip
+        return
+    if k.sbatch_template:
+        _check_template(c, k.sbatch_template)
+    for i, directive in enumerate(k.sbatch_extra):
+        _check_directive(c, f"cluster.sbatch_extra[{i}]", directive)
+    _check_setup(c, k.setup)
+    _check_container(c, k.container.image, k.container.mounts)
+
+
+def _check_python(c: Checks, python: str) -> None:
+    if _CONTROL.search(python):
+        c.add("cluster.python", python, "holds a line break or control character",
+              "give one command name or an absolute path")  # fmt: skip
+    elif "/" in python and not python.startswith("/"):
+        c.add("cluster.python", python,
+              "a relative path would be looked up from wherever the job starts on the node",
+              "give an absolute path, e.g. /opt/venv/bin/python, or a name on PATH such as "
+              "python3")  # fmt: skip
+
+
+def _check_template(c: Checks, path_text: str) -> None:
+    from pathlib import Path
+
+    field, path = "cluster.sbatch_template", Path(path_text)
+    fix = f"copy {SBATCH_TEMPLATE}, edit it and give its absolute path"
+    if not path.is_absolute():
+        c.add(field, path_text, "a relative path depends on where pretrain is run", fix)
+        return
+    try:
+        if path.stat().st_size > MAX_TEMPLATE_BYTES:
+            c.add(field, path_text, f"larger than {MAX_TEMPLATE_BYTES:,} bytes", fix)
+            return
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as err:
+        c.add(field, path_text, f"cannot be read ({getattr(err, 'strerror', None) or err})", fix)
+        return
+    expected = template_placeholders(SBATCH_TEMPLATE.read_text())
+    found = template_placeholders(text)
+    if found != expected:
+        parts = []
+        if expected - found:
+            parts.append("lacks " + ", ".join(f"${{{p}}}" for p in sorted(expected - found)))
+        if found - expected:
+            parts.append("has unknown " + ", ".join(f"${{{p}}}" for p in sorted(found - expected)))
+        c.add(field, path_text, "; ".join(parts),
+              f"keep exactly the placeholders of {SBATCH_TEMPLATE}")  # fmt: skip
+
+
+def _check_directive(c: Checks, field: str, directive: str) -> None:
+    name = directive.partition("=")[0]
+    if _CONTROL.search(directive) or "\\" in directive:
+        c.add(field, directive, "#SBATCH lines cannot carry line breaks, control characters "
+              "or backslashes", "write the directive on one line without them")  # fmt: skip
+    elif not _DIRECTIVE.fullmatch(directive):
+        c.add(field, directive, "not an sbatch long option",
+              "write --name=value or --flag, e.g. --constraint=h100 or --exclusive")  # fmt: skip
+    elif name in OWNED_DIRECTIVES:
+        c.add(field, directive, "the launcher writes this directive from the recipe",
+              f"set {OWNED_DIRECTIVES[name]} instead")  # fmt: skip
+
+
+def _check_setup(c: Checks, setup: list[str]) -> None:
+    for i, line in enumerate(setup):
+        if "\n" in line or "\r" in line or "\x00" in line:
+            c.add(f"cluster.setup[{i}]", line, "one entry is one line",
+                  "split it into several entries")  # fmt: skip
+            return
+    bash = shutil.which("bash")
+    if not setup or bash is None:
+        return
+    parsed = subprocess.run([bash, "-n"], input="\n".join(setup) + "\n", text=True,
+                            capture_output=True, timeout=30, check=False)  # fmt: skip
+    if parsed.returncode != 0:
+        why = parsed.stderr.strip().splitlines()[0] if parsed.stderr.strip() else "bash -n failed"
+        c.add("cluster.setup", setup, f"bash cannot parse it ({why})",
+              "fix the shell syntax; each entry is one line of a bash script")  # fmt: skip
+
+
+def _check_container(c: Checks, image: str, mounts: list[str]) -> None:
+    if image and (_CONTROL.search(image) or " " in image or "," in image):
+        c.add("cluster.container.image", image, "an image name holds no spaces, commas or "
+              "control characters", "give e.g. nvcr.io/nvidia/pytorch:25.01-py3 or "
+              "/shared/images/pytorch.sqsh")  # fmt: skip
+    if mounts and not image:
+        c.add("cluster.container.mounts", mounts, "mounts without an image mount nothing",
+              "set cluster.container.image too")  # fmt: skip
+    for i, mount in enumerate(mounts):
+        parts = mount.split(":")
+        ok = 2 <= len(parts) <= 3 and all(p.startswith("/") for p in parts[:2])
+        if not ok or "," in mount or _CONTROL.search(mount):
+            c.add(f"cluster.container.mounts[{i}]", mount, "not SRC:DST[:FLAGS] with absolute "
+                  "paths (and no commas)", "write e.g. /shared/data:/data:ro")  # fmt: skip

@@ -1,0 +1,3 @@
+"""Pipeline parallelism: the split into stages, tied embeddings across stages, MoE losses inside a
+pipeline, PipeDream-2BW.
+"""

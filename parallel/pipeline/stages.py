@@ -1,0 +1,144 @@
+"""Pipeline parallelism: split the plain model into this rank's stages, and run a schedule.
+
+Splitting is ours (`pretrain_core/stages.py` says which layers each stage holds): a stage is the
+plain `Transformer` with the other layers deleted, the embedding kept only on the first
+stage and the final norm and LM head only on the last, so parameter names stay those of the
+full model and checkpoints and initialization do not depend on the split. With vpp > 1 a
+rank holds several such chunks (stages r, r + pp, ...). Schedules come from
+`torch.distributed.pipelining`; the loss runs on the last stage inside the schedule.
+
+With tied embeddings the last stage's head is its own copy of the embedding, whose
+gradient is summed with the first stage's every step (`parallel/pipeline/tied_embedding.py`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from pretrain_core.schema import ParallelConfig
+from pretrain_core.stages import placement, rank_stages, stage_layers
+
+
+def schedule_classes() -> dict[str, type]:
+    """torch's schedule class for each `parallel.pp_schedule` but 2BW (ours).
+
+    Imported on first use: torch.distributed.pipelining brings in torch._dynamo, about 0.6 s
+    of every rank's start-up, which a run without a pipeline does not need.
+    """
+    from torch.distributed.pipelining import (
+        Schedule1F1B,
+        ScheduleDualPipeV,
+        ScheduleGPipe,
+        ScheduleInterleaved1F1B,
+        ScheduleInterleavedZeroBubble,
+        ScheduleZBVZeroBubble,
+    )
+
+    return {
+        "gpipe": ScheduleGPipe,
+        "1f1b": Schedule1F1B,
+        "interleaved_1f1b": ScheduleInterleaved1F1B,
+        # Splits each backward into input and weight gradients and fills bubbles with the
+        # latter.
+        "zero_bubble": ScheduleInterleavedZeroBubble,
+        # Two chunks per rank in a V; zero-bubble's split backward (ZB-V), and DeepSeek's
+        # DualPipeV, which pairs one chunk's forward with the other's backward.
+        "zbv": ScheduleZBVZeroBubble,
+        "dualpipev": ScheduleDualPipeV,
+    }
+
+
+MULTI_STAGE = ("interleaved_1f1b", "zero_bubble", "zbv", "dualpipev")
+"""Schedules that take a list of stages per rank (any vpp, including 1; the V ones 2)."""
+
+
+def split_stage(model: nn.Module, stage: int, parallel: ParallelConfig) -> nn.Module:
+    """Reduce the full meta-device model to pipeline stage `stage`, in place, and return it."""
+    n_layers = len(model.layers)
+    stages = stage_layers(n_layers, parallel.pp, parallel.vpp, parallel.pp_layers)
+    keep = {str(i) for i in stages[stage]}
+    for key in [k for k in model.layers if k not in keep]:
+        del model.layers[key]
+    if stage != 0:
+        model.tok_embeddings = None
+    if stage != len(stages) - 1:
+        model.norm = None
+        model.output = None
+    if parallel.sp and parallel.tp > 1 and stage != 0:
+        # Hidden states arrive sequence-sharded: the rotary tables need the full length.
+        model.sequence_shards = parallel.tp
+    return model
+
+
+def stage_indices(pp_rank: int, parallel: ParallelConfig) -> list[int]:
+    """The stages this pipeline rank runs, in model order."""
+    return rank_stages(pp_rank, parallel.pp, parallel.vpp, placement(parallel.pp_schedule))
+
+
+def in_context(module: nn.Module, context: Callable[[], contextlib.AbstractContextManager]) -> None:
+    """Run `module`'s forward inside `context()` (autocast, FP8), leaving its backward out.
+
+    The schedule interleaves forwards and backwards, so the context cannot wrap the step.
+    """
+    forward = module.forward
+
+    def run(*args, **kwargs):
+        with context():
+            return forward(*args, **kwargs)
+
+    module.forward = run
+
+
+def build_schedule(
+    chunks: list[nn.Module],
+    stages: list[int],
+    parallel: ParallelConfig,
+    n_microbatches: int,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    group: torch.distributed.ProcessGroup,
+    device: torch.device,
+):
+    """The schedule over this rank's stage modules (wrapped for data parallelism).
+
+    Gradients are not scaled by the schedule: `loss_fn` divides by the micro-batch count, as
+    gradient accumulation does, so the fp16 loss scale and the mean stay in one place.
+    """
+    from torch.distributed.pipelining import PipelineStage
+
+    total = parallel.pp * parallel.vpp
+    pipeline_stages = [
+        PipelineStage(chunk, index, total, device, group=group)
+        for chunk, index in zip(chunks, stages, strict=True)
+    ]
+    schedule_class = schedule_classes()[parallel.pp_schedule]
+    if parallel.pp_schedule in MULTI_STAGE:
+        return schedule_class(
+            pipeline_stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False
+        )
+    (stage,) = pipeline_stages
+    return schedule_class(stage, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
+
+
+class StageView(nn.Module):
+    """This rank's chunks seen as one model with the full model's parameter names.
+
+    The chunks keep owning their modules (and their FSDP/DDP wrapping); the view only
+    registers the same submodules under the full model's structure, for the optimizer,
+    gradient clipping and checkpoints.
+    """
+
+    def __init__(self, chunks: list[nn.Module]) -> None:
+        super().__init__()
+        # A plain list, not registered: the chunks' modules are registered below, by name.
+        self.chunks = list(chunks)
+        self.layers = nn.ModuleDict()
+        for chunk in chunks:
+            for name in ("tok_embeddings", "norm", "output"):
+                if getattr(chunk, name, None) is not None:
+                    setattr(self, name, getattr(chunk, name))
+            for key, block in chunk.layers.items():
+                self.layers[key] = block

@@ -1,0 +1,111 @@
+"""PipeDream-2BW run in one process over the real stage modules, and the synchronous run of
+the same recipe beside it: the reference the distributed 2BW run must reproduce, and the
+two curves of the convergence comparison (tests, `bench/pipedream_convergence.py`).
+
+The stages are split, initialized and fed as the trainer does (same weights, data order,
+optimizer groups, LR schedule, clipping); the 2BW engines of all stages run in one process
+(`parallel.pipeline.pipedream.run_local`), and one optimizer over every stage's newest version
+applies each step's gradient one step late. Only fp32 layouts without tp, cp or dp
+replicas are simulated (what a reference needs).
+"""
+
+from __future__ import annotations
+
+import torch
+
+import models
+from parallel.materialize import materialize
+from parallel.pipeline.pipedream import (
+    LocalTransport,
+    PipeDream,
+    Version,
+    local_step,
+    move_optimizer,
+)
+from parallel.pipeline.stages import StageView, split_stage
+from parallel.precision import LossScaler
+from pretrain_core.layout import Degrees, grad_accum_steps
+from pretrain_core.schema import RecipeConfig
+from trainer.data.loader import DataLoader, one_process_loader
+from trainer.optim.lr_schedule import build_lr_scheduler
+from trainer.optim.optimizers import build_optimizer
+from trainer.step.local import TrainState, apply_gradients, lm_loss, train_step
+
+Curve = list[tuple[float, float]]
+"""(loss, grad norm) per step; the norm is NaN in a step that applied no update."""
+
+ONE_RANK = Degrees(pp=1, dp_replicate=1, dp_shard=1, tp=1, ep=1, world=1)
+CPU = torch.device("cpu")
+
+
+def _loader(cfg: RecipeConfig) -> DataLoader:
+    return one_process_loader(cfg)
+
+
+def _state(cfg: RecipeConfig, view: torch.nn.Module) -> TrainState:
+    optimizer = build_optimizer(view, cfg.optim, global_batch=cfg.train.global_batch, device=CPU)
+    scheduler = build_lr_scheduler(optimizer, cfg.optim, cfg.schedule, cfg.train.steps)
+    return TrainState(view, view, optimizer, scheduler, LossScaler(cfg.precision))
+
+
+def synchronous_curve(cfg: RecipeConfig, steps: int) -> Curve:
+    """The recipe trained by one process, one update per step (what 1F1B computes)."""
+    torch.manual_seed(cfg.seed)
+    model = models.build(cfg.model)
+    materialize(model, cfg.model, cfg.seed, CPU)
+    state, loader = _state(cfg, model), _loader(cfg)
+    curve = []
+    for _ in range(steps):
+        loss, norm, _, _ = train_step(state, loader.next_step(), cfg, ONE_RANK, CPU)
+        curve.append((loss.item(), norm.item()))
+    return curve
+
+
+def _stage(cfg: RecipeConfig, stage: int) -> torch.nn.Module:
+    module = split_stage(models.build(cfg.model), stage, cfg.parallel)
+    materialize(module, cfg.model, cfg.seed, CPU)
+    return module
+
+
+def pipedream_curve(cfg: RecipeConfig, steps: int) -> Curve:
+    """The recipe trained by PipeDream-2BW over `parallel.pp` stages in one process."""
+    torch.manual_seed(cfg.seed)
+    pp = cfg.parallel.pp
+    m = cfg.parallel.pp_microbatches or grad_accum_steps(cfg)
+    versions = [[Version(_stage(cfg, s)) for s in range(pp)] for _ in range(2)]
+    state, loader = _state(cfg, StageView([v.module for v in versions[1]])), _loader(cfg)
+    owner = [p for v in versions[1] for p in v.params]
+    finished: list[Version] = []
+    mailbox: dict = {}
+    engines = [
+        PipeDream(
+            (versions[0][s], versions[1][s]),
+            pp,
+            s,
+            m,
+            lambda logits, targets: lm_loss(logits, targets) / m,
+            LocalTransport(mailbox, s),
+            lambda target, source: finished.append(target),
+        )
+        for s in range(pp)
+    ]
+    curve = []
+    previous = torch.zeros(())
+    for _ in range(steps):
+        batch = loader.next_step()
+        inputs = torch.tensor_split(torch.cat([x for x, _ in batch]), m)
+        targets = torch.tensor_split(torch.cat([y for _, y in batch]), m)
+        losses = local_step(engines, list(inputs), list(targets))
+        loss = torch.stack([x.detach() for x in losses]).sum()
+        norm = torch.tensor(float("nan"))
+        if finished:
+            target = [p for v in finished for p in v.params]
+            move_optimizer(state.optimizer, owner, target)
+            owner = target
+            state.plain = StageView([v.module for v in finished])
+            # The update is the previous step's: its loss decides whether it was bad.
+            norm = apply_gradients(state, cfg, None, previous)[0]
+            finished.clear()
+        curve.append((loss.item(), norm.item()))
+        previous = loss
+    return curve

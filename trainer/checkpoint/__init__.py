@@ -1,0 +1,1 @@
+"""Checkpoints: the sharded, atomic checkpointer, its integrity manifest, HF import and export."""

@@ -1,0 +1,3 @@
+"""What a run reports: metrics defined once, their sinks, the step window, memory checks, start-up
+time.
+"""

@@ -1,0 +1,361 @@
+"""Where metrics go: a console line, RUN_DIR/metrics.jsonl and Weights & Biases (main rank only).
+
+Metric names are flat and the same in every sink (loss, lr, grad_norm, tokens_per_s, mfu...);
+W&B groups them into sections through WANDB_KEYS. The main run records node 0's system
+metrics; the first local rank of every other node records its node's in a run of its own in
+the same group (`<name>-nodeN`, job_type node-system, system metrics labelled nodeN): W&B's
+shared mode would put them in one run, but it works online only, and these work offline too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import string
+import time
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from rich.console import Console
+from rich.markup import escape
+
+from pretrain_core.run.durations import eta_seconds, format_duration
+from pretrain_core.run.rundir import METRICS_FILE, TENSORBOARD_DIR, WANDB_ID_FILE
+from pretrain_core.run.wandb_credentials import api_key_configured as wandb_api_key_configured
+from pretrain_core.schema import LoggingConfig
+from trainer.observe.run_identity import RunIdentity
+
+WANDB_KEYS = {
+    "loss": "train/loss",
+    "lr": "train/lr",
+    "grad_norm": "train/grad_norm",
+    "tokens_per_s": "perf/tokens_per_s",
+    "tokens_per_s_per_device": "perf/tokens_per_s_per_device",
+    "tflops_per_device": "perf/tflops_per_device",
+    "mfu": "perf/mfu",
+    "hfu": "perf/hfu",
+    "peak_tflops": "perf/peak_tflops",
+    "peak_dtype": "perf/peak_dtype",
+    "peak_source": "perf/peak_source",
+    "loss_scale": "train/loss_scale",
+    "skipped_steps": "train/skipped_steps",
+    "step_time_s": "perf/step_time_s",
+    "data_wait_s": "time/data_wait_s",
+    "mem_peak_gib": "mem/peak_gib",
+    "moe_tokens_per_expert_min": "moe/tokens_per_expert_min",
+    "moe_tokens_per_expert_max": "moe/tokens_per_expert_max",
+    "moe_tokens_per_expert_mean": "moe/tokens_per_expert_mean",
+    "moe_dropped_frac": "moe/dropped_frac",
+    "moe_aux_loss": "moe/aux_loss",
+    "moe_z_loss": "moe/z_loss",
+    "val_loss": "val/loss",
+    "val_ppl": "val/ppl",
+}
+"""Flat metric name -> W&B key; names not listed go under their prefix's section
+(WANDB_PREFIXES) or train/."""
+WANDB_PREFIXES = {"tokens_seen_": "data/"}
+"""Flat metric name prefix -> W&B section (tokens_seen_fineweb -> data/tokens_seen_fineweb)."""
+WANDB_STEP = "train/step"
+WANDB_MODES = ("auto", "online", "offline", "disabled")
+NODE_JOB_TYPE = "node-system"
+"""W&B job_type of the runs that hold another node's system metrics."""
+
+
+def node_wandb_dir(run_dir: Path, node: int) -> Path:
+    """Where node `node`'s W&B run lives (its id file, its offline files)."""
+    return Path(run_dir) / "wandb" / f"node{node}"
+
+
+def stored_run_id(path: Path) -> str:
+    """The W&B run id kept in `path`, created on first use (so a resumed run continues it)."""
+    if path.exists():
+        run_id = path.read_text().strip()
+        if run_id:
+            return run_id
+    # W&B run ids: lowercase letters and digits; 8 random ones like W&B's own.
+    run_id = "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(run_id + "\n")
+    os.replace(tmp, path)
+    return run_id
+
+
+def wandb_key(name: str) -> str:
+    """The W&B key of a flat metric name."""
+    if name in WANDB_KEYS:
+        return WANDB_KEYS[name]
+    if name.startswith("time_"):
+        return "time/" + name.removeprefix("time_")
+    for prefix, section in WANDB_PREFIXES.items():
+        if name.startswith(prefix):
+            return section + name
+    return name if "/" in name else f"train/{name}"
+
+
+def resolve_wandb_mode(setting: str) -> str:
+    """online, offline or disabled for a `logging.wandb` setting.
+
+    auto honours an explicit WANDB_MODE in the environment, else goes online with credentials
+    and offline without.
+    """
+    if setting not in WANDB_MODES:
+        raise ValueError(f"logging.wandb={setting!r}: use {', '.join(WANDB_MODES)}")
+    if setting != "auto":
+        return setting
+    env = os.environ.get("WANDB_MODE", "").lower()
+    if env in ("online", "offline", "disabled"):
+        return env
+    if env == "dryrun":
+        return "offline"
+    return "online" if wandb_api_key_configured() else "offline"
+
+
+def truncate_partial_line(path: Path) -> None:
+    """Cut a trailing line that has no newline (a write interrupted by a crash)."""
+    if not path.exists():
+        return
+    with path.open("rb+") as f:
+        end = f.seek(0, os.SEEK_END)
+        pos = end
+        # Read backwards in blocks until the last newline: the file may be large.
+        while pos > 0:
+            size = min(65536, pos)
+            f.seek(pos - size)
+            block = f.read(size)
+            if pos == end and block.endswith(b"\n"):
+                return
+            newline = block.rfind(b"\n")
+            if newline >= 0:
+                f.truncate(pos - size + newline + 1)
+                return
+            pos -= size
+        f.truncate(0)
+
+
+def _plain(value: Any) -> Any:
+    """A JSON-ready number: 0-d tensors and numpy scalars become Python numbers."""
+    return value.item() if hasattr(value, "item") else value
+
+
+def console_line(step: int, total_steps: int, metrics: dict[str, Any]) -> str:
+    """The one-line console summary of a logged step."""
+
+    def has(key: str) -> bool:
+        return metrics.get(key) is not None
+
+    parts = [f"step {step}/{total_steps}"]
+    if has("loss"):
+        parts.append(f"loss {metrics['loss']:.4f}")
+    if has("lr"):
+        parts.append(f"lr {metrics['lr']:.2e}")
+    if has("grad_norm"):
+        parts.append(f"grad norm {metrics['grad_norm']:.3f}")
+    if has("val_loss"):
+        parts.append(f"val loss {metrics['val_loss']:.4f} (ppl {metrics['val_ppl']:.4g})")
+    if has("tokens_per_s"):
+        parts.append(f"{metrics['tokens_per_s']:,.0f} tok/s")
+    if has("tflops_per_device"):
+        parts.append(f"{metrics['tflops_per_device']:.3g} TFLOP/s/device")
+    if has("mfu"):
+        # Name the peak MFU divides by: an FP8 run is measured against the FP8 peak.
+        of = f" of {metrics['peak_dtype']} peak" if has("peak_dtype") else ""
+        parts.append(f"MFU {100 * metrics['mfu']:.1f}%{of}")
+    else:
+        parts.append("MFU n/a")
+    if has("mem_peak_gib"):
+        parts.append(f"mem {metrics['mem_peak_gib']:.2f} GiB")
+    if has("moe_tokens_per_expert_mean"):
+        parts.append(
+            f"experts load {metrics['moe_tokens_per_expert_min']:.0f}/"
+            f"{metrics['moe_tokens_per_expert_mean']:.0f}/{metrics['moe_tokens_per_expert_max']:.0f}"
+            f" min/mean/max, dropped {metrics['moe_dropped_frac']:.1%}, "
+            f"aux {metrics['moe_aux_loss']:.3f}"
+        )
+    if has("loss_scale"):
+        parts.append(f"loss scale {metrics['loss_scale']:g} ({metrics['skipped_steps']} skipped)")
+    return " | ".join(parts)
+
+
+class MetricsLogger:
+    """Logs metrics of the main rank to the console, RUN_DIR/metrics.jsonl and W&B.
+
+    Other ranks construct it too and do nothing. The caller decides which steps to log
+    (`should_log` applies `logging.log_every`). A W&B failure warns and leaves the other sinks.
+    """
+
+    def __init__(
+        self,
+        run_dir: Path,
+        *,
+        is_main: bool,
+        logging: LoggingConfig,
+        config: dict,
+        identity: RunIdentity,
+        total_steps: int,
+        node: int | None = None,
+    ) -> None:
+        """`node`: on a rank other than the main one, the node whose system metrics it
+        records in a W&B run of its own (the first local rank of each node but the first)."""
+        self.run_dir = Path(run_dir)
+        self.is_main = is_main
+        self.logging = logging
+        self.total_steps = total_steps
+        self.console = Console(highlight=False, soft_wrap=True)
+        self._file = None
+        self._wandb_run = None
+        self._wandb_mode = "disabled"
+        self._tensorboard: Any = None
+        self._started = time.monotonic()
+        mode = resolve_wandb_mode(logging.wandb)  # on every rank: a bad setting fails everywhere
+        if not is_main:
+            if node is not None and mode != "disabled":
+                self._init_node_wandb(mode, identity, node)
+            return
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        jsonl = self.run_dir / METRICS_FILE
+        truncate_partial_line(jsonl)
+        self._file = jsonl.open("a", encoding="utf-8")
+        if mode != "disabled":
+            self._init_wandb(mode, config, identity)
+        if logging.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tensorboard = SummaryWriter(str(self.run_dir / TENSORBOARD_DIR))
+
+    def wandb_run_id(self) -> str:
+        """The W&B run id of this run dir, created on first use and kept in RUN_DIR/wandb_run_id."""
+        return stored_run_id(self.run_dir / WANDB_ID_FILE)
+
+    def _init_node_wandb(self, mode: str, identity: RunIdentity, node: int) -> None:
+        """A run of this node's system metrics only, beside the main run in its group."""
+        os.environ.setdefault("WANDB_SILENT", "true")
+        folder = node_wandb_dir(self.run_dir, node)
+        try:
+            import wandb
+
+            self._wandb_run = wandb.init(
+                project=self.logging.wandb_project,
+                entity=self.logging.wandb_entity or None,
+                name=f"{identity.name}-node{node}",
+                group=identity.group,
+                job_type=NODE_JOB_TYPE,
+                tags=identity.tags,
+                id=stored_run_id(folder / "run_id"),
+                resume="allow",
+                dir=str(folder),
+                mode=mode,
+                # The main run has the console; this one only samples the node.
+                settings=wandb.Settings(silent=True, console="off", x_label=f"node{node}"),
+            )
+        except Exception as exc:  # whatever W&B raises, training must go on
+            reason = escape(f"{type(exc).__name__}: {exc}")
+            self.console.print(f"[yellow]W&B system metrics of node {node} disabled: {reason}")
+            return
+        self._wandb_mode = mode
+
+    def _init_wandb(self, mode: str, config: dict, identity: RunIdentity) -> None:
+        os.environ.setdefault("WANDB_SILENT", "true")
+        try:
+            import wandb
+
+            run = wandb.init(
+                project=self.logging.wandb_project,
+                entity=self.logging.wandb_entity or None,
+                name=identity.name,
+                group=identity.group,
+                job_type=identity.job_type,
+                tags=identity.tags,
+                id=self.wandb_run_id(),
+                resume="allow",
+                dir=str(self.run_dir),
+                config={**config, "plan": identity.predicted},
+                mode=mode,
+                settings=wandb.Settings(silent=True),
+            )
+            # A custom x-axis: a resumed run may log steps again that W&B's own counter passed.
+            run.define_metric(WANDB_STEP)
+            run.define_metric("*", step_metric=WANDB_STEP)
+            run.define_metric(WANDB_KEYS["mfu"], step_metric=WANDB_STEP, summary="max")
+            run.define_metric(WANDB_KEYS["tokens_per_s"], step_metric=WANDB_STEP, summary="max")
+            run.define_metric(WANDB_KEYS["loss"], step_metric=WANDB_STEP, summary="min")
+            run.define_metric(WANDB_KEYS["val_loss"], step_metric=WANDB_STEP, summary="min")
+            # The plan's predictions beside the measured summary values.
+            run.summary.update({f"plan/{k}": v for k, v in identity.predicted.items()})
+        except Exception as exc:  # whatever W&B raises, training must go on
+            reason = escape(f"{type(exc).__name__}: {exc}")
+            self.console.print(f"[yellow]W&B disabled ({mode}): {reason}")
+            return
+        self._wandb_run, self._wandb_mode = run, mode
+        if mode == "offline":
+            self._print_offline_hint()
+
+    def _print_offline_hint(self) -> None:
+        sync_dir = self._wandb_run.settings.sync_dir
+        self.console.print(f"W&B offline run in {sync_dir}; upload with: wandb sync {sync_dir}")
+
+    def should_log(self, step: int) -> bool:
+        """Whether step `step` (1-based count of optimizer steps done) is a logging step."""
+        return step % self.logging.log_every == 0 or step == self.total_steps
+
+    def log(self, step: int, metrics: dict[str, float | None]) -> None:
+        """Write one step's metrics to every sink (main rank only); None means not measured.
+
+        The metrics.jsonl line holds `step`, `time` (unix seconds) and every metric as given.
+        """
+        if not self.is_main:
+            return
+        values = {k: _plain(v) for k, v in metrics.items()}
+        line = console_line(step, self.total_steps, values)
+        eta = eta_seconds(step, self.total_steps, values.get("step_time_s"))
+        if eta is not None:
+            line += f" | ETA {format_duration(eta)}"
+        self.console.print(line, markup=False)
+        record = {"step": step, "time": round(time.time(), 3), **values}
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        if self._tensorboard is not None:
+            for k, v in values.items():
+                if isinstance(v, (int, float)) and not isinstance(v, bool):
+                    self._tensorboard.add_scalar(wandb_key(k), v, step)
+            self._tensorboard.flush()
+        if self._wandb_run is not None:
+            data = {wandb_key(k): v for k, v in values.items() if v is not None}
+            try:
+                self._wandb_run.log({WANDB_STEP: step, **data})
+            except Exception as exc:  # losing W&B mid-run must not stop training
+                self.console.print(f"[yellow]W&B log failed, W&B disabled: {escape(str(exc))}")
+                self._wandb_run = None
+
+    def close(self, exit_code: int = 0) -> None:
+        """Flush and close every sink; safe to call more than once."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self._tensorboard is not None:
+            self._tensorboard.close()
+            self._tensorboard = None
+        if self._wandb_run is not None:
+            run, self._wandb_run = self._wandb_run, None
+            try:
+                run.finish(exit_code=exit_code)
+            except Exception as exc:
+                self.console.print(f"[yellow]W&B finish failed: {escape(str(exc))}")
+                return
+            if self._wandb_mode == "offline":
+                self.console.print(
+                    f"W&B offline run saved; upload with: wandb sync {run.settings.sync_dir}"
+                )
+
+    def __enter__(self) -> MetricsLogger:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close(exit_code=0 if exc_type is None else 1)

@@ -1,0 +1,1 @@
+"""Optimizers, their state dtypes and the learning-rate schedule."""

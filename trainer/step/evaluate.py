@@ -1,0 +1,70 @@
+"""The validation loss: every `eval.every` steps and at the end of the run, forward only,
+through the run's own step (so under the same DP, TP, PP and EP layout as training).
+
+Each evaluation reads the same `eval.batches` global batches of validation sequences (in
+order, split over the data-parallel ranks as training batches are), so successive values
+are comparable and equal under every layout. val_ppl is exp(val_loss). The MoE routing
+statistics of the metrics window are kept out of it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from models.moe import moe_modules
+from trainer.data.loader import DataLoader
+from trainer.step.local import Stepper
+
+
+class Evaluator:
+    """Decides when to evaluate and returns the validation metrics (empty when it did not)."""
+
+    def __init__(
+        self,
+        every: int,
+        batches: int,
+        stepper: Stepper,
+        loader: DataLoader | None,
+        *,
+        dp_group: dist.ProcessGroup,
+        model: nn.Module,
+        device: torch.device,
+    ) -> None:
+        self.every = every if loader is not None else 0
+        self.batches = batches
+        self.stepper = stepper
+        self.loader = loader
+        self.dp_group = dp_group
+        self.model = model
+        self.device = device
+
+    def due(self, step: int, last: bool) -> bool:
+        """Whether `step` is evaluated: every `every` steps and the run's last one."""
+        return self.every > 0 and (step % self.every == 0 or last)
+
+    def after_step(self, step: int, last: bool, stop: bool) -> dict[str, Any]:
+        """{val_loss, val_ppl} when `step` is due (collective), else {}; a run asked to stop
+        saves instead."""
+        if stop or not self.due(step, last):
+            return {}
+        return self.evaluate()
+
+    def evaluate(self) -> dict[str, Any]:
+        """The mean loss over the validation batches, on every rank (collective)."""
+        assert self.loader is not None
+        saved = [(m.stats.totals, m.stats.forwards) for m in moe_modules(self.model)]
+        total = torch.zeros((), device=self.device)
+        for batch in range(self.batches):
+            total += self.stepper.evaluate(self.loader.batches(batch))
+        for module, (totals, forwards) in zip(moe_modules(self.model), saved, strict=True):
+            module.stats.totals, module.stats.forwards = totals, forwards
+        dist.all_reduce(total, group=self.dp_group)
+        loss = total.item() / (self.batches * dist.get_world_size(self.dp_group))
+        if not math.isfinite(loss):
+            return {"val_loss": None, "val_ppl": None}
+        return {"val_loss": loss, "val_ppl": math.exp(min(loss, 700.0))}

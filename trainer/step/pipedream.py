@@ -1,0 +1,194 @@
+"""The optimizer step of a PipeDream-2BW run (`parallel.pp_schedule=2bw`).
+
+Each call runs one step of the never-flushed pipeline (`parallel/pipeline/pipedream.py`): this
+step's forwards and most of its backwards, and the previous step's last backwards. At its end the
+previous step's gradient is complete and is applied, one step late, to a copy of the
+weights in use, which the next step runs on; so the step returns this step's loss and the
+norm of the update it applied: the previous step's gradient (in a segment's first step,
+which applies none, the one the drain before it applied, or NaN at the start). The
+trainer's state always names the newest version `plain` (the optimizer's) and the other
+`stash`, which checkpoints save beside it; `settle` drains the pipeline before a
+checkpoint, applying the last gradient, so a checkpoint holds both versions and no
+activations, and a resumed run continues the same recurrence (after a refill).
+
+Agreement: clipping needs the global gradient norm, and every rank must agree on bad
+steps and on a stop. A blocking collective at each step's end would make every rank wait
+for the one that ends last and re-open the bubble, so each rank starts one non-blocking
+all-reduce (its stage's squared norm, a non-finite loss, a stop request) on a group of its
+own as soon as its gradient of a step is complete, and waits for it only at the update, a
+step later, by when every rank has long contributed. (A segment's first step, which applies
+no update, agrees on a stop the blocking way.)
+
+Micro-batches and the loss follow `trainer/step/pipeline.py`: this rank's accumulation
+micro-batches, re-split into `parallel.pp_microbatches`, the loss divided by their count.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from models.moe import moe_modules
+from parallel.clip import clip_to_norm, grad_norm
+from parallel.data_parallel import uses_fsdp
+from parallel.expert import reduce_expert_grads
+from parallel.mesh import JobMesh
+from parallel.pipeline.moe import attach_router_losses
+from parallel.pipeline.pipedream import P2PTransport, PipeDream, Version, move_optimizer
+from parallel.pipeline.stages import StageView, in_context
+from parallel.precision import forward_context
+from parallel.tensor import local_value, vocab_parallel_loss
+from pretrain_core.layout import Degrees, grad_accum_steps
+from pretrain_core.schema import RecipeConfig
+from trainer.faults.step_guard import StepGuard
+from trainer.step.local import MicroBatches, StepResult, TrainState, step_optimizer
+
+
+class PipeDreamStep:
+    """Runs one 2BW step on this pipeline rank, and drains before checkpoints."""
+
+    def __init__(
+        self,
+        state: TrainState,
+        cfg: RecipeConfig,
+        degrees: Degrees,
+        mesh: JobMesh,
+        device: torch.device,
+        guard: StepGuard | None = None,
+    ) -> None:
+        self.state, self.cfg, self.degrees, self.device = state, cfg, degrees, device
+        self.guard = guard
+        pp_mesh = mesh.world["pp"]
+        self.group = pp_mesh.get_group()
+        rank = pp_mesh.get_local_rank()
+        self.n_microbatches = cfg.parallel.pp_microbatches or grad_accum_steps(cfg)
+        weights_cast = uses_fsdp(cfg.parallel, degrees)
+        self.versions: dict[int, tuple[Version, StageView]] = {}
+        for view in (state.stash, state.plain):
+            (chunk,) = view.chunks
+            inner = getattr(chunk, "module", chunk)
+            in_context(inner, lambda: forward_context(cfg.precision, device, weights_cast))
+            attach_router_losses(inner, self._term_weight, inference_forward=False)
+            version = Version(chunk, list(view.parameters()))
+            self.versions[id(version)] = (version, view)
+        stash, plain = (v for v, _ in self.versions.values())
+        # Whichever version routes a micro-batch, the expert-load metrics count it once.
+        for older, newer in zip(moe_modules(state.stash), moe_modules(state.plain), strict=True):
+            older.stats = newer.stats
+        self.owner = plain  # the version the optimizer holds
+        transport = P2PTransport(self.group, rank, degrees.pp, device)
+        self.engine = PipeDream(
+            (stash, plain),
+            degrees.pp,
+            rank,
+            self.n_microbatches,
+            self._loss,
+            transport,
+            self._update,
+            self._gradient_ready,
+        )
+        # The agreements run beside the pipeline's traffic and the step's own collectives.
+        self.agree_group = dist.new_group(backend=dist.get_backend())
+        self.replicas = dist.get_world_size() // degrees.pp  # ranks per stage
+        self.agreements: list[tuple[torch.Tensor, dist.Work]] = []
+        self._losses: list[torch.Tensor] = []
+        self.result: tuple[torch.Tensor, bool, bool] | None = None
+        self.drained: tuple[torch.Tensor, bool] | None = None
+        state.settle = self.drain
+
+    def _term_weight(self) -> torch.Tensor:
+        one = torch.ones((), device=self.device)
+        return self.state.scaler.scale_loss(one / self.n_microbatches)
+
+    def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        loss = self.state.loss_fn(logits, targets)
+        self._losses.append(local_value(loss.detach()))
+        return self.state.scaler.scale_loss(loss / self.n_microbatches)
+
+    def _gradient_ready(self, version: Version) -> None:
+        """Start agreeing on a finished gradient: (global) norm, bad loss, stop."""
+        view = self.versions[id(version)][1]
+        reduce_expert_grads(view)
+        self.state.scaler.unscale_(view.parameters())
+        # Every rank of a stage holds its stage's squared norm (grad_norm reduces within it).
+        squared = grad_norm(view.parameters()) ** 2
+        last_loss = torch.stack(self._losses).sum() if self.engine.last else squared * 0
+        flags = torch.stack(
+            [
+                squared,
+                (~torch.isfinite(last_loss)).float(),
+                torch.tensor(float(self._stop_requested()), device=self.device),
+            ]
+        )
+        work = dist.all_reduce(flags, group=self.agree_group, async_op=True)
+        self.agreements.append((flags, work))
+
+    def _stop_requested(self) -> bool:
+        return self.guard is not None and self.guard.stop_requested()
+
+    def _update(self, target: Version, source: Version) -> None:
+        """Step `target` (a copy of `source`'s weights holding the finished gradient) with
+        the optimizer, which takes over `target`; it becomes the state's newest version."""
+        state = self.state
+        target_view, source_view = self.versions[id(target)][1], self.versions[id(source)][1]
+        move_optimizer(state.optimizer, self.owner.params, target.params)
+        self.owner = target
+        state.plain, state.stash = target_view, source_view
+        state.model = nn.ModuleList(target_view.chunks)
+        flags, work = self.agreements.pop(0)
+        work.wait()
+        norm = (flags[0] / self.replicas).sqrt()
+        clip_to_norm(state.plain.parameters(), norm, self.cfg.optim.grad_clip)
+        scaled_ok = state.scaler.update(norm)
+        bad = bool(flags[1] > 0) or (scaled_ok and not bool(torch.isfinite(norm)))
+        step_optimizer(state, self.cfg, update=scaled_ok and not bad)
+        self.result = (norm, bad, bool(flags[2] > 0))
+
+    def step(self, micro_batches: MicroBatches) -> StepResult:
+        """This step's forwards and backwards (and the previous step's last backwards),
+        then the previous step's update; returns this step's mean loss (on every stage),
+        the norm of the update applied (NaN when none was) and (bad, stop)."""
+        inputs = torch.cat([x for x, _ in micro_batches]).to(self.device)
+        targets = torch.cat([y for _, y in micro_batches]).to(self.device)
+        if self.state.context is not None:
+            inputs, targets = self.state.context.shard(inputs), self.state.context.shard(targets)
+        self.result, self._losses = None, []
+        engine = self.engine
+        with vocab_parallel_loss(enabled=self.degrees.tp > 1):
+            ops = engine.begin(
+                list(torch.tensor_split(inputs, self.n_microbatches)) if engine.first else [],
+                list(torch.tensor_split(targets, self.n_microbatches)) if engine.last else [],
+            )
+            for op in ops:
+                engine.run(*op)
+            loss = torch.zeros((), device=self.device)
+            if engine.last:
+                loss += torch.stack(self._losses).sum() / self.n_microbatches
+            dist.all_reduce(loss, group=self.group)
+            if self.state.context is not None:
+                loss = self.state.context.mean(loss)
+            engine.end()
+        if self.result is not None:  # this step applied the previous step's gradient
+            return StepResult(loss, *self.result)
+        # A segment's first step applies none: it reports the update of the drain before
+        # it, if any, and the ranks agree on its loss (and on a stop) alone.
+        norm, bad = self.drained or (torch.tensor(math.nan, device=self.device), False)
+        self.drained = None
+        if self.guard is None:  # one-process tools: decided locally
+            agreed_bad, stop = not bool(torch.isfinite(loss)), False
+        else:
+            agreed_bad, stop = self.guard.agree(loss, torch.zeros((), device=self.device))
+        return StepResult(loss, norm, bad or agreed_bad, stop)
+
+    def drain(self) -> None:
+        """Run the backwards still in flight and apply the last step's gradient: the state
+        then holds two complete weight versions and no activations (before a checkpoint)."""
+        with vocab_parallel_loss(enabled=self.degrees.tp > 1):
+            for op in self.engine.drain_ops():
+                self.engine.run(*op)
+            self.result = None
+            self.engine.end_drain()
+            self.drained = self.result[:2] if self.result is not None else None

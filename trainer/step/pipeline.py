@@ -1,0 +1,183 @@
+"""The optimizer step of a pipelined run: the schedule over the accumulation micro-batches.
+
+The global batch and data order are those of the non-pipelined run: this rank's
+accumulation micro-batches (every stage of one pipeline shares a dp rank, so they agree on
+them) are concatenated and the schedule splits them into `parallel.pp_microbatches` equal
+parts (by default the accumulation count, so the micro-batches are the same). The loss runs
+on the last stage, divided by the micro-batch count as accumulation does; the mean loss is
+summed over the pipeline group so every stage, rank 0 included, reports the last stage's.
+Gradient norms are summed over stages. Tied embeddings: the last stage's copy of the
+embedding and the first stage's have their gradients summed after the schedule
+(`parallel/pipeline/tied_embedding.py`). A mixture-of-experts stage attaches its router
+losses to its output (`parallel/pipeline/moe.py`), so they join the objective of the
+micro-batch that produced them; the reported loss is the LM loss alone, as in the plain
+step, and expert gradients are reduced over their data-parallel ranks before clipping.
+MFU needs nothing special: model FLOPs per token are the same, and the bubble is in the
+measured step time, so it never counts as work.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from parallel.data_parallel import uses_fsdp
+from parallel.expert import reduce_expert_grads
+from parallel.mesh import JobMesh
+from parallel.pipeline.moe import attach_router_losses
+from parallel.pipeline.stages import build_schedule, in_context, stage_indices
+from parallel.pipeline.tied_embedding import embedding_group, reduce_tied_grads
+from parallel.precision import forward_context
+from parallel.tensor import local_value, vocab_parallel_loss
+from pretrain_core.layout import Degrees, grad_accum_steps
+from pretrain_core.schema import RecipeConfig
+from trainer.faults.step_guard import StepGuard
+from trainer.step.local import (
+    SLOT_RETRIES,
+    MicroBatches,
+    StepResult,
+    TrainState,
+    apply_gradients,
+    run_again_for_slots,
+)
+from trainer.step.pipedream import PipeDreamStep
+
+
+def pipeline_step(
+    state: TrainState,
+    cfg: RecipeConfig,
+    degrees: Degrees,
+    mesh: JobMesh,
+    device: torch.device,
+    guard: StepGuard | None = None,
+) -> PipelineStep | PipeDreamStep:
+    """The step of the recipe's schedule: torch's (`PipelineStep`) or, for pp_schedule=2bw,
+    the in-repo PipeDream-2BW (`trainer/step/pipedream.py`); both are `Stepper`s with the
+    pipeline group as `group`."""
+    if cfg.parallel.pp_schedule == "2bw":
+        return PipeDreamStep(state, cfg, degrees, mesh, device, guard)
+    return PipelineStep(state, cfg, degrees, mesh, device, guard)
+
+
+class PipelineStep:
+    """Runs one optimizer step of a pipeline-parallel layout on this rank."""
+
+    def __init__(
+        self,
+        state: TrainState,
+        cfg: RecipeConfig,
+        degrees: Degrees,
+        mesh: JobMesh,
+        device: torch.device,
+        guard: StepGuard | None = None,
+    ) -> None:
+        self.state, self.cfg, self.degrees, self.device = state, cfg, degrees, device
+        self.guard = guard
+        pp_mesh = mesh.world["pp"]
+        self.group = pp_mesh.get_group()
+        stages = stage_indices(pp_mesh.get_local_rank(), cfg.parallel)
+        self.has_first = 0 in stages
+        self.has_last = degrees.pp * cfg.parallel.vpp - 1 in stages
+        self.n_microbatches = cfg.parallel.pp_microbatches or grad_accum_steps(cfg)
+        self.losses: list[torch.Tensor] = []
+        self.evaluating = False
+        weights_cast = uses_fsdp(cfg.parallel, degrees)
+        for chunk in state.model:
+            inner = getattr(chunk, "module", chunk)  # inside DDP, which calls it
+            in_context(inner, lambda: forward_context(cfg.precision, device, weights_cast))
+            attach_router_losses(inner, self._term_weight)
+        self.embedding_group = embedding_group(cfg, degrees)
+        self.stages = stages
+        self.schedule = self._new_schedule()
+        # Validation runs through a schedule of its own: torch's stages infer their shapes
+        # again after a forward-only pass, and that extra forward inside the next training
+        # step would count in the step's MoE routing (and its balancing bias).
+        self.eval_schedule: Any = None
+
+    def _new_schedule(self) -> Any:
+        return build_schedule(
+            list(self.state.model),
+            self.stages,
+            self.cfg.parallel,
+            self.n_microbatches,
+            self._loss,
+            self.group,
+            self.device,
+        )
+
+    def _term_weight(self) -> torch.Tensor:
+        # The gradient a term of one micro-batch's objective carries, as `_loss` scales it.
+        one = torch.ones((), device=self.device)
+        return self.state.scaler.scale_loss(one / self.n_microbatches)
+
+    def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        # Validation reads the plain loss (the state's may be compiled or fault-injected).
+        state = self.state
+        loss = (state.eval_loss_fn if self.evaluating else state.loss_fn)(logits, targets)
+        # Every TP rank holds the same (replicated) loss.
+        self.losses.append(local_value(loss.detach()))
+        return self.state.scaler.scale_loss(loss / self.n_microbatches)
+
+    def step(self, micro_batches: MicroBatches) -> StepResult:
+        """Forward and backward of this rank's micro-batches through the pipeline, then the
+        optimizer; returns the step's mean loss (on every stage), the global grad norm and
+        what all ranks agreed (bad, stop), as `train_step` does."""
+        inputs = torch.cat([x for x, _ in micro_batches]).to(self.device)
+        targets = torch.cat([y for _, y in micro_batches]).to(self.device)
+        if self.state.context is not None:
+            inputs, targets = self.state.context.shard(inputs), self.state.context.shard(targets)
+        args = (inputs,) if self.has_first else ()
+        phases = self.state.phases
+        for _ in range(SLOT_RETRIES):
+            self.losses = []
+            with (
+                phases.phase("forward_backward"),
+                vocab_parallel_loss(enabled=self.degrees.tp > 1),
+            ):
+                # The last stage's outputs (the logits) are not merged and kept to the end.
+                self.schedule.step(
+                    *args, target=targets if self.has_last else None, return_outputs=False
+                )
+            if not run_again_for_slots(self.state, self.cfg, self.device):
+                break
+        else:
+            raise RuntimeError(f"the MoE dispatch slots overflowed {SLOT_RETRIES} runs of one step")
+        with phases.phase("forward_backward"):
+            reduce_expert_grads(self.state.plain)
+            reduce_tied_grads(self.state.plain, self.embedding_group)
+        loss = torch.zeros((), device=self.device)
+        if self.has_last:
+            # The first step's shape inference calls the loss function once more, first.
+            loss += torch.stack(self.losses[-self.n_microbatches :]).sum() / self.n_microbatches
+        dist.all_reduce(loss, group=self.group)
+        if self.state.context is not None:
+            loss = self.state.context.mean(loss)
+        with phases.phase("optimizer"):
+            return StepResult(
+                loss, *apply_gradients(self.state, self.cfg, self.guard, loss, self.group)
+            )
+
+    @torch.no_grad()
+    def evaluate(self, micro_batches: MicroBatches) -> torch.Tensor:
+        """The mean validation loss of this pipeline's micro-batches (forward only, through
+        the same schedule), on every stage."""
+        inputs = torch.cat([x for x, _ in micro_batches]).to(self.device)
+        targets = torch.cat([y for _, y in micro_batches]).to(self.device)
+        if self.state.context is not None:
+            inputs, targets = self.state.context.shard(inputs), self.state.context.shard(targets)
+        args = (inputs,) if self.has_first else ()
+        self.losses, self.evaluating = [], True
+        try:
+            with vocab_parallel_loss(enabled=self.degrees.tp > 1):
+                if self.eval_schedule is None:
+                    self.eval_schedule = self._new_schedule()
+                self.eval_schedule.eval(*args, target=targets if self.has_last else None)
+        finally:
+            self.evaluating = False
+        loss = torch.zeros((), device=self.device)
+        if self.has_last:
+            loss += torch.stack(self.losses[-self.n_microbatches :]).sum() / self.n_microbatches
+        dist.all_reduce(loss, group=self.group)
+        return self.state.context.mean(loss) if self.state.context is not None else loss

@@ -16,6 +16,7 @@ from pretrain_core.layout import resolve_degrees
 from trainer.build import build_train_state
 from trainer.data.loader import one_process_loader
 from trainer.dist import init_distributed
+from trainer.step.context import StepContext
 from trainer.step.local import train_step
 
 
@@ -36,10 +37,10 @@ def main() -> None:
     state = build_train_state(cfg, build_mesh(degrees, rank.device.type), degrees, rank.device)
     loader = one_process_loader(cfg)
     for _ in range(3):  # compile and warm up outside the profile
-        train_step(state, loader.next_step(), cfg, degrees, rank.device)
+        train_step(StepContext(state, cfg, degrees, rank.device), loader.next_step())
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(args.steps):
-            train_step(state, loader.next_step(), cfg, degrees, rank.device)
+            train_step(StepContext(state, cfg, degrees, rank.device), loader.next_step())
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows))
 
 

@@ -32,6 +32,7 @@ from trainer.build import build_train_state
 from trainer.data.loader import RunData, open_datasets, packed_data, train_loader
 from trainer.data.prefetch import PrefetchingLoader
 from trainer.dist import init_distributed
+from trainer.step.context import StepContext
 from trainer.step.local import train_step
 from trainer.step.phases import OFF, StepPhases
 
@@ -225,7 +226,7 @@ def main() -> None:
                 wait = time.perf_counter()
                 micro_batches = loader.next_step()
                 data_wait[key] += time.perf_counter() - wait
-                train_step(state, micro_batches, recipe, degrees, rank.device)
+                train_step(StepContext(state, recipe, degrees, rank.device), micro_batches)
             return (time.perf_counter() - start) / steps
 
         return block

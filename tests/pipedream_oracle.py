@@ -29,7 +29,9 @@ from pretrain_core.schema import RecipeConfig
 from trainer.data.loader import DataLoader, one_process_loader
 from trainer.optim.lr_schedule import build_lr_scheduler
 from trainer.optim.optimizers import build_optimizer
-from trainer.step.local import TrainState, apply_gradients, lm_loss, train_step
+from trainer.step.context import StepContext
+from trainer.step.local import apply_gradients, train_step
+from trainer.step.state import TrainState, lm_loss
 
 Curve = list[tuple[float, float]]
 """(loss, grad norm) per step; the norm is NaN in a step that applied no update."""
@@ -56,7 +58,7 @@ def synchronous_curve(cfg: RecipeConfig, steps: int) -> Curve:
     state, loader = _state(cfg, model), _loader(cfg)
     curve = []
     for _ in range(steps):
-        loss, norm, _, _ = train_step(state, loader.next_step(), cfg, ONE_RANK, CPU)
+        loss, norm, _, _ = train_step(StepContext(state, cfg, ONE_RANK, CPU), loader.next_step())
         curve.append((loss.item(), norm.item()))
     return curve
 

@@ -29,7 +29,7 @@ from pretrain_core.schema import RecipeConfig
 from trainer.optim.lr_schedule import build_lr_scheduler
 from trainer.optim.optimizers import build_optimizer, optimizer_spec, param_groups, scaled_lr
 from trainer.step.chunked_loss import ChunkedLMLoss
-from trainer.step.local import TrainState, lm_loss
+from trainer.step.state import TrainState, lm_loss
 
 
 def parallelize(plain: nn.Module, cfg: RecipeConfig, mesh: JobMesh, degrees: Degrees) -> None:

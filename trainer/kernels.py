@@ -18,7 +18,7 @@ from pretrain_core.model_config import ModelConfig
 
 if TYPE_CHECKING:
     from pretrain_core.schema import RecipeConfig
-    from trainer.step.local import TrainState
+    from trainer.step.state import TrainState
 
 # The aten op SDPA dispatches to, by backend.
 SDPA_BACKENDS = {

@@ -42,10 +42,12 @@ from trainer.observe.metrics import PeakFlops, ThroughputMeter, resolve_peak_flo
 from trainer.observe.metrics_window import MetricsWindow
 from trainer.observe.run_identity import run_identity
 from trainer.observe.startup import CLOCK
+from trainer.step.context import StepContext
 from trainer.step.evaluate import Evaluator
-from trainer.step.local import LocalStep, Stepper, TrainState
+from trainer.step.local import LocalStep
 from trainer.step.phases import StepPhases
 from trainer.step.pipeline import pipeline_step
+from trainer.step.state import Stepper, TrainState
 
 
 @dataclass
@@ -169,10 +171,11 @@ def _stepper(
     doc_eos: int | None,
 ) -> tuple[Stepper, torch.distributed.ProcessGroup | None]:
     """The step of the layout, and the pipeline group MoE metrics gather over (if any)."""
+    ctx = StepContext(state, cfg, degrees, rank.device, mesh, guard, doc_eos)
     if degrees.pp > 1:
-        stepper = pipeline_step(state, cfg, degrees, mesh, rank.device, guard)
+        stepper = pipeline_step(ctx)
         return stepper, stepper.group if cfg.model.moe_experts else None
-    return LocalStep(state, cfg, degrees, rank.device, guard, doc_eos), None
+    return LocalStep(ctx), None
 
 
 def _evaluator(

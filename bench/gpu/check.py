@@ -42,6 +42,7 @@ from trainer.build import build_train_state  # noqa: E402
 from trainer.dist import init_distributed  # noqa: E402
 from trainer.kernels import optimizer_path, sdpa_backend  # noqa: E402
 from trainer.observe.metrics import resolve_peak_flops  # noqa: E402
+from trainer.step.context import StepContext  # noqa: E402
 from trainer.step.local import train_step  # noqa: E402
 
 PRECISIONS = {"bf16": ("bf16", None), "fp8-torchao": ("fp8", "torchao"), "fp8-te": ("fp8", "te")}
@@ -137,13 +138,13 @@ def measure(cfg: RecipeConfig, rank, args: argparse.Namespace, dry_run: bool) ->
     tokens = torch.randint(0, cfg.model.vocab_size, shape, generator=g).to(device)
     batch = [(tokens[:, :-1], tokens[:, 1:])]
     for _ in range(args.warmup):
-        train_step(state, batch, cfg, degrees, device)
+        train_step(StepContext(state, cfg, degrees, device), batch)
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
     for _ in range(args.steps):
-        train_step(state, batch, cfg, degrees, device)
+        train_step(StepContext(state, cfg, degrees, device), batch)
     if device.type == "cuda":
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - start

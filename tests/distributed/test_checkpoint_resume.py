@@ -25,7 +25,7 @@ from torch import nn
 
 from tests.distributed.harness import BASE_OVERRIDES, FP32_TOLERANCE, read_curve
 from trainer.checkpoint.export import export, load_model
-from trainer.step.local import lm_loss
+from trainer.step.state import lm_loss
 
 pytestmark = pytest.mark.distributed
 

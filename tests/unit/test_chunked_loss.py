@@ -15,7 +15,7 @@ from models.llama import Transformer, build_on_meta
 from pretrain_core.model_config import ModelConfig
 from tests.helpers import configure, problems
 from trainer.step.chunked_loss import ChunkedLMLoss
-from trainer.step.local import lm_loss
+from trainer.step.state import lm_loss
 
 TINY = ModelConfig(
     vocab_size=512, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, max_seq_len=64

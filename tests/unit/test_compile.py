@@ -12,7 +12,7 @@ from parallel.materialize import materialize
 from parallel.recompute import apply_recompute
 from pretrain_core.model_config import ModelConfig
 from pretrain_core.schema import CompileConfig, RecomputeConfig
-from trainer.step.local import lm_loss
+from trainer.step.state import lm_loss
 
 MODEL = ModelConfig(
     vocab_size=128, dim=32, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=32

@@ -11,7 +11,7 @@ import models
 from models.init import init_weights
 from models.layers import document_mask
 from pretrain_core.model_config import ModelConfig
-from trainer.step.local import document_ids
+from trainer.step.context import document_ids
 
 EOS = 0
 MODEL = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64,

@@ -20,7 +20,7 @@ from pretrain_core.schema import OptimConfig, RecipeConfig, ScheduleConfig
 from trainer.data.loader import one_process_loader
 from trainer.optim.lr_schedule import build_lr_scheduler
 from trainer.optim.optimizers import build_optimizer
-from trainer.step.local import lm_loss
+from trainer.step.state import lm_loss
 
 STEPS, BATCH, SEQ_LEN = 40, 8, 64
 MODEL = ModelConfig(vocab_size=512, dim=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=192)

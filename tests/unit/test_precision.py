@@ -19,7 +19,9 @@ from pretrain_core.schema import PrecisionConfig, RecipeConfig
 from trainer.faults.step_guard import StepGuard
 from trainer.optim.lr_schedule import build_lr_scheduler
 from trainer.optim.optimizers import build_optimizer
-from trainer.step.local import TrainState, train_step
+from trainer.step.context import StepContext
+from trainer.step.local import train_step
+from trainer.step.state import TrainState
 
 ONE_RANK = Degrees(pp=1, dp_replicate=1, dp_shard=1, tp=1, ep=1, world=1)
 BLOCK_LINEARS = (
@@ -118,7 +120,9 @@ def test_an_overflowing_fp16_step_is_skipped_and_the_next_one_trains(one_rank_gr
     before = copy.deepcopy(state.plain.state_dict())
 
     guard = one_rank_group
-    _, norm, bad, _ = train_step(state, batch(cfg, 0), cfg, ONE_RANK, torch.device("cpu"), guard)
+    _, norm, bad, _ = train_step(
+        StepContext(state, cfg, ONE_RANK, torch.device("cpu"), guard=guard), batch(cfg, 0)
+    )
     assert not torch.isfinite(norm) and not bad  # an overflow is the scaler's, not a fault
     assert state.scaler.metrics() == {"loss_scale": 2.0**10, "skipped_steps": 1}
     after = state.plain.state_dict()
@@ -126,7 +130,9 @@ def test_an_overflowing_fp16_step_is_skipped_and_the_next_one_trains(one_rank_gr
     assert state.optimizer.state == {}  # AdamW's moments and step count were not touched
     assert all(p.grad is None for p in state.plain.parameters())
 
-    _, norm, _, _ = train_step(state, batch(cfg, 1), cfg, ONE_RANK, torch.device("cpu"), guard)
+    _, norm, _, _ = train_step(
+        StepContext(state, cfg, ONE_RANK, torch.device("cpu"), guard=guard), batch(cfg, 1)
+    )
     assert torch.isfinite(norm) and state.scaler.skipped_steps == 1
     assert any(not torch.equal(before[k], v) for k, v in state.plain.state_dict().items())
 
@@ -139,13 +145,15 @@ def test_gradients_are_unscaled_before_the_norm_is_clipped(one_rank_group):
         cfg = recipe(dtype="fp16", loss_scale_init=scale)
         cfg.optim.grad_clip = 1e-3  # clipping on: it must see the unscaled norm
         _, norm, _, _ = train_step(
-            build_state(cfg), batch(cfg, 0), cfg, ONE_RANK, torch.device("cpu"), one_rank_group
+            StepContext(build_state(cfg), cfg, ONE_RANK, torch.device("cpu"), guard=one_rank_group),
+            batch(cfg, 0),
         )
         norms.append(norm.item())
     assert norms[0] == pytest.approx(norms[1], rel=1e-3)
     fp32 = recipe(dtype="fp32")
     _, reference, _, _ = train_step(
-        build_state(fp32), batch(fp32, 0), fp32, ONE_RANK, torch.device("cpu"), one_rank_group
+        StepContext(build_state(fp32), fp32, ONE_RANK, torch.device("cpu"), guard=one_rank_group),
+        batch(fp32, 0),
     )
     assert norms[1] == pytest.approx(reference.item(), rel=2e-2)
 

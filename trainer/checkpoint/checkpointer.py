@@ -55,7 +55,7 @@ from trainer.data.loader import DataLoader
 from trainer.faults.injection import FaultInjector
 from trainer.log import get_logger
 from trainer.optim.states import StoredStateOptimizer
-from trainer.step.local import TrainState
+from trainer.step.state import TrainState
 
 STASH = "stash"
 """DCP key of PipeDream-2BW's older weight version."""

@@ -29,6 +29,7 @@ from pretrain_core.layout import grad_accum_steps, resolve_degrees
 from pretrain_core.schema import RecipeConfig, load_config
 from trainer.build import build_train_state
 from trainer.dist import init_distributed
+from trainer.step.context import StepContext
 from trainer.step.local import train_step
 from trainer.step.pipeline import pipeline_step
 
@@ -103,7 +104,7 @@ def measure(cfg: RecipeConfig) -> dict:
 
     if degrees.pp > 1:
         # Each rank runs its stage's part of the schedule; the first step also infers shapes.
-        pipeline = pipeline_step(state, cfg, degrees, mesh, device)
+        pipeline = pipeline_step(StepContext(state, cfg, degrees, device, mesh))
 
         def step(micro_batches: list) -> None:
             pipeline.step(micro_batches)
@@ -112,7 +113,7 @@ def measure(cfg: RecipeConfig) -> dict:
     else:
 
         def step(micro_batches: list) -> None:
-            train_step(state, micro_batches, cfg, degrees, device)
+            train_step(StepContext(state, cfg, degrees, device), micro_batches)
 
         roots = [state.model]
 

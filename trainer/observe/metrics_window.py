@@ -33,7 +33,7 @@ from trainer.faults.step_guard import StepGuard, gather_compute, stragglers
 from trainer.log import get_logger
 from trainer.observe.metrics import ThroughputMeter, peak_memory_gib
 from trainer.observe.moe_metrics import expert_load_metrics
-from trainer.step.local import MicroBatches, Stepper, StepResult, TrainState
+from trainer.step.state import MicroBatches, Stepper, StepResult, TrainState
 
 T = TypeVar("T")
 P = ParamSpec("P")

@@ -18,7 +18,7 @@ from torch import nn
 
 from models.moe import moe_modules
 from trainer.data.loader import DataLoader
-from trainer.step.local import Stepper
+from trainer.step.state import Stepper
 
 
 class Evaluator:

@@ -33,45 +33,28 @@ from torch import nn
 
 from models.moe import moe_modules
 from parallel.clip import clip_to_norm, grad_norm
-from parallel.data_parallel import uses_fsdp
 from parallel.expert import reduce_expert_grads
-from parallel.mesh import JobMesh
-from parallel.pipeline.moe import attach_router_losses
 from parallel.pipeline.pipedream import P2PTransport, PipeDream, Version, move_optimizer
-from parallel.pipeline.stages import StageView, in_context
-from parallel.precision import forward_context
-from parallel.tensor import local_value, vocab_parallel_loss
-from pretrain_core.layout import Degrees, grad_accum_steps
-from pretrain_core.schema import RecipeConfig
-from trainer.faults.step_guard import StepGuard
-from trainer.step.local import MicroBatches, StepResult, TrainState, step_optimizer
+from parallel.pipeline.stages import StageView
+from parallel.tensor import local_value
+from trainer.step.context import StepContext
+from trainer.step.local import step_optimizer
+from trainer.step.state import MicroBatches, StepResult
 
 
 class PipeDreamStep:
     """Runs one 2BW step on this pipeline rank, and drains before checkpoints."""
 
-    def __init__(
-        self,
-        state: TrainState,
-        cfg: RecipeConfig,
-        degrees: Degrees,
-        mesh: JobMesh,
-        device: torch.device,
-        guard: StepGuard | None = None,
-    ) -> None:
-        self.state, self.cfg, self.degrees, self.device = state, cfg, degrees, device
-        self.guard = guard
-        pp_mesh = mesh.world["pp"]
-        self.group = pp_mesh.get_group()
-        rank = pp_mesh.get_local_rank()
-        self.n_microbatches = cfg.parallel.pp_microbatches or grad_accum_steps(cfg)
-        weights_cast = uses_fsdp(cfg.parallel, degrees)
+    def __init__(self, ctx: StepContext) -> None:
+        self.ctx, self.state = ctx, ctx.state
+        state, degrees, device = ctx.state, ctx.degrees, ctx.device
+        self.group = ctx.pipeline_group
+        rank = ctx.pipeline_rank
+        self.n_microbatches = ctx.pipeline_microbatches
         self.versions: dict[int, tuple[Version, StageView]] = {}
         for view in (state.stash, state.plain):
             (chunk,) = view.chunks
-            inner = getattr(chunk, "module", chunk)
-            in_context(inner, lambda: forward_context(cfg.precision, device, weights_cast))
-            attach_router_losses(inner, self._term_weight, inference_forward=False)
+            ctx.prepare_stage(chunk, inference_forward=False)
             version = Version(chunk, list(view.parameters()))
             self.versions[id(version)] = (version, view)
         stash, plain = (v for v, _ in self.versions.values())
@@ -99,14 +82,10 @@ class PipeDreamStep:
         self.drained: tuple[torch.Tensor, bool] | None = None
         state.settle = self.drain
 
-    def _term_weight(self) -> torch.Tensor:
-        one = torch.ones((), device=self.device)
-        return self.state.scaler.scale_loss(one / self.n_microbatches)
-
     def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         loss = self.state.loss_fn(logits, targets)
         self._losses.append(local_value(loss.detach()))
-        return self.state.scaler.scale_loss(loss / self.n_microbatches)
+        return self.ctx.scaled_term(loss)
 
     def _gradient_ready(self, version: Version) -> None:
         """Start agreeing on a finished gradient: (global) norm, bad loss, stop."""
@@ -120,14 +99,14 @@ class PipeDreamStep:
             [
                 squared,
                 (~torch.isfinite(last_loss)).float(),
-                torch.tensor(float(self._stop_requested()), device=self.device),
+                torch.tensor(float(self._stop_requested()), device=self.ctx.device),
             ]
         )
         work = dist.all_reduce(flags, group=self.agree_group, async_op=True)
         self.agreements.append((flags, work))
 
     def _stop_requested(self) -> bool:
-        return self.guard is not None and self.guard.stop_requested()
+        return self.ctx.guard is not None and self.ctx.guard.stop_requested()
 
     def _update(self, target: Version, source: Version) -> None:
         """Step `target` (a copy of `source`'s weights holding the finished gradient) with
@@ -141,52 +120,49 @@ class PipeDreamStep:
         flags, work = self.agreements.pop(0)
         work.wait()
         norm = (flags[0] / self.replicas).sqrt()
-        clip_to_norm(state.plain.parameters(), norm, self.cfg.optim.grad_clip)
+        clip_to_norm(state.plain.parameters(), norm, self.ctx.cfg.optim.grad_clip)
         scaled_ok = state.scaler.update(norm)
         bad = bool(flags[1] > 0) or (scaled_ok and not bool(torch.isfinite(norm)))
-        step_optimizer(state, self.cfg, update=scaled_ok and not bad)
+        step_optimizer(state, self.ctx.cfg, update=scaled_ok and not bad)
         self.result = (norm, bad, bool(flags[2] > 0))
 
     def step(self, micro_batches: MicroBatches) -> StepResult:
         """This step's forwards and backwards (and the previous step's last backwards),
         then the previous step's update; returns this step's mean loss (on every stage),
         the norm of the update applied (NaN when none was) and (bad, stop)."""
-        inputs = torch.cat([x for x, _ in micro_batches]).to(self.device)
-        targets = torch.cat([y for _, y in micro_batches]).to(self.device)
-        if self.state.context is not None:
-            inputs, targets = self.state.context.shard(inputs), self.state.context.shard(targets)
+        ctx = self.ctx
+        inputs, targets = ctx.whole_batch(micro_batches)
         self.result, self._losses = None, []
         engine = self.engine
-        with vocab_parallel_loss(enabled=self.degrees.tp > 1):
+        with ctx.loss_parallel():
             ops = engine.begin(
                 list(torch.tensor_split(inputs, self.n_microbatches)) if engine.first else [],
                 list(torch.tensor_split(targets, self.n_microbatches)) if engine.last else [],
             )
             for op in ops:
                 engine.run(*op)
-            loss = torch.zeros((), device=self.device)
+            loss = torch.zeros((), device=ctx.device)
             if engine.last:
                 loss += torch.stack(self._losses).sum() / self.n_microbatches
             dist.all_reduce(loss, group=self.group)
-            if self.state.context is not None:
-                loss = self.state.context.mean(loss)
+            loss = ctx.context_mean(loss)
             engine.end()
         if self.result is not None:  # this step applied the previous step's gradient
             return StepResult(loss, *self.result)
         # A segment's first step applies none: it reports the update of the drain before
         # it, if any, and the ranks agree on its loss (and on a stop) alone.
-        norm, bad = self.drained or (torch.tensor(math.nan, device=self.device), False)
+        norm, bad = self.drained or (torch.tensor(math.nan, device=ctx.device), False)
         self.drained = None
-        if self.guard is None:  # one-process tools: decided locally
+        if ctx.guard is None:  # one-process tools: decided locally
             agreed_bad, stop = not bool(torch.isfinite(loss)), False
         else:
-            agreed_bad, stop = self.guard.agree(loss, torch.zeros((), device=self.device))
+            agreed_bad, stop = ctx.guard.agree(loss, torch.zeros((), device=ctx.device))
         return StepResult(loss, norm, bad or agreed_bad, stop)
 
     def drain(self) -> None:
         """Run the backwards still in flight and apply the last step's gradient: the state
         then holds two complete weight versions and no activations (before a checkpoint)."""
-        with vocab_parallel_loss(enabled=self.degrees.tp > 1):
+        with self.ctx.loss_parallel():
             for op in self.engine.drain_ops():
                 self.engine.run(*op)
             self.result = None

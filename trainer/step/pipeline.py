@@ -23,72 +23,40 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from parallel.data_parallel import uses_fsdp
 from parallel.expert import reduce_expert_grads
-from parallel.mesh import JobMesh
-from parallel.pipeline.moe import attach_router_losses
-from parallel.pipeline.stages import build_schedule, in_context, stage_indices
+from parallel.pipeline.stages import build_schedule, stage_indices
 from parallel.pipeline.tied_embedding import embedding_group, reduce_tied_grads
-from parallel.precision import forward_context
-from parallel.tensor import local_value, vocab_parallel_loss
-from pretrain_core.layout import Degrees, grad_accum_steps
-from pretrain_core.schema import RecipeConfig
-from trainer.faults.step_guard import StepGuard
-from trainer.step.local import (
-    SLOT_RETRIES,
-    MicroBatches,
-    StepResult,
-    TrainState,
-    apply_gradients,
-    run_again_for_slots,
-)
+from parallel.tensor import local_value
+from trainer.step.context import StepContext
+from trainer.step.local import SLOT_RETRIES, apply_gradients, run_again_for_slots
 from trainer.step.pipedream import PipeDreamStep
+from trainer.step.state import MicroBatches, StepResult
 
 
-def pipeline_step(
-    state: TrainState,
-    cfg: RecipeConfig,
-    degrees: Degrees,
-    mesh: JobMesh,
-    device: torch.device,
-    guard: StepGuard | None = None,
-) -> PipelineStep | PipeDreamStep:
+def pipeline_step(ctx: StepContext) -> PipelineStep | PipeDreamStep:
     """The step of the recipe's schedule: torch's (`PipelineStep`) or, for pp_schedule=2bw,
     the in-repo PipeDream-2BW (`trainer/step/pipedream.py`); both are `Stepper`s with the
     pipeline group as `group`."""
-    if cfg.parallel.pp_schedule == "2bw":
-        return PipeDreamStep(state, cfg, degrees, mesh, device, guard)
-    return PipelineStep(state, cfg, degrees, mesh, device, guard)
+    if ctx.cfg.parallel.pp_schedule == "2bw":
+        return PipeDreamStep(ctx)
+    return PipelineStep(ctx)
 
 
 class PipelineStep:
     """Runs one optimizer step of a pipeline-parallel layout on this rank."""
 
-    def __init__(
-        self,
-        state: TrainState,
-        cfg: RecipeConfig,
-        degrees: Degrees,
-        mesh: JobMesh,
-        device: torch.device,
-        guard: StepGuard | None = None,
-    ) -> None:
-        self.state, self.cfg, self.degrees, self.device = state, cfg, degrees, device
-        self.guard = guard
-        pp_mesh = mesh.world["pp"]
-        self.group = pp_mesh.get_group()
-        stages = stage_indices(pp_mesh.get_local_rank(), cfg.parallel)
+    def __init__(self, ctx: StepContext) -> None:
+        self.ctx, self.state = ctx, ctx.state
+        self.group = ctx.pipeline_group
+        stages = stage_indices(ctx.pipeline_rank, ctx.cfg.parallel)
         self.has_first = 0 in stages
-        self.has_last = degrees.pp * cfg.parallel.vpp - 1 in stages
-        self.n_microbatches = cfg.parallel.pp_microbatches or grad_accum_steps(cfg)
+        self.has_last = ctx.degrees.pp * ctx.cfg.parallel.vpp - 1 in stages
+        self.n_microbatches = ctx.pipeline_microbatches
         self.losses: list[torch.Tensor] = []
         self.evaluating = False
-        weights_cast = uses_fsdp(cfg.parallel, degrees)
-        for chunk in state.model:
-            inner = getattr(chunk, "module", chunk)  # inside DDP, which calls it
-            in_context(inner, lambda: forward_context(cfg.precision, device, weights_cast))
-            attach_router_losses(inner, self._term_weight)
-        self.embedding_group = embedding_group(cfg, degrees)
+        for chunk in ctx.state.model:
+            ctx.prepare_stage(chunk)
+        self.embedding_group = embedding_group(ctx.cfg, ctx.degrees)
         self.stages = stages
         self.schedule = self._new_schedule()
         # Validation runs through a schedule of its own: torch's stages infer their shapes
@@ -100,17 +68,12 @@ class PipelineStep:
         return build_schedule(
             list(self.state.model),
             self.stages,
-            self.cfg.parallel,
+            self.ctx.cfg.parallel,
             self.n_microbatches,
             self._loss,
             self.group,
-            self.device,
+            self.ctx.device,
         )
-
-    def _term_weight(self) -> torch.Tensor:
-        # The gradient a term of one micro-batch's objective carries, as `_loss` scales it.
-        one = torch.ones((), device=self.device)
-        return self.state.scaler.scale_loss(one / self.n_microbatches)
 
     def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         # Validation reads the plain loss (the state's may be compiled or fault-injected).
@@ -118,66 +81,57 @@ class PipelineStep:
         loss = (state.eval_loss_fn if self.evaluating else state.loss_fn)(logits, targets)
         # Every TP rank holds the same (replicated) loss.
         self.losses.append(local_value(loss.detach()))
-        return self.state.scaler.scale_loss(loss / self.n_microbatches)
+        return self.ctx.scaled_term(loss)
 
     def step(self, micro_batches: MicroBatches) -> StepResult:
         """Forward and backward of this rank's micro-batches through the pipeline, then the
         optimizer; returns the step's mean loss (on every stage), the global grad norm and
         what all ranks agreed (bad, stop), as `train_step` does."""
-        inputs = torch.cat([x for x, _ in micro_batches]).to(self.device)
-        targets = torch.cat([y for _, y in micro_batches]).to(self.device)
-        if self.state.context is not None:
-            inputs, targets = self.state.context.shard(inputs), self.state.context.shard(targets)
+        ctx = self.ctx
+        inputs, targets = ctx.whole_batch(micro_batches)
         args = (inputs,) if self.has_first else ()
         phases = self.state.phases
         for _ in range(SLOT_RETRIES):
             self.losses = []
-            with (
-                phases.phase("forward_backward"),
-                vocab_parallel_loss(enabled=self.degrees.tp > 1),
-            ):
+            with phases.phase("forward_backward"), ctx.loss_parallel():
                 # The last stage's outputs (the logits) are not merged and kept to the end.
                 self.schedule.step(
                     *args, target=targets if self.has_last else None, return_outputs=False
                 )
-            if not run_again_for_slots(self.state, self.cfg, self.device):
+            if not run_again_for_slots(self.state, ctx.cfg, ctx.device):
                 break
         else:
             raise RuntimeError(f"the MoE dispatch slots overflowed {SLOT_RETRIES} runs of one step")
         with phases.phase("forward_backward"):
             reduce_expert_grads(self.state.plain)
             reduce_tied_grads(self.state.plain, self.embedding_group)
-        loss = torch.zeros((), device=self.device)
-        if self.has_last:
-            # The first step's shape inference calls the loss function once more, first.
-            loss += torch.stack(self.losses[-self.n_microbatches :]).sum() / self.n_microbatches
-        dist.all_reduce(loss, group=self.group)
-        if self.state.context is not None:
-            loss = self.state.context.mean(loss)
+        # The first step's shape inference calls the loss function once more, first.
+        loss = self._pipeline_loss()
         with phases.phase("optimizer"):
             return StepResult(
-                loss, *apply_gradients(self.state, self.cfg, self.guard, loss, self.group)
+                loss, *apply_gradients(self.state, ctx.cfg, ctx.guard, loss, self.group)
             )
+
+    def _pipeline_loss(self) -> torch.Tensor:
+        """The mean loss of the last stage's latest micro-batches, on every stage."""
+        loss = torch.zeros((), device=self.ctx.device)
+        if self.has_last:
+            loss += torch.stack(self.losses[-self.n_microbatches :]).sum() / self.n_microbatches
+        dist.all_reduce(loss, group=self.group)
+        return self.ctx.context_mean(loss)
 
     @torch.no_grad()
     def evaluate(self, micro_batches: MicroBatches) -> torch.Tensor:
         """The mean validation loss of this pipeline's micro-batches (forward only, through
         the same schedule), on every stage."""
-        inputs = torch.cat([x for x, _ in micro_batches]).to(self.device)
-        targets = torch.cat([y for _, y in micro_batches]).to(self.device)
-        if self.state.context is not None:
-            inputs, targets = self.state.context.shard(inputs), self.state.context.shard(targets)
+        inputs, targets = self.ctx.whole_batch(micro_batches)
         args = (inputs,) if self.has_first else ()
         self.losses, self.evaluating = [], True
         try:
-            with vocab_parallel_loss(enabled=self.degrees.tp > 1):
+            with self.ctx.loss_parallel():
                 if self.eval_schedule is None:
                     self.eval_schedule = self._new_schedule()
                 self.eval_schedule.eval(*args, target=targets if self.has_last else None)
         finally:
             self.evaluating = False
-        loss = torch.zeros((), device=self.device)
-        if self.has_last:
-            loss += torch.stack(self.losses[-self.n_microbatches :]).sum() / self.n_microbatches
-        dist.all_reduce(loss, group=self.group)
-        return self.state.context.mean(loss) if self.state.context is not None else loss
+        return self._pipeline_loss()

@@ -1,0 +1,127 @@
+"""The step context: what every stepper reads, built once per run, and the hooks they share.
+
+`setup` builds one `StepContext`; the local step, the pipeline step over torch's schedules
+and the PipeDream-2BW step all consume it. A hook every step applies (the forward's
+autocast, the vocab-parallel loss, the context-parallel split of the sequences, the
+document mask, the pipeline's loss scaling per micro-batch) is written here once, so a new
+one goes in one place, not in each stepper.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from parallel.data_parallel import uses_fsdp
+from parallel.mesh import JobMesh
+from parallel.pipeline.moe import attach_router_losses
+from parallel.pipeline.stages import in_context
+from parallel.precision import forward_context
+from parallel.tensor import vocab_parallel_loss
+from pretrain_core.layout import Degrees, grad_accum_steps
+from pretrain_core.schema import RecipeConfig
+from trainer.faults.step_guard import StepGuard
+from trainer.step.state import MicroBatches, TrainState
+
+
+def document_ids(inputs: torch.Tensor, eos: int) -> torch.Tensor:
+    """The document of each input position [b, s]: how many end-of-sequence tokens come
+    before it (an EOS belongs to the document it ends; the token after starts the next)."""
+    ends = (inputs == eos).to(torch.int32)
+    return ends.cumsum(1) - ends
+
+
+@dataclass
+class StepContext:
+    """One run's step: the state it trains and everything a stepper reads besides the
+    micro-batches."""
+
+    state: TrainState
+    cfg: RecipeConfig
+    degrees: Degrees
+    device: torch.device
+    mesh: JobMesh | None = None
+    """The job's mesh; the pipeline steppers take their group from it (None: one process
+    without a pipeline, as in the one-process tools and benchmarks)."""
+    guard: StepGuard | None = None
+    """Agrees with the other ranks on bad steps and stops; None decides locally."""
+    doc_eos: int | None = None
+    """The end-of-sequence id when data.doc_mask is on: attention stays in a document."""
+    weights_cast: bool = field(init=False)
+    """Whether FSDP's mixed-precision policy already casts the weights (no autocast then)."""
+
+    def __post_init__(self) -> None:
+        self.weights_cast = uses_fsdp(self.cfg.parallel, self.degrees)
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """The context a forward runs in: autocast where FSDP does not cast (and TE's FP8)."""
+        return forward_context(self.cfg.precision, self.device, weights_cast=self.weights_cast)
+
+    def loss_parallel(self) -> contextlib.AbstractContextManager:
+        """The context the loss runs in: vocab-parallel under tensor parallelism."""
+        return vocab_parallel_loss(enabled=self.degrees.tp > 1)
+
+    def model_kwargs(self, inputs: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The model's keyword arguments besides the tokens: the documents under doc_mask."""
+        return {} if self.doc_eos is None else {"doc_ids": document_ids(inputs, self.doc_eos)}
+
+    def split(
+        self, inputs: torch.Tensor, targets: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's chunks of the sequences under context parallelism (all of them else)."""
+        split = self.state.context
+        return (inputs, targets) if split is None else (split.shard(inputs), split.shard(targets))
+
+    def context_mean(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss of whole sequences: context-parallel ranks each hold two chunks of every
+        sequence, and the loss is their mean."""
+        return loss if self.state.context is None else self.state.context.mean(loss)
+
+    # The pipelined steps: one batch through a schedule of `pipeline_microbatches` parts.
+
+    @property
+    def pipeline_group(self) -> dist.ProcessGroup:
+        """The ranks of this rank's pipeline, one per stage."""
+        assert self.mesh is not None, "a pipelined step needs the job's mesh"
+        return self.mesh.world["pp"].get_group()
+
+    @property
+    def pipeline_rank(self) -> int:
+        """This rank's place in its pipeline."""
+        assert self.mesh is not None, "a pipelined step needs the job's mesh"
+        return self.mesh.world["pp"].get_local_rank()
+
+    @property
+    def pipeline_microbatches(self) -> int:
+        """The parts a pipeline schedule splits this rank's batch into (by default the
+        accumulation count, so the micro-batches are those of the unpipelined run)."""
+        return self.cfg.parallel.pp_microbatches or grad_accum_steps(self.cfg)
+
+    def whole_batch(self, micro_batches: MicroBatches) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's micro-batches as one (inputs, targets) pair on the device, split over
+        context parallelism; the schedule splits it again into its micro-batches."""
+        inputs = torch.cat([x for x, _ in micro_batches]).to(self.device)
+        targets = torch.cat([y for _, y in micro_batches]).to(self.device)
+        return self.split(inputs, targets)
+
+    def scaled_term(self, loss: torch.Tensor) -> torch.Tensor:
+        """One pipeline micro-batch's part of the objective: its loss divided by their count,
+        as accumulation does, times the loss scale."""
+        return self.state.scaler.scale_loss(loss / self.pipeline_microbatches)
+
+    def term_weight(self) -> torch.Tensor:
+        """The gradient a term of one micro-batch's objective carries, as `scaled_term`
+        scales it (the MoE router losses attached to a stage's output use it)."""
+        return self.scaled_term(torch.ones((), device=self.device))
+
+    def prepare_stage(self, chunk: nn.Module, inference_forward: bool = True) -> None:
+        """Make a pipeline stage's forward run in `autocast` and attach its MoE router
+        losses to its output; `inference_forward`: its first forward is torch's shape
+        inference, whose routing statistics are dropped."""
+        inner = getattr(chunk, "module", chunk)  # inside DDP, which calls it
+        in_context(inner, self.autocast)
+        attach_router_losses(inner, self.term_weight, inference_forward=inference_forward)

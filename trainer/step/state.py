@@ -1,0 +1,73 @@
+"""What a step is: the state it trains, the micro-batches it takes, what it reports, and the
+protocol every stepper (`LocalStep`, `PipelineStep`, `PipeDreamStep`) follows."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import NamedTuple, Protocol
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from parallel.context import ContextSplit
+from parallel.precision import LossScaler
+from trainer.step.phases import OFF, StepPhases
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy of logits [b, s, vocab] against targets [b, s], in FP32."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+@dataclass
+class TrainState:
+    """What the loop steps: the (wrapped) model, the plain model inside, and optimization."""
+
+    model: nn.Module
+    plain: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    scaler: LossScaler
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = lm_loss
+    """The training loss of the model's output (may be compiled, chunked, fault-injected)."""
+    eval_loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = lm_loss
+    """The plain loss of the model's output, for validation (chunked as training's is)."""
+    phases: StepPhases = OFF
+    """Times the step's forward, backward and optimizer (read by the metrics window)."""
+    routing_group: dist.ProcessGroup | None = None
+    """The data-parallel group whose loads the MoE balancing biases follow (None: one rank)."""
+    context: ContextSplit | None = None
+    """Context parallelism: which chunks of each sequence this rank computes (None: all)."""
+    stash: nn.Module | None = None
+    """PipeDream-2BW: the other weight version (a stage view like `plain`, which is the
+    newest); checkpoints save and restore both."""
+    settle: Callable[[], None] | None = None
+    """Called before a checkpoint is written, to bring the step to a state a checkpoint can
+    hold (2BW drains its pipeline and applies the last gradient)."""
+
+
+MicroBatches = list[tuple[torch.Tensor, torch.Tensor]]
+"""This rank's (inputs, targets) of one optimizer step, one pair per micro-batch."""
+
+
+class StepResult(NamedTuple):
+    """What one optimizer step reports: this rank's mean loss, the global gradient norm
+    before clipping, and what all ranks agreed: whether the step was bad (skipped) and
+    whether the job was asked to stop."""
+
+    loss: torch.Tensor
+    grad_norm: torch.Tensor
+    bad: bool
+    stop: bool
+
+
+class Stepper(Protocol):
+    """Runs one optimizer step of the run's layout (`LocalStep`, `PipelineStep` or, under
+    PipeDream-2BW, `PipeDreamStep`)."""
+
+    def step(self, micro_batches: MicroBatches) -> StepResult: ...
+
+    def evaluate(self, micro_batches: MicroBatches) -> torch.Tensor: ...

@@ -32,7 +32,6 @@ from parallel.materialize import materialize
 from parallel.mesh import build_mesh
 from pretrain_core.layout import Degrees
 from pretrain_core.model_config import ModelConfig
-from pretrain_core.schema import ParallelConfig
 
 MODEL = ModelConfig(
     vocab_size=512, dim=256, n_layers=2, n_heads=8, n_kv_heads=4, ffn_dim=768, max_seq_len=8192
@@ -45,7 +44,7 @@ def saved_bytes(cp: int) -> tuple[int, int]:
     world = Degrees(pp=1, dp_replicate=1, dp_shard=1, tp=1, ep=1, world=cp, cp=cp)
     mesh = build_mesh(world, "cpu")
     model = models.build(MODEL)
-    apply_context_parallel(model, mesh, ParallelConfig(cp=cp))
+    apply_context_parallel(model, mesh)
     materialize(model, MODEL, seed=0, device=torch.device("cpu"))
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     in_block = [False]

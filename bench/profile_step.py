@@ -34,7 +34,7 @@ def main() -> None:
     cfg = load_recipe(args.recipe, [compile_override, *args.overrides])
     rank = init_distributed(cfg.cluster)
     degrees = resolve_degrees(cfg)
-    state = build_train_state(cfg, build_mesh(degrees, rank.device.type), degrees, rank.device)
+    state = build_train_state(cfg, build_mesh(degrees, rank.device.type), rank.device)
     loader = one_process_loader(cfg)
     for _ in range(3):  # compile and warm up outside the profile
         train_step(StepContext(state, cfg, degrees, rank.device), loader.next_step())

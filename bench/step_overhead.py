@@ -215,7 +215,7 @@ def main() -> None:
         return (time.perf_counter() - start) / steps
 
     def trainer_runner(recipe: RecipeConfig, key: str) -> Callable[[int], float]:
-        state = build_train_state(recipe, mesh, degrees, rank.device)
+        state = build_train_state(recipe, mesh, rank.device)
         state.phases = phases[key]  # as the trainer's setup does
         loader = new_loader()
 

@@ -39,7 +39,6 @@ import torch.distributed as dist
 from torch import nn
 
 from parallel.mesh import JobMesh
-from pretrain_core.schema import ParallelConfig
 
 
 def chunk_order(cp: int, rank: int) -> tuple[int, int]:
@@ -95,24 +94,24 @@ class HeadTailPositions:
         return self._cache[key]
 
 
-def apply_context_parallel(model: nn.Module, mesh: JobMesh, parallel: ParallelConfig) -> None:
+def apply_context_parallel(model: nn.Module, mesh: JobMesh) -> None:
     """Swap every block's attention core for the ring and index the rotary tables by global
     position, in place (no-op at cp=1)."""
-    if parallel.cp == 1:
+    if mesh.degrees.cp == 1:
         return
     cp_mesh = mesh.world["cp"]
-    ring = RingAttention(cp_mesh.get_group(), cp_mesh.get_local_rank(), parallel.cp)
+    ring = RingAttention(cp_mesh.get_group(), cp_mesh.get_local_rank(), mesh.degrees.cp)
     for block in model.layers.values():
         block.attention.core = ring
-    model.positions = HeadTailPositions(cp_mesh.get_local_rank(), parallel.cp)
+    model.positions = HeadTailPositions(cp_mesh.get_local_rank(), mesh.degrees.cp)
 
 
-def context_split(mesh: JobMesh, parallel: ParallelConfig) -> ContextSplit | None:
+def context_split(mesh: JobMesh) -> ContextSplit | None:
     """The step's view of context parallelism; None at cp=1."""
-    if parallel.cp == 1:
+    if mesh.degrees.cp == 1:
         return None
     cp_mesh = mesh.world["cp"]
-    return ContextSplit(cp_mesh.get_local_rank(), parallel.cp, cp_mesh.get_group())
+    return ContextSplit(cp_mesh.get_local_rank(), mesh.degrees.cp, cp_mesh.get_group())
 
 
 class RingAttention:

@@ -50,7 +50,6 @@ def uses_fsdp(parallel: ParallelConfig, degrees: Degrees) -> bool:
 def apply_fsdp(
     model: nn.Module,
     mesh: JobMesh,
-    degrees: Degrees,
     parallel: ParallelConfig,
     precision: PrecisionConfig,
 ) -> None:

@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from models.moe import Grouped, GroupedExperts, MoEFeedForward, moe_modules, router_losses
@@ -47,21 +47,12 @@ from parallel.mesh import JobMesh
 from pretrain_core.model_config import ModelConfig
 from pretrain_core.schema import ParallelConfig
 
-EXPERT_MESH_DIMS = ("ep_pp", "edp", "ep", "ep_tp")
 SLOT_HEADROOM = 1.25
 """Dropless slots hold the largest load seen times this."""
 SLOT_START = 2.0
 """Dropless slots start at this multiple of the mean load per expert."""
 SLOT_ALIGN = 8
 """Slot rows are rounded up to a multiple of this (aligned grouped-GEMM groups)."""
-
-
-def expert_mesh(mesh: JobMesh, ep: int) -> DeviceMesh:
-    """The (pp, dp / ep, ep, tp) mesh over the job's ranks; ep is the inner part of dp."""
-    pp, tp, dp = mesh.world["pp"].size(), mesh.world["tp"].size(), mesh.dp.size()
-    return init_device_mesh(
-        mesh.world.device_type, (pp, dp // ep, ep, tp), mesh_dim_names=EXPERT_MESH_DIMS
-    )
 
 
 @dataclass
@@ -148,11 +139,11 @@ class AllToAllDispatch:
         return torch.cat([returned, returned.new_zeros(1, h)])[index]
 
 
-def apply_expert_parallel(model: nn.Module, mesh: JobMesh, parallel: ParallelConfig) -> None:
+def apply_expert_parallel(model: nn.Module, mesh: JobMesh) -> None:
     """Shard every MoE layer's experts over ep and route through all-to-all (no-op at ep=1)."""
-    if parallel.ep == 1 or not moe_modules(model):
+    emesh = mesh.expert
+    if emesh is None or not moe_modules(model):
         return
-    emesh = expert_mesh(mesh, parallel.ep)
     ep_mesh = emesh["ep"]
     for key, block in model.layers.items():
         moe = block.feed_forward

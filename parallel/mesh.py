@@ -1,10 +1,13 @@
-"""One DeviceMesh for the whole job, dims outer->inner (pp, dp_replicate, dp_shard, cp, tp).
+"""One mesh object for the whole job: it owns the resolved degrees, the DeviceMesh with dims
+outer->inner (pp, dp_replicate, dp_shard, cp, tp), the flattened dims, and the expert mesh.
+`parallel/` and `trainer/` read degrees and groups from it and from nowhere else.
 
 TP is innermost so its ranks are consecutive and stay inside a node, and CP next to it. The
 flattened `dp` dim (dp_replicate x dp_shard) is the group the data loader splits sequences
 over; `dp_cp` adds the cp ranks, which read the same sequences (each its own chunks) and
 hold the same weights, so gradients are reduced over it (DDP) and FSDP shards over
-dp_shard x cp (hybrid sharding: replicated over dp_replicate).
+dp_shard x cp (hybrid sharding: replicated over dp_replicate). Expert parallelism carves
+its ep ranks out of dp: the expert mesh is (pp, dp / ep, ep, tp) over the same ranks.
 """
 
 from __future__ import annotations
@@ -15,11 +18,16 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from pretrain_core.layout import MESH_DIMS, Degrees
 
+EXPERT_MESH_DIMS = ("ep_pp", "edp", "ep", "ep_tp")
+
 
 @dataclass(frozen=True)
 class JobMesh:
-    """The job's mesh and the flattened dims the data-parallel modules use."""
+    """The job's degrees, its mesh, the flattened dims the data-parallel modules use, and
+    the expert mesh."""
 
+    degrees: Degrees
+    """The resolved degrees of the layout (dp_shard=-1 filled from the world size)."""
     world: DeviceMesh
     dp: DeviceMesh
     """Ranks that read different sequences (dp_replicate x dp_shard)."""
@@ -28,6 +36,9 @@ class JobMesh:
     fsdp: DeviceMesh
     """What FSDP shards over: (replicate, shard) for hybrid sharding, else 1-D; the shard
     dim is dp_shard x cp."""
+    expert: DeviceMesh | None = None
+    """The (pp, dp / ep, ep, tp) mesh MoE layers shard their experts over (`ep`) and keep
+    their replicas on (`edp`); None when ep = 1."""
 
 
 def build_mesh(degrees: Degrees, device_type: str) -> JobMesh:
@@ -38,15 +49,20 @@ def build_mesh(degrees: Degrees, device_type: str) -> JobMesh:
     # deprecated.
     dp = mesh["dp_replicate", "dp_shard"]._flatten("dp")
     if degrees.cp == 1:
-        return JobMesh(world=mesh, dp=dp, dp_cp=dp, fsdp=_fsdp_mesh(mesh, degrees))
-    dp_cp = mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
-    if degrees.dp_replicate > 1:
-        # dp_shard and cp are adjacent, so (replicate, shard x cp) is dp_cp reshaped.
-        shape = (degrees.dp_replicate, degrees.dp_shard * degrees.cp)
-        fsdp = dp_cp._unflatten(0, shape, ("fsdp_replicate", "dp_shard_cp"))
+        dp_cp, fsdp = dp, _fsdp_mesh(mesh, degrees)
     else:
-        fsdp = mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
-    return JobMesh(world=mesh, dp=dp, dp_cp=dp_cp, fsdp=fsdp)
+        dp_cp = mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
+        if degrees.dp_replicate > 1:
+            # dp_shard and cp are adjacent, so (replicate, shard x cp) is dp_cp reshaped.
+            shape = (degrees.dp_replicate, degrees.dp_shard * degrees.cp)
+            fsdp = dp_cp._unflatten(0, shape, ("fsdp_replicate", "dp_shard_cp"))
+        else:
+            fsdp = mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+    expert = None
+    if degrees.ep > 1:
+        shape = (degrees.pp, degrees.dp // degrees.ep, degrees.ep, degrees.tp)
+        expert = init_device_mesh(device_type, shape, mesh_dim_names=EXPERT_MESH_DIMS)
+    return JobMesh(degrees=degrees, world=mesh, dp=dp, dp_cp=dp_cp, fsdp=fsdp, expert=expert)
 
 
 def _fsdp_mesh(mesh: DeviceMesh, degrees: Degrees) -> DeviceMesh:

@@ -69,10 +69,10 @@ def padded_vocab(vocab_size: int, tp: int) -> int:
 
 def apply_tensor_parallel(model: nn.Module, mesh: JobMesh, parallel: ParallelConfig) -> None:
     """Shard the meta-device model over the mesh's `tp` dim, in place (no-op at tp=1)."""
-    if parallel.tp == 1:
+    if mesh.degrees.tp == 1:
         return
     tp_mesh = mesh.world["tp"]
-    _pad_vocab(model, parallel.tp)
+    _pad_vocab(model, mesh.degrees.tp)
     sp = parallel.sp
     # Between blocks the residual stream is sequence-sharded with SP, replicated without.
     residual = Shard(1) if sp else Replicate()
@@ -117,7 +117,7 @@ def apply_tensor_parallel(model: nn.Module, mesh: JobMesh, parallel: ParallelCon
         # Each style distributed its own copy; the embedding's and head's shards coincide
         # (both Shard(0) over the vocabulary), so the head can share the embedding's.
         model.output.weight = model.tok_embeddings.weight
-    padded = padded_vocab(model.cfg.vocab_size, parallel.tp) != model.cfg.vocab_size
+    padded = padded_vocab(model.cfg.vocab_size, mesh.degrees.tp) != model.cfg.vocab_size
     if padded and model.output is not None:
         model.output.register_forward_hook(_VocabMask(model.cfg.vocab_size, tp_mesh))
 

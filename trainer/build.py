@@ -24,7 +24,6 @@ from parallel.pipeline.tied_embedding import mark_head_copy
 from parallel.precision import LossScaler, apply_precision
 from parallel.recompute import apply_recompute
 from parallel.tensor import apply_tensor_parallel
-from pretrain_core.layout import Degrees
 from pretrain_core.schema import RecipeConfig
 from trainer.optim.lr_schedule import build_lr_scheduler
 from trainer.optim.optimizers import build_optimizer, optimizer_spec, param_groups, scaled_lr
@@ -32,62 +31,60 @@ from trainer.step.chunked_loss import ChunkedLMLoss
 from trainer.step.state import TrainState, lm_loss
 
 
-def parallelize(plain: nn.Module, cfg: RecipeConfig, mesh: JobMesh, degrees: Degrees) -> None:
+def parallelize(plain: nn.Module, cfg: RecipeConfig, mesh: JobMesh) -> None:
     """Apply the layout to the plain meta-device model, in place, in the design's order:
     FP8 module swap -> pipeline split -> tensor/sequence -> context -> expert -> recompute ->
     compile -> FSDP."""
     apply_precision(plain, cfg.precision)  # swaps modules, so before anything wraps them
     apply_tensor_parallel(plain, mesh, cfg.parallel)
-    apply_context_parallel(plain, mesh, cfg.parallel)
-    apply_expert_parallel(plain, mesh, cfg.parallel)
+    apply_context_parallel(plain, mesh)
+    apply_expert_parallel(plain, mesh)
     apply_recompute(plain, cfg.recompute)
     apply_compile(plain, cfg.compile)
-    if uses_fsdp(cfg.parallel, degrees):
-        apply_fsdp(plain, mesh, degrees, cfg.parallel, cfg.precision)
+    if uses_fsdp(cfg.parallel, mesh.degrees):
+        apply_fsdp(plain, mesh, cfg.parallel, cfg.precision)
 
 
 def build_model(
-    cfg: RecipeConfig, mesh: JobMesh, degrees: Degrees, device: torch.device
+    cfg: RecipeConfig, mesh: JobMesh, device: torch.device
 ) -> tuple[nn.Module, nn.Module]:
     """The model wrapped for the layout, and the plain module it wraps.
 
     With pp > 1: a ModuleList of this rank's wrapped stage chunks, and a `StageView` of
     them that carries the full model's parameter names.
     """
-    if degrees.pp > 1:
+    if mesh.degrees.pp > 1:
         pp_rank = mesh.world["pp"].get_local_rank()
         built = [
-            _build_one(cfg, mesh, degrees, device, stage)
-            for stage in stage_indices(pp_rank, cfg.parallel)
+            _build_one(cfg, mesh, device, stage) for stage in stage_indices(pp_rank, cfg.parallel)
         ]
         return nn.ModuleList(m for m, _ in built), StageView([p for _, p in built])
-    return _build_one(cfg, mesh, degrees, device)
+    return _build_one(cfg, mesh, device)
 
 
 def _build_one(
-    cfg: RecipeConfig, mesh: JobMesh, degrees: Degrees, device: torch.device, stage: int = -1
+    cfg: RecipeConfig, mesh: JobMesh, device: torch.device, stage: int = -1
 ) -> tuple[nn.Module, nn.Module]:
     plain = models.build(cfg.model)
     if stage >= 0:
         split_stage(plain, stage, cfg.parallel)
-    parallelize(plain, cfg, mesh, degrees)
+    parallelize(plain, cfg, mesh)
     mark_head_copy(plain)
     plain.head_in_loss = cfg.train.loss_chunks > 1 and plain.output is not None
     host = torch.device(optimizer_device_type(cfg.parallel, device.type))
     materialize(plain, cfg.model, cfg.seed, device, param_device=host)
-    if degrees.grad_replicas > 1 and not uses_fsdp(cfg.parallel, degrees):
+    if mesh.degrees.grad_replicas > 1 and not uses_fsdp(cfg.parallel, mesh.degrees):
         return apply_ddp(plain, mesh, cfg.parallel, cfg.precision), plain
     return plain, plain
 
 
-def build_train_state(
-    cfg: RecipeConfig, mesh: JobMesh, degrees: Degrees, device: torch.device
-) -> TrainState:
+def build_train_state(cfg: RecipeConfig, mesh: JobMesh, device: torch.device) -> TrainState:
     """Model, optimizer and LR schedule for this rank (and, under PipeDream-2BW, the second
     weight version, built alike: the same initial weights)."""
-    model, plain = build_model(cfg, mesh, degrees, device)
+    degrees = mesh.degrees
+    model, plain = build_model(cfg, mesh, device)
     two_versions = degrees.pp > 1 and cfg.parallel.pp_schedule == "2bw"
-    stash = build_model(cfg, mesh, degrees, device)[1] if two_versions else None
+    stash = build_model(cfg, mesh, device)[1] if two_versions else None
     if cfg.parallel.zero == 1 and degrees.dp_shard > 1:
         groups = param_groups(plain, cfg.optim.weight_decay, muon=cfg.optim.name == "muon")
         lr = scaled_lr(cfg.optim, cfg.train.global_batch)
@@ -120,6 +117,6 @@ def build_train_state(
         routing_group=mesh.dp.get_group() if degrees.dp > 1 else None,
         loss_fn=loss_fn,
         eval_loss_fn=eval_fn,
-        context=context_split(mesh, cfg.parallel),
+        context=context_split(mesh),
         stash=stash,
     )

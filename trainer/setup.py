@@ -92,7 +92,7 @@ def setup(cfg: RecipeConfig, rank: RankInfo) -> Run:
     guard = StepGuard(cfg.faults.max_bad_steps, rank.device)
     data = packed_data(cfg, open_datasets(cfg, rank.is_main, get_logger().info))
     CLOCK.mark("data open")
-    state = build_train_state(cfg, mesh, degrees, rank.device)
+    state = build_train_state(cfg, mesh, rank.device)
     CLOCK.mark("model build")
     if cfg.init.from_hf:
         load_hf_weights(state.plain, cfg.model, cfg.init.from_hf)

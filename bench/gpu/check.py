@@ -129,7 +129,7 @@ def measure(cfg: RecipeConfig, rank, args: argparse.Namespace, dry_run: bool) ->
     row = Row(cfg.precision.dtype, cfg.recompute.policy, "on" if cfg.compile.enabled else "off")
     device = rank.device
     degrees = resolve_degrees(cfg)
-    state = build_train_state(cfg, build_mesh(degrees, device.type), degrees, device)
+    state = build_train_state(cfg, build_mesh(degrees, device.type), device)
     dtype = torch.bfloat16 if cfg.precision.dtype != "fp32" else torch.float32
     row.sdpa = sdpa_backend(cfg.model, cfg.train.seq_len, device, dtype)
     row.optimizer = optimizer_path(state.optimizer)

@@ -26,7 +26,7 @@ def main(config_path: str, out: str) -> None:
     cfg = load_config(config_path)
     rank = init_distributed(cfg.cluster)
     degrees = resolve_degrees(cfg)
-    state = build_train_state(cfg, build_mesh(degrees, rank.device.type), degrees, rank.device)
+    state = build_train_state(cfg, build_mesh(degrees, rank.device.type), rank.device)
     load_hf_weights(state.plain, cfg.model, cfg.init.from_hf)
     with torch.no_grad():
         logits = state.model(TOKENS)

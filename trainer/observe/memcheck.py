@@ -93,7 +93,7 @@ def measure(cfg: RecipeConfig) -> dict:
     device = torch.device("cpu")
     mesh = build_mesh(degrees, device.type)
     torch.manual_seed(cfg.seed)
-    state = build_train_state(cfg, mesh, degrees, device)
+    state = build_train_state(cfg, mesh, device)
     shape = (cfg.train.micro_batch, cfg.train.seq_len)
 
     def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -32,6 +32,7 @@ from parallel.pipeline.tied_embedding import embedding_group, reduce_tied_grads
 from parallel.precision import forward_context
 from parallel.tensor import local_value, vocab_parallel_loss
 from pretrain_core.layout import Degrees, grad_accum_steps
+from pretrain_core.schedules import SCHEDULES
 from pretrain_core.schema import RecipeConfig
 from trainer.faults.step_guard import StepGuard
 from trainer.step.local import (
@@ -56,7 +57,7 @@ def pipeline_step(
     """The step of the recipe's schedule: torch's (`PipelineStep`) or, for pp_schedule=2bw,
     the in-repo PipeDream-2BW (`trainer/step/pipedream.py`); both are `Stepper`s with the
     pipeline group as `group`."""
-    if cfg.parallel.pp_schedule == "2bw":
+    if SCHEDULES[cfg.parallel.pp_schedule].torch_class is None:
         return PipeDreamStep(state, cfg, degrees, mesh, device, guard)
     return PipelineStep(state, cfg, degrees, mesh, device, guard)
 

@@ -16,9 +16,11 @@ from pretrain_core.choices import CHOICES, one_of
 from pretrain_core.hardware import GPUS
 from pretrain_core.model_config import ModelConfig
 from pretrain_core.optim_states import STATE_DTYPES
+from pretrain_core.schedules import DEFAULT as DEFAULT_SCHEDULE
+from pretrain_core.schedules import SCHEDULES
 
 ACTIONS = ("run", "plan", "script", "suggest", "prepare")
-PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv", "dualpipev", "2bw")
+PP_SCHEDULES = tuple(SCHEDULES)
 DTYPES = ("fp32", "bf16", "fp16", "fp8")
 FP8_BACKENDS = ("torchao", "te")
 FP8_SCALINGS = ("current", "rowwise", "delayed", "mxfp8")
@@ -55,7 +57,7 @@ class ParallelConfig:
     """Pipeline-parallel degree: stages, usually across nodes."""
     vpp: int = 1
     """Virtual pipeline stages per rank (model chunks) for interleaved schedules."""
-    pp_schedule: str = one_of("1f1b", PP_SCHEDULES)
+    pp_schedule: str = one_of(DEFAULT_SCHEDULE, PP_SCHEDULES)
     """Pipeline schedule: gpipe (all forwards, then all backwards), 1f1b (PipeDream-Flush),
     interleaved_1f1b (over vpp chunks per rank), zero_bubble (backward split into input and
     weight gradients, the latter filling the bubbles; any vpp), zbv or dualpipev (vpp=2 chunks

@@ -16,13 +16,13 @@ from __future__ import annotations
 import functools
 import itertools
 
-V_SCHEDULES = ("zbv", "dualpipev")
-"""Pipeline schedules that place their two chunks per rank in a V."""
+from pretrain_core.schedules import LOOP, SCHEDULES
 
 
 def placement(schedule: str) -> str:
     """How `schedule` places chunks on ranks: "v" for the V-shaped schedules, else "loop"."""
-    return "v" if schedule in V_SCHEDULES else "loop"
+    traits = SCHEDULES.get(schedule)
+    return traits.placement if traits else LOOP
 
 
 def layers_per_stage(n_layers: int, stages: int, pp_layers: list[int] | None = None) -> list[int]:

@@ -24,6 +24,7 @@ from parallel.pipeline.tied_embedding import mark_head_copy
 from parallel.precision import LossScaler, apply_precision
 from parallel.recompute import apply_recompute
 from parallel.tensor import apply_tensor_parallel
+from pretrain_core.schedules import SCHEDULES
 from pretrain_core.schema import RecipeConfig
 from trainer.optim.lr_schedule import build_lr_scheduler
 from trainer.optim.optimizers import build_optimizer, optimizer_spec, param_groups, scaled_lr
@@ -83,7 +84,7 @@ def build_train_state(cfg: RecipeConfig, mesh: JobMesh, device: torch.device) ->
     weight version, built alike: the same initial weights)."""
     degrees = mesh.degrees
     model, plain = build_model(cfg, mesh, device)
-    two_versions = degrees.pp > 1 and cfg.parallel.pp_schedule == "2bw"
+    two_versions = degrees.pp > 1 and SCHEDULES[cfg.parallel.pp_schedule].weight_versions > 1
     stash = build_model(cfg, mesh, device)[1] if two_versions else None
     if cfg.parallel.zero == 1 and degrees.dp_shard > 1:
         groups = param_groups(plain, cfg.optim.weight_decay, muon=cfg.optim.name == "muon")

@@ -54,6 +54,7 @@ from pretrain_core.hardware import Links
 from pretrain_core.layout import Degrees, world_size
 from pretrain_core.pipedream import segment_steps
 from pretrain_core.recompute import is_recomputed, recomputed_blocks
+from pretrain_core.schedules import SCHEDULES
 from pretrain_core.schema import RecipeConfig
 from pretrain_core.stages import head_rank, placement
 
@@ -173,7 +174,7 @@ def step_cost(
                 len(recomputed_blocks(cfg.recompute, layers)) if full else 0
             )
             tp_time[r] = passes * 2 * 2 * (t - 1) / t * activation / bandwidth
-    chunks = p.vpp if p.pp_schedule in ("interleaved_1f1b", "zero_bubble") else 1
+    chunks = p.vpp if SCHEDULES[p.pp_schedule].interleaved else 1
     p2p = tied = 0.0
     if pp > 1:
         pp_bandwidth = group_bandwidth(links, gpn, t * degrees.dp, pp)

@@ -57,9 +57,9 @@ from pretrain_core.layout import Degrees
 from pretrain_core.model_config import ModelConfig
 from pretrain_core.optim_states import state_bytes
 from pretrain_core.recompute import recomputed_blocks
+from pretrain_core.schedules import SCHEDULES, V
 from pretrain_core.schema import OptimConfig, RecipeConfig
 from pretrain_core.stages import (
-    V_SCHEDULES,
     head_rank,
     placement,
     rank_layer_count,
@@ -329,7 +329,7 @@ def head_in_flight(cfg: RecipeConfig, degrees: Degrees, microbatches: int) -> fl
     """Micro-batches whose logits the rank of the last stage holds at once: its in-flight
     count, or under a V schedule that of its second chunk (the last stage) alone."""
     p = cfg.parallel
-    if degrees.pp > 1 and p.pp_schedule in V_SCHEDULES:
+    if degrees.pp > 1 and SCHEDULES[p.pp_schedule].placement == V:
         return simulate(p.pp_schedule, degrees.pp, microbatches, p.vpp).peak_in_flight(0, 1)
     rank = head_rank(degrees.pp, p.vpp, placement(p.pp_schedule))
     return in_flight(p.pp_schedule, degrees.pp, microbatches, p.vpp, rank)
@@ -337,7 +337,8 @@ def head_in_flight(cfg: RecipeConfig, degrees: Degrees, microbatches: int) -> fl
 
 def weight_versions(cfg: RecipeConfig) -> int:
     """Copies of each stage's weights a rank holds: two under PipeDream-2BW."""
-    return 2 if cfg.parallel.pp > 1 and cfg.parallel.pp_schedule == "2bw" else 1
+    p = cfg.parallel
+    return SCHEDULES[p.pp_schedule].weight_versions if p.pp > 1 else 1
 
 
 def local_tokens(cfg: RecipeConfig) -> int:
@@ -417,7 +418,8 @@ def _accumulation(cfg: RecipeConfig, degrees: Degrees, microbatches: int, flight
     after its first backward (not under GPipe, whose first backward is its peak)."""
     if degrees.pp == 1:
         return microbatches
-    steady = cfg.parallel.pp_schedule != "gpipe" and microbatches > flight
+    fills_first = SCHEDULES[cfg.parallel.pp_schedule].warmup_hops is None
+    steady = not fills_first and microbatches > flight
     return microbatches if steady else 1
 
 

@@ -31,8 +31,8 @@ from pretrain_core.optim_states import state_bytes
 from pretrain_core.pipedream import segment_steps
 from pretrain_core.precision import peak_dtype
 from pretrain_core.recompute import recomputed_blocks
+from pretrain_core.schedules import SCHEDULES, V
 from pretrain_core.schema import OptimConfig, RecipeConfig
-from pretrain_core.stages import V_SCHEDULES
 
 LONG_CONTEXT = 16384
 """Sequences from this length on are long: context parallelism is among the fixes the plan
@@ -239,22 +239,22 @@ def _assumptions(cfg: RecipeConfig) -> list[str]:
             "TP communication: bytes sent per rank on a ring; recompute repeats the forward "
             "collectives of recomputed layers, not counted"
         )
-    p = cfg.parallel
-    if p.pp > 1 and p.pp_schedule == "zero_bubble":
+    p, t = cfg.parallel, SCHEDULES[cfg.parallel.pp_schedule]
+    if p.pp > 1 and t.split_backward and not t.simulated:
         notes.append(
-            "bubble: zero_bubble reported at the interleaved 1F1B value, an upper bound "
+            f"bubble: {p.pp_schedule} reported at the interleaved 1F1B value, an upper bound "
             "(the simulated schedule below shows how much its weight gradients fill)"
         )
-    if p.pp > 1 and p.pp_schedule in V_SCHEDULES:
+    if p.pp > 1 and t.placement == V:
         notes.append(
             f"bubble and in-flight: {p.pp_schedule}'s own op order (torch's), simulated with "
             "F = B = W; rank 0 holds the first and the last stage"
         )
-    if p.pp > 1 and p.pp_schedule == "2bw":
+    if p.pp > 1 and not t.flushes:
         notes.append(
-            f"2bw: the pipeline fills once per {segment_steps(cfg)} steps (a checkpoint drains "
-            "it); each step's gradient is applied one step late; two weight versions and "
-            "their gradients per stage in memory"
+            f"{p.pp_schedule}: the pipeline fills once per {segment_steps(cfg)} steps (a "
+            "checkpoint drains it); each step's gradient is applied one step late; two weight "
+            "versions and their gradients per stage in memory"
         )
     if p.cp > 1:
         notes.append(

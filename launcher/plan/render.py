@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from launcher.plan.plan import Plan
 from pretrain_core.hardware import GIB
+from pretrain_core.schedules import SCHEDULES
 
 if TYPE_CHECKING:
     from rich.console import Console, JustifyMethod
@@ -166,7 +167,8 @@ def _pipeline_section(console: Console, pipeline: dict[str, Any]) -> None:
     )
     console.print(f"Pipeline schedule: {pipeline['schedule']}, {m} micro-batches")
     segment = pipeline.get("segment_steps", 1)
-    over = f", over {segment} steps between drains" if pipeline["schedule"] == "2bw" else ""
+    flushes = SCHEDULES[pipeline["schedule"]].flushes
+    over = "" if flushes else f", over {segment} steps between drains"
     console.print(f"  bubble (simulated{over}): {pipeline['bubble_fraction']:.1%}")
     console.print(f"  per stage, idle / peak micro-batches in flight: {per_stage}")
     console.print(f"  costs: {pipeline['costs']}")

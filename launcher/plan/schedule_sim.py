@@ -40,13 +40,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from launcher.plan.schedule_v import dualpipev_order, zbv_order
+from launcher.plan.schedule_v import TORCH_ORDERS
 from pretrain_core import pipedream
+from pretrain_core.schedules import PIPEDREAM, SCHEDULES
 from pretrain_core.stages import placement, rank_stages
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv", "dualpipev", "2bw")
-V_ORDERS = {"zbv": zbv_order, "dualpipev": dualpipev_order}
-SIMULATED = (*V_ORDERS, "2bw")
+SIMULATED = tuple(name for name, traits in SCHEDULES.items() if traits.simulated)
 """Schedules whose micro-batches in flight are read off their simulated order."""
 SIMULATED_STEPS = 3
 """Steps of a 2bw segment simulated for its bubble; longer segments are extrapolated."""
@@ -150,11 +149,12 @@ def rounds(pp: int, microbatches: int) -> int:
 
 def warmup(schedule: str, pp: int, microbatches: int, rank: int, vpp: int = 1) -> int:
     """Forwards rank `rank` runs before its first backward (all of them under gpipe)."""
-    if schedule == "gpipe":
+    traits = SCHEDULES[schedule]
+    if traits.warmup_hops is None:
         return microbatches
-    if schedule == "1f1b":
-        return min(pp - 1 - rank, microbatches)
-    hops = (2 if schedule == "interleaved_1f1b" else 1) * (pp - 1 - rank)
+    hops = traits.warmup_hops * (pp - 1 - rank)
+    if not traits.interleaved:
+        return min(hops, microbatches)
     return min((vpp - 1) * rounds(pp, microbatches) + hops, microbatches * vpp)
 
 
@@ -163,15 +163,16 @@ def program(
 ) -> list[Op]:
     """The order of rank `rank`'s ops: F and B, and W under zero_bubble and the V schedules
     (2bw spans `steps` steps and the drain after them)."""
-    m = microbatches
-    if schedule in V_ORDERS:
-        return [Op(kind, mb, chunk) for kind, chunk, mb in V_ORDERS[schedule](pp, m, rank)]
-    if schedule == "2bw":
+    m, traits = microbatches, SCHEDULES[schedule]
+    torch_order = TORCH_ORDERS.get(traits.torch_class or "")
+    if torch_order:
+        return [Op(kind, mb, chunk) for kind, chunk, mb in torch_order(pp, m, rank)]
+    if not traits.flushes:
         return [Op(kind, mb) for kind, mb in pipedream.segment_ops(pp, m, rank, steps)]
-    if schedule == "gpipe":
+    if traits.warmup_hops is None:
         return [Op("F", i) for i in range(m)] + [Op("B", i) for i in range(m)]
     warm = warmup(schedule, pp, m, rank, vpp)
-    if schedule == "1f1b":
+    if not traits.interleaved:
         ops = [Op("F", i) for i in range(warm)]
         for i in range(m - warm):
             ops += [Op("F", warm + i), Op("B", i)]
@@ -195,9 +196,9 @@ def program(
             ops.append(nth("F", warm + k))
         backwards.append(nth("B", k))
         ops.append(backwards[-1])
-        if schedule == "zero_bubble" and k >= rank:
+        if traits.split_backward and k >= rank:
             ops.append(_weight(backwards[k - rank]))
-    if schedule == "zero_bubble":
+    if traits.split_backward:
         ops += [_weight(op) for op in backwards[max(0, total - rank) :]]
     return ops
 
@@ -214,12 +215,13 @@ def held_in_flight(schedule: str, pp: int, microbatches: int, rank: int, vpp: in
     under gpipe); zero_bubble adds one per steady step until its W ops start, r steps in.
     The V schedules and 2bw are read off their simulated order.
     """
-    if schedule == "gpipe":
+    traits = SCHEDULES[schedule]
+    if traits.warmup_hops is None:
         return float(microbatches)
-    if schedule in SIMULATED:
+    if traits.simulated:
         return _simulated_in_flight(schedule, pp, microbatches, vpp)[rank]
     held = warmup(schedule, pp, microbatches, rank, vpp) + 1
-    if schedule == "zero_bubble":
+    if traits.split_backward:
         held += rank
     return min(held, microbatches * vpp) / vpp
 
@@ -227,7 +229,8 @@ def held_in_flight(schedule: str, pp: int, microbatches: int, rank: int, vpp: in
 @lru_cache(maxsize=64)
 def _simulated_in_flight(schedule: str, pp: int, microbatches: int, vpp: int) -> tuple:
     """Per rank, the simulated peak in flight (2bw: over two steps, its steady state)."""
-    timeline = simulate(schedule, pp, microbatches, vpp, steps=2 if schedule == "2bw" else 1)
+    steps = 1 if SCHEDULES[schedule].flushes else 2
+    timeline = simulate(schedule, pp, microbatches, vpp, steps=steps)
     return tuple(timeline.peak_in_flight(r) for r in range(pp))
 
 
@@ -244,11 +247,12 @@ def bubble_fraction(
     """
     if pp == 1:
         return 0.0
-    if schedule in V_ORDERS:
-        return simulate(schedule, pp, microbatches, vpp).bubble_fraction
-    if schedule == "2bw":
+    traits = SCHEDULES[schedule]
+    if not traits.flushes:
         return pipedream_bubble(pp, microbatches, steps)
-    chunks = vpp if schedule in ("interleaved_1f1b", "zero_bubble") else 1
+    if traits.simulated:
+        return simulate(schedule, pp, microbatches, vpp).bubble_fraction
+    chunks = vpp if traits.interleaved else 1
     idle = (pp - 1) / (chunks * microbatches)
     return idle / (1 + idle)
 
@@ -269,7 +273,7 @@ def simulate(
     as soon as the rank is free and its inputs have arrived (no communication time).
     `steps` counts 2bw's steps; with `agree`, a step's first op waits for the update it runs
     on (see the module's doc)."""
-    last_stage = pp * vpp - 1
+    last_stage, flushes = pp * vpp - 1, SCHEDULES[schedule].flushes
     programs = [program(schedule, pp, microbatches, r, vpp, steps) for r in range(pp)]
     chunks = [rank_stages(r, pp, vpp, placement(schedule)) for r in range(pp)]
     # Backwards the program follows with an explicit W compute the input grads only.
@@ -278,7 +282,7 @@ def simulate(
     free = [0.0] * pp
     # 2bw: the ops that start a step wait for the update it runs on.
     waits = [
-        _update_waits(pp, microbatches, r, steps) if schedule == "2bw" and agree else {}
+        _update_waits(pp, microbatches, r, steps) if not flushes and agree else {}
         for r in range(pp)
     ]
     done: dict[tuple[str, int, int], float] = {}  # (kind, stage, mb) -> end time
@@ -363,7 +367,7 @@ def pipedream_bubble(
     """
 
     def idle(n: int) -> float:
-        timeline = simulate("2bw", pp, microbatches, f=f, b=b, w=w, steps=n)
+        timeline = simulate(PIPEDREAM, pp, microbatches, f=f, b=b, w=w, steps=n)
         return sum(timeline.makespan - timeline.busy(r) for r in range(pp))
 
     simulated = min(steps, SIMULATED_STEPS)
@@ -378,21 +382,22 @@ def summary(schedule: str, pp: int, microbatches: int, vpp: int = 1, steps: int 
     """What the plan reports: bubble, idle share and peak in-flight per stage at the real
     micro-batch count, and the chart for at most 2p micro-batches (a multiple of p); 2bw is
     charted over two steps and its bubble is that of a segment of `steps` steps."""
-    shown_steps = min(steps, 2) if schedule == "2bw" else 1
+    flushes = SCHEDULES[schedule].flushes
+    shown_steps = 1 if flushes else min(steps, 2)
     full = simulate(schedule, pp, microbatches, vpp, steps=shown_steps)
     charted = min(microbatches, 2 * pp)
     shown = full
     if charted != microbatches:
         shown = simulate(schedule, pp, charted, vpp, steps=shown_steps)
     bubble = full.bubble_fraction
-    if schedule == "2bw":
+    if not flushes:
         bubble = pipedream_bubble(pp, microbatches, steps)
     return {
         "schedule": schedule,
         "microbatches": microbatches,
         "charted_microbatches": charted,
         "charted_steps": shown_steps,
-        "segment_steps": steps if schedule == "2bw" else 1,
+        "segment_steps": 1 if flushes else steps,
         "costs": "F=1 B=1 W=1 per chunk (an unsplit backward is B+W=2), no communication time",
         "bubble_fraction": bubble,
         "idle_fraction_per_stage": [full.idle_fraction(r) for r in range(pp)],

@@ -15,6 +15,8 @@ torch runs them in on one stream.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 
 def zbv_order(pp: int, microbatches: int, rank: int) -> list[tuple[str, int, int]]:
     """ZB-V (Qi et al. 2024, section 6): warm-up forwards down the V, then F, B, W per chunk.
@@ -125,3 +127,11 @@ def dualpipev_order(pp: int, microbatches: int, rank: int) -> list[tuple[str, in
     for _ in range(rank + 1):
         weight()
     return ops
+
+
+TORCH_ORDERS: dict[str, Callable[[int, int, int], list[tuple[str, int, int]]]] = {
+    "ScheduleZBVZeroBubble": zbv_order,
+    "ScheduleDualPipeV": dualpipev_order,
+}
+"""The orders above by the torch class they are written from (the schedule table's
+`torch_class`): the simulator runs a V schedule's through it."""

@@ -40,6 +40,7 @@ from pretrain_core import hardware
 from pretrain_core.hardware import GIB, Links
 from pretrain_core.layout import Degrees
 from pretrain_core.problems import Problem, RecipeError, divisors
+from pretrain_core.schedules import default_schedule
 from pretrain_core.schema import RecipeConfig
 from pretrain_core.stages import balanced_split
 
@@ -73,7 +74,7 @@ class Layout:
 
     @property
     def pp_schedule(self) -> str:
-        return "interleaved_1f1b" if self.vpp > 1 else "1f1b"
+        return default_schedule(self.vpp)
 
     def overrides(self) -> list[str]:
         """The Hydra overrides that give a recipe this layout."""

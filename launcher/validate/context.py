@@ -7,11 +7,8 @@ from __future__ import annotations
 from math import lcm
 
 from pretrain_core.problems import Checks, Problem, nearby_multiples, or_list
+from pretrain_core.schedules import SCHEDULES, V
 from pretrain_core.schema import RecipeConfig
-from pretrain_core.stages import V_SCHEDULES
-
-SPLIT_BACKWARD = ("zero_bubble", *V_SCHEDULES)
-"""Schedules that run a backward's input and weight gradients apart."""
 
 
 def check_context(c: Checks, cfg: RecipeConfig) -> None:
@@ -79,41 +76,44 @@ def check_schedule(c: Checks, cfg: RecipeConfig) -> None:
     embeddings and of no evaluation (its one chunk per rank is the general rule that only
     interleaved schedules take vpp > 1)."""
     p = cfg.parallel
+    t = SCHEDULES.get(p.pp_schedule)
+    if t is None:  # refused as a choice
+        return
     if p.pp == 1:
-        if p.pp_schedule == "2bw":
+        if not t.flushes:
             c.add(
                 "parallel.pp_schedule",
                 p.pp_schedule,
-                "PipeDream-2BW keeps a pipeline full across optimizer steps; with pp=1 there is "
+                f"{t.title} keeps a pipeline full across optimizer steps; with pp=1 there is "
                 "no pipeline, and its one-step-late updates would change training for nothing",
                 "set parallel.pp > 1, or pp_schedule=1f1b",
             )
         return
-    if p.pp_schedule == "2bw" and cfg.model.tie_embeddings:
+    if not t.tied_embeddings and cfg.model.tie_embeddings:
         c.add(
             "model.tie_embeddings",
             True,
-            "PipeDream-2BW keeps two weight versions per stage and sums no gradient across "
+            f"{t.title} keeps two weight versions per stage and sums no gradient across "
             "stages, so the last stage's copy of a tied embedding would drift from the first's",
             "set model.tie_embeddings=false, or pp_schedule=1f1b, interleaved_1f1b or zbv",
         )
-    if p.pp_schedule == "2bw" and cfg.train.loss_chunks > 1:
+    if not t.loss_chunks and cfg.train.loss_chunks > 1:
         c.add(
             "train.loss_chunks",
             cfg.train.loss_chunks,
             "the chunked loss applies the LM head of the newest weight version, while 2BW's "
             "older micro-batches run on the other version",
-            "set train.loss_chunks=1 with pp_schedule=2bw",
+            f"set train.loss_chunks=1 with pp_schedule={p.pp_schedule}",
         )
-    if p.pp_schedule == "2bw" and cfg.eval.every:
+    if not t.evaluates and t.torch_class is None and cfg.eval.every:
         c.add(
             "eval.every",
             cfg.eval.every,
-            "PipeDream-2BW's in-repo schedule has no forward-only pass yet, and an evaluation "
+            f"{t.title}'s in-repo schedule has no forward-only pass yet, and an evaluation "
             "between its never-flushed steps would have to drain the pipeline",
-            "set eval.every=0 with pp_schedule=2bw, or use pp_schedule=1f1b",
+            f"set eval.every=0 with pp_schedule={p.pp_schedule}, or use pp_schedule=1f1b",
         )
-    if p.pp_schedule in V_SCHEDULES and cfg.eval.every:
+    if not t.evaluates and t.torch_class is not None and cfg.eval.every:
         c.add(
             "eval.every",
             cfg.eval.every,
@@ -122,13 +122,13 @@ def check_schedule(c: Checks, cfg: RecipeConfig) -> None:
             f"set eval.every=0 with pp_schedule={p.pp_schedule}, or use pp_schedule=1f1b or "
             "interleaved_1f1b",
         )
-    if p.pp_schedule in V_SCHEDULES and p.vpp != 2:
+    if t.placement == V and p.vpp != t.chunks_per_rank:
         c.add(
             "parallel.vpp",
             p.vpp,
             f"{p.pp_schedule} places exactly two chunks on each rank, in a V (rank r holds "
             "stages r and 2pp-1-r)",
-            "set parallel.vpp=2",
+            f"set parallel.vpp={t.chunks_per_rank}",
         )
 
 
@@ -147,7 +147,8 @@ def runnable_problems(cfg: RecipeConfig) -> list[Problem]:
                 "set compile.blocks=false (the loss may still be compiled), or parallel.cp=1",
             )
         )
-    if p.pp > 1 and p.pp_schedule in SPLIT_BACKWARD and k.enabled and k.blocks:
+    t = SCHEDULES.get(p.pp_schedule)
+    if p.pp > 1 and t is not None and t.split_backward and k.enabled and k.blocks:
         found.append(
             Problem(
                 "compile.blocks",

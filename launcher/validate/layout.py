@@ -16,10 +16,11 @@ from pretrain_core.problems import (
     nearby_multiples,
     or_list,
 )
+from pretrain_core.schedules import SCHEDULES, V
 from pretrain_core.schema import PP_SCHEDULES, ParallelConfig, RecipeConfig
-from pretrain_core.stages import V_SCHEDULES, balanced_split
+from pretrain_core.stages import balanced_split
 
-INTERLEAVED = ("interleaved_1f1b", "zero_bubble", *V_SCHEDULES)
+MULTI_CHUNK = tuple(name for name, t in SCHEDULES.items() if t.multi_stage)
 """Schedules that run several chunks per rank."""
 
 SAFE_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
@@ -27,8 +28,6 @@ SAFE_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
 # The time formats sbatch --time accepts: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S.
 _SLURM_TIME = re.compile(r"^(\d+|\d+:\d+|\d+:\d+:\d+|\d+-\d+|\d+-\d+:\d+|\d+-\d+:\d+:\d+)$")
 _SLURM_UNLIMITED = ("UNLIMITED", "INFINITE")
-MULTI_STAGE_SCHEDULES = ("interleaved_1f1b", "zero_bubble")
-"""Schedules torch runs in rounds of micro-batches over a list of stages per rank."""
 
 
 def check_runnable(cfg: RecipeConfig) -> list[Problem]:
@@ -203,21 +202,21 @@ def _check_degrees(c: Checks, cfg: RecipeConfig) -> bool:
             "sequence parallelism works inside tensor parallelism",
             "set tp > 1 or sp=false",
         )
-    if p.vpp > 1 and (p.pp == 1 or p.pp_schedule not in INTERLEAVED):
+    if p.vpp > 1 and (p.pp == 1 or p.pp_schedule not in MULTI_CHUNK):
         c.add(
             "parallel.vpp",
             p.vpp,
             f"virtual stages need pp > 1 and an interleaved schedule (pp={p.pp}, {p.pp_schedule})",
-            "set parallel.pp_schedule=interleaved_1f1b, zero_bubble, zbv or dualpipev with "
-            "pp > 1, or vpp=1",
+            f"set parallel.pp_schedule={or_list(MULTI_CHUNK)} with pp > 1, or vpp=1",
         )
     return degrees_ok
 
 
 def _check_pipeline_microbatches(c: Checks, cfg: RecipeConfig, dp: int, accum: int) -> None:
     """The schedule's micro-batches fill the pipeline and split each dp rank's batch."""
-    p = cfg.parallel
+    p, t = cfg.parallel, SCHEDULES[cfg.parallel.pp_schedule]
     micro = p.pp_microbatches or accum
+    stages = p.pp * t.chunks(p.vpp)
     per_pass = cfg.train.micro_batch * dp
     source = "" if p.pp_microbatches else f" (0 takes the gradient-accumulation count {accum})"
     if micro < p.pp:
@@ -230,25 +229,25 @@ def _check_pipeline_microbatches(c: Checks, cfg: RecipeConfig, dp: int, accum: i
             else f"raise train.global_batch to {p.pp * per_pass} ({p.pp} micro-batches per "
             "dp rank), or set parallel.pp_microbatches",
         )
-    elif p.pp_schedule == "dualpipev" and micro < 2 * p.pp:
+    elif t.fills_every_stage and micro < stages:
         c.add(
             "parallel.pp_microbatches",
             p.pp_microbatches,
-            f"DualPipeV needs at least as many micro-batches as stages (2pp = {2 * p.pp})"
-            f"; {micro}{source} is fewer",
-            f"use parallel.pp_microbatches >= {2 * p.pp}"
+            f"{t.title} needs at least as many micro-batches as stages "
+            f"({t.chunks(p.vpp)}pp = {stages}); {micro}{source} is fewer",
+            f"use parallel.pp_microbatches >= {stages}"
             if p.pp_microbatches
-            else f"raise train.global_batch to {2 * p.pp * per_pass}, or set "
+            else f"raise train.global_batch to {stages * per_pass}, or set "
             "parallel.pp_microbatches",
         )
-    elif p.vpp > 1 and p.pp_schedule not in V_SCHEDULES and micro % p.pp:
+    elif p.vpp > 1 and t.placement != V and micro % p.pp:
         c.add(
             "parallel.pp_microbatches",
             p.pp_microbatches,
             f"interleaving needs a multiple of pp={p.pp}; {micro} micro-batches{source} is not",
             f"use {or_list(nearby_multiples(micro, p.pp))}",
         )
-    elif p.pp_schedule in MULTI_STAGE_SCHEDULES and micro % max(1, micro // p.pp):
+    elif t.interleaved and micro % max(1, micro // p.pp):
         c.add(
             "parallel.pp_microbatches",
             p.pp_microbatches,

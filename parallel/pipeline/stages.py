@@ -19,40 +19,30 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from pretrain_core.schedules import SCHEDULES
 from pretrain_core.schema import ParallelConfig
 from pretrain_core.stages import placement, rank_stages, stage_layers
 
 
 def schedule_classes() -> dict[str, type]:
-    """torch's schedule class for each `parallel.pp_schedule` but 2BW (ours).
+    """torch's schedule class for each `parallel.pp_schedule` torch runs (all but 2BW, ours),
+    the class the schedule table names.
 
     Imported on first use: torch.distributed.pipelining brings in torch._dynamo, about 0.6 s
     of every rank's start-up, which a run without a pipeline does not need.
     """
-    from torch.distributed.pipelining import (
-        Schedule1F1B,
-        ScheduleDualPipeV,
-        ScheduleGPipe,
-        ScheduleInterleaved1F1B,
-        ScheduleInterleavedZeroBubble,
-        ScheduleZBVZeroBubble,
-    )
+    from torch.distributed.pipelining import schedules
 
     return {
-        "gpipe": ScheduleGPipe,
-        "1f1b": Schedule1F1B,
-        "interleaved_1f1b": ScheduleInterleaved1F1B,
-        # Splits each backward into input and weight gradients and fills bubbles with the
-        # latter.
-        "zero_bubble": ScheduleInterleavedZeroBubble,
-        # Two chunks per rank in a V; zero-bubble's split backward (ZB-V), and DeepSeek's
-        # DualPipeV, which pairs one chunk's forward with the other's backward.
-        "zbv": ScheduleZBVZeroBubble,
-        "dualpipev": ScheduleDualPipeV,
+        name: getattr(schedules, traits.torch_class)
+        for name, traits in SCHEDULES.items()
+        if traits.torch_class is not None
     }
 
 
-MULTI_STAGE = ("interleaved_1f1b", "zero_bubble", "zbv", "dualpipev")
+MULTI_STAGE = tuple(
+    name for name, traits in SCHEDULES.items() if traits.torch_class and traits.multi_stage
+)
 """Schedules that take a list of stages per rank (any vpp, including 1; the V ones 2)."""
 
 

@@ -27,6 +27,7 @@ from parallel.expert import reduce_expert_grads
 from parallel.pipeline.stages import build_schedule, stage_indices
 from parallel.pipeline.tied_embedding import embedding_group, reduce_tied_grads
 from parallel.tensor import local_value
+from pretrain_core.schedules import SCHEDULES
 from trainer.step.context import StepContext
 from trainer.step.local import SLOT_RETRIES, apply_gradients, run_again_for_slots
 from trainer.step.pipedream import PipeDreamStep
@@ -37,7 +38,7 @@ def pipeline_step(ctx: StepContext) -> PipelineStep | PipeDreamStep:
     """The step of the recipe's schedule: torch's (`PipelineStep`) or, for pp_schedule=2bw,
     the in-repo PipeDream-2BW (`trainer/step/pipedream.py`); both are `Stepper`s with the
     pipeline group as `group`."""
-    if ctx.cfg.parallel.pp_schedule == "2bw":
+    if SCHEDULES[ctx.cfg.parallel.pp_schedule].torch_class is None:
         return PipeDreamStep(ctx)
     return PipelineStep(ctx)
 

@@ -322,3 +322,38 @@ def finished_wandb_records(history: Path, timeout_s: float = 30) -> list:
         time.sleep(0.2)
         records = wandb_records(history)
     return records
+
+
+def live_processes(mentioning: str | None = None, group: int | None = None) -> list[int]:
+    """PIDs of the processes still running (zombies, which have exited, count as gone) whose
+    command line mentions `mentioning` and, if given, that belong to process group `group`."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            # /proc/PID/stat: "pid (comm) state ppid pgrp ..."; comm may hold spaces.
+            state, _ppid, pgrp = (proc / "stat").read_text().rsplit(")", 1)[1].split()[:3]
+            cmdline = (proc / "cmdline").read_bytes().decode(errors="replace")
+        except OSError:
+            continue  # it ended while being read
+        if state == "Z" or (group is not None and int(pgrp) != group):
+            continue
+        if mentioning is None or mentioning in cmdline:
+            pids.append(int(proc.name))
+    return pids
+
+
+def wait_until_gone(
+    mentioning: str | None = None, group: int | None = None, seconds: float = 60
+) -> list[int]:
+    """`live_processes(mentioning, group)` polled until none is left or `seconds` have
+    passed: an empty list once every one has exited, else the PIDs still running. Processes
+    that were told to stop take a while to do so on a loaded machine: wait for them to go
+    instead of checking once."""
+    import time
+
+    deadline = time.monotonic() + seconds
+    while (alive := live_processes(mentioning, group)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return alive

@@ -15,13 +15,35 @@ from pathlib import Path
 
 FP32_TOLERANCE = 1e-5
 """Relative per-step difference an FP32 layout may show against the one-process run in the
-loss and the validation loss: what reordered FP32 sums leave (measured differences are
-around 1e-7)."""
-GRAD_NORM_TOLERANCE = 1e-4
-"""The same for the gradient norm, a sum of squares over every parameter that amplifies the
-reordering once the weights have moved apart by rounding: at step 1 (identical weights)
-every layout agrees within 3e-7, by step 8 tensor parallelism (tp2, tp2_sp, pp2 x tp2 x sp)
-differs by up to 4.3e-5 while its losses still agree within 1e-7."""
+loss and the validation loss, and in the gradient norm at step 1 (where every layout starts
+from the same weights): what reordered FP32 sums leave (measured differences are around
+1e-7).
+
+After step 1 the gradient norm, a sum of squares over every parameter, amplifies the
+reordering once the weights have moved apart by rounding, and by how much depends on the
+machine's kernels: on one 2-core CPU tensor parallelism drifts by 6.5e-5 by step 8 while its
+losses agree within 2e-7, on another by 1.2e-4. So its bound is not fixed but derived in each
+test session from the reference itself (`grad_norm_tolerance`): the one-process run is
+trained a second time with its sums reordered (REORDERED), and a layout may drift
+GRAD_NORM_SPREAD_MULTIPLE times (GRAD_NORM_SPREAD_FLOOR plus) the largest spread between the
+two."""
+REORDERED = ("train.micro_batch=1",)
+"""The one-process reference again with its sums in another order: the same data, seed and
+global batch, accumulated over 8 micro-batches of 1 instead of 4 of 2. That is the kind of
+reordering a parallel layout brings (other partial sums, summed in another order), and it
+trains the same model: its loss and validation loss agree with the reference's within
+FP32_TOLERANCE (checked where the bound is derived, `grad_norm_tolerance`)."""
+GRAD_NORM_SPREAD_FLOOR = 1e-6
+"""Added to the measured spread, so that a machine whose reordered run happens to agree
+almost exactly still leaves a layout the rounding of its own sums."""
+GRAD_NORM_SPREAD_MULTIPLE = 10
+"""How far beyond the reference's own spread a layout's gradient norm may drift after step 1.
+Measured on a 2-core CPU (torch 2.13, 8 steps of the harness model): the reordered
+reference spreads by up to 2.1e-5 (at step 8), tensor parallelism (tp2, tp2 x sp) by up to
+6.5e-5, about 3 times as much, so the bound there is 10 x (1e-6 + 2.1e-5) = 2.2e-4; 10
+leaves room for a layout that reorders more than micro-batching does and for the step that
+happens to amplify the most. A gradient summed wrongly moves the norm by far more (the MLA
+rotary key gradient left unsummed over tp moved it by 1.4%)."""
 
 # Small enough to build and train in seconds, large enough that every layout has
 # gradient accumulation (global batch 8 = micro-batch 2 x accumulation x dp). The validation
@@ -129,18 +151,30 @@ def read_curve(path: Path) -> Curve:
     )
 
 
-def assert_same_training(curve: Curve, expected: Curve) -> None:
+def grad_norm_tolerance(reference: Curve, reordered: Curve) -> float:
+    """The bound on a layout's gradient norm after step 1, derived from the reference and the
+    reference trained again with REORDERED sums: GRAD_NORM_SPREAD_MULTIPLE x
+    (GRAD_NORM_SPREAD_FLOOR + the largest relative spread of their gradient norms over steps
+    2..). The reordered run must train the same model (loss and validation loss within
+    FP32_TOLERANCE), or its spread would measure something else than rounding."""
+    assert max_relative_difference(reordered.loss, reference.loss) <= FP32_TOLERANCE
+    assert max_relative_difference(reordered.val_loss, reference.val_loss) <= FP32_TOLERANCE
+    spread = max_relative_difference(reordered.grad_norm[1:], reference.grad_norm[1:])
+    return GRAD_NORM_SPREAD_MULTIPLE * (GRAD_NORM_SPREAD_FLOOR + spread)
+
+
+def assert_same_training(curve: Curve, expected: Curve, grad_norm_tolerance: float) -> None:
     """The loss agrees step by step within FP32_TOLERANCE, the gradient norm within
-    GRAD_NORM_TOLERANCE (and at the first step, where the weights are identical, within
-    FP32_TOLERANCE too)."""
+    FP32_TOLERANCE at the first step (identical weights) and within `grad_norm_tolerance`
+    (the session's derived bound, the `grad_norm_tolerance` fixture) after it."""
     assert max_relative_difference(curve.loss, expected.loss) <= FP32_TOLERANCE
     assert max_relative_difference(curve.grad_norm[:1], expected.grad_norm[:1]) <= FP32_TOLERANCE
-    assert max_relative_difference(curve.grad_norm, expected.grad_norm) <= GRAD_NORM_TOLERANCE
+    assert max_relative_difference(curve.grad_norm, expected.grad_norm) <= grad_norm_tolerance
 
 
-def assert_same_curve(curve: Curve, expected: Curve) -> None:
+def assert_same_curve(curve: Curve, expected: Curve, grad_norm_tolerance: float) -> None:
     """`assert_same_training`, and the validation loss within FP32_TOLERANCE too."""
-    assert_same_training(curve, expected)
+    assert_same_training(curve, expected, grad_norm_tolerance)
     assert expected.val_loss, "the reference evaluated nothing"
     assert max_relative_difference(curve.val_loss, expected.val_loss) <= FP32_TOLERANCE
 

@@ -15,8 +15,8 @@ pytestmark = pytest.mark.distributed
 
 
 def test_chunked_loss_on_a_tensor_parallel_last_stage_matches_the_one_process_run(
-    workdir: Path, harness_reference
+    workdir: Path, harness_reference, grad_norm_tolerance
 ) -> None:
     overrides = ["parallel.pp=2", "parallel.tp=2", "parallel.sp=true", "train.loss_chunks=4"]
     curve = run_pretrain(workdir / "pp2_tp2_sp", overrides, nproc=4)
-    assert_same_curve(curve, harness_reference)
+    assert_same_curve(curve, harness_reference, grad_norm_tolerance)

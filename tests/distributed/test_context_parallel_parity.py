@@ -1,30 +1,26 @@
 """Context parallelism reproduces the single-process loss and gradient-norm curves.
 
-FP32 on CPU, within the harness's tolerances, as for every layout. The harness's 64-token sequences
-are cut into 2cp chunks (cp rank i takes chunks i and 2cp-1-i) and attention runs the
+FP32 on CPU, within the harness's tolerances, as for every layout. The harness's 64-token
+sequences are cut into 2cp chunks (cp rank i takes chunks i and 2cp-1-i) and attention runs the
 in-repo ring (`parallel/context.py`); rotary positions follow the global positions and the
 cp ranks share the gradient reduction, so nothing of the run may change. Each composition
 the trainer runs gets one launch: with TP/SP under ZeRO-3 (FSDP over dp_shard x cp), and
 with PP under ZeRO-2 and selective recompute.
+
+The ring computes attention as online-softmax sums over chunk pairs, in another order than
+SDPA, which the gradient norm amplifies once the weights drift: measured on cp2, 0 at step 1,
+then 5e-7, 1e-7, 4e-6, 6e-6, 4e-5, 3e-7, 1.0e-4 (the loss within 1e-6, the validation loss
+8e-8), about 5 times the reordered reference's spread on that machine (2.1e-5), within the derived
+bound of 10 times it.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from tests.distributed.harness import (
-    FP32_TOLERANCE,
-    max_relative_difference,
-    run_pretrain,
-)
+from tests.distributed.harness import assert_same_curve, run_pretrain
 
 pytestmark = pytest.mark.distributed
-
-CP_GRAD_NORM_TOLERANCE = 3e-4
-"""The gradient norm's bound under cp after the first step. The ring computes attention as
-online-softmax sums over chunk pairs, in another order than SDPA, and the norm amplifies
-that rounding once the weights drift: measured on cp2, 0 at step 1, then 5e-7, 1e-7, 4e-6,
-6e-6, 4e-5, 3e-7, 1.0e-4 (the loss stays within 1e-6, the validation loss 8e-8)."""
 
 
 @pytest.mark.parametrize(
@@ -44,11 +40,7 @@ that rounding once the weights drift: measured on cp2, 0 at step 1, then 5e-7, 1
     ],
 )
 def test_context_parallel_layout_matches_reference(
-    workdir, harness_reference, label, overrides, nproc
+    workdir, harness_reference, grad_norm_tolerance, label, overrides, nproc
 ) -> None:
     curve = run_pretrain(workdir / label, overrides, nproc=nproc)
-    expected = harness_reference
-    assert max_relative_difference(curve.loss, expected.loss) <= FP32_TOLERANCE
-    assert max_relative_difference(curve.val_loss, expected.val_loss) <= FP32_TOLERANCE
-    assert max_relative_difference(curve.grad_norm[:1], expected.grad_norm[:1]) <= FP32_TOLERANCE
-    assert max_relative_difference(curve.grad_norm, expected.grad_norm) <= CP_GRAD_NORM_TOLERANCE
+    assert_same_curve(curve, harness_reference, grad_norm_tolerance)

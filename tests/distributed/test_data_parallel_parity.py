@@ -44,9 +44,11 @@ def test_reference_loss_falls(reference) -> None:
         ("full_recompute_every2_dp2", ["recompute=full", "recompute.every=2"], 2),
     ],
 )
-def test_fp32_layout_matches_reference(workdir, reference, label, overrides, nproc) -> None:
+def test_fp32_layout_matches_reference(
+    workdir, reference, grad_norm_tolerance, label, overrides, nproc
+) -> None:
     curve = run_pretrain(workdir / label, overrides, nproc=nproc)
-    assert_same_curve(curve, reference)
+    assert_same_curve(curve, reference, grad_norm_tolerance)
 
 
 def test_bf16_zero2_tracks_bf16_reference(workdir) -> None:

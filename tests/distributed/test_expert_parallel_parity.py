@@ -84,14 +84,14 @@ def test_references_train_and_only_the_capacity_run_drops(reference_runs, refere
     ],
 )
 def test_expert_parallel_layout_matches_reference(
-    workdir, reference_runs, references, label, routing, overrides, nproc
+    workdir, reference_runs, references, grad_norm_tolerance, label, routing, overrides, nproc
 ) -> None:
     routing_overrides = MOE + (CAPACITY if routing == "capacity" else [])
     curve = run_pretrain(
         workdir / label, routing_overrides + overrides, nproc=nproc, recipe="tiny_moe"
     )
     expected = references[routing]
-    assert_same_curve(curve, expected)
+    assert_same_curve(curve, expected, grad_norm_tolerance)
     assert dropped_fractions(workdir / label) == pytest.approx(
         dropped_fractions(reference_runs[routing]), rel=1e-12
     )

@@ -17,11 +17,11 @@ pytestmark = pytest.mark.distributed
 
 
 def test_zero3_offloaded_with_a_chunked_loss_matches_the_one_process_run(
-    workdir: Path, harness_reference
+    workdir: Path, harness_reference, grad_norm_tolerance
 ) -> None:
     overrides = ["parallel.zero=3", "parallel.offload=params", "train.loss_chunks=4"]
     curve = run_pretrain(workdir / "zero3_offload", overrides, nproc=2)
-    assert_same_curve(curve, harness_reference)
+    assert_same_curve(curve, harness_reference, grad_norm_tolerance)
     # Every block and the root: FSDP2 was given the host-offload policy.
     log = (workdir / "zero3_offload.log").read_text()
     assert "optimizer foreach" in log and "5 FSDP units offloaded to host memory" in log

@@ -50,10 +50,10 @@ def moe_metrics(run_dir: Path) -> list[dict]:
     ],
 )
 def test_pipelined_moe_matches_reference(
-    workdir, moe_reference, moe_reference_run, label, overrides, nproc
+    workdir, moe_reference, moe_reference_run, grad_norm_tolerance, label, overrides, nproc
 ) -> None:
     curve = run_pretrain(workdir / label, MOE + overrides, nproc=nproc, recipe="tiny_moe")
-    assert_same_curve(curve, moe_reference)
+    assert_same_curve(curve, moe_reference, grad_norm_tolerance)
     expected = moe_metrics(moe_reference_run)
     got = moe_metrics(workdir / label)
     assert [{k: row[k] for k in COUNTS} for row in got] == [

@@ -43,20 +43,24 @@ def reference(harness_reference):
         ("1f1b_pp2_zero3_dp2", ["parallel.pp=2", "parallel.zero=3"], 4),
     ],
 )
-def test_pipeline_layout_matches_reference(workdir, reference, label, overrides, nproc) -> None:
+def test_pipeline_layout_matches_reference(
+    workdir, reference, grad_norm_tolerance, label, overrides, nproc
+) -> None:
     curve = run_pretrain(workdir / label, overrides, nproc=nproc)
-    assert_same_curve(curve, reference)
+    assert_same_curve(curve, reference, grad_norm_tolerance)
 
 
-def test_tied_embeddings_under_pp2_match_the_single_process_run(workdir) -> None:
+def test_tied_embeddings_under_pp2_match_the_single_process_run(
+    workdir, grad_norm_tolerance
+) -> None:
     """The last stage's copy of the embedding, its gradient summed with the first stage's
     every step, trains exactly as the one shared weight does in one process: across two
     ranks (1F1B), and under ZB-V, whose rank 0 holds both the first and the last stage."""
     tied = ["model.tie_embeddings=true"]
     reference = run_pretrain(workdir / "tied_reference", tied, nproc=1)
     curve = run_pretrain(workdir / "tied_pp2", [*tied, "parallel.pp=2"], nproc=2)
-    assert_same_curve(curve, reference)
+    assert_same_curve(curve, reference, grad_norm_tolerance)
     # torch's V schedules have no forward-only pass: that run does not evaluate.
     v_shape = ["parallel.vpp=2", "parallel.pp_schedule=zbv", "eval.every=0"]
     curve = run_pretrain(workdir / "tied_pp2_zbv", [*tied, "parallel.pp=2", *v_shape], nproc=2)
-    assert_same_training(curve, reference)
+    assert_same_training(curve, reference, grad_norm_tolerance)

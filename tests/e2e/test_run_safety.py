@@ -22,7 +22,7 @@ import pytest
 from pretrain_core.run.rundir import LOCK_FILE, PREEMPTED_MARKER
 from pretrain_core.schema import load_config
 from tests.distributed.harness import BASE_OVERRIDES
-from tests.helpers import pretrain
+from tests.helpers import live_processes, pretrain, wait_until_gone
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -35,18 +35,6 @@ SECRETS = {
 
 def args(run_dir: Path, *overrides: str, ranks: int = 1) -> list[str]:
     return [*BASE_OVERRIDES, f"cluster.gpus_per_node={ranks}", f"run.dir={run_dir}", *overrides]
-
-
-def processes_mentioning(text: str) -> list[int]:
-    """PIDs of live processes whose command line mentions `text`."""
-    pids = []
-    for proc in Path("/proc").iterdir():
-        try:
-            if proc.name.isdigit() and text in (proc / "cmdline").read_bytes().decode():
-                pids.append(int(proc.name))
-        except (OSError, UnicodeDecodeError):
-            continue
-    return pids
 
 
 def start(run_dir: Path, *overrides: str, ranks: int = 1) -> subprocess.Popen:
@@ -65,27 +53,20 @@ def start(run_dir: Path, *overrides: str, ranks: int = 1) -> subprocess.Popen:
     return launcher
 
 
-def wait_until_gone(text: str, seconds: float) -> list[int]:
-    deadline = time.monotonic() + seconds
-    while (alive := processes_mentioning(text)) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return alive
-
-
 def test_one_trainer_per_run_dir_and_none_outlives_a_killed_launcher(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     config = str(run_dir / "config.yaml")
     launcher = start(run_dir, "train.steps=100000", ranks=2)
     try:
-        assert len(processes_mentioning(config)) == 3  # torchrun and two ranks
+        assert len(live_processes(config)) == 3  # torchrun and two ranks
         second = pretrain(*args(run_dir, "train.steps=100000", ranks=2), cwd=tmp_path)
         assert second.returncode == 2
         assert f"run dir {run_dir} is in use by pid {launcher.pid} on host" in second.stderr
         os.kill(launcher.pid, signal.SIGKILL)
         launcher.wait(timeout=10)
-        orphans = wait_until_gone(config, seconds=10)
+        orphans = wait_until_gone(config)
     finally:
-        for pid in processes_mentioning(config):
+        for pid in live_processes(config):
             os.kill(pid, signal.SIGKILL)
     assert orphans == []
     # The dead launcher's lock is stale: the next run takes it over and says so.
@@ -107,7 +88,7 @@ def test_sigterm_to_the_launcher_stops_every_rank(tmp_path: Path) -> None:
     assert code == (0 if (run_dir / PREEMPTED_MARKER).exists() else 128 + signal.SIGTERM)
     assert "stopped by SIGTERM; run the same command again to resume" in stderr
     assert "Traceback" not in stderr
-    assert wait_until_gone(str(run_dir / "config.yaml"), seconds=10) == []
+    assert wait_until_gone(str(run_dir / "config.yaml")) == []
     assert not (run_dir / LOCK_FILE).exists()
 
 

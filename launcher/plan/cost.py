@@ -111,13 +111,6 @@ def group_bandwidth(links: Links, gpus_per_node: int, stride: int, size: int) ->
     return gbs * 1e9 * LINK_EFFICIENCY
 
 
-def stage_flops(cfg: RecipeConfig, pp_rank: int) -> tuple[int, int]:
-    """(hardware FLOPs, forward FLOPs) per token that pipeline rank `pp_rank` runs: its
-    blocks, with the recomputation of those that recompute, and the LM head on the last
-    rank; the whole model's without PP."""
-    return _rank_flops(cfg, _layer_flops(cfg), pp_rank)
-
-
 def _layer_flops(cfg: RecipeConfig) -> list[tuple[int, int]]:
     """(hardware, forward) FLOPs per token of each block, recomputation included."""
     m, seq, policy = cfg.model, cfg.train.seq_len, cfg.recompute.policy

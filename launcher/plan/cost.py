@@ -47,12 +47,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from launcher.plan.cp_comm import cp_communication
-from launcher.plan.memory import COMPUTE_BYTES, rank_layers, stage_params
+from launcher.plan.memory import rank_layers, stage_params
 from launcher.plan.schedule_sim import SIMULATED, bubble_fraction
 from models.flops import block_flops_per_token, count_params, flops_per_token
 from pretrain_core.hardware import Links
 from pretrain_core.layout import Degrees, world_size
 from pretrain_core.pipedream import segment_steps
+from pretrain_core.precision import COMPUTE_BYTES
 from pretrain_core.recompute import is_recomputed, recomputed_blocks
 from pretrain_core.schema import RecipeConfig
 from pretrain_core.stages import head_rank, placement

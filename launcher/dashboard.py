@@ -78,11 +78,6 @@ def spec() -> dict[str, Any]:
     return {name: [asdict(p) for p in panels] for name, panels in SECTIONS.items()}
 
 
-def plotted_keys() -> set[str]:
-    """Every W&B key a panel plots."""
-    return {key for panels in SECTIONS.values() for p in panels for key in p.y}
-
-
 def workspace(entity: str, project: str, name: str) -> Any:
     """The wandb-workspaces Workspace of SECTIONS for `entity/project`."""
     import wandb_workspaces.reports.v2.interface as wr

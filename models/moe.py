@@ -281,8 +281,11 @@ class MoEFeedForward(nn.Module):
         step = torch.sign(load.mean() - load).to(self.expert_bias.dtype)
         self.expert_bias.add_(step, alpha=self.cfg.moe_bias_rate)
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Top-k expert ids [b, s, k], their weights [b, s, k] and the router logits [b, s, N]."""
+    def route(
+        self, x: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Top-k expert ids [b, s, k], their weights [b, s, k], the router scores [b, s, N]
+        (softmax over the experts, or sigmoid per expert) and the router logits [b, s, N]."""
         cfg = self.cfg
         logits = self.router(x).float()
         scores = logits.softmax(-1) if cfg.moe_router == "softmax" else logits.sigmoid()
@@ -294,14 +297,13 @@ class MoEFeedForward(nn.Module):
             weights, experts = scores.topk(cfg.moe_top_k, dim=-1)
         if cfg.moe_normalize_topk:
             weights = weights / weights.sum(-1, keepdim=True)
-        return experts, weights, logits
+        return experts, weights, scores, logits
 
     def _losses(
-        self, experts: torch.Tensor, logits: torch.Tensor
+        self, experts: torch.Tensor, scores: torch.Tensor, logits: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         cfg = self.cfg
         # The balance loss wants probabilities; sigmoid scores are normalized per token for it.
-        scores = logits.softmax(-1) if cfg.moe_router == "softmax" else logits.sigmoid()
         probs = scores / scores.sum(-1, keepdim=True)
         balance, zl = load_balancing_loss(probs, experts, cfg.moe_experts), z_loss(logits)
         aux = cfg.moe_z_loss_coef * zl
@@ -312,10 +314,10 @@ class MoEFeedForward(nn.Module):
         cfg = self.cfg
         b, s, h = x.shape
         n, k = cfg.moe_experts, cfg.moe_top_k
-        experts, weights, logits = self.route(x)
+        experts, weights, scores, logits = self.route(x)
         limit = capacity(cfg, s)
         keep = keep_mask(experts, n, limit)
-        balance, zl = self._losses(experts, logits)
+        balance, zl = self._losses(experts, scores, logits)
         if not recomputing():
             routed = expert_counts(experts, n)
             self.stats.add(routed, (~keep).sum(), balance.detach(), zl.detach())

@@ -34,7 +34,6 @@ class GpuSpec:
     peak_tflops: dict[str, float] = field(default_factory=dict)
     """Dense peak TFLOP/s by compute dtype; a dtype missing here is not supported."""
     compute_capability: tuple[int, int] = (0, 0)
-    gpus_per_node_typical: int = 8
 
     @property
     def supports_bf16(self) -> bool:
@@ -50,48 +49,45 @@ _CDNA3 = {"fp8": 2614.9, "bf16": 1307.4, "fp16": 1307.4, "tf32": 653.7, "fp32": 
 GPUS: dict[str, GpuSpec] = {
     spec.name: spec
     for spec in (
-        GpuSpec("h100_sxm", 80, dict(_HOPPER_SXM), (9, 0), 8),
+        GpuSpec("h100_sxm", 80, dict(_HOPPER_SXM), (9, 0)),
         GpuSpec(
             "h100_pcie",
             80,
             {"fp8": 1513.0, "bf16": 756.0, "fp16": 756.0, "tf32": 378.0, "fp32": 51.0},
             (9, 0),
-            8,
         ),
         # The H200 has the H100 SXM's compute with more and faster memory.
-        GpuSpec("h200_sxm", 141, dict(_HOPPER_SXM), (9, 0), 8),
+        GpuSpec("h200_sxm", 141, dict(_HOPPER_SXM), (9, 0)),
         # A Hopper with its tensor cores cut to 15% of the H100's, and 96 GB of HBM3.
         GpuSpec(
             "h20",
             96,
             {"fp8": 296.0, "bf16": 148.0, "fp16": 148.0, "tf32": 74.0, "fp32": 44.0},
             (9, 0),
-            8,
         ),
-        # The Grace Hopper superchip's GPU computes like the H100 SXM; nodes hold four.
-        GpuSpec("gh200", 96, dict(_HOPPER_SXM), (9, 0), 4),
-        GpuSpec("gh200_144gb", 144, dict(_HOPPER_SXM), (9, 0), 4),
-        GpuSpec("a100_sxm_80gb", 80, dict(_AMPERE), (8, 0), 8),
-        GpuSpec("a100_sxm_40gb", 40, dict(_AMPERE), (8, 0), 8),
-        GpuSpec("a100_pcie_80gb", 80, dict(_AMPERE), (8, 0), 8),
-        GpuSpec("a100_pcie_40gb", 40, dict(_AMPERE), (8, 0), 8),
-        GpuSpec("b200", 180, dict(_BLACKWELL), (10, 0), 8),
+        # The Grace Hopper superchip's GPU computes like the H100 SXM.
+        GpuSpec("gh200", 96, dict(_HOPPER_SXM), (9, 0)),
+        GpuSpec("gh200_144gb", 144, dict(_HOPPER_SXM), (9, 0)),
+        GpuSpec("a100_sxm_80gb", 80, dict(_AMPERE), (8, 0)),
+        GpuSpec("a100_sxm_40gb", 40, dict(_AMPERE), (8, 0)),
+        GpuSpec("a100_pcie_80gb", 80, dict(_AMPERE), (8, 0)),
+        GpuSpec("a100_pcie_40gb", 40, dict(_AMPERE), (8, 0)),
+        GpuSpec("b200", 180, dict(_BLACKWELL), (10, 0)),
         # Blackwell Ultra: B200's dense FP8 and BF16 rates (its gains are FP4), 288 GB.
-        GpuSpec("b300", 288, dict(_BLACKWELL), (10, 3), 8),
-        GpuSpec("mi300x", 192, dict(_CDNA3), (9, 4), 8),
+        GpuSpec("b300", 288, dict(_BLACKWELL), (10, 3)),
+        GpuSpec("mi300x", 192, dict(_CDNA3), (9, 4)),
         # The MI300X's compute with 256 GB of HBM3E.
-        GpuSpec("mi325x", 256, dict(_CDNA3), (9, 4), 8),
+        GpuSpec("mi325x", 256, dict(_CDNA3), (9, 4)),
         GpuSpec(
             "l40s",
             48,
             {"fp8": 733.0, "bf16": 362.05, "fp16": 362.05, "tf32": 183.0, "fp32": 91.6},
             (8, 9),
-            8,
         ),
         # Volta has no bf16 and no tf32: kept so that bf16 on it is refused by name.
-        GpuSpec("v100_sxm_32gb", 32, {"fp16": 125.0, "fp32": 15.7}, (7, 0), 8),
+        GpuSpec("v100_sxm_32gb", 32, {"fp16": 125.0, "fp32": 15.7}, (7, 0)),
         # Ranks on CPU: no table peak (the metrics measure one), no device memory to fit.
-        GpuSpec("cpu", 0, {}, (0, 0), 1),
+        GpuSpec("cpu", 0, {}, (0, 0)),
     )
 }
 
@@ -115,11 +111,6 @@ _DEVICE_NAME_PATTERNS: tuple[tuple[str, str], ...] = (
     (r"^(NVIDIA )?L40S\b", "l40s"),
     (r"\bV100-SXM2-32GB\b", "v100_sxm_32gb"),
 )
-
-
-def known_gpus() -> list[str]:
-    """Names of every entry in the table, in table order."""
-    return list(GPUS)
 
 
 def gpu_spec(name: str) -> GpuSpec:

@@ -25,6 +25,9 @@ BACKEND_INSTALL = {
     "te": "pip install 'transformer-engine[pytorch]' (the project's te extra) on a CUDA machine",
 }
 """How to install each FP8 backend."""
+COMPUTE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 2}
+"""Bytes of an activation, key or value element in the compute dtype (FP8 runs keep BF16
+activations and attend in BF16); every precision.dtype has an entry."""
 
 
 def peak_dtype(precision: PrecisionConfig) -> str:

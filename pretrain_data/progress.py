@@ -12,6 +12,8 @@ import sys
 import time
 from collections.abc import Callable
 
+from pretrain_core.run.durations import format_duration
+
 PLAIN_EVERY_S = 15.0
 """Seconds between plain progress lines, unless PRETRAIN_PROGRESS_EVERY_S says otherwise."""
 PLAIN_EVERY_ENV = "PRETRAIN_PROGRESS_EVERY_S"
@@ -44,16 +46,6 @@ def human(n: float) -> str:
         if abs(n) >= size:
             return f"{n / size:.3g}{unit}"
     return f"{n:.0f}"
-
-
-def duration(seconds: float) -> str:
-    """3725 -> '1h02m'; 75 -> '1m15s'."""
-    seconds = int(seconds)
-    if seconds >= 3600:
-        return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
-    if seconds >= 60:
-        return f"{seconds // 60}m{seconds % 60:02d}s"
-    return f"{seconds}s"
 
 
 class Progress:
@@ -125,8 +117,8 @@ class Progress:
             f"{human(self.tokens / elapsed)} tok/s",
         ]
         if done is not None and 0 < done < 1:
-            parts.append(f"ETA {duration(elapsed * (1 - done) / done)}")
-        parts.append(f"{duration(elapsed)} elapsed")
+            parts.append(f"ETA {format_duration(elapsed * (1 - done) / done)}")
+        parts.append(f"{format_duration(elapsed)} elapsed")
         return ", ".join(parts)
 
     def tick(self, force: bool = False) -> None:

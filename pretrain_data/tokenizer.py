@@ -6,7 +6,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from collections.abc import Callable, Iterable, Iterator
@@ -28,11 +27,6 @@ EOS_TOKEN = "<|endoftext|>"
 
 KNOWN_EOS_TOKENS = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>")
 """End-of-sequence tokens recognised in a pretrained tokenizer without a tokenizer_config.json."""
-
-
-def tokenizer_hash(tokenizer: Tokenizer) -> str:
-    """Content hash of the tokenizer's serialized `tokenizer.json`: its identity in cache keys."""
-    return hashlib.sha256(tokenizer.to_str().encode()).hexdigest()[:20]
 
 
 def max_token_id(tokenizer: Tokenizer) -> int:

@@ -19,14 +19,15 @@ import time
 from collections.abc import Callable
 from types import TracebackType
 
-from pretrain_data.progress import TTY_EVERY_S, duration, plain_every_s, show_line
+from pretrain_core.run.durations import format_duration
+from pretrain_data.progress import TTY_EVERY_S, plain_every_s, show_line
 
 Report = Callable[[str], None]
 
 
 def took(seconds: float) -> str:
     """0.42 -> '0.4s'; 75 -> '1m15s'."""
-    return f"{seconds:.1f}s" if seconds < 60 else duration(seconds)
+    return f"{seconds:.1f}s" if seconds < 60 else format_duration(seconds)
 
 
 class Wait:
@@ -77,7 +78,7 @@ class Wait:
             self._first = (now, done)
         since, first = self._first
         if 0 < done < 1 and done > first and now > since:
-            return f"ETA {duration((now - since) * (1 - done) / (done - first))}"
+            return f"ETA {format_duration((now - since) * (1 - done) / (done - first))}"
         return ""
 
     def line(self) -> str:
@@ -86,7 +87,7 @@ class Wait:
         detail, done = self._measured()
         parts = [f"{100 * done:.0f}%"] if done is not None else []
         parts += [eta] if (eta := self._eta(done, now)) else []
-        parts.append(f"{duration(now - self.start)} elapsed")
+        parts.append(f"{format_duration(now - self.start)} elapsed")
         return f"{self.what}{detail}: " + ", ".join(parts)
 
     def _show(self) -> None:

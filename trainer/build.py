@@ -106,7 +106,7 @@ def build_train_state(cfg: RecipeConfig, mesh: JobMesh, device: torch.device) ->
     loss_fn = compile_loss(lm_loss, cfg.compile) if degrees.tp == 1 else lm_loss
     eval_fn = lm_loss
     head = getattr(plain, "output", None)
-    if cfg.train.loss_chunks > 1 and head is not None:
+    if head is not None and plain.head_in_loss:  # decided once, in _build_one
         loss_fn = ChunkedLMLoss(head, cfg.train.loss_chunks, loss_fn)
         eval_fn = ChunkedLMLoss(head, cfg.train.loss_chunks, lm_loss)
     return TrainState(

@@ -233,11 +233,6 @@ def submit_slurm(files: JobFiles) -> SubmittedJob:
     return SubmittedJob(job_id=job_id, log_path=files.run_dir / LOGS_DIR / f"slurm-{job_id}.out")
 
 
-def slurm_job_state(job_id: str) -> str:
-    """The job's current state as `scontrol show job` reports it (e.g. PENDING, COMPLETED)."""
-    return show_job(job_id)["JobState"]
-
-
 def never_starts(job_id: str) -> str | None:
     """Why the job will never start as submitted (a pending reason of NEVER_STARTS, with the
     fix), or None while it runs, ran or may still start."""

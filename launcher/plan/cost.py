@@ -47,12 +47,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from launcher.plan.cp_comm import cp_communication
-from launcher.plan.memory import COMPUTE_BYTES, rank_layers, stage_params
+from launcher.plan.memory import rank_layers, stage_params
 from launcher.plan.schedule_sim import SIMULATED, bubble_fraction
 from models.flops import block_flops_per_token, count_params, flops_per_token
 from pretrain_core.hardware import Links
 from pretrain_core.layout import Degrees, world_size
 from pretrain_core.pipedream import segment_steps
+from pretrain_core.precision import COMPUTE_BYTES
 from pretrain_core.recompute import is_recomputed, recomputed_blocks
 from pretrain_core.schedules import SCHEDULES
 from pretrain_core.schema import RecipeConfig
@@ -110,13 +111,6 @@ def group_bandwidth(links: Links, gpus_per_node: int, stride: int, size: int) ->
     inside = span <= gpus_per_node and gpus_per_node % span == 0
     gbs = links.intra_node_gbs if inside else links.inter_node_gbs
     return gbs * 1e9 * LINK_EFFICIENCY
-
-
-def stage_flops(cfg: RecipeConfig, pp_rank: int) -> tuple[int, int]:
-    """(hardware FLOPs, forward FLOPs) per token that pipeline rank `pp_rank` runs: its
-    blocks, with the recomputation of those that recompute, and the LM head on the last
-    rank; the whole model's without PP."""
-    return _rank_flops(cfg, _layer_flops(cfg), pp_rank)
 
 
 def _layer_flops(cfg: RecipeConfig) -> list[tuple[int, int]]:

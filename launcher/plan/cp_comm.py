@@ -16,10 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pretrain_core.layout import Degrees
+from pretrain_core.precision import COMPUTE_BYTES
 from pretrain_core.schema import RecipeConfig
-
-COMPUTE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 2}
-"""Bytes of a key or value element in the compute dtype (FP8 attends in BF16)."""
 
 
 @dataclass(frozen=True)

@@ -56,6 +56,7 @@ from pretrain_core.hardware import GIB
 from pretrain_core.layout import Degrees
 from pretrain_core.model_config import ModelConfig
 from pretrain_core.optim_states import state_bytes
+from pretrain_core.precision import COMPUTE_BYTES
 from pretrain_core.recompute import recomputed_blocks
 from pretrain_core.schedules import SCHEDULES, V
 from pretrain_core.schema import OptimConfig, RecipeConfig
@@ -74,9 +75,6 @@ CUDA_FIXED_GIB = 1.5
 """CUDA context, cuBLAS workspaces and NCCL buffers per GPU (typical, H100, NCCL 2.2x)."""
 FRAGMENTATION = 0.05
 """Caching-allocator fragmentation, as a share of the tensors' peak (CUDA only)."""
-COMPUTE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 2}
-"""Bytes of an activation in the compute dtype (FP8 runs keep BF16 activations)."""
-# Every precision.dtype the schema accepts must have an entry (tests/unit/test_memory.py).
 MOMENTS = {"adamw": 2, "lion": 1, "sgd": 1, "muon": 1}
 """State tensors per parameter (SGD without momentum keeps none; Muon's one is on the blocks'
 weight matrices, the rest keep AdamW's two: `state_tensors`)."""

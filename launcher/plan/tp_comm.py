@@ -13,10 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pretrain_core.layout import Degrees
+from pretrain_core.precision import COMPUTE_BYTES
 from pretrain_core.schema import RecipeConfig
-
-ACTIVATION_BYTES = {"fp32": 4, "bf16": 2}
-"""Bytes per activation element crossing the TP group, by compute dtype."""
 
 
 @dataclass(frozen=True)
@@ -43,7 +41,7 @@ def tp_communication(cfg: RecipeConfig, degrees: Degrees) -> TPComm | None:
     if t == 1:
         return None
     tokens = cfg.train.global_batch // degrees.dp * cfg.train.seq_len
-    message = tokens * cfg.model.dim * ACTIVATION_BYTES.get(cfg.precision.dtype, 2)
+    message = tokens * cfg.model.dim * COMPUTE_BYTES[cfg.precision.dtype]
     if cfg.parallel.sp:
         collectives = {"all_gather": 4, "reduce_scatter": 4}
         ring_share = (t - 1) / t

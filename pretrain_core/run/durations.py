@@ -1,4 +1,4 @@
-"""Time left and durations as the step line and `pretrain status` print them."""
+"""Time left and durations as the step line, `pretrain status` and data preparation print them."""
 
 from __future__ import annotations
 

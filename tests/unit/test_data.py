@@ -22,7 +22,6 @@ from tests.helpers import (
     encode_documents,
     generated_documents,
     write_jsonl,
-    write_tokenizer,
 )
 from trainer.data import dataset as dataset_module
 from trainer.data.dataset import PackedSequences, PreparedDataset, TokenStream
@@ -63,11 +62,6 @@ def test_trained_tokenizer_round_trips_text_with_requested_vocab_and_eos(tmp_pat
     assert eos_id(tokenizer) == tokenizer.token_to_id(EOS_TOKEN)
     text = stdlib_docs(1)[0] + "Plain prose, with unicode: café ✓."
     assert tokenizer.decode(tokenizer.encode(text).ids) == text
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_tokenizer(tmp_path_factory.mktemp("tok") / "tokenizer.json", DOCS)
 
 
 def test_tokenizer_with_more_ids_than_the_model_embedding_is_refused(tokenizer: Path):

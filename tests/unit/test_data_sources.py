@@ -21,16 +21,10 @@ from tests.helpers import (
     generated_documents,
     write_jsonl,
     write_megatron,
-    write_tokenizer,
 )
 from trainer.data.dataset import PreparedDataset, TokenStream
 
 DOCS = generated_documents(40, seed=1)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_tokenizer(tmp_path_factory.mktemp("tok") / "tokenizer.json", DOCS * 3)
 
 
 def prepared(cfg) -> tuple[PreparedDataset, list[int]]:

@@ -28,11 +28,6 @@ from tests.helpers import (
 DOCS = generated_documents(30, seed=7)
 
 
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_tokenizer(tmp_path_factory.mktemp("tok") / "tokenizer.json", DOCS)
-
-
 def problems_of(overrides: dict, for_launch: bool = True) -> dict[str, list[str]]:
     """field -> every problem reported for it (the base recipe on a local cluster)."""
     cfg = configure({"cluster.backend": "local", **overrides})

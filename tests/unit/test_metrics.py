@@ -13,7 +13,6 @@ from pretrain_core.schema import HardwareConfig
 from trainer.observe.metrics import (
     GIB,
     PeakFlops,
-    StepTimer,
     ThroughputMeter,
     peak_memory_gib,
     resolve_peak_flops,
@@ -114,23 +113,6 @@ def test_known_gpu_without_the_dtype_gives_no_peak() -> None:
     peak = table_peak_flops(name, "bf16")
     assert peak.tflops is None
     assert key in peak.source and "hardware.peak_tflops" in peak.source
-
-
-def test_step_timer_counts_steps_time_and_data_wait_since_the_last_lap() -> None:
-    timer = StepTimer(torch.device("cpu"))
-    for _ in range(2):
-        with timer.data_wait():
-            time.sleep(0.03)
-        time.sleep(0.02)
-        timer.step_done()
-    steps, elapsed, data_wait = timer.lap()
-    assert steps == 2
-    assert data_wait >= 2 * 0.03
-    assert elapsed >= data_wait + 2 * 0.02
-    # The lap started a new window.
-    timer.step_done()
-    steps, elapsed, data_wait = timer.lap()
-    assert (steps, data_wait) == (1, 0.0) and elapsed < 0.05
 
 
 def test_cpu_peak_memory_is_the_process_peak_rss_in_gib() -> None:

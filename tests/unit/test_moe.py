@@ -56,7 +56,7 @@ def test_identity_experts_give_back_the_input_weighted_by_the_router() -> None:
     block.dispatch = identity
     x = torch.randn(3, 5, H)
     out = block(x)
-    experts, weights, _ = block.route(x)
+    experts, weights, _, _ = block.route(x)
     # Every token comes back once per slot, scaled by that slot's router weight (summed in
     # expert order, so equal up to FP32 rounding).
     torch.testing.assert_close(out, x * weights.sum(-1, keepdim=True), rtol=1e-6, atol=1e-6)
@@ -105,7 +105,7 @@ def test_dropped_assignments_contribute_nothing_and_are_counted() -> None:
     nn.init.normal_(block.router.weight)
     block.dispatch = lambda grouped: grouped.rows
     x = torch.randn(1, 8, H)
-    experts, weights, _ = block.route(x)
+    experts, weights, _, _ = block.route(x)
     limit = math.ceil(0.5 * 8 * K / N)
     keep = keep_mask(experts, N, limit)
     assert not keep.all()
@@ -264,7 +264,7 @@ def test_the_bias_picks_experts_but_the_weights_stay_the_router_scores() -> None
     block.reset_bias()
     block.expert_bias[3] = 10.0
     x = torch.randn(2, 5, H)
-    experts, weights, logits = block.route(x)
+    experts, weights, _, logits = block.route(x)
     assert (experts == 3).any(-1).all()
     torch.testing.assert_close(weights, logits.softmax(-1).gather(-1, experts))
 

@@ -20,16 +20,10 @@ from tests.helpers import (
     encode_documents,
     generated_documents,
     write_jsonl,
-    write_tokenizer,
 )
 from trainer.data.dataset import PreparedDataset, TokenStream
 
 DOCS = generated_documents(600, seed=3)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_tokenizer(tmp_path_factory.mktemp("tok") / "tokenizer.json", DOCS)
 
 
 @pytest.fixture

@@ -4,8 +4,9 @@ import pytest
 
 from launcher.plan.plan import make_plan, plan_to_dict
 from launcher.plan.render import render_plan
-from launcher.plan.tp_comm import ACTIVATION_BYTES, tp_communication
+from launcher.plan.tp_comm import tp_communication
 from pretrain_core.layout import resolve_degrees
+from pretrain_core.precision import COMPUTE_BYTES
 from tests.helpers import configure
 
 
@@ -26,7 +27,7 @@ def test_without_sp_each_layer_all_reduces_four_activations_per_micro_batch(dtyp
     dp = 8 // 4
     activation = cfg.train.global_batch // dp * cfg.train.seq_len * cfg.model.dim
     assert comm.collectives == {"all_reduce": 4}
-    assert comm.message_bytes == 4 * activation * ACTIVATION_BYTES[dtype]
+    assert comm.message_bytes == 4 * activation * COMPUTE_BYTES[dtype]
     assert comm.sent_bytes == comm.message_bytes * 2 * 3 / 4
 
 

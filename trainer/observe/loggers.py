@@ -182,8 +182,8 @@ def console_line(step: int, total_steps: int, metrics: dict[str, Any]) -> str:
 class MetricsLogger:
     """Logs metrics of the main rank to the console, RUN_DIR/metrics.jsonl and W&B.
 
-    Other ranks construct it too and do nothing. The caller decides which steps to log
-    (`should_log` applies `logging.log_every`). A W&B failure warns and leaves the other sinks.
+    Other ranks construct it too and do nothing. The caller decides which steps to log (the
+    metrics window applies `logging.log_every`). A W&B failure warns and leaves the other sinks.
     """
 
     def __init__(
@@ -208,7 +208,6 @@ class MetricsLogger:
         self._wandb_run = None
         self._wandb_mode = "disabled"
         self._tensorboard: Any = None
-        self._started = time.monotonic()
         mode = resolve_wandb_mode(logging.wandb)  # on every rank: a bad setting fails everywhere
         if not is_main:
             if node is not None and mode != "disabled":
@@ -295,10 +294,6 @@ class MetricsLogger:
     def _print_offline_hint(self) -> None:
         sync_dir = self._wandb_run.settings.sync_dir
         self.console.print(f"W&B offline run in {sync_dir}; upload with: wandb sync {sync_dir}")
-
-    def should_log(self, step: int) -> bool:
-        """Whether step `step` (1-based count of optimizer steps done) is a logging step."""
-        return step % self.logging.log_every == 0 or step == self.total_steps
 
     def log(self, step: int, metrics: dict[str, float | None]) -> None:
         """Write one step's metrics to every sink (main rank only); None means not measured.

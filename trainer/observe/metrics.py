@@ -13,8 +13,6 @@ from __future__ import annotations
 import resource
 import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -119,45 +117,6 @@ class ThroughputMeter:
         }
 
 
-class StepTimer:
-    """Times windows of optimizer steps for `ThroughputMeter.measure(*timer.lap())`.
-
-    Call `step_done()` after each optimizer step and `lap()` when logging; the device is
-    synchronized only in `lap()`, so timing costs no extra syncs on steps that are not logged.
-    """
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.reset()
-
-    def reset(self) -> None:
-        """Start a new window now (e.g. after a warmup or compile step)."""
-        self._start = time.perf_counter()
-        self._steps = 0
-        self._data_wait = 0.0
-
-    @contextmanager
-    def data_wait(self) -> Iterator[None]:
-        """Time the enclosed block as waiting for data."""
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self._data_wait += time.perf_counter() - start
-
-    def step_done(self) -> None:
-        """Count one finished optimizer step."""
-        self._steps += 1
-
-    def lap(self) -> tuple[int, float, float]:
-        """(steps, elapsed seconds, data-wait seconds) of the window, then start a new one."""
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        result = (self._steps, time.perf_counter() - self._start, self._data_wait)
-        self.reset()
-        return result
-
-
 def peak_memory_gib(device: torch.device) -> float:
     """Peak memory in GiB: CUDA allocated by torch on `device`, or this process's peak RSS."""
     if device.type == "cuda":
@@ -165,9 +124,3 @@ def peak_memory_gib(device: torch.device) -> float:
     # ru_maxrss is in KiB on Linux and in bytes on macOS.
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return rss / GIB if sys.platform == "darwin" else rss * 1024 / GIB
-
-
-def reset_peak_memory(device: torch.device) -> None:
-    """Restart the CUDA peak-memory counter (the process's peak RSS cannot be reset)."""
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)

@@ -21,9 +21,6 @@ from collections.abc import Iterator
 
 import torch
 
-PHASES = ("forward", "backward", "forward_backward", "optimizer")
-"""Region names a step marks."""
-
 
 class StepPhases:
     """Accumulates the time of a step's regions until a logging window takes it."""

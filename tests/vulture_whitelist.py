@@ -1,0 +1,36 @@
+"""Names the dead-code check (vulture, in .ci/run) cannot see used: what Python, torch or a
+library reads by name, and the few product entry points only tests and bench/ drive.
+
+vulture counts a name as used wherever it appears, so each line below only names one. A
+name that stops being used goes from here too.
+"""
+
+# ruff: noqa: B018
+
+_ = object()
+
+# Read by the standard library, torch or a library, by name.
+_.idpattern  # string.Template's placeholder pattern (launcher/assets.py)
+_.find_class  # pickle.Unpickler's hook (pretrain_data/token_formats.py)
+_.pre_tokenizer  # tokenizers.Tokenizer's settings (pretrain_data/tokenizer.py)
+_.decoder
+_.__spec__  # cleared before the workers fork (pretrain_data/workers.py)
+_.exc_info  # logging.LogRecord's traceback, dropped by the agent's filter (trainer/agent.py)
+_.exc_text
+_._CHECKPOINT_PROCESS  # DCP's background process, released to join it (trainer/checkpoint)
+_.tb  # __exit__'s third argument
+_.types  # TorchDispatchMode.__torch_dispatch__'s signature (trainer/kernels.py)
+
+# Fields that benchmarks and tests read.
+_.optimizer_states  # launcher/plan/memory.py's breakdown: bench/optim_state_memory.py
+_.state_nbytes  # trainer/optim/states.py: bench/optim_state_memory.py
+_.fell_back  # parallel/compile.py's fallback flag: tests/unit/test_compile.py
+
+# Product entry points that tests and bench/ drive.
+_.wait_for_slurm_job  # launcher/job/backends.py: tests/slurm
+_.init_weights  # models/init.py (a plain model on CPU): unit tests
+_.LocalTransport  # parallel/pipeline/pipedream.py's one-process pipeline: tests, oracles
+_.local_step
+_.local_drain
+_.newest
+_.one_process_loader  # trainer/data/loader.py: bench/, tests/pipedream_oracle.py

@@ -22,6 +22,7 @@ from pretrain_core.schema import RecipeConfig
 from trainer.build import build_train_state
 from trainer.checkpoint.checkpointer import Checkpointer
 from trainer.checkpoint.hf_import import load_hf_weights
+from trainer.checkpoint.run_state import run_states
 from trainer.data.loader import (
     DataLoader,
     RunData,
@@ -103,10 +104,11 @@ def setup(cfg: RecipeConfig, rank: RankInfo) -> Run:
     training = train_loader(cfg, data, mesh.dp.get_local_rank(), degrees.dp)
     loader = _prefetching(cfg, training, rank)
     evaluator = _evaluator(cfg, data, mesh, degrees, rank, stepper, state)
+    states = run_states(state, loader, run_dir, rank.is_main)
     checkpointer = Checkpointer(
-        run_dir, cfg.checkpoint, rank=rank.rank, world_size=rank.world_size, faults=faults
+        run_dir, cfg.checkpoint, states, rank=rank.rank, world_size=rank.world_size, faults=faults
     )
-    start = checkpointer.restore(state, loader)
+    start = checkpointer.restore()
     CLOCK.mark("loaders and checkpoint")
     if start:
         get_logger().info("resumed from the checkpoint of step %d", start)

@@ -40,7 +40,7 @@ def train(run: Run, watchdog: Watchdog) -> None:
             run.guard.record(step, result.bad)
             run.faults.after_step()
             watchdog.beat(step, "checkpoint")
-            run.checkpointer.after_step(step, run.state, run.loader, result.stop)
+            run.checkpointer.after_step(step, result.stop)
             watchdog.beat(step, "evaluation")
             val = run.window.untimed(run.evaluator.after_step, step, step == total, result.stop)
             if val or run.window.due(step, last=step == total, stop=result.stop):
@@ -50,7 +50,7 @@ def train(run: Run, watchdog: Watchdog) -> None:
                 _stop_after_save(run, step)
                 return
         watchdog.beat(total, "checkpoint")
-        run.checkpointer.finish(total, run.state, run.loader)
+        run.checkpointer.finish(total)
         run.checkpointer.close()
 
 

@@ -78,3 +78,19 @@ def reduce_tied_grads(model: nn.Module, group: dist.ProcessGroup | None) -> None
         grads[1].copy_(grads[0])
     elif grads and group is not None:
         dist.all_reduce(grads[0], group=group)
+
+
+EMBEDDING, HEAD = "tok_embeddings.weight", "output.weight"
+"""The full model's names of a tied embedding and its LM head."""
+
+
+def reads_copy_from_embedding(model: nn.Module) -> bool:
+    """Whether a checkpoint load gives this stage's copy of a tied embedding the embedding's
+    entries (the same tensors): every checkpoint holds those, while one saved without PP
+    keeps the shared weight's optimizer states under the embedding's name only."""
+    return bool(head_copies(model)) and getattr(model, "tok_embeddings", None) is None
+
+
+def renamed(entries: dict, old: str, new: str) -> dict:
+    """`entries` (keyed by the full model's names) with the key `old` named `new`."""
+    return {(new if key == old else key): value for key, value in entries.items()}

@@ -28,3 +28,11 @@ def complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
         if match and (path / META).is_file() and (path / DCP_METADATA).is_file():
             found.append((int(match.group(1)), path))
     return sorted(found)
+
+
+def find_checkpoint(root: Path, step: int | None = None) -> Path | None:
+    """The newest complete checkpoint (or the one of `step`), None if there is none."""
+    found = complete_checkpoints(root)
+    if step is not None:
+        found = [(s, p) for s, p in found if s == step]
+    return found[-1][1] if found else None

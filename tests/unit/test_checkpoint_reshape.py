@@ -10,8 +10,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from trainer.checkpoint.checkpointer import _scheduler_state
 from trainer.checkpoint.vocab_resize import load_resizing_vocab
+from trainer.optim.lr_schedule import spread_over_groups
 
 DIM = 4
 
@@ -98,12 +98,12 @@ def scheduler(groups: int, base_lr: float = 3e-3) -> dict:
 
 
 def test_the_schedule_spreads_over_another_group_count() -> None:
-    assert _scheduler_state(scheduler(3), 2) == scheduler(2)
-    assert _scheduler_state(scheduler(2), 5) == scheduler(5)
+    assert spread_over_groups(scheduler(3), 2) == scheduler(2)
+    assert spread_over_groups(scheduler(2), 5) == scheduler(5)
 
 
 def test_a_schedule_with_different_group_lrs_cannot_be_spread() -> None:
     saved = scheduler(2)
     saved["base_lrs"] = [3e-3, 1e-3]
     with pytest.raises(ValueError, match="differs between its 2 parameter groups"):
-        _scheduler_state(saved, 3)
+        spread_over_groups(saved, 3)

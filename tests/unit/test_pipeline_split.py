@@ -8,12 +8,19 @@ import torch
 
 import models
 from parallel.materialize import materialize
+from parallel.model_state import ModelState
 from parallel.pipeline.stages import StageView, split_stage
-from parallel.pipeline.tied_embedding import head_copies, mark_head_copy
+from parallel.pipeline.tied_embedding import (
+    EMBEDDING,
+    HEAD,
+    head_copies,
+    mark_head_copy,
+    reads_copy_from_embedding,
+    renamed,
+)
 from parallel.recompute import apply_recompute
 from pretrain_core.model_config import ModelConfig
 from pretrain_core.schema import ParallelConfig, RecomputeConfig
-from trainer.checkpoint.checkpointer import read_tied_copy_from_embedding
 from trainer.optim.optimizers import param_groups
 
 CFG = ModelConfig(vocab_size=64, dim=32, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=64)
@@ -88,9 +95,14 @@ def test_a_stages_copy_of_a_tied_embedding_is_restored_from_the_embeddings_entri
     first, last = (split_stage(models.build(tied), k, ParallelConfig(pp=2)) for k in (0, 1))
     for stage in (first, last):
         mark_head_copy(stage)
-    weight, moments = torch.zeros(1), {"exp_avg": torch.zeros(1)}
-    model_sd, optim = {"output.weight": weight, "norm.weight": 1}, {"output.weight": moments}
-    read_model, read_optim = read_tied_copy_from_embedding(last, model_sd, optim)
-    assert read_model == {"tok_embeddings.weight": weight, "norm.weight": 1}
-    assert read_optim["tok_embeddings.weight"] is moments
-    assert read_tied_copy_from_embedding(first, model_sd, optim) == (model_sd, optim)
+    assert reads_copy_from_embedding(last) and not reads_copy_from_embedding(first)
+    assert not reads_copy_from_embedding(models.build(tied))
+    moments = {"exp_avg": torch.zeros(1)}
+    optim = {"output.weight": moments, "norm.weight": {}}
+    read = renamed(optim, HEAD, EMBEDDING)
+    assert read == {"tok_embeddings.weight": moments, "norm.weight": {}}
+    assert read["tok_embeddings.weight"] is moments
+    assert renamed(read, EMBEDDING, HEAD) == optim
+    # Under PP the model's own names are the full model's, so it reads the same entries.
+    loaded = ModelState(lambda: last).state_dict_for_load()
+    assert "tok_embeddings.weight" in loaded and "output.weight" not in loaded

@@ -25,6 +25,9 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from pretrain_core.hardware import GIB
+from pretrain_data.progress import human
+from pretrain_data.waiting import Wait
+from trainer.log import get_logger
 
 MANIFEST = "manifest.json"
 CORRUPT_SUFFIX = ".corrupt"
@@ -68,9 +71,11 @@ def files_of(directory: Path) -> list[str]:
 
 
 def own_files(directory: Path, rank: int) -> list[str]:
-    """The files of a checkpoint that `rank` wrote itself: its DCP shards and RNG state."""
+    """The files of a checkpoint that `rank` wrote itself: its DCP shards and its per-rank
+    files (NAME/rank_R.pt)."""
     names = [p.name for p in directory.glob(f"__{rank}_*.distcp")]
-    return [*sorted(names), f"rng/rank_{rank}.pt"]
+    own = [p.relative_to(directory).as_posix() for p in directory.glob(f"*/rank_{rank}.pt")]
+    return [*sorted(names), *sorted(own)]
 
 
 def checksums(directory: Path, names: list[str]) -> dict[str, dict[str, Any]]:
@@ -81,6 +86,14 @@ def checksums(directory: Path, names: list[str]) -> dict[str, dict[str, Any]]:
         if path.is_file():
             entries[name] = {"size": path.stat().st_size, "sha256": sha256(path)}
     return entries
+
+
+def gathered_checksums(directory: Path, rank: int, world_size: int) -> dict[str, dict[str, Any]]:
+    """Each rank checksums the files it wrote; rank 0 receives them all (collective)."""
+    mine = checksums(directory, own_files(directory, rank))
+    gathered: list[dict | None] = [None] * world_size if rank == 0 else []
+    dist.gather_object(mine, gathered if rank == 0 else None, dst=0)
+    return {name: entry for part in gathered if part for name, entry in part.items()}
 
 
 def write_manifest(directory: Path, known: dict[str, dict[str, Any]]) -> None:
@@ -204,11 +217,18 @@ def _size_on_disk(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
-def check_free_space(root: Path, step: int, state_dict: Any, device: torch.device) -> None:
+def _collective_device() -> torch.device:
+    """Where this rank's collectives take their tensors: its GPU under NCCL, else the CPU."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def check_free_space(root: Path, step: int, state_dict: Any) -> None:
     """Raise DiskSpaceError on every rank when the file system of `root` lacks room for
     the checkpoint of `step`: the larger of the newest checkpoint's size and the ranks'
     tensors added up, plus SPACE_MARGIN (collective: the ranks agree)."""
-    rank = dist.get_rank()
+    rank, device = dist.get_rank(), _collective_device()
     needed = torch.tensor([state_bytes(state_dict, rank)], device=device)
     dist.all_reduce(needed)
     previous = step_dirs(root)
@@ -237,3 +257,22 @@ def disk_full_now(root: Path, step: int, error: BaseException) -> DiskSpaceError
         f"the checkpoint of step {step} could not be written: {root} is full "
         f"({usage.free / GIB:.3g} GiB free; {type(error).__name__}: {str(error)[:200]})"
     )
+
+
+def free_failed_save(root: Path, step: int, tmp: Path, error: BaseException, rank: int) -> None:
+    """A save into `tmp` that failed on a full disk: rank 0 frees what it wrote, and a
+    DiskSpaceError names the disk (the caller re-raises `error` otherwise)."""
+    full = disk_full_now(root, step, error)
+    if full is None:
+        return
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    raise full from error
+
+
+def loading(step: int, path: Path) -> Wait:
+    """The progress display of verifying and loading the checkpoint at `path` (its size
+    counted once); lines through the trainer's logger (rank 0's)."""
+    size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    what = f"checkpoint: loading step {step} ({human(size)}B) from {path}"
+    return Wait(what, get_logger().info, announce=False)

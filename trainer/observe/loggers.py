@@ -83,6 +83,23 @@ def stored_run_id(path: Path) -> str:
     return run_id
 
 
+class WandbRunId:
+    """The run dir's W&B run id as a checkpoint holds it (a string, or None before W&B ever
+    ran), so that a resumed run continues the same W&B run even if the run dir lost the id
+    file; the main rank writes it back."""
+
+    def __init__(self, run_dir: Path, is_main: bool) -> None:
+        self.path = Path(run_dir) / WANDB_ID_FILE
+        self.is_main = is_main
+
+    def state_dict(self) -> str | None:
+        return self.path.read_text().strip() if self.path.is_file() else None
+
+    def load_state_dict(self, run_id: str | None) -> None:
+        if self.is_main and run_id and not self.path.exists():
+            self.path.write_text(run_id + "\n")
+
+
 def wandb_key(name: str) -> str:
     """The W&B key of a flat metric name."""
     if name in WANDB_KEYS:

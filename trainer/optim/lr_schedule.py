@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Any
 
 from torch.optim import Optimizer
-from torch.optim.lr_scheduler import LambdaLR
+from torch.optim.lr_scheduler import LambdaLR, LRScheduler
 
 from pretrain_core.schema import LR_SCHEDULES as SCHEDULES
 from pretrain_core.schema import OptimConfig, ScheduleConfig
@@ -71,3 +72,40 @@ def build_lr_scheduler(
         lr_factor, schedule=schedule, total_steps=total_steps, min_ratio=optim.min_lr / optim.lr
     )
     return LambdaLR(optimizer, factor)
+
+
+def spread_over_groups(saved: dict[str, Any], groups: int) -> dict[str, Any]:
+    """The LR scheduler's saved state for `groups` optimizer groups.
+
+    How parameters split into groups depends on the layout (by DeviceMesh, and a pipeline
+    stage holds only some parameters), while the schedule does not: every group has the
+    same peak lr, so a saved group's entries stand for any group.
+    """
+    per_group = ("base_lrs", "_last_lr", "lr_lambdas")
+    if len(saved["base_lrs"]) == groups:
+        return saved
+    for key in per_group:
+        if key in saved and any(v != saved[key][0] for v in saved[key]):
+            raise ValueError(
+                f"the checkpoint's LR schedule differs between its {len(saved['base_lrs'])} "
+                f"parameter groups ({key}={saved[key]}); it cannot be spread over {groups}"
+            )
+    return {**saved, **{k: [saved[k][0]] * groups for k in per_group if k in saved}}
+
+
+class ScheduleState:
+    """A Stateful over the LR schedule of `optimizer`, restored under any group count."""
+
+    def __init__(self, scheduler: LRScheduler, optimizer: Optimizer) -> None:
+        self.scheduler = scheduler
+        self.optimizer = optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.scheduler.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        groups = self.optimizer.param_groups
+        self.scheduler.load_state_dict(spread_over_groups(state_dict, len(groups)))
+        # LambdaLR sets the groups' lr only when it steps: apply the restored one now.
+        for group, lr in zip(groups, self.scheduler.get_last_lr(), strict=True):
+            group["lr"] = lr

@@ -71,12 +71,18 @@ def _build_one(
         split_stage(plain, stage, cfg.parallel)
     parallelize(plain, cfg, mesh)
     mark_head_copy(plain)
-    plain.head_in_loss = cfg.train.loss_chunks > 1 and plain.output is not None
+    plain.head_in_loss = _head_in_loss(cfg, plain)
     host = torch.device(optimizer_device_type(cfg.parallel, device.type))
     materialize(plain, cfg.model, cfg.seed, device, param_device=host)
     if mesh.degrees.grad_replicas > 1 and not uses_fsdp(cfg.parallel, mesh.degrees):
         return apply_ddp(plain, mesh, cfg.parallel, cfg.precision), plain
     return plain, plain
+
+
+def _head_in_loss(cfg: RecipeConfig, plain: nn.Module) -> bool:
+    """Whether the loss computes the LM head, in `train.loss_chunks` chunks: only where the
+    model (or this rank's last pipeline stage) holds the head."""
+    return cfg.train.loss_chunks > 1 and getattr(plain, "output", None) is not None
 
 
 def build_train_state(cfg: RecipeConfig, mesh: JobMesh, device: torch.device) -> TrainState:
@@ -106,7 +112,7 @@ def build_train_state(cfg: RecipeConfig, mesh: JobMesh, device: torch.device) ->
     loss_fn = compile_loss(lm_loss, cfg.compile) if degrees.tp == 1 else lm_loss
     eval_fn = lm_loss
     head = getattr(plain, "output", None)
-    if head is not None and plain.head_in_loss:  # decided once, in _build_one
+    if head is not None and _head_in_loss(cfg, plain):
         loss_fn = ChunkedLMLoss(head, cfg.train.loss_chunks, loss_fn)
         eval_fn = ChunkedLMLoss(head, cfg.train.loss_chunks, lm_loss)
     return TrainState(

@@ -1,8 +1,8 @@
-"""Shared test settings: one cache for tokenized corpora, a private temp dir, no W&B cloud,
-the `slow` mark on every test that launches torchrun or needs SLURM, the one
-single-process reference run of the harness model that every FP32 layout (local or on
-SLURM) compares against, and the gradient-norm bound derived from it (each once per test
-session, or per xdist worker)."""
+"""Shared test settings: this checkout on every subprocess's import path, one cache for
+tokenized corpora, a private temp dir, no W&B cloud, the `slow` mark on every test that
+launches torchrun or needs SLURM, the one single-process reference run of the harness model
+that every FP32 layout (local or on SLURM) compares against, and the gradient-norm bound
+derived from it (each once per test session, or per xdist worker)."""
 
 from __future__ import annotations
 
@@ -28,6 +28,10 @@ def pytest_configure(config: pytest.Config) -> None:
     # torchrun leaves a folder per launch under TMPDIR; keep them out of /tmp.
     os.environ.setdefault("TMPDIR", str(tmp))
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(REPO / ".cache" / "inductor"))
+    # Subprocesses (the CLI, torchrun's ranks, SLURM jobs) import this checkout, not
+    # whichever checkout the package happens to be installed from.
+    paths = [str(REPO), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    os.environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
 
 
 @pytest.fixture

@@ -103,3 +103,52 @@ def test_a_missing_step_is_a_clear_error(run_dir: Path, tmp_path: Path) -> None:
     assert result.returncode != 0
     assert "no complete checkpoint of step 3 in" in result.stderr
     assert not (tmp_path / "hf").exists()
+
+
+def test_a_checkpoint_that_fails_its_manifest_is_refused_before_reading(
+    run_dir: Path, tmp_path: Path
+) -> None:
+    import shutil
+
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy)
+    shard = sorted((copy / "checkpoints").glob("step_*4/*.distcp"))[0]
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # same size, other bytes: only the checksum can tell
+    shard.write_bytes(bytes(data))
+    result = export_cli(copy, tmp_path / "hf")
+    assert result.returncode != 0
+    assert f"{shard.name} does not match its checksum" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "hf").exists()
+
+
+def test_a_non_empty_target_is_refused_unless_overwrite_replaces_its_weights(
+    run_dir: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "hf"
+    out.mkdir()
+    stale_index = out / "model.safetensors.index.json"
+    stale_index.write_text('{"weight_map": {"lm_head.weight": "old.safetensors"}}')
+    (out / "notes.txt").write_text("mine")
+    refused = export_cli(run_dir, out)
+    assert refused.returncode != 0
+    assert f"{out} is not empty" in refused.stderr and "--overwrite" in refused.stderr
+    assert not (out / "model.safetensors").exists()
+
+    assert export_cli(run_dir, out, "--overwrite").returncode == 0
+    assert not stale_index.exists()
+    assert (out / "notes.txt").read_text() == "mine"  # not a file a loader reads: kept
+    assert_same_logits(transformers.LlamaForCausalLM, out, run_dir, step=4)
+
+
+def test_exported_files_are_readable_by_others_as_the_umask_allows(
+    run_dir: Path, tmp_path: Path
+) -> None:
+    import os
+
+    assert export_cli(run_dir, tmp_path / "hf").returncode == 0
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in (tmp_path / "hf").iterdir():
+        assert path.stat().st_mode & 0o777 == 0o666 & ~umask, path.name

@@ -104,6 +104,18 @@ def test_a_moe_model_mixtral_cannot_hold_is_refused_before_anything_is_written(
     assert not (tmp_path / "hf").exists()
 
 
+def test_a_mixtral_shaped_model_balanced_by_bias_is_refused_naming_the_bias(
+    tmp_path: Path,
+) -> None:
+    cfg = RecipeConfig(name="mixtral_like")
+    cfg.model.moe_experts, cfg.model.moe_balance = 4, "bias"
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "config.yaml").write_text(dump_config(cfg))
+    with pytest.raises(ExportError, match=r"model\.moe_balance=bias: the per-expert"):
+        export(tmp_path / "run", tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()
+
+
 def test_stragglers_are_named_among_the_ranks_of_their_pipeline_stage() -> None:
     # Stage 1 (ranks 2, 3) computes twice as long as stage 0 by design: no straggler there.
     compute = [1.0, 1.0, 2.0, 2.1, 1.0, 1.6, 2.0, 2.0]

@@ -1,22 +1,31 @@
-"""`pretrain-export RUN_DIR [--step N] OUT_DIR`: a checkpoint as a Hugging Face directory.
+"""`pretrain-export RUN_DIR OUT_DIR [--step N] [--overwrite]`: a checkpoint as a Hugging
+Face directory.
 
 Writes `model.safetensors`, `config.json`, `generation_config.json` and the tokenizer
 (`tokenizer.json` + `tokenizer_config.json`). A dense model is a LlamaForCausalLM; a
 mixture-of-experts model is a MixtralForCausalLM in Mixtral's own file layout (each layer's
 router as `block_sparse_moe.gate`, each stacked expert as `block_sparse_moe.experts.{j}.w1/w2/
 w3`), which Mixtral can hold only when every layer is MoE with a softmax router over
-renormalized top-k weights and no shared experts; any other MoE model is refused, before
-anything is written, with what stands in the way. Mixtral routes without dropping tokens, as a
-model trained with a capacity factor does at inference. Our rotary embedding uses the
-half-split layout that Hugging Face's Llama uses, so the attention weights are copied
-unpermuted. Runs in one process without a process group (DCP reads any layout's shards,
-pipeline stages included; vocabulary rows padded for tensor parallelism are dropped).
+renormalized top-k weights, no shared experts and no balancing bias; any other MoE model is
+refused, before anything is written, with what stands in the way. Mixtral routes without
+dropping tokens, as a model trained with a capacity factor does at inference.
+
+Before a byte is read, the checkpoint is checked against its manifest (sizes and SHA-256), and
+a target directory that holds files is refused unless `--overwrite` is given, which removes
+the weights, indexes, configs and tokenizer files a loader would read (so no stale
+`model.safetensors.index.json` wins over the new weights); other files are left alone.
+
+Our rotary embedding uses the half-split layout that Hugging Face's Llama uses, so the
+attention weights are copied unpermuted. Runs in one process without a process group (DCP
+reads any layout's shards, pipeline stages included; vocabulary rows padded for tensor
+parallelism are dropped).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -31,7 +40,8 @@ from pretrain_core.model_config import ModelConfig
 from pretrain_core.run.rundir import CHECKPOINTS_DIR, CONFIG_FILE
 from pretrain_core.schema import RecipeConfig, load_config
 from pretrain_data.tokenizer import eos_id, load_tokenizer
-from trainer.checkpoint.checkpointer import find_checkpoint
+from trainer.checkpoint.checkpointer import DCP_METADATA, META, find_checkpoint
+from trainer.checkpoint.integrity import checksum_problems, size_problems
 from trainer.checkpoint.vocab_resize import load_resizing_vocab
 
 _EXPERT_WEIGHTS = ("w1", "w2", "w3")
@@ -68,6 +78,12 @@ def mixtral_problems(m: ModelConfig) -> list[str]:
             "layers are dense, and every Mixtral layer is MoE; export a model with "
             "model.moe_layers=all"
         )
+    if m.balance_bias:
+        problems.append(
+            f"model.moe_balance={m.moe_balance}: the per-expert balancing bias decides which "
+            "experts a token runs through, and Mixtral's router has no such bias; export a model "
+            "trained with model.moe_balance=aux"
+        )
     if m.moe_router != "softmax" or not m.moe_normalize_topk:
         problems.append(
             f"model.moe_router={m.moe_router} with model.moe_normalize_topk="
@@ -86,6 +102,13 @@ def load_model(run_dir: Path, step: int | None = None) -> tuple[nn.Module, Recip
         which = f"of step {step} " if step is not None else ""
         raise FileNotFoundError(
             f"no complete checkpoint {which}in {Path(run_dir) / CHECKPOINTS_DIR}"
+        )
+    problems, names = size_problems(path, META, DCP_METADATA)
+    problems = problems or checksum_problems(path, names)
+    if problems:
+        raise ExportError(
+            f"checkpoint {path} does not match its manifest: " + "; ".join(problems) + "; "
+            "restore a good copy, or export another step with --step"
         )
     model = models.build(cfg.model).to_empty(device="cpu")
     model.init_buffers("cpu")
@@ -125,9 +148,48 @@ def refuse_unexportable(cfg: RecipeConfig) -> None:
         )
 
 
-def export(run_dir: Path, out_dir: Path, step: int | None = None) -> Path:
+HF_FILES = (
+    "*.safetensors", "*.safetensors.index.json", "*.bin", "*.bin.index.json", "config.json",
+    "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+    "tokenizer.model", "vocab.json", "merges.txt",
+)  # fmt: skip
+"""What a Hugging Face loader reads from a directory: `--overwrite` removes these first."""
+
+
+def clear_target(out_dir: Path, overwrite: bool) -> None:
+    """Refuse (ExportError) a target directory that holds files, unless `overwrite`: then
+    remove the files a Hugging Face loader would read there."""
+    if not out_dir.exists():
+        return
+    if not out_dir.is_dir():
+        raise ExportError(f"{out_dir} exists and is not a directory; give a directory to write")
+    held = sorted(p.name for p in out_dir.iterdir())
+    if not held:
+        return
+    if not overwrite:
+        shown = ", ".join(held[:5]) + (f" and {len(held) - 5} more" if len(held) > 5 else "")
+        raise ExportError(
+            f"{out_dir} is not empty (holds {shown}); files left there could be loaded in place "
+            "of the new ones: give an empty or new directory, or --overwrite to replace them"
+        )
+    for pattern in HF_FILES:
+        for stale in out_dir.glob(pattern):
+            if stale.is_file() or stale.is_symlink():
+                stale.unlink()
+
+
+def readable_by_all(path: Path) -> None:
+    """Give a file the permissions a plain `open` would (0666 less the umask): safetensors
+    writes its files 0600, which other users of a shared model folder cannot read."""
+    umask = os.umask(0)
+    os.umask(umask)
+    path.chmod(0o666 & ~umask)
+
+
+def export(run_dir: Path, out_dir: Path, step: int | None = None, overwrite: bool = False) -> Path:
     """Write the Hugging Face directory for a run's checkpoint; returns `out_dir`. Raises
-    ExportError, before reading the checkpoint, for a model no Hugging Face format holds."""
+    ExportError, before reading the checkpoint, for a model no Hugging Face format holds, a
+    checkpoint that fails its manifest, or a non-empty `out_dir` without `overwrite`."""
     cfg = load_config(str(Path(run_dir) / CONFIG_FILE))
     refuse_unexportable(cfg)
     problems = mixtral_problems(cfg.model) if cfg.model.moe_experts else []
@@ -136,6 +198,8 @@ def export(run_dir: Path, out_dir: Path, step: int | None = None) -> Path:
             f"{cfg.name} cannot be exported as a Hugging Face MixtralForCausalLM:\n"
             + "\n".join(problems)
         )
+    out_dir = Path(out_dir)
+    clear_target(out_dir, overwrite)
     model, cfg, _ = load_model(run_dir, step)
     tensors = {}
     for name, tensor in model.state_dict().items():
@@ -146,9 +210,9 @@ def export(run_dir: Path, out_dir: Path, step: int | None = None) -> Path:
         None if cfg.data.tokenizer == "none" else load_tokenizer(cfg.data, cfg.model.vocab_size)
     )
     eos = eos_id(tokenizer) if tokenizer is not None else None
-    out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    readable_by_all(out_dir / "model.safetensors")
     (out_dir / "config.json").write_text(json.dumps(hf_config(cfg, eos), indent=2) + "\n")
     generation = {"bos_token_id": eos, "eos_token_id": eos}
     (out_dir / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
@@ -175,9 +239,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("run_dir", type=Path, help="the run dir (holds config.yaml, checkpoints/)")
     parser.add_argument("out_dir", type=Path, help="where to write the Hugging Face directory")
     parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: newest)")
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="write into a non-empty OUT_DIR, removing the weights, configs and tokenizer there",
+    )
     args = parser.parse_args(argv)
     try:
-        out = export(args.run_dir, args.out_dir, args.step)
+        out = export(args.run_dir, args.out_dir, args.step, args.overwrite)
     except (FileNotFoundError, ExportError) as err:
         sys.exit(f"pretrain-export: {err}")
     print(f"wrote {out}")

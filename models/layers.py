@@ -1,5 +1,6 @@
-"""The layers the dense and the mixture-of-experts decoders share: RMSNorm, rotary position
-embeddings, grouped-query attention and the SwiGLU MLP (also a MoE layer's shared expert)."""
+"""The layers the dense and the mixture-of-experts decoders share: RMSNorm, grouped-query
+attention (rotary embeddings from models/rope.py) and the SwiGLU MLP (also a MoE layer's
+shared expert)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
+from models.rope import apply_rope
 from pretrain_core.model_config import ModelConfig
 
 
@@ -25,31 +27,6 @@ class RMSNorm(nn.Module):
         x32 = x.float()
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return normed.type_as(x) * self.weight
-
-
-def rope_tables(
-    head_dim: int, max_seq_len: int, theta: float, device: torch.device | str | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Cosine and sine of each (position, frequency): two float32 [max_seq_len, head_dim // 2]."""
-    # float64 angles: they reach max_seq_len radians, where float32 rounding shows in the tables.
-    exponents = torch.arange(0, head_dim, 2, device=device, dtype=torch.float64) / head_dim
-    inv_freq = 1.0 / (theta**exponents)
-    positions = torch.arange(max_seq_len, device=device, dtype=torch.float64)
-    angles = torch.outer(positions, inv_freq)
-    return angles.cos().float(), angles.sin().float()
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [b, s, heads, head_dim] by position, in the half-split layout.
-
-    The first and second halves of each head form the (real, imaginary) pairs, as in the
-    Hugging Face Llama layout, so exported weights need no permutation.
-    """
-    x32 = x.float()
-    x1, x2 = x32.chunk(2, dim=-1)
-    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
-    rotated = torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
-    return rotated.type_as(x)
 
 
 AttentionMask = torch.Tensor | BlockMask | None

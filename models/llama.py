@@ -25,10 +25,10 @@ from models.layers import (
     FeedForward,
     RMSNorm,
     document_mask,
-    rope_tables,
 )
 from models.mla import MultiHeadLatentAttention
 from models.moe import MoEFeedForward, moe_modules
+from models.rope import rope_tables
 from pretrain_core.model_config import ModelConfig
 
 
@@ -78,7 +78,9 @@ class Transformer(nn.Module):
         self.output: nn.Linear | None = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self._tie_head()
         # Derived from the config, so not saved in checkpoints (persistent=False).
-        cos, sin = rope_tables(cfg.rope_dim, cfg.max_seq_len, cfg.rope_theta)
+        cos, sin = rope_tables(
+            cfg.rope_dim, cfg.max_seq_len, cfg.rope_theta, None, cfg.rope_scaling
+        )
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
@@ -95,7 +97,7 @@ class Transformer(nn.Module):
         device = self.rope_cos.device if device is None else device
         cfg = self.cfg
         self.rope_cos, self.rope_sin = rope_tables(
-            cfg.rope_dim, cfg.max_seq_len, cfg.rope_theta, device
+            cfg.rope_dim, cfg.max_seq_len, cfg.rope_theta, device, cfg.rope_scaling
         )
         for moe in moe_modules(self):
             moe.reset_bias()

@@ -84,6 +84,35 @@ CONFIG_FIELDS = {
 }
 """config.json key -> our model field that must hold the same value (transformers 5 keeps
 rope_theta under rope_parameters)."""
+SCALING_KEYS_DROPPED = ("rope_theta", "type")
+"""Keys of a config.json's rope_parameters that are not part of model.rope_scaling: the base
+has its own field, `type` is the old spelling of `rope_type`."""
+
+
+def hf_rope_scaling(hf: dict[str, Any]) -> dict[str, Any]:
+    """config.json's RoPE scaling as model.rope_scaling holds it: empty for plain RoPE. Reads
+    transformers 5's `rope_parameters` and the older `rope_scaling` (`type` or `rope_type`)."""
+    found = dict(hf.get("rope_scaling") or hf.get("rope_parameters") or {})
+    kind = found.get("rope_type", found.get("type", "default"))
+    if kind == "default":
+        return {}
+    return {"rope_type": kind} | {
+        k: v for k, v in found.items() if k not in SCALING_KEYS_DROPPED and k != "rope_type"
+    }
+
+
+def same_value(theirs: Any, ours: Any) -> bool:
+    """Equal, floats (and ints written as floats) up to 1e-12 relative."""
+    if isinstance(theirs, (int, float)) and isinstance(ours, (int, float)):
+        if isinstance(theirs, bool) or isinstance(ours, bool):
+            return theirs is ours
+        return abs(theirs - ours) <= 1e-12 * max(abs(theirs), abs(ours))
+    return bool(theirs == ours)
+
+
+def same_scaling(theirs: dict[str, Any], ours: dict[str, Any]) -> bool:
+    """Whether two model.rope_scaling mappings say the same."""
+    return theirs.keys() == ours.keys() and all(same_value(theirs[k], ours[k]) for k in theirs)
 
 
 def config_json(m: ModelConfig, eos: int | None) -> dict[str, Any]:
@@ -101,6 +130,8 @@ def config_json(m: ModelConfig, eos: int | None) -> dict[str, Any]:
         "max_position_embeddings": m.max_seq_len,
         "rms_norm_eps": m.norm_eps,
         "rope_theta": m.rope_theta,
+        # The pre-5 spelling: transformers 4 and 5 both read it (5 as rope_parameters).
+        "rope_scaling": dict(m.rope_scaling) or None,
         "hidden_act": "silu",
         "attention_bias": False,
         "mlp_bias": False,
@@ -109,6 +140,20 @@ def config_json(m: ModelConfig, eos: int | None) -> dict[str, Any]:
         "eos_token_id": eos,
         "torch_dtype": "float32",
     }
+
+
+def model_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    """The model.* fields a Llama config.json states, by our names (what `init.from_hf`
+    adopts): the shape, norm epsilon, RoPE base and scaling, tied embeddings. Not the
+    length: max_position_embeddings is what the checkpoint can take, model.max_seq_len what
+    this run trains on."""
+    rope = hf.get("rope_parameters") or {}
+    hf = {"rope_theta": rope.get("rope_theta", 10000.0), "tie_word_embeddings": False, **hf}
+    fields = {ours: hf[key] for key, ours in CONFIG_FIELDS.items() if key in hf}
+    if "num_attention_heads" in hf:
+        fields["n_kv_heads"] = hf.get("num_key_value_heads") or hf["num_attention_heads"]
+    fields["rope_scaling"] = hf_rope_scaling(hf)
+    return fields
 
 
 def config_mismatches(hf: dict[str, Any], m: ModelConfig) -> list[str]:
@@ -120,9 +165,7 @@ def config_mismatches(hf: dict[str, Any], m: ModelConfig) -> list[str]:
         found.append(f"model_type is {hf.get('model_type')!r}, not 'llama'")
     for key, ours in CONFIG_FIELDS.items():
         theirs = hf.get(key, False if key == "tie_word_embeddings" else None)
-        if theirs != getattr(m, ours) and not (
-            isinstance(theirs, float) and abs(theirs - getattr(m, ours)) <= 1e-12 * abs(theirs)
-        ):
+        if not same_value(theirs, getattr(m, ours)):
             found.append(f"{key}={theirs!r} there, model.{ours}={getattr(m, ours)!r} here")
     kv = hf.get("num_key_value_heads", hf.get("num_attention_heads"))
     if kv != m.kv_heads:
@@ -130,9 +173,12 @@ def config_mismatches(hf: dict[str, Any], m: ModelConfig) -> list[str]:
     for key in ("attention_bias", "mlp_bias"):
         if hf.get(key):
             found.append(f"{key}=true there; this model has no biases")
-    if hf.get("rope_scaling") or rope.get("rope_type", "default") != "default":
-        scaling = hf.get("rope_scaling") or rope
-        found.append(f"rope scaling {scaling!r} there; this model has plain RoPE")
+    scaling = hf_rope_scaling(hf)
+    if not same_scaling(scaling, dict(m.rope_scaling)):
+        found.append(
+            f"rope scaling {scaling or 'none'} there, model.rope_scaling="
+            f"{dict(m.rope_scaling) or 'none'} here"
+        )
     if hf.get("hidden_act", "silu") != "silu":
         found.append(f"hidden_act={hf['hidden_act']!r} there; this model uses silu (SwiGLU)")
     return found

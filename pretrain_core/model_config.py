@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from pretrain_core.choices import one_of
 
@@ -52,6 +53,12 @@ class ModelConfig:
     """Longest sequence the rotary tables are built for; train.seq_len must not exceed it."""
     rope_theta: float = 10000.0
     """Rotary embedding base (Llama 3 uses 500000)."""
+    rope_scaling: dict[str, Any] = field(default_factory=dict)
+    """Rotary frequency scaling as a Hugging Face config.json states it: `rope_type` llama3
+    (with factor, low_freq_factor, high_freq_factor, original_max_position_embeddings), yarn
+    (factor, original_max_position_embeddings; optional beta_fast, beta_slow, mscale,
+    mscale_all_dim, attention_factor, truncate), linear (factor) or dynamic (factor); empty
+    means plain RoPE."""
     norm_eps: float = 1e-5
     """RMSNorm epsilon."""
     tie_embeddings: bool = False

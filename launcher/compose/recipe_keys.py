@@ -121,7 +121,8 @@ def _type_name(hint: Any) -> str:
             return f"a list of mappings with {fields}"
         return f"a list of {_NAMES[element][1]}"
     if origin is dict:
-        return "a mapping of names to strings"
+        element = typing.get_args(hint)[1]
+        return "a mapping" if element is Any else f"a mapping of names to {_NAMES[element][1]}"
     return _NAMES[hint][0]
 
 
@@ -133,8 +134,8 @@ def value_problem(path: str, value: Any) -> Problem | None:
     from omegaconf.nodes import BooleanNode, FloatNode, IntegerNode, StringNode
 
     hint = _leaf_type(path)
-    if hint is None or (isinstance(value, str) and "${" in value):
-        return None
+    if hint is None or hint is Any or (isinstance(value, str) and "${" in value):
+        return None  # Any: a value of a free mapping (model.rope_scaling), checked by validate
     origin = typing.get_origin(hint)
     try:
         if origin is list and dataclasses.is_dataclass(typing.get_args(hint)[0]):

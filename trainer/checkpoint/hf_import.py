@@ -43,7 +43,10 @@ def load_hf_weights(model: nn.Module, cfg: ModelConfig, folder: str | Path) -> i
     where = {name: handle for handle in handles for name in handle.keys()}  # noqa: SIM118
     loaded = 0
     for name, param in model.named_parameters():
-        full = where[hf_name(name)].get_tensor(hf_name(name))
+        # A pipeline's last stage holds its own copy of a tied head: the embedding's rows.
+        tied = name == "output.weight" and cfg.tie_embeddings
+        source = hf_name("tok_embeddings.weight" if tied else name)
+        full = where[source].get_tensor(source)
         full = _fit_rows(full, param.shape).to(device=param.device, dtype=param.dtype)
         if isinstance(param, DTensor):
             # Every rank read the same full tensor: slice locally, no communication.

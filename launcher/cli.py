@@ -71,10 +71,16 @@ def execute(cfg: RecipeConfig, launched: dict | None = None) -> float | None:
     """Validate, plan and carry out `cfg.action` for one composed recipe; the final
     validation (or training) loss of a local run, None for the other actions. `launched`
     (the recipe's name and the command line's overrides) goes to RUN_DIR/overrides.yaml."""
+    from launcher.compose.from_hf import adopted_lines
     from launcher.plan.plan import make_plan, plan_to_dict
     from launcher.plan.render import render_plan
     from launcher.validate.short_run import fit_schedule_to_run
 
+    try:
+        for line in adopted_lines(cfg, (launched or {}).get("overrides", [])):
+            print(line)
+    except RecipeError as err:
+        _fail(f"Recipe '{cfg.name}' is not valid:\n{err}")
     for warning in fit_schedule_to_run(cfg):
         print(f"warning: {warning}", file=sys.stderr)
     if cfg.action == "suggest":

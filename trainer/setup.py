@@ -96,7 +96,8 @@ def setup(cfg: RecipeConfig, rank: RankInfo) -> Run:
     state = build_train_state(cfg, mesh, rank.device)
     CLOCK.mark("model build")
     if cfg.init.from_hf:
-        load_hf_weights(state.plain, cfg.model, cfg.init.from_hf)
+        loaded = load_hf_weights(state.plain, cfg.model, cfg.init.from_hf)
+        get_logger().info(f"loaded {loaded} weights from {cfg.init.from_hf} (init.from_hf)")
     state.loss_fn = faults.wrap_loss(state.loss_fn)
     state.phases = StepPhases(rank.device)
     doc_eos = data.eos_id if cfg.data.doc_mask else None

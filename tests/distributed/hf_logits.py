@@ -1,7 +1,11 @@
-"""Under torchrun: build a run's model under its layout with init.from_hf, and save the
-logits of fixed tokens (gathered from the tensor-parallel shards) from rank 0.
+"""Under torchrun: build each run's model under its layout with init.from_hf, and save the
+logits of fixed tokens (gathered from the tensor-parallel shards, or computed stage by stage
+through the pipeline) from the rank that holds them, one list entry per config.
 
-    torchrun --nproc-per-node N -m tests.distributed.hf_logits RUN_DIR/config.yaml OUT.pt
+    torchrun --nproc-per-node N -m tests.distributed.hf_logits OUT.pt RUN_DIR/config.yaml ...
+
+Several checkpoints share one launch: each config is built, loaded and run in turn. All of
+them must have the same layout (the process group is joined once).
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from torch.distributed.tensor import DTensor
 
 from parallel.mesh import build_mesh
 from pretrain_core.layout import resolve_degrees
-from pretrain_core.schema import load_config
+from pretrain_core.schema import RecipeConfig, load_config
 from trainer.build import build_train_state
 from trainer.checkpoint.hf_import import load_hf_weights
 from trainer.dist import init_distributed
@@ -22,21 +26,44 @@ from trainer.dist import init_distributed
 TOKENS = torch.tensor([[5, 17, 300, 42, 7, 7, 120, 3], [1, 2, 3, 4, 5, 6, 7, 8]])
 
 
-def main(config_path: str, out: str) -> None:
-    cfg = load_config(config_path)
-    rank = init_distributed(cfg.cluster)
+@torch.no_grad()
+def logits_of(cfg: RecipeConfig, device: torch.device) -> torch.Tensor | None:
+    """The logits of TOKENS under `cfg`'s layout on the rank that holds them; None elsewhere.
+    Under pp (one chunk per rank) the hidden states go stage to stage by send/recv."""
     degrees = resolve_degrees(cfg)
-    state = build_train_state(cfg, build_mesh(degrees, rank.device.type), rank.device)
+    mesh = build_mesh(degrees, device.type)
+    state = build_train_state(cfg, mesh, device)
     load_hf_weights(state.plain, cfg.model, cfg.init.from_hf)
-    with torch.no_grad():
+    if degrees.pp == 1:
         logits = state.model(TOKENS)
-    if isinstance(logits, DTensor):
-        logits = logits.full_tensor()
-    if rank.is_main:
-        torch.save(logits[..., : cfg.model.vocab_size].clone(), out)
+        if isinstance(logits, DTensor):
+            logits = logits.full_tensor()
+        return logits if dist.get_rank() == 0 else None
+    stage, last = mesh.world["pp"].get_local_rank(), degrees.pp - 1
+    group = mesh.world["pp"].get_group()
+    (chunk,) = state.model
+    if stage == 0:
+        h = TOKENS
+    else:
+        h = torch.empty(*TOKENS.shape, cfg.model.dim)
+        dist.recv(h, group=group, group_src=stage - 1)
+    out = chunk(h)
+    if stage < last:
+        dist.send(out.contiguous(), group=group, group_dst=stage + 1)
+        return None
+    return out
+
+
+def main(out: str, config_paths: list[str]) -> None:
+    configs = [load_config(path) for path in config_paths]
+    rank = init_distributed(configs[0].cluster)
+    found = [logits_of(cfg, rank.device) for cfg in configs]
+    if found[0] is not None:
+        vocab = [cfg.model.vocab_size for cfg in configs]
+        torch.save([f[..., :v].clone() for f, v in zip(found, vocab, strict=True)], out)
     dist.barrier()
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(sys.argv[1], sys.argv[2:])

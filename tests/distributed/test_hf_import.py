@@ -1,17 +1,21 @@
-"""init.from_hf: a checkpoint exported to Hugging Face format loads back into a tensor-parallel
-run, which computes the same logits as transformers does from the exported directory."""
+"""init.from_hf: Hugging Face checkpoints of each family the trainer builds (one exported by
+us, the others written by transformers itself from small random configs) load under tensor
+and pipeline parallelism and compute the logits transformers computes from the same folder.
+All families share one TP2 launch and one PP2 launch (tests/distributed/hf_logits.py)."""
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.distributed.harness import BASE_OVERRIDES, run_pretrain
+from tests.distributed.harness import BASE_OVERRIDES, launch, read_curve, run_pretrain
 from tests.distributed.hf_logits import TOKENS
 from tests.helpers import pretrain
 from trainer.checkpoint.export import export
@@ -20,25 +24,98 @@ transformers = pytest.importorskip("transformers")
 
 pytestmark = pytest.mark.distributed
 
+LLAMA3_SCALING = {
+    "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 4,
+}  # fmt: skip
+"""Llama 3.1+'s RoPE scaling with an original length shorter than TOKENS, so that the
+interpolated band shows in every position's logits."""
 
-def test_an_exported_checkpoint_reloads_into_tp2_with_the_same_logits(workdir: Path) -> None:
-    trained = workdir / "trained"
-    run_pretrain(trained, ["train.steps=2", "checkpoint.every=2", "eval.every=0"], nproc=1)
-    hf_dir = export(trained, workdir / "hf")
-    imported = workdir / "imported"
-    result = pretrain(
-        *BASE_OVERRIDES, "parallel.tp=2", "cluster.gpus_per_node=2", f"init.from_hf={hf_dir}",
-        "action=script", f"run.dir={imported}", cwd=workdir,
+
+def llama_3_2(folder: Path) -> None:
+    """A Llama 3.2-format checkpoint: tied embeddings, RoPE base 500000, llama3 scaling."""
+    torch.manual_seed(1)
+    config = transformers.LlamaConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=192, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+        rope_theta=500000.0, rope_scaling=dict(LLAMA3_SCALING), tie_word_embeddings=True,
+        rms_norm_eps=1e-5,
     )  # fmt: skip
-    assert result.returncode == 0, result.stderr
+    transformers.LlamaForCausalLM(config).save_pretrained(folder)
+
+
+FAMILIES: dict[str, tuple[Callable[[Path], None] | None, type, tuple[str, ...]]] = {
+    "llama (ours, exported)": (None, transformers.LlamaForCausalLM, ()),
+    "llama 3.2 (rope_scaling llama3)": (llama_3_2, transformers.LlamaForCausalLM, ()),
+}  # fmt: skip
+"""Family -> (how transformers writes its checkpoint, or None for one exported from a run of
+ours; transformers' class; overrides our recipe needs for it besides the model.* fields
+init.from_hf adopts from config.json)."""
+
+
+@pytest.fixture(scope="module")
+def folders(workdir: Path) -> dict[str, Path]:
+    """Each family's Hugging Face folder."""
+    made = {}
+    for name, (make, _, _) in FAMILIES.items():
+        folder = workdir / name.split(" ")[0].replace(".", "_") / str(len(made))
+        if make is None:
+            trained = workdir / "trained"
+            overrides = ["train.steps=2", "checkpoint.every=2", "eval.every=0"]
+            run_pretrain(trained, overrides, nproc=1)
+            export(trained, folder)
+        else:
+            make(folder)
+        made[name] = folder
+    return made
+
+
+def hf_logits(workdir: Path, folders: dict[str, Path], layout: tuple[str, ...]) -> list:
+    """Each family's logits of TOKENS under `layout`, from one torchrun launch."""
+    configs = []
+    for i, (name, folder) in enumerate(folders.items()):
+        run_dir = workdir / f"{'_'.join(layout)}_{i}".replace("=", "").replace(".", "")
+        result = pretrain(
+            *BASE_OVERRIDES, *layout, *FAMILIES[name][2], "cluster.gpus_per_node=2",
+            f"init.from_hf={folder}", "action=script", f"run.dir={run_dir}", cwd=workdir,
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr
+        configs.append(str(run_dir / "config.yaml"))
     out = workdir / "logits.pt"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc-per-node", "2", "-m", "tests.distributed.hf_logits",
-               str(imported / "config.yaml"), str(out)]  # fmt: skip
+               "--nproc-per-node", "2", "-m", "tests.distributed.hf_logits", str(out),
+               *configs]  # fmt: skip
     env = dict(os.environ, OMP_NUM_THREADS="1")
     ran = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
     assert ran.returncode == 0, ran.stderr[-3000:]
-    hf = transformers.LlamaForCausalLM.from_pretrained(hf_dir).eval()
-    with torch.no_grad():
-        expected = hf(TOKENS).logits
-    torch.testing.assert_close(torch.load(out), expected, rtol=1e-5, atol=1e-5)
+    return torch.load(out)
+
+
+@pytest.mark.parametrize("layout", [("parallel.tp=2",), ("parallel.pp=2",)], ids=["tp2", "pp2"])
+def test_each_family_loads_under_the_layout_with_transformers_logits(
+    workdir: Path, folders: dict[str, Path], layout: tuple[str, ...]
+) -> None:
+    found = hf_logits(workdir, folders, layout)
+    for (name, folder), logits in zip(folders.items(), found, strict=True):
+        hf = FAMILIES[name][1].from_pretrained(folder).eval()
+        with torch.no_grad():
+            expected = hf(TOKENS).logits
+        print(f"{name} {layout[0]}: max |logits difference| {(logits - expected).abs().max():.2e}")
+        torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_llama_3_2_checkpoint_with_rope_scaling_trains_under_tp2(
+    workdir: Path, folders: dict[str, Path]
+) -> None:
+    folder = folders["llama 3.2 (rope_scaling llama3)"]
+    overrides = ["parallel.tp=2", f"init.from_hf={folder}", "train.steps=2", "eval.every=0"]
+    run_dir = workdir / "llama_3_2_tp2"
+    result = launch(run_dir, overrides, nproc=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    output = result.stdout + result.stderr
+    # Adopted from config.json, listed; then the weights are loaded on the ranks.
+    assert '  model.rope_scaling={"rope_type": "llama3"' in output
+    assert "  model.rope_theta=500000.0" in output and "  model.tie_embeddings=True" in output
+    assert f"weights from {folder} (init.from_hf)" in output
+    curve = read_curve(run_dir / "metrics.jsonl")
+    assert len(curve.loss) == 2 and all(math.isfinite(loss) for loss in curve.loss)

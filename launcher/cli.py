@@ -72,12 +72,14 @@ def execute(cfg: RecipeConfig, launched: dict | None = None) -> float | None:
     validation (or training) loss of a local run, None for the other actions. `launched`
     (the recipe's name and the command line's overrides) goes to RUN_DIR/overrides.yaml."""
     from launcher.compose.from_hf import adopted_lines
+    from launcher.compose.nanogpt_split import nanogpt_val_lines
     from launcher.plan.plan import make_plan, plan_to_dict
     from launcher.plan.render import render_plan
     from launcher.validate.short_run import fit_schedule_to_run
 
+    overrides = (launched or {}).get("overrides", [])
     try:
-        for line in adopted_lines(cfg, (launched or {}).get("overrides", [])):
+        for line in [*adopted_lines(cfg, overrides), *nanogpt_val_lines(cfg, overrides)]:
             print(line)
     except RecipeError as err:
         _fail(f"Recipe '{cfg.name}' is not valid:\n{err}")

@@ -263,6 +263,28 @@ def _check_nanogpt(c: Checks, field: str, src: SourceConfig, cfg: RecipeConfig) 
             f"smaller than the vocabulary of {path} ({vocab})",
             f"set model.vocab_size to at least {vocab}",
         )
+    _check_token_range_split(c, field, path, size // 2, cfg)
+
+
+def _check_token_range_split(
+    c: Checks, field: str, path: Path, tokens: int, cfg: RecipeConfig
+) -> None:
+    """A flat token file read without a tokenizer is one document, split by token range:
+    its held-out tail must hold at least one validation sequence."""
+    d, need = cfg.data, cfg.train.seq_len + 1
+    if field == "data.val_source" or d.tokenizer != "none" or cfg.eval.every <= 0:
+        return
+    held = int(d.val_fraction * tokens) if 0 < d.val_fraction < 1 else 0
+    if 0 < d.val_fraction < 1 and held < need:
+        enough = min(0.5, need / tokens)
+        c.add(
+            "data.val_fraction",
+            d.val_fraction,
+            f"holds out the last {held:,} of the {tokens:,} tokens of {path} (a flat file "
+            f"without end-of-sequence tokens is split by token range), fewer than one "
+            f"validation sequence of {need} tokens",
+            f"raise it to at least {enough:.3g}, put a val.bin beside it, or eval.every=0",
+        )
 
 
 def _check_megatron(c: Checks, field: str, src: SourceConfig) -> None:

@@ -3,7 +3,8 @@
 resumes without redoing finished units, and the run trained from it has exactly the loss
 curve of a run on the same text as one flat token file (the single-file path: each
 document's ids and EOS, back to back, as a nanoGPT .bin). A mixture of the two trains with
-exact shares and reports the tokens each source supplied."""
+exact shares and reports the tokens each source supplied. A nanoGPT folder (train.bin and
+val.bin) trains with the validation loss of its val.bin."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import numpy as np
 import pytest
 
 from pretrain_data.sources import MANIFEST
-from tests.distributed.harness import BASE_OVERRIDES, run_pretrain
+from tests.distributed.harness import BASE_OVERRIDES, launch, read_curve, run_pretrain
 from tests.helpers import encode_documents, generated_documents, pretrain, write_jsonl
 
 pytestmark = pytest.mark.distributed
@@ -107,3 +108,22 @@ def test_a_mixture_draws_its_shares_and_reports_tokens_per_source(
         assert row["tokens_seen_flat"] == 2 * row["step"] * seq_len
         assert row["tokens_seen_corpus"] + row["tokens_seen_flat"] == row["step"] * batch * seq_len
     assert curve.loss[-1] < curve.loss[0]
+
+
+def test_a_nanogpt_folder_trains_with_the_validation_loss_of_its_val_bin(workdir: Path) -> None:
+    folder = workdir / "nanogpt"
+    folder.mkdir()
+    rng = np.random.default_rng(3)
+    rng.integers(0, 500, 20_000).astype(np.uint16).tofile(folder / "train.bin")
+    rng.integers(0, 500, 2_000).astype(np.uint16).tofile(folder / "val.bin")
+    base = tuple(o for o in BASE_OVERRIDES if not o.startswith("data.val_fraction"))
+    run_dir = workdir / "nanogpt_run"
+    overrides = [
+        f"data.source={folder / 'train.bin'}", "data.tokenizer=none",
+        f"data.cache_dir={workdir / 'cache'}", "train.steps=4", "eval.every=2",
+    ]  # fmt: skip
+    result = launch(run_dir, overrides, 1, base=base)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"data.val_source={folder / 'val.bin'} (nanoGPT's val.bin" in result.stdout
+    curve = read_curve(run_dir / "metrics.jsonl")
+    assert len(curve.val_loss) == 2 and all(np.isfinite(curve.val_loss))

@@ -5,6 +5,9 @@ validation tail; the validation stream is those tails back to back. Of the D_s d
 shard s, the last floor(f * C_s) - floor(f * C_(s-1)) are held out (C_s: documents of the
 first s shards, f: data.val_fraction), so exactly floor(f * D) documents of the source are,
 spread over its shards in proportion, and the split is fixed by the manifest and f alone.
+A shard of one document (a flat token file without end-of-sequence tokens, as nanoGPT's
+`train.bin` read with `data.tokenizer=none`) is split by token range instead: its last
+floor(f * T) tokens are held out.
 
 Sequence i of a stream is its tokens [i*L, i*L + L + 1): inputs the first L, targets the
 last L; sequences cross document and shard boundaries. Shards are memory-mapped when first
@@ -76,6 +79,12 @@ class PreparedDataset:
         val: list[Region] = []
         seen = 0
         for s, info in enumerate(self.shards):
+            if info["documents"] == 1 and fraction > 0:
+                # One document cannot be held out in part: split the flat stream by tokens.
+                cut = info["tokens"] - int(fraction * info["tokens"])
+                train.append((s, 0, cut))
+                val.append((s, cut, info["tokens"]))
+                continue
             before = int(fraction * seen)
             seen += info["documents"]
             held = int(fraction * seen) - before

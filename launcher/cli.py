@@ -43,12 +43,12 @@ from launcher.job.sweep import (
 )
 from pretrain_core.problems import RecipeError
 from pretrain_core.run.rundir import PREEMPTED_MARKER
-from pretrain_core.schema import RecipeConfig, dump_config, to_recipe
+from pretrain_core.schema import RecipeConfig, dump_config, schema_node, to_recipe
 
 RECIPES_DIR = str(SHIPPED_RECIPES)
 DEFAULT_RECIPE = "tiny"
 
-ConfigStore.instance().store(name="recipe_schema", node=RecipeConfig)
+ConfigStore.instance().store(name="recipe_schema", node=schema_node())
 
 
 def _run_dir(cfg: RecipeConfig) -> Path:

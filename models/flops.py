@@ -66,11 +66,12 @@ class ParamCount:
 
 
 def attention_weights(cfg: ModelConfig) -> tuple[int, int]:
-    """(matmul weights, norm weights) of one attention layer."""
+    """(matmul weights, norm weights and biases) of one attention layer."""
     h, heads = cfg.dim, cfg.n_heads
     if not cfg.is_mla:
         q, kv = heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
-        return 2 * h * q + 2 * h * kv, 0
+        small = (2 * cfg.head_dim if cfg.qk_norm else 0) + (q + 2 * kv if cfg.attn_bias else 0)
+        return 2 * h * q + 2 * h * kv, small
     q_rank, kv_rank = cfg.mla_q_rank, cfg.kv_rank
     q_width = heads * cfg.qk_head_dim
     queries = h * q_rank + q_rank * q_width if q_rank else h * q_width

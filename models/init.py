@@ -21,8 +21,11 @@ _NORM_SUFFIXES = (
     "attention_norm.weight",
     "ffn_norm.weight",
     "attention.q_norm.weight",
+    "attention.k_norm.weight",
     "attention.kv_norm.weight",
 )
+_BIAS_SUFFIXES = ("attention.wq.bias", "attention.wk.bias", "attention.wv.bias")
+"""Biases start at zero (model.attn_bias)."""
 # Stacked expert weights are drawn whole ([N, ...]) and sliced by expert parallelism.
 _RESIDUAL_OUT_SUFFIXES = (
     "attention.wo.weight",
@@ -74,6 +77,8 @@ def initial_value(cfg: ModelConfig, name: str, shape: tuple[int, ...], seed: int
     if cfg.tie_embeddings and name == "output.weight":
         # A tied head is the embedding, also on a pipeline stage that holds only the head.
         name = "tok_embeddings.weight"
+    if name.endswith(_BIAS_SUFFIXES):
+        return torch.zeros(shape)
     std = init_std(cfg, name)
     if std is None:
         return torch.ones(shape)

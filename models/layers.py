@@ -5,6 +5,7 @@ shared expert)."""
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -71,30 +72,49 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
 class Attention(nn.Module):
     """Grouped-query self-attention: causal, or block-causal over packed documents. The
     causal core is `causal_attention` unless a parallel layout swaps in another with the
-    same signature (context parallelism's ring, which takes no document mask)."""
+    same signature (context parallelism's ring, which takes no document mask).
+
+    Options of public families: biases on wq/wk/wv (`attn_bias`, Qwen2) and an RMSNorm over
+    each query and key head before the rotary embedding (`qk_norm`, Qwen3). Tensor
+    parallelism sets `per_head`, through which the per-head norms' weights pass, to sum
+    their gradient over the ranks' heads."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.head_dim = cfg.head_dim
         q_width, kv_width = cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
-        self.wq = nn.Linear(cfg.dim, q_width, bias=False)
-        self.wk = nn.Linear(cfg.dim, kv_width, bias=False)
-        self.wv = nn.Linear(cfg.dim, kv_width, bias=False)
+        self.wq = nn.Linear(cfg.dim, q_width, bias=cfg.attn_bias)
+        self.wk = nn.Linear(cfg.dim, kv_width, bias=cfg.attn_bias)
+        self.wv = nn.Linear(cfg.dim, kv_width, bias=cfg.attn_bias)
         self.wo = nn.Linear(q_width, cfg.dim, bias=False)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.core = causal_attention
+        self.per_head: Callable[[torch.Tensor], torch.Tensor] = _same
+
+    def _norm(self, norm: RMSNorm | None, x: torch.Tensor) -> torch.Tensor:
+        if norm is None:
+            return x
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + norm.eps)
+        return normed.type_as(x) * self.per_head(norm.weight)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: AttentionMask = None
     ) -> torch.Tensor:
         b, s, _ = x.shape
         # -1: the local head count, whatever share of the heads this rank's wq/wk/wv hold.
-        q = self.wq(x).view(b, s, -1, self.head_dim)
-        k = self.wk(x).view(b, s, -1, self.head_dim)
+        q = self._norm(self.q_norm, self.wq(x).view(b, s, -1, self.head_dim))
+        k = self._norm(self.k_norm, self.wk(x).view(b, s, -1, self.head_dim))
         v = self.wv(x).view(b, s, -1, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         out = self.core(q, k, v) if mask is None else attend(q, k, v, mask)
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+
+
+def _same(weight: torch.Tensor) -> torch.Tensor:
+    return weight
 
 
 class FeedForward(nn.Module):

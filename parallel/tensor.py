@@ -18,7 +18,8 @@ are small and stay replicated plain tensors: the attention takes its input as a 
 (replicated) tensor, and each column-wise projection's input gradient is summed over tp as
 it leaves, so the replicated weights get the full gradient on every TP rank. The rotary key,
 shared by all heads, reaches a rank's heads through `shared_key`, whose gradient (from this
-rank's heads only) is summed over tp the same way.
+rank's heads only) is summed over tp the same way; so do the per-head query/key norm weights
+of `model.qk_norm`. The biases of `model.attn_bias` are split with their projections.
 
 Vocabulary padding: a vocabulary that tp does not divide is padded to the next multiple of
 tp. The padded rows start at zero and their logits are masked to -inf before the softmax,
@@ -80,6 +81,9 @@ def apply_tensor_parallel(model: nn.Module, mesh: JobMesh, parallel: ParallelCon
         plan = _attention_plan(block.attention, residual)
         if isinstance(block.attention, MultiHeadLatentAttention):
             block.attention.shared_key.register_forward_hook(_SumGradient(tp_mesh))
+        elif block.attention.q_norm is not None:
+            # The per-head norm weights see only this rank's heads: sum their gradient.
+            block.attention.per_head = _SumGradient(tp_mesh).of
         if isinstance(block.feed_forward, MoEFeedForward):
             # Not split over tp: every TP rank routes the whole (gathered) sequence, so
             # capacity counts per sequence as without TP (parallel/expert.py).
@@ -164,7 +168,11 @@ class _SumGradient:
         self.mesh = mesh
 
     def __call__(self, module: nn.Module, inputs: tuple, output: torch.Tensor) -> torch.Tensor:
-        shared = DTensor.from_local(output, self.mesh, [Replicate()], run_check=False)
+        return self.of(output)
+
+    def of(self, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor` unchanged, its gradient summed over the mesh in backward."""
+        shared = DTensor.from_local(tensor, self.mesh, [Replicate()], run_check=False)
         # A partial gradient leaving to_local is reduced to a replicated one by from_local.
         return shared.to_local(grad_placements=[Partial()])
 

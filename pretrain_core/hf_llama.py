@@ -1,4 +1,8 @@
-"""The Hugging Face Llama layout of our dense model: tensor names, shapes, config.json.
+"""The Hugging Face layout of our dense model: tensor names, shapes, config.json.
+
+The families share Llama's names: Llama (3.0-3.3), Qwen2 (`model.attn_bias`: q/k/v biases)
+and Qwen3 (`model.qk_norm`: per-head query and key norms; `model.head_dim` apart from
+dim / n_heads). Any other `model_type` is refused by name.
 
 One name mapping serves export (`pretrain-export`) and import (`init.from_hf`). A directory
 is checked against a recipe before any job starts by reading config.json and the
@@ -22,6 +26,11 @@ BLOCK_NAMES = {
     "attention.wk.weight": "self_attn.k_proj.weight",
     "attention.wv.weight": "self_attn.v_proj.weight",
     "attention.wo.weight": "self_attn.o_proj.weight",
+    "attention.wq.bias": "self_attn.q_proj.bias",
+    "attention.wk.bias": "self_attn.k_proj.bias",
+    "attention.wv.bias": "self_attn.v_proj.bias",
+    "attention.q_norm.weight": "self_attn.q_norm.weight",
+    "attention.k_norm.weight": "self_attn.k_norm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
     "feed_forward.w1.weight": "mlp.gate_proj.weight",
     "feed_forward.w3.weight": "mlp.up_proj.weight",
@@ -36,6 +45,12 @@ TOP_NAMES = {
     "norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
+FAMILIES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+"""config.json model_type -> architecture of the dense families that load and export."""
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 
@@ -63,6 +78,13 @@ def expected_shapes(m: ModelConfig) -> dict[str, tuple[int, ...]]:
         "feed_forward.w3.weight": (m.ffn_dim, m.dim),
         "feed_forward.w2.weight": (m.dim, m.ffn_dim),
     }
+    if m.attn_bias:
+        block |= {"attention.wq.bias": (q,), "attention.wk.bias": (kv,), "attention.wv.bias": (kv,)}
+    if m.qk_norm:
+        block |= {
+            "attention.q_norm.weight": (m.head_dim,),
+            "attention.k_norm.weight": (m.head_dim,),
+        }
     shapes: dict[str, tuple[int, ...]] = {"tok_embeddings.weight": (m.vocab_size, m.dim)}
     for i in range(m.n_layers):
         shapes.update({f"layers.{i}.{k}": v for k, v in block.items()})
@@ -116,10 +138,13 @@ def same_scaling(theirs: dict[str, Any], ours: dict[str, Any]) -> bool:
 
 
 def config_json(m: ModelConfig, eos: int | None) -> dict[str, Any]:
-    """config.json of the equivalent LlamaForCausalLM."""
+    """config.json of the equivalent LlamaForCausalLM, Qwen2ForCausalLM or Qwen3ForCausalLM."""
+    kind = family(m)
+    extra = {"use_sliding_window": False} if kind != "llama" else {}
     return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": [FAMILIES[kind]],
+        "model_type": kind,
+        **extra,
         "vocab_size": m.vocab_size,
         "hidden_size": m.dim,
         "intermediate_size": m.ffn_dim,
@@ -142,6 +167,22 @@ def config_json(m: ModelConfig, eos: int | None) -> dict[str, Any]:
     }
 
 
+def family(m: ModelConfig) -> str:
+    """The Hugging Face model_type of our dense model's attention options."""
+    if m.qk_norm:
+        return "qwen3"
+    return "qwen2" if m.attn_bias else "llama"
+
+
+def hf_head_dim(hf: dict[str, Any]) -> int | None:
+    """The head width config.json states or implies."""
+    if hf.get("head_dim"):
+        return int(hf["head_dim"])
+    if hf.get("hidden_size") and hf.get("num_attention_heads"):
+        return int(hf["hidden_size"]) // int(hf["num_attention_heads"])
+    return None
+
+
 def model_fields(hf: dict[str, Any]) -> dict[str, Any]:
     """The model.* fields a Llama config.json states, by our names (what `init.from_hf`
     adopts): the shape, norm epsilon, RoPE base and scaling, tied embeddings. Not the
@@ -153,6 +194,11 @@ def model_fields(hf: dict[str, Any]) -> dict[str, Any]:
     if "num_attention_heads" in hf:
         fields["n_kv_heads"] = hf.get("num_key_value_heads") or hf["num_attention_heads"]
     fields["rope_scaling"] = hf_rope_scaling(hf)
+    if hf_head_dim(hf) is not None:
+        fields["head_dim"] = hf_head_dim(hf)
+    kind = hf.get("model_type")
+    fields["qk_norm"] = kind == "qwen3"
+    fields["attn_bias"] = kind == "qwen2"
     return fields
 
 
@@ -161,8 +207,21 @@ def config_mismatches(hf: dict[str, Any], m: ModelConfig) -> list[str]:
     found = []
     rope = hf.get("rope_parameters") or {}
     hf = {"rope_theta": rope.get("rope_theta"), **hf}
-    if hf.get("model_type") != "llama":
-        found.append(f"model_type is {hf.get('model_type')!r}, not 'llama'")
+    kind = hf.get("model_type")
+    if kind not in FAMILIES:
+        found.append(
+            f"model_type {kind!r} is a family this trainer does not build; it loads "
+            f"{', '.join(FAMILIES)}"
+        )
+    elif kind != family(m):
+        found.append(
+            f"model_type {kind!r} there, {family(m)!r} here (model.qk_norm={m.qk_norm}, "
+            f"model.attn_bias={m.attn_bias})"
+        )
+    if hf_head_dim(hf) not in (None, m.head_dim):
+        found.append(f"head_dim={hf_head_dim(hf)} there, model.head_dim={m.head_dim} here")
+    if hf.get("use_sliding_window"):
+        found.append("use_sliding_window=true there; this model attends over the whole sequence")
     for key, ours in CONFIG_FIELDS.items():
         theirs = hf.get(key, False if key == "tie_word_embeddings" else None)
         if not same_value(theirs, getattr(m, ours)):
@@ -172,7 +231,7 @@ def config_mismatches(hf: dict[str, Any], m: ModelConfig) -> list[str]:
         found.append(f"num_key_value_heads={kv!r} there, {m.kv_heads} key/value heads here")
     for key in ("attention_bias", "mlp_bias"):
         if hf.get(key):
-            found.append(f"{key}=true there; this model has no biases")
+            found.append(f"{key}=true there; this model has no output-projection or MLP biases")
     scaling = hf_rope_scaling(hf)
     if not same_scaling(scaling, dict(m.rope_scaling)):
         found.append(

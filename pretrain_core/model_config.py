@@ -27,13 +27,21 @@ class ModelConfig:
     n_layers: int = 4
     """Number of transformer blocks L."""
     n_heads: int = 4
-    """Attention (query) heads a; head_dim = dim / n_heads."""
+    """Attention (query) heads a; each head_dim wide."""
     n_kv_heads: int = 0
     """Key/value heads for grouped-query attention; 0 means n_heads (plain multi-head)."""
     attention: str = one_of("gqa", ATTENTIONS)
     """gqa (grouped-query attention over n_kv_heads) or mla (DeepSeek-V2's multi-head latent
     attention: keys and values decompressed per head from a shared low-rank latent, plus a
     decoupled rotary key shared by all heads; models/mla.py)."""
+    head_dim: int = 0
+    """Width of one attention head; 0 means dim / n_heads (Qwen3 and Gemma set it apart: the
+    query width n_heads x head_dim need not be dim). Read back, it is always the width."""
+    qk_norm: bool = False
+    """RMSNorm (model.norm_eps, a weight per head dim) over each query and key head before
+    the rotary embedding, as Qwen3 has."""
+    attn_bias: bool = False
+    """Biases on the query, key and value projections (not the output one), as Qwen2 has."""
     mla_q_rank: int = 0
     """MLA: rank of the compressed query (DeepSeek-V2: 1536); 0 projects queries directly from
     the hidden state (DeepSeek-V2-Lite)."""
@@ -110,6 +118,11 @@ class ModelConfig:
         return self.n_kv_heads or self.n_heads
 
     @property
+    def explicit_head_dim(self) -> int:
+        """model.head_dim as the recipe gives it (0: dim / n_heads)."""
+        return int(vars(self)["_head_dim"])
+
+    @property
     def is_mla(self) -> bool:
         """Whether attention is multi-head latent attention."""
         return self.attention == "mla"
@@ -174,7 +187,17 @@ class ModelConfig:
             return 0  # dense: asked for every stage of every layout the search tries
         return sum(self.is_moe_layer(i) for i in range(self.n_layers))
 
-    @property
-    def head_dim(self) -> int:
-        """Width of one attention head."""
-        return self.dim // self.n_heads
+
+def _head_dim(self: ModelConfig) -> int:
+    """Width of one attention head: model.head_dim, or dim / n_heads when that is 0 (0 for
+    a head count validation refuses)."""
+    return self.explicit_head_dim or (self.dim // self.n_heads if self.n_heads > 0 else 0)
+
+
+def _set_head_dim(self: ModelConfig, value: int) -> None:
+    vars(self)["_head_dim"] = value
+
+
+# model.head_dim is a field (the recipe's value, 0 by default) that reads back as the width
+# the planner and the model use; the dataclass's __init__ assigns it through the setter.
+ModelConfig.head_dim = property(_head_dim, _set_head_dim)  # type: ignore[assignment]

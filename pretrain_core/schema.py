@@ -522,11 +522,25 @@ def field_value(cfg: Any, path: str) -> Any:
     return cfg
 
 
+def schema_node() -> Any:
+    """The schema as the OmegaConf node recipes compose over, with every field's default.
+
+    model.head_dim reads back as the head width (dim / n_heads when unset), and OmegaConf
+    reads a default instance's fields by attribute: its raw default (0) is restored here, so
+    that a recipe's own dim and n_heads decide the width.
+    """
+    from omegaconf import OmegaConf
+
+    node = OmegaConf.structured(RecipeConfig)
+    node.model.head_dim = 0
+    return node
+
+
 def to_recipe(node: Any) -> RecipeConfig:
     """Turn a composed OmegaConf node (or a plain dict) into a typed RecipeConfig."""
     from omegaconf import OmegaConf
 
-    merged = OmegaConf.merge(OmegaConf.structured(RecipeConfig), node)
+    merged = OmegaConf.merge(schema_node(), node)
     return cast(RecipeConfig, OmegaConf.to_object(merged))
 
 
@@ -545,7 +559,10 @@ def dump_config(cfg: RecipeConfig) -> str:
     """
     from omegaconf import OmegaConf
 
-    return OmegaConf.to_yaml(OmegaConf.create(_escape_interpolations(asdict(cfg))))
+    data = asdict(cfg)
+    # As given (0: dim / n_heads), not the width it reads back as: the file says what was asked.
+    data["model"]["head_dim"] = cfg.model.explicit_head_dim
+    return OmegaConf.to_yaml(OmegaConf.create(_escape_interpolations(data)))
 
 
 def _escape_interpolations(node: Any) -> Any:

@@ -103,7 +103,13 @@ def adopt_hf_model(cfg: RecipeConfig, overrides: list[str]) -> list[str]:
         if _same(theirs, ours):
             continue
         field = f"model.{name}"
-        if field in given or not _same(getattr(defaults, name), getattr(cfg.model, name)):
+        # head_dim reads back as the width: whether a recipe set it is its raw value.
+        changed = (
+            cfg.model.explicit_head_dim != 0
+            if name == "head_dim"
+            else not _same(getattr(defaults, name), getattr(cfg.model, name))
+        )
+        if field in given or changed:
             problems.append(
                 Problem(
                     field,

@@ -83,6 +83,22 @@ def check_attention(c: Checks, cfg: RecipeConfig, model_ok: bool) -> None:
     sound."""
     check_rope_scaling(c, cfg)
     m = cfg.model
+    if m.explicit_head_dim % 2 and not m.is_mla:
+        c.add(
+            "model.head_dim",
+            m.explicit_head_dim,
+            "rotary embedding turns pairs of dims; an odd head width has one left over",
+            f"use an even width, e.g. {m.explicit_head_dim + 1}",
+        )
+    for name, family in (("qk_norm", "Qwen3"), ("attn_bias", "Qwen2")):
+        if getattr(m, name) and m.is_mla:
+            c.add(
+                f"model.{name}",
+                True,
+                f"is a grouped-query attention option ({family}'s); multi-head latent "
+                "attention normalizes its latents instead",
+                f"set model.{name}=false, or model.attention=gqa",
+            )
     if not m.is_mla:
         return
     ranks_ok = all([c.at_least(f"model.{f}", getattr(m, f), 0) for f in MLA_FIELDS])

@@ -98,11 +98,12 @@ def _check_model(c: Checks, cfg: RecipeConfig) -> bool:
     positive_ints = ("vocab_size", "dim", "n_layers", "n_heads", "ffn_dim", "max_seq_len")
     ok = all([c.at_least(f"model.{f}", getattr(m, f), 1) for f in positive_ints])
     ok = c.at_least("model.n_kv_heads", m.n_kv_heads, 0) and ok
+    ok = c.at_least("model.head_dim", m.explicit_head_dim, 0) and ok
     for f in ("rope_theta", "norm_eps", "init_std"):
         c.positive(f"model.{f}", getattr(m, f))
     if not ok:
         return False
-    if m.dim % m.n_heads:
+    if not m.explicit_head_dim and m.dim % m.n_heads:
         c.add(
             "model.dim",
             m.dim,

@@ -1,6 +1,9 @@
 """Under torchrun: build each run's model under its layout with init.from_hf, and save the
 logits of fixed tokens (gathered from the tensor-parallel shards, or computed stage by stage
-through the pipeline) from the rank that holds them, one list entry per config.
+through the pipeline) from the rank that holds them, one list entry per config. Without a
+pipeline, the gradients of the per-head query/key norm weights (which every tensor-parallel
+rank holds whole but applies to its own heads only) of loss_of(logits) come with them, by
+Hugging Face name.
 
     torchrun --nproc-per-node N -m tests.distributed.hf_logits OUT.pt RUN_DIR/config.yaml ...
 
@@ -17,6 +20,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from parallel.mesh import build_mesh
+from pretrain_core.hf_llama import hf_name
 from pretrain_core.layout import resolve_degrees
 from pretrain_core.schema import RecipeConfig, load_config
 from trainer.build import build_train_state
@@ -26,10 +30,17 @@ from trainer.dist import init_distributed
 TOKENS = torch.tensor([[5, 17, 300, 42, 7, 7, 120, 3], [1, 2, 3, 4, 5, 6, 7, 8]])
 
 
-@torch.no_grad()
-def logits_of(cfg: RecipeConfig, device: torch.device) -> torch.Tensor | None:
-    """The logits of TOKENS under `cfg`'s layout on the rank that holds them; None elsewhere.
-    Under pp (one chunk per rank) the hidden states go stage to stage by send/recv."""
+def loss_of(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """A loss every logit enters: the mean square of the (unpadded) logits."""
+    return logits[..., :vocab_size].float().pow(2).mean()
+
+
+def logits_of(
+    cfg: RecipeConfig, device: torch.device
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]] | None:
+    """The logits of TOKENS under `cfg`'s layout on the rank that holds them, and the norm
+    gradients the module names; None elsewhere. Under pp (one chunk per rank) the hidden
+    states go stage to stage by send/recv, and no gradient is taken."""
     degrees = resolve_degrees(cfg)
     mesh = build_mesh(degrees, device.type)
     state = build_train_state(cfg, mesh, device)
@@ -38,10 +49,21 @@ def logits_of(cfg: RecipeConfig, device: torch.device) -> torch.Tensor | None:
         logits = state.model(TOKENS)
         if isinstance(logits, DTensor):
             logits = logits.full_tensor()
-        return logits if dist.get_rank() == 0 else None
-    stage, last = mesh.world["pp"].get_local_rank(), degrees.pp - 1
+        loss_of(logits, cfg.model.vocab_size).backward()
+        grads = {
+            hf_name(name): param.grad.clone()
+            for name, param in state.plain.named_parameters()
+            if name.endswith(("q_norm.weight", "k_norm.weight"))
+        }
+        return (logits.detach(), grads) if dist.get_rank() == 0 else None
+    with torch.no_grad():
+        return _pipelined(cfg, mesh, degrees.pp, state.model)
+
+
+def _pipelined(cfg: RecipeConfig, mesh, pp: int, model) -> tuple[torch.Tensor, dict] | None:
+    stage, last = mesh.world["pp"].get_local_rank(), pp - 1
     group = mesh.world["pp"].get_group()
-    (chunk,) = state.model
+    (chunk,) = model
     if stage == 0:
         h = TOKENS
     else:
@@ -51,7 +73,7 @@ def logits_of(cfg: RecipeConfig, device: torch.device) -> torch.Tensor | None:
     if stage < last:
         dist.send(out.contiguous(), group=group, group_dst=stage + 1)
         return None
-    return out
+    return out, {}
 
 
 def main(out: str, config_paths: list[str]) -> None:
@@ -60,7 +82,8 @@ def main(out: str, config_paths: list[str]) -> None:
     found = [logits_of(cfg, rank.device) for cfg in configs]
     if found[0] is not None:
         vocab = [cfg.model.vocab_size for cfg in configs]
-        torch.save([f[..., :v].clone() for f, v in zip(found, vocab, strict=True)], out)
+        kept = [(f[0][..., :v].clone(), f[1]) for f, v in zip(found, vocab, strict=True)]
+        torch.save(kept, out)
     dist.barrier()
     dist.destroy_process_group()
 

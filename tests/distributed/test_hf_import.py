@@ -11,12 +11,13 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from tests.distributed.harness import BASE_OVERRIDES, launch, read_curve, run_pretrain
-from tests.distributed.hf_logits import TOKENS
+from tests.distributed.hf_logits import TOKENS, loss_of
 from tests.helpers import pretrain
 from trainer.checkpoint.export import export
 
@@ -32,21 +33,47 @@ LLAMA3_SCALING = {
 interpolated band shows in every position's logits."""
 
 
-def llama_3_2(folder: Path) -> None:
-    """A Llama 3.2-format checkpoint: tied embeddings, RoPE base 500000, llama3 scaling."""
-    torch.manual_seed(1)
-    config = transformers.LlamaConfig(
-        vocab_size=512, hidden_size=64, intermediate_size=192, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-        rope_theta=500000.0, rope_scaling=dict(LLAMA3_SCALING), tie_word_embeddings=True,
-        rms_norm_eps=1e-5,
-    )  # fmt: skip
-    transformers.LlamaForCausalLM(config).save_pretrained(folder)
+HARNESS_SHAPE = {
+    "vocab_size": 512, "hidden_size": 64, "intermediate_size": 192, "num_hidden_layers": 4,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 2048,
+}  # fmt: skip
+"""The harness model's shape (tests/distributed/harness.py), as config.json states it."""
+
+
+def written_by_transformers(prefix: str, **extra: Any) -> Callable[[Path], None]:
+    """How transformers' `{prefix}ForCausalLM` of the harness shape (and `extra`) is saved;
+    biases and norm weights drawn away from their 0 and 1 so that they count."""
+
+    def write(folder: Path) -> None:
+        torch.manual_seed(1)
+        config = getattr(transformers, f"{prefix}Config")(**HARNESS_SHAPE, **extra)
+        model = getattr(transformers, f"{prefix}ForCausalLM")(config)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith(("bias", "norm.weight")):
+                    param.normal_(1.0 if "norm" in name else 0.0, 0.1)
+        model.save_pretrained(folder)
+
+    return write
+
+
+llama_3_2 = written_by_transformers(
+    "Llama", rope_theta=500000.0, rope_scaling=dict(LLAMA3_SCALING), tie_word_embeddings=True,
+    rms_norm_eps=1e-5,
+)  # fmt: skip
+"""A Llama 3.2-format checkpoint: tied embeddings, RoPE base 500000, llama3 scaling."""
 
 
 FAMILIES: dict[str, tuple[Callable[[Path], None] | None, type, tuple[str, ...]]] = {
     "llama (ours, exported)": (None, transformers.LlamaForCausalLM, ()),
     "llama 3.2 (rope_scaling llama3)": (llama_3_2, transformers.LlamaForCausalLM, ()),
+    "qwen2 (q/k/v biases)": (
+        written_by_transformers("Qwen2", rope_theta=1e6), transformers.Qwen2ForCausalLM, ()
+    ),
+    "qwen3 (qk norms, head_dim 24)": (
+        written_by_transformers("Qwen3", head_dim=24, tie_word_embeddings=True),
+        transformers.Qwen3ForCausalLM, (),
+    ),
 }  # fmt: skip
 """Family -> (how transformers writes its checkpoint, or None for one exported from a run of
 ours; transformers' class; overrides our recipe needs for it besides the model.* fields
@@ -96,12 +123,17 @@ def test_each_family_loads_under_the_layout_with_transformers_logits(
     workdir: Path, folders: dict[str, Path], layout: tuple[str, ...]
 ) -> None:
     found = hf_logits(workdir, folders, layout)
-    for (name, folder), logits in zip(folders.items(), found, strict=True):
+    for (name, folder), (logits, grads) in zip(folders.items(), found, strict=True):
         hf = FAMILIES[name][1].from_pretrained(folder).eval()
-        with torch.no_grad():
-            expected = hf(TOKENS).logits
+        expected = hf(TOKENS).logits
         print(f"{name} {layout[0]}: max |logits difference| {(logits - expected).abs().max():.2e}")
-        torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(logits, expected.detach(), rtol=1e-5, atol=1e-5)
+        # Per-head norm weights each TP rank applies to its own heads: summed over tp.
+        loss_of(expected, expected.shape[-1]).backward()
+        hf_grads = dict(hf.named_parameters())
+        assert layout != ("parallel.tp=2",) or bool(grads) == ("qwen3" in name)
+        for hf_param, grad in grads.items():
+            torch.testing.assert_close(grad, hf_grads[hf_param].grad, rtol=1e-4, atol=1e-7)
 
 
 def test_a_llama_3_2_checkpoint_with_rope_scaling_trains_under_tp2(

@@ -3,6 +3,7 @@ logits, and a checkpoint of another shape is refused naming the tensor."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -51,7 +52,7 @@ def test_a_transformers_checkpoint_gives_the_same_logits_in_our_model(tmp_path: 
 
 def test_a_checkpoint_of_another_shape_is_refused_naming_the_tensor(tmp_path: Path) -> None:
     saved_by_transformers(tmp_path, MODEL)
-    wider = ModelConfig(**{**MODEL.__dict__, "ffn_dim": 96})
+    wider = dataclasses.replace(MODEL, ffn_dim=96)
     with pytest.raises(ValueError, match=r"intermediate_size=64 there, model\.ffn_dim=96 here"):
         load_hf_weights(plain(wider), wider, tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())

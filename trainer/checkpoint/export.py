@@ -140,6 +140,12 @@ def hf_config(cfg: RecipeConfig, eos: int | None) -> dict:
 
 def refuse_unexportable(cfg: RecipeConfig) -> None:
     """Raise ExportError for an attention this exporter cannot write in a Hugging Face format."""
+    if cfg.model.qk_norm and cfg.model.attn_bias:
+        raise ExportError(
+            "model.qk_norm=true with model.attn_bias=true: Qwen3 (the family with query/key "
+            "norms) puts a bias on the output projection too when it has biases, and Qwen2 "
+            "has no norms; export a model trained with one of the two"
+        )
     if cfg.model.is_mla:
         raise ExportError(
             "model.attention=mla: multi-head latent attention is DeepSeek-V2's, not Llama's; "

@@ -19,7 +19,7 @@ import torch
 from tests.distributed.harness import BASE_OVERRIDES, launch, read_curve, run_pretrain
 from tests.distributed.hf_logits import TOKENS, loss_of
 from tests.helpers import pretrain
-from trainer.checkpoint.export import export
+from trainer.checkpoint.export import export, load_model
 
 transformers = pytest.importorskip("transformers")
 
@@ -136,11 +136,14 @@ def test_each_family_loads_under_the_layout_with_transformers_logits(
             torch.testing.assert_close(grad, hf_grads[hf_param].grad, rtol=1e-4, atol=1e-7)
 
 
-def test_a_llama_3_2_checkpoint_with_rope_scaling_trains_under_tp2(
+def test_a_llama_3_2_checkpoint_with_rope_scaling_trains_under_tp2_and_exports(
     workdir: Path, folders: dict[str, Path]
 ) -> None:
     folder = folders["llama 3.2 (rope_scaling llama3)"]
-    overrides = ["parallel.tp=2", f"init.from_hf={folder}", "train.steps=2", "eval.every=0"]
+    overrides = [
+        "parallel.tp=2", f"init.from_hf={folder}", "train.steps=3", "eval.every=0",
+        "checkpoint.every=3",
+    ]  # fmt: skip
     run_dir = workdir / "llama_3_2_tp2"
     result = launch(run_dir, overrides, nproc=2)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -150,4 +153,15 @@ def test_a_llama_3_2_checkpoint_with_rope_scaling_trains_under_tp2(
     assert "  model.rope_theta=500000.0" in output and "  model.tie_embeddings=True" in output
     assert f"weights from {folder} (init.from_hf)" in output
     curve = read_curve(run_dir / "metrics.jsonl")
-    assert len(curve.loss) == 2 and all(math.isfinite(loss) for loss in curve.loss)
+    assert len(curve.loss) == 3 and all(math.isfinite(loss) for loss in curve.loss)
+    # After 3 steps under tp=2, the export reloads in transformers with our logits.
+    exported = export(run_dir, workdir / "llama_3_2_exported")
+    ours, _, step = load_model(run_dir)
+    assert step == 3
+    hf = transformers.LlamaForCausalLM.from_pretrained(exported).eval()
+    assert hf.config.rope_parameters["rope_type"] == "llama3"
+    with torch.no_grad():
+        expected, actual = ours(TOKENS), hf(TOKENS).logits
+    print(f"llama 3.2 export after 3 steps: max |logits difference| "
+          f"{(actual - expected).abs().max():.2e}")  # fmt: skip
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)

@@ -152,3 +152,36 @@ def test_exported_files_are_readable_by_others_as_the_umask_allows(
     os.umask(umask)
     for path in (tmp_path / "hf").iterdir():
         assert path.stat().st_mode & 0o777 == 0o666 & ~umask, path.name
+
+
+@pytest.mark.parametrize(
+    ("options", "hf_class"),
+    [
+        (["model.attn_bias=true"], "Qwen2ForCausalLM"),
+        (
+            ["model.qk_norm=true", "model.head_dim=24", "model.tie_embeddings=true"],
+            "Qwen3ForCausalLM",
+        ),
+    ],
+    ids=["qwen2", "qwen3"],
+)
+def test_a_qwen_shaped_model_exports_after_3_steps_with_our_logits(
+    options: list[str], hf_class: str, tmp_path: Path
+) -> None:
+    run_dir = tmp_path / "run"
+    run_pretrain(run_dir, ["train.steps=3", "checkpoint.every=3", "eval.every=0", *options], 1)
+    out = tmp_path / "hf"
+    result = export_cli(run_dir, out)
+    assert result.returncode == 0, result.stderr
+    assert json.loads((out / "config.json").read_text())["architectures"] == [hf_class]
+    # Not through AutoTokenizer: for a qwen2/qwen3 folder transformers 5 always builds its
+    # Qwen2Tokenizer (its own pre-tokenizer) over the vocabulary, whatever tokenizer_config
+    # says, so the run's own BPE is applied as the run applies it.
+    ours, cfg, step = load_model(run_dir)
+    assert step == 3
+    hf = getattr(transformers, hf_class).from_pretrained(out).eval()
+    tokens = torch.tensor([load_tokenizer(cfg.data, cfg.model.vocab_size).encode(TEXT).ids])
+    with torch.no_grad():
+        expected, actual = ours(tokens), hf(tokens).logits
+    print(f"{hf_class}: max |logits difference| {(actual - expected).abs().max():.2e}")
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)

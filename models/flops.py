@@ -160,8 +160,9 @@ def _block_terms(cfg: ModelConfig, seq_len: int) -> tuple[int, int, int, int]:
     """One block's (attention projections, attention scores, dense MLP, MoE MLP) FLOPs."""
     h = cfg.dim
     projections = 2 * attention_weights(cfg)[0]
-    # Q @ K^T and P @ V: each query meets seq_len keys in every head.
-    scores = 2 * seq_len * cfg.n_heads * (cfg.qk_head_dim + cfg.v_head_dim)
+    # Q @ K^T and P @ V: each query meets seq_len keys in every head (a sliding window fewer).
+    keys = min(seq_len, cfg.sliding_window) if cfg.sliding_window else seq_len
+    scores = 2 * keys * cfg.n_heads * (cfg.qk_head_dim + cfg.v_head_dim)
     mlp = 3 * 2 * h * cfg.ffn_dim
     # A MoE layer: the router's logits plus the k routed and the shared experts' SwiGLUs.
     experts = cfg.moe_top_k + cfg.moe_shared_experts

@@ -49,6 +49,14 @@ def document_mask(doc_ids: torch.Tensor) -> torch.Tensor | BlockMask:
     return ((doc_ids[:, :, None] == doc_ids[:, None, :]) & causal)[:, None]
 
 
+def window_mask(seq_len: int, window: int, device: torch.device) -> torch.Tensor:
+    """Sliding-window causal mask [1, 1, s, s]: position i attends to j with
+    i - window < j <= i, as transformers' sliding-window mask has it."""
+    i = torch.arange(seq_len, device=device)
+    offset = i[:, None] - i[None, :]
+    return ((offset >= 0) & (offset < window))[None, None]
+
+
 @functools.cache
 def compiled_flex_attention():
     # Fused only when compiled; eager flex_attention materializes the whole score matrix.

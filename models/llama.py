@@ -25,6 +25,7 @@ from models.layers import (
     FeedForward,
     RMSNorm,
     document_mask,
+    window_mask,
 )
 from models.mla import MultiHeadLatentAttention
 from models.moe import MoEFeedForward, moe_modules
@@ -132,6 +133,9 @@ class Transformer(nn.Module):
             cos, sin = self.rope_cos[index], self.rope_sin[index]
         h = tokens if self.tok_embeddings is None else self.tok_embeddings(tokens)
         mask = None if doc_ids is None else document_mask(doc_ids)
+        if self.cfg.sliding_window and self.cfg.sliding_window < seq_len:
+            # Validation refuses a document mask with it: the window is the only mask here.
+            mask = window_mask(seq_len, self.cfg.sliding_window, h.device)
         for layer in self.layers.values():
             h = layer(h, cos, sin, mask=mask)
         if self.norm is not None:

@@ -1,8 +1,8 @@
 """The Hugging Face layout of our dense model: tensor names, shapes, config.json.
 
 The families share Llama's names: Llama (3.0-3.3), Qwen2 (`model.attn_bias`: q/k/v biases)
-and Qwen3 (`model.qk_norm`: per-head query and key norms; `model.head_dim` apart from
-dim / n_heads). Any other `model_type` is refused by name.
+Qwen3 (`model.qk_norm`: per-head query and key norms; `model.head_dim` apart from
+dim / n_heads) and Mistral (`model.sliding_window`). Any other `model_type` is refused by name.
 
 One name mapping serves export (`pretrain-export`) and import (`init.from_hf`). A directory
 is checked against a recipe before any job starts by reading config.json and the
@@ -49,6 +49,7 @@ FAMILIES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "mistral": "MistralForCausalLM",
 }
 """config.json model_type -> architecture of the dense families that load and export."""
 INDEX_FILE = "model.safetensors.index.json"
@@ -140,7 +141,9 @@ def same_scaling(theirs: dict[str, Any], ours: dict[str, Any]) -> bool:
 def config_json(m: ModelConfig, eos: int | None) -> dict[str, Any]:
     """config.json of the equivalent LlamaForCausalLM, Qwen2ForCausalLM or Qwen3ForCausalLM."""
     kind = family(m)
-    extra = {"use_sliding_window": False} if kind != "llama" else {}
+    extra: dict[str, Any] = {"use_sliding_window": False} if kind.startswith("qwen") else {}
+    if kind == "mistral":
+        extra["sliding_window"] = m.sliding_window
     return {
         "architectures": [FAMILIES[kind]],
         "model_type": kind,
@@ -171,7 +174,14 @@ def family(m: ModelConfig) -> str:
     """The Hugging Face model_type of our dense model's attention options."""
     if m.qk_norm:
         return "qwen3"
-    return "qwen2" if m.attn_bias else "llama"
+    if m.attn_bias:
+        return "qwen2"
+    return "mistral" if m.sliding_window else "llama"
+
+
+def same_family(kind: Any, m: ModelConfig) -> bool:
+    """Whether config.json's model_type holds our model (Mistral without a window is Llama)."""
+    return kind == family(m) or (kind, family(m)) == ("mistral", "llama")
 
 
 def hf_head_dim(hf: dict[str, Any]) -> int | None:
@@ -199,6 +209,7 @@ def model_fields(hf: dict[str, Any]) -> dict[str, Any]:
     kind = hf.get("model_type")
     fields["qk_norm"] = kind == "qwen3"
     fields["attn_bias"] = kind == "qwen2"
+    fields["sliding_window"] = (hf.get("sliding_window") or 0) if kind == "mistral" else 0
     return fields
 
 
@@ -213,7 +224,7 @@ def config_mismatches(hf: dict[str, Any], m: ModelConfig) -> list[str]:
             f"model_type {kind!r} is a family this trainer does not build; it loads "
             f"{', '.join(FAMILIES)}"
         )
-    elif kind != family(m):
+    elif not same_family(kind, m):
         found.append(
             f"model_type {kind!r} there, {family(m)!r} here (model.qk_norm={m.qk_norm}, "
             f"model.attn_bias={m.attn_bias})"
@@ -221,7 +232,10 @@ def config_mismatches(hf: dict[str, Any], m: ModelConfig) -> list[str]:
     if hf_head_dim(hf) not in (None, m.head_dim):
         found.append(f"head_dim={hf_head_dim(hf)} there, model.head_dim={m.head_dim} here")
     if hf.get("use_sliding_window"):
-        found.append("use_sliding_window=true there; this model attends over the whole sequence")
+        found.append("use_sliding_window=true there; Qwen's windows on some layers are not built")
+    window = (hf.get("sliding_window") or 0) if kind == "mistral" else 0
+    if window != m.sliding_window:
+        found.append(f"sliding_window={window} there, model.sliding_window={m.sliding_window} here")
     for key, ours in CONFIG_FIELDS.items():
         theirs = hf.get(key, False if key == "tie_word_embeddings" else None)
         if not same_value(theirs, getattr(m, ours)):

@@ -42,6 +42,9 @@ class ModelConfig:
     the rotary embedding, as Qwen3 has."""
     attn_bias: bool = False
     """Biases on the query, key and value projections (not the output one), as Qwen2 has."""
+    sliding_window: int = 0
+    """Each token attends to itself and the sliding_window - 1 tokens before it (Mistral's
+    sliding-window attention); 0 attends to every earlier token."""
     mla_q_rank: int = 0
     """MLA: rank of the compressed query (DeepSeek-V2: 1536); 0 projects queries directly from
     the hidden state (DeepSeek-V2-Lite)."""

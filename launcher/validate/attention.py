@@ -90,6 +90,22 @@ def check_attention(c: Checks, cfg: RecipeConfig, model_ok: bool) -> None:
             "rotary embedding turns pairs of dims; an odd head width has one left over",
             f"use an even width, e.g. {m.explicit_head_dim + 1}",
         )
+    if c.at_least("model.sliding_window", m.sliding_window, 0) and m.sliding_window:
+        if cfg.data.doc_mask:
+            c.add(
+                "data.doc_mask",
+                True,
+                f"with model.sliding_window={m.sliding_window}: the two masks are not combined",
+                "set data.doc_mask=false, or model.sliding_window=0",
+            )
+        if cfg.parallel.cp > 1:
+            c.add(
+                "parallel.cp",
+                cfg.parallel.cp,
+                f"context parallelism's ring attends causally over whole chunks, not within "
+                f"model.sliding_window={m.sliding_window}",
+                "use parallel.cp=1, or model.sliding_window=0",
+            )
     for name, family in (("qk_norm", "Qwen3"), ("attn_bias", "Qwen2")):
         if getattr(m, name) and m.is_mla:
             c.add(

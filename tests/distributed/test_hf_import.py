@@ -74,6 +74,10 @@ FAMILIES: dict[str, tuple[Callable[[Path], None] | None, type, tuple[str, ...]]]
         written_by_transformers("Qwen3", head_dim=24, tie_word_embeddings=True),
         transformers.Qwen3ForCausalLM, (),
     ),
+    "mistral (sliding window 4 of 8 tokens)": (
+        written_by_transformers("Mistral", sliding_window=4, rms_norm_eps=1e-5),
+        transformers.MistralForCausalLM, (),
+    ),
 }  # fmt: skip
 """Family -> (how transformers writes its checkpoint, or None for one exported from a run of
 ours; transformers' class; overrides our recipe needs for it besides the model.* fields

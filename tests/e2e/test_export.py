@@ -162,10 +162,11 @@ def test_exported_files_are_readable_by_others_as_the_umask_allows(
             ["model.qk_norm=true", "model.head_dim=24", "model.tie_embeddings=true"],
             "Qwen3ForCausalLM",
         ),
+        (["model.sliding_window=8"], "MistralForCausalLM"),  # shorter than TEXT
     ],
-    ids=["qwen2", "qwen3"],
+    ids=["qwen2", "qwen3", "mistral"],
 )
-def test_a_qwen_shaped_model_exports_after_3_steps_with_our_logits(
+def test_a_qwen_or_mistral_shaped_model_exports_after_3_steps_with_our_logits(
     options: list[str], hf_class: str, tmp_path: Path
 ) -> None:
     run_dir = tmp_path / "run"
@@ -176,7 +177,7 @@ def test_a_qwen_shaped_model_exports_after_3_steps_with_our_logits(
     assert json.loads((out / "config.json").read_text())["architectures"] == [hf_class]
     # Not through AutoTokenizer: for a qwen2/qwen3 folder transformers 5 always builds its
     # Qwen2Tokenizer (its own pre-tokenizer) over the vocabulary, whatever tokenizer_config
-    # says, so the run's own BPE is applied as the run applies it.
+    # says, so the run's own BPE is applied as the run applies it (alike for all three).
     ours, cfg, step = load_model(run_dir)
     assert step == 3
     hf = getattr(transformers, hf_class).from_pretrained(out).eval()

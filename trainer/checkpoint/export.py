@@ -146,6 +146,12 @@ def refuse_unexportable(cfg: RecipeConfig) -> None:
             "norms) puts a bias on the output projection too when it has biases, and Qwen2 "
             "has no norms; export a model trained with one of the two"
         )
+    if cfg.model.sliding_window and (cfg.model.qk_norm or cfg.model.attn_bias):
+        raise ExportError(
+            f"model.sliding_window={cfg.model.sliding_window} with Qwen's attention options: "
+            "Mistral (the family with one window on every layer) has neither biases nor "
+            "query/key norms; export a model trained without one or the other"
+        )
     if cfg.model.is_mla:
         raise ExportError(
             "model.attention=mla: multi-head latent attention is DeepSeek-V2's, not Llama's; "

@@ -2,7 +2,9 @@
 
 The families share Llama's names: Llama (3.0-3.3), Qwen2 (`model.attn_bias`: q/k/v biases)
 Qwen3 (`model.qk_norm`: per-head query and key norms; `model.head_dim` apart from
-dim / n_heads) and Mistral (`model.sliding_window`). Any other `model_type` is refused by name.
+dim / n_heads), Mistral (`model.sliding_window`) and Mixtral (every layer a mixture of
+experts, its stacked experts one tensor per expert). Any other `model_type` is refused by
+name.
 
 One name mapping serves export (`pretrain-export`) and import (`init.from_hf`). A directory
 is checked against a recipe before any job starts by reading config.json and the
@@ -50,10 +52,40 @@ FAMILIES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "mistral": "MistralForCausalLM",
+    "mixtral": "MixtralForCausalLM",
 }
 """config.json model_type -> architecture of the dense families that load and export."""
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
+
+
+EXPERT_WEIGHTS = ("w1", "w2", "w3")
+"""Stacked [experts, ...] weights under feed_forward.experts; Mixtral names them alike."""
+MIXTRAL_FIELDS = {
+    "num_local_experts": "moe_experts",
+    "num_experts_per_tok": "moe_top_k",
+    "intermediate_size": "moe_ffn_dim",
+}
+"""Mixtral's config.json key -> our model field."""
+MIXTRAL_SHAPE = {
+    "moe_shared_experts": 0,
+    "moe_layers": "all",
+    "moe_router": "softmax",
+    "moe_normalize_topk": True,
+}
+"""What every Mixtral is: no shared experts, every layer MoE, renormalized softmax top-k."""
+
+
+def hf_names(name: str, m: ModelConfig) -> list[str]:
+    """The Hugging Face tensors one of our parameters is made of: one per expert for a
+    stacked expert weight, else the one of `hf_name`."""
+    if name.startswith("layers."):
+        _, index, rest = name.split(".", 2)
+        stacked, _, weight = rest.rpartition(".")
+        if stacked == "feed_forward.experts" and weight in EXPERT_WEIGHTS:
+            prefix = f"model.layers.{index}.block_sparse_moe.experts"
+            return [f"{prefix}.{j}.{weight}.weight" for j in range(m.moe_experts)]
+    return [hf_name(name)]
 
 
 def hf_name(name: str) -> str:
@@ -66,7 +98,7 @@ def hf_name(name: str) -> str:
 
 
 def expected_shapes(m: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Our dense model's parameter names and shapes (the LM head left out when tied)."""
+    """Our model's parameter names and shapes (the LM head left out when tied)."""
     q, kv = m.n_heads * m.head_dim, m.kv_heads * m.head_dim
     block: dict[str, tuple[int, ...]] = {
         "attention_norm.weight": (m.dim,),
@@ -86,9 +118,17 @@ def expected_shapes(m: ModelConfig) -> dict[str, tuple[int, ...]]:
             "attention.q_norm.weight": (m.head_dim,),
             "attention.k_norm.weight": (m.head_dim,),
         }
+    e, ffn = m.moe_experts, m.expert_ffn_dim
+    moe = {k: v for k, v in block.items() if not k.startswith("feed_forward.")} | {
+        "feed_forward.router.weight": (e, m.dim),
+        "feed_forward.experts.w1": (e, ffn, m.dim),
+        "feed_forward.experts.w3": (e, ffn, m.dim),
+        "feed_forward.experts.w2": (e, m.dim, ffn),
+    }
     shapes: dict[str, tuple[int, ...]] = {"tok_embeddings.weight": (m.vocab_size, m.dim)}
     for i in range(m.n_layers):
-        shapes.update({f"layers.{i}.{k}": v for k, v in block.items()})
+        layer = moe if m.is_moe_layer(i) else block
+        shapes.update({f"layers.{i}.{k}": v for k, v in layer.items()})
     shapes["norm.weight"] = (m.dim,)
     if not m.tie_embeddings:
         shapes["output.weight"] = (m.vocab_size, m.dim)
@@ -172,6 +212,8 @@ def config_json(m: ModelConfig, eos: int | None) -> dict[str, Any]:
 
 def family(m: ModelConfig) -> str:
     """The Hugging Face model_type of our dense model's attention options."""
+    if m.moe_experts:
+        return "mixtral"
     if m.qk_norm:
         return "qwen3"
     if m.attn_bias:
@@ -210,6 +252,10 @@ def model_fields(hf: dict[str, Any]) -> dict[str, Any]:
     fields["qk_norm"] = kind == "qwen3"
     fields["attn_bias"] = kind == "qwen2"
     fields["sliding_window"] = (hf.get("sliding_window") or 0) if kind == "mistral" else 0
+    fields["moe_experts"] = 0
+    if kind == "mixtral":
+        fields |= {ours: hf[key] for key, ours in MIXTRAL_FIELDS.items() if key in hf}
+        fields |= MIXTRAL_SHAPE
     return fields
 
 
@@ -233,6 +279,13 @@ def config_mismatches(hf: dict[str, Any], m: ModelConfig) -> list[str]:
         found.append(f"head_dim={hf_head_dim(hf)} there, model.head_dim={m.head_dim} here")
     if hf.get("use_sliding_window"):
         found.append("use_sliding_window=true there; Qwen's windows on some layers are not built")
+    if kind == "mixtral":
+        for name, theirs in model_fields(hf).items():
+            ours = m.expert_ffn_dim if name == "moe_ffn_dim" else getattr(m, name)
+            if name.startswith("moe_") and not same_value(theirs, ours):
+                found.append(f"Mixtral has model.{name}={theirs!r}, this model {ours!r}")
+        if m.balance_bias:
+            found.append(f"model.moe_balance={m.moe_balance}: Mixtral's router has no bias")
     window = (hf.get("sliding_window") or 0) if kind == "mistral" else 0
     if window != m.sliding_window:
         found.append(f"sliding_window={window} there, model.sliding_window={m.sliding_window} here")
@@ -293,8 +346,6 @@ def tensor_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
 
 def checkpoint_problems(folder: Path, m: ModelConfig) -> list[str]:
     """Why a Hugging Face directory cannot initialize the recipe's model (empty: it can)."""
-    if m.moe_experts:
-        return ["only dense Llama checkpoints load; this model has mixture-of-experts layers"]
     config = folder / "config.json"
     if not config.is_file():
         return [f"no config.json in {folder}"]
@@ -306,9 +357,13 @@ def checkpoint_problems(folder: Path, m: ModelConfig) -> list[str]:
     except (ValueError, KeyError, OSError) as exc:
         return [*problems, str(exc)]
     for ours, shape in expected_shapes(m).items():
-        name = hf_name(ours)
-        if name not in shapes:
-            problems.append(f"{name} is missing (needed for {ours} {list(shape)})")
-        elif shapes[name] != shape:
-            problems.append(f"{name} is {list(shapes[name])} there, {ours} is {list(shape)} here")
+        names = hf_names(ours, m)
+        each = shape[1:] if ".experts." in ours else shape  # one tensor per expert
+        for name in names:
+            if name not in shapes:
+                problems.append(f"{name} is missing (needed for {ours} {list(shape)})")
+            elif shapes[name] != each:
+                problems.append(
+                    f"{name} is {list(shapes[name])} there, {ours} is {list(each)} here"
+                )
     return problems

@@ -62,13 +62,6 @@ def check_data(c: Checks, cfg: RecipeConfig, for_launch: bool) -> None:
             "not supported with pipeline parallelism yet (later stages do not see the tokens)",
             "use parallel.pp=1 or data.doc_mask=false",
         )
-    if cfg.init.from_hf and cfg.model.moe_experts:
-        c.add(
-            "init.from_hf",
-            cfg.init.from_hf,
-            "only dense Llama checkpoints load; this model has mixture-of-experts layers",
-            "set init.from_hf='' or use a dense model",
-        )
     if for_launch and cfg.cluster.backend == "local":
         check_data_on_disk(c, cfg)
         _check_hf_checkpoint(c, cfg)

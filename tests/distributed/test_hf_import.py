@@ -78,6 +78,10 @@ FAMILIES: dict[str, tuple[Callable[[Path], None] | None, type, tuple[str, ...]]]
         written_by_transformers("Mistral", sliding_window=4, rms_norm_eps=1e-5),
         transformers.MistralForCausalLM, (),
     ),
+    "mixtral (4 experts, top-2)": (
+        written_by_transformers("Mixtral", num_local_experts=4, num_experts_per_tok=2),
+        transformers.MixtralForCausalLM, (),
+    ),
 }  # fmt: skip
 """Family -> (how transformers writes its checkpoint, or None for one exported from a run of
 ours; transformers' class; overrides our recipe needs for it besides the model.* fields

@@ -1,6 +1,6 @@
 """Each dense family transformers writes (Llama 3.2 with RoPE scaling, Qwen2 with q/k/v
 biases, Qwen3 with query/key norms and a head width apart from dim / n_heads, Mistral with
-a sliding window shorter than the tokens) imports with its logits, and exports bit-exact
+a sliding window shorter than the tokens, Mixtral) imports with its logits, and exports bit-exact
 with no step taken to a folder transformers reloads."""
 
 from __future__ import annotations
@@ -13,9 +13,10 @@ import pytest
 import torch
 
 import models
-from pretrain_core.hf_llama import config_json, config_mismatches, model_fields
+from pretrain_core.hf_llama import config_mismatches, model_fields
 from pretrain_core.model_config import ModelConfig
-from trainer.checkpoint.export import hf_tensors
+from pretrain_core.schema import RecipeConfig
+from trainer.checkpoint.export import hf_config, hf_tensors
 from trainer.checkpoint.hf_import import load_hf_weights
 
 transformers = pytest.importorskip("transformers")
@@ -38,6 +39,7 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen2": ("Qwen2", {"rope_theta": 1000000.0}),
     "qwen3": ("Qwen3", {"head_dim": 24, "tie_word_embeddings": True}),
     "mistral": ("Mistral", {"sliding_window": 8}),
+    "mixtral": ("Mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2}),
 }
 """Family -> (transformers' class prefix, config beyond SHAPE)."""
 
@@ -88,7 +90,7 @@ def test_a_family_imports_with_its_logits_and_round_trips_bit_exact(
     out = tmp_path / "out"
     out.mkdir()
     safetensors_torch.save_file(written, str(out / "model.safetensors"), {"format": "pt"})
-    (out / "config.json").write_text(json.dumps(config_json(cfg, None)))
+    (out / "config.json").write_text(json.dumps(hf_config(RecipeConfig(model=cfg), None)))
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     assert type(reloaded) is type(hf)
     with torch.no_grad():

@@ -1,4 +1,5 @@
-"""`init.from_hf=DIR`: start from a Hugging Face Llama checkpoint, under any layout.
+"""`init.from_hf=DIR`: start from a Hugging Face checkpoint (Llama, Qwen2/3, Mistral,
+Mixtral), under any layout.
 
 After the model is materialized (`parallel/materialize.py`), every parameter this rank holds
 is overwritten with the checkpoint's tensor of the same name (`pretrain_core/hf_llama.py`
@@ -18,7 +19,7 @@ from safetensors import safe_open
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from pretrain_core.hf_llama import checkpoint_problems, hf_name, safetensors_files
+from pretrain_core.hf_llama import checkpoint_problems, hf_name, hf_names, safetensors_files
 from pretrain_core.model_config import ModelConfig
 
 
@@ -45,8 +46,10 @@ def load_hf_weights(model: nn.Module, cfg: ModelConfig, folder: str | Path) -> i
     for name, param in model.named_parameters():
         # A pipeline's last stage holds its own copy of a tied head: the embedding's rows.
         tied = name == "output.weight" and cfg.tie_embeddings
-        source = hf_name("tok_embeddings.weight" if tied else name)
-        full = where[source].get_tensor(source)
+        sources = [hf_name("tok_embeddings.weight")] if tied else hf_names(name, cfg)
+        tensors = [where[source].get_tensor(source) for source in sources]
+        # A stacked expert weight is read one expert at a time, as Mixtral stores them.
+        full = torch.stack(tensors) if ".experts." in name else tensors[0]
         full = _fit_rows(full, param.shape).to(device=param.device, dtype=param.dtype)
         if isinstance(param, DTensor):
             # Every rank read the same full tensor: slice locally, no communication.

@@ -139,11 +139,15 @@ def _write_and_start(cfg: RecipeConfig, plan: dict, launched: dict | None) -> fl
         submit_slurm,
     )
     from launcher.job.failure_summary import failure_message
-    from launcher.job.run_dir import JobError, check_run_dir, write_run_dir
+    from launcher.job.run_dir import JobError, check_run_dir, finished_message, write_run_dir
 
     config_yaml = dump_config(cfg)
     try:
         check_run_dir(cfg, Path(cfg.run.dir), config_yaml)  # refuse before anything is written
+        finished = finished_message(cfg, Path(cfg.run.dir)) if cfg.action == "run" else None
+        if finished:
+            print(finished)
+            return final_loss(Path(cfg.run.dir))
         with claimed_run_dir(cfg) as lock_token:
             files = write_run_dir(cfg, Path(cfg.run.dir), config_yaml, plan, launched)
             print(f"run dir:    {files.run_dir}")

@@ -12,8 +12,10 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import statistics
 import string
 import time
+from collections import deque
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -26,6 +28,7 @@ from pretrain_core.run.rundir import METRICS_FILE, TENSORBOARD_DIR, WANDB_ID_FIL
 from pretrain_core.run.wandb_credentials import api_key_configured as wandb_api_key_configured
 from pretrain_core.schema import LoggingConfig
 from trainer.observe.run_identity import RunIdentity
+from trainer.observe.run_summary import RunSummary
 
 WANDB_KEYS = {
     "loss": "train/loss",
@@ -61,6 +64,9 @@ WANDB_STEP = "train/step"
 WANDB_MODES = ("auto", "online", "offline", "disabled")
 NODE_JOB_TYPE = "node-system"
 """W&B job_type of the runs that hold another node's system metrics."""
+ETA_WINDOW = 20
+"""Logged step times the ETA takes the median of: one slow step (a save, an evaluation's
+neighbour, a page fault) moves it little, a lasting change of pace moves it in a few lines."""
 
 
 def node_wandb_dir(run_dir: Path, node: int) -> Path:
@@ -225,6 +231,8 @@ class MetricsLogger:
         self._wandb_run = None
         self._wandb_mode = "disabled"
         self._tensorboard: Any = None
+        self.summary = RunSummary()
+        self._step_times: deque[float] = deque(maxlen=ETA_WINDOW)
         mode = resolve_wandb_mode(logging.wandb)  # on every rank: a bad setting fails everywhere
         if not is_main:
             if node is not None and mode != "disabled":
@@ -233,6 +241,7 @@ class MetricsLogger:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         jsonl = self.run_dir / METRICS_FILE
         truncate_partial_line(jsonl)
+        self.summary.read_history(jsonl)
         self._file = jsonl.open("a", encoding="utf-8")
         if mode != "disabled":
             self._init_wandb(mode, config, identity)
@@ -320,8 +329,9 @@ class MetricsLogger:
         if not self.is_main:
             return
         values = {k: _plain(v) for k, v in metrics.items()}
+        self.summary.observe(step, values)
         line = console_line(step, self.total_steps, values)
-        eta = eta_seconds(step, self.total_steps, values.get("step_time_s"))
+        eta = eta_seconds(step, self.total_steps, self._smoothed_step_time(values))
         if eta is not None:
             line += f" | ETA {format_duration(eta)}"
         self.console.print(line, markup=False)
@@ -340,6 +350,22 @@ class MetricsLogger:
             except Exception as exc:  # losing W&B mid-run must not stop training
                 self.console.print(f"[yellow]W&B log failed, W&B disabled: {escape(str(exc))}")
                 self._wandb_run = None
+
+    def _smoothed_step_time(self, values: dict[str, Any]) -> float | None:
+        """The median of the last ETA_WINDOW logged step times, this row's included."""
+        step_time = values.get("step_time_s")
+        if isinstance(step_time, (int, float)) and step_time > 0:
+            self._step_times.append(float(step_time))
+        return statistics.median(self._step_times) if self._step_times else None
+
+    def print_summary(self, *, tokens: int, wall_s: float, checkpoint: Path | None) -> None:
+        """Print the end-of-run block (main rank only): see trainer/observe/run_summary.py."""
+        if not self.is_main:
+            return
+        lines = self.summary.lines(
+            tokens=tokens, wall_s=wall_s, checkpoint=checkpoint, run_dir=self.run_dir
+        )
+        self.console.print("\n".join(lines), markup=False)
 
     def close(self, exit_code: int = 0) -> None:
         """Flush and close every sink; safe to call more than once."""

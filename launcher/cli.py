@@ -25,6 +25,7 @@ from omegaconf import DictConfig
 from launcher.assets import SHIPPED_RECIPES
 from launcher.compose.command_line import (
     checked_command_line,
+    flags_first,
     hydra_errors_as_problems,
     search_dirs,
     with_user_recipes,
@@ -251,7 +252,7 @@ def main() -> None:
 
         raise SystemExit(status(sys.argv[2:]))
     try:
-        argv = with_user_recipes(sys.argv[1:])
+        argv = with_user_recipes(flags_first(sys.argv[1:]))
         if _wants_help(argv):
             print(render_help(search_dirs(argv), _help_filter(argv)))
             return

@@ -31,10 +31,11 @@ def test_plan_writes_nothing(tmp_path: Path) -> None:
 
 
 def test_llama3_70b_json_plan_has_layout_params_flops_and_memory(tmp_path: Path) -> None:
+    # A key before the flag and others after it, as plain Hydra users write them.
     result = pretrain(
+        "cluster.nodes=8",
         "--config-name",
         "llama3_70b",
-        "cluster.nodes=8",
         "action=plan",
         "plan.format=json",
         cwd=tmp_path,

@@ -244,9 +244,29 @@ def _help_filter(argv: list[str]) -> str:
     return rest[0] if rest and "=" not in rest[0] and not rest[0].startswith("-") else ""
 
 
+def version_line() -> str:
+    """`pretrain --version`: this package's version and those of what it drives (Hydra's own
+    `--version` would print Hydra's alone)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    def installed(name: str) -> str:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return "not installed"
+
+    return (
+        f"pretrain {installed('pretrain')} (torch {installed('torch')}, "
+        f"hydra-core {installed('hydra-core')}, Python {sys.version.split()[0]})"
+    )
+
+
 def main() -> None:
     """Console entry point of `pretrain`: the command line and recipe files are checked
     before Hydra composes, and Hydra's errors are reported like the validator's."""
+    if "--version" in sys.argv[1:]:
+        print(version_line())
+        return
     if sys.argv[1:2] == ["status"]:
         from launcher.job.status import main as status
 

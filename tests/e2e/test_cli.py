@@ -158,3 +158,14 @@ def test_default_recipe_trains_end_to_end_on_two_ranks(tmp_path: Path) -> None:
     assert read_curve(run_dir / "metrics.jsonl").loss == [r["loss"] for r in rows]
     assert (run_dir / "wandb_run_id").exists()
     assert list((run_dir / "wandb").glob("offline-run-*"))
+
+
+def test_version_names_this_package_and_what_it_drives(tmp_path: Path) -> None:
+    from importlib.metadata import version
+
+    from tests.helpers import pretrain_in_process
+
+    code, out, _ = pretrain_in_process("action=plan", "--version", cwd=tmp_path)
+    assert code == 0
+    assert out.startswith(f"pretrain {version('pretrain')} (torch {version('torch')}, hydra-core ")
+    assert list(tmp_path.iterdir()) == []

@@ -20,7 +20,7 @@ from pathlib import Path
 import hydra
 from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from launcher.assets import SHIPPED_RECIPES
 from launcher.compose.command_line import (
@@ -50,6 +50,11 @@ RECIPES_DIR = str(SHIPPED_RECIPES)
 DEFAULT_RECIPE = "tiny"
 
 ConfigStore.instance().store(name="recipe_schema", node=RecipeConfig)
+# recipes/base.yaml puts a sweep's own record (multirun.yaml, Optuna's results) in the
+# sweep's folder: run.dir when given, else runs/<recipe>, as the points' run dirs are.
+OmegaConf.register_new_resolver(
+    "sweep_dir", lambda run_dir, name: run_dir or f"runs/{name}", replace=True
+)
 
 
 def _run_dir(cfg: RecipeConfig) -> Path:

@@ -125,6 +125,13 @@ def test_multirun_writes_one_run_dir_per_point(tmp_path: Path) -> None:
         for d in dirs
     ]
     assert seeds == [1, 2]
+    assert (tmp_path / "runs/tiny/multirun.yaml").is_file()
+    # Given a run.dir, the sweep's own record goes there too, and nothing to runs/.
+    again = pretrain("-m", "action=script", "seed=1,2", "run.dir=sweeps/seeds", cwd=tmp_path)
+    assert again.returncode == 0, again.stderr
+    assert (tmp_path / "sweeps/seeds/multirun.yaml").is_file()
+    assert sorted(p.name for p in (tmp_path / "sweeps/seeds").iterdir() if p.is_dir()) == dirs
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["tiny"]
 
 
 @pytest.mark.slow

@@ -44,6 +44,7 @@ from launcher.job.sweep import (
 )
 from pretrain_core.problems import RecipeError
 from pretrain_core.run.rundir import PREEMPTED_MARKER
+from pretrain_core.run.wandb_credentials import wandb_project
 from pretrain_core.schema import RecipeConfig, dump_config, to_recipe
 
 RECIPES_DIR = str(SHIPPED_RECIPES)
@@ -223,6 +224,7 @@ def _prepare(cfg: RecipeConfig) -> None:
 def _hydra_main(node: DictConfig) -> float | None:
     cfg = to_recipe(node)
     cfg.run.dir = str(_run_dir(cfg))
+    cfg.logging.wandb_project = wandb_project(cfg.logging.wandb_project)
     hydra_cfg = HydraConfig.get()
     overrides = list(hydra_cfg.overrides.task)
     launched = {"recipe": hydra_cfg.job.config_name, "overrides": overrides}

@@ -397,8 +397,9 @@ class LoggingConfig:
     wandb: str = one_of("auto", WANDB_MODES)
     """Weights & Biases: auto (online with an API key, offline without), online, offline or
     disabled."""
-    wandb_project: str = "pretrain"
-    """W&B project."""
+    wandb_project: str = ""
+    """W&B project; empty means $WANDB_PROJECT where set, else `pretrain`. The launcher
+    writes the project it chose into the run's config, so a resumed job logs to the same."""
     wandb_entity: str = ""
     """W&B entity (empty: the default of the API key)."""
     wandb_name: str = ""

@@ -176,3 +176,23 @@ def test_version_names_this_package_and_what_it_drives(tmp_path: Path) -> None:
     assert code == 0
     assert out.startswith(f"pretrain {version('pretrain')} (torch {version('torch')}, hydra-core ")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_wandb_project_comes_from_the_recipe_else_wandb_project_and_is_frozen(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tests.helpers import pretrain_in_process
+
+    def project(*overrides: str) -> str:
+        run_dir = tmp_path / f"run{len(list(tmp_path.iterdir()))}"
+        code, _, err = pretrain_in_process(
+            "action=script", f"run.dir={run_dir}", *overrides, cwd=tmp_path
+        )
+        assert code == 0, err
+        return yaml.safe_load((run_dir / "config.yaml").read_text())["logging"]["wandb_project"]
+
+    monkeypatch.delenv("WANDB_PROJECT", raising=False)
+    assert project() == "pretrain"
+    monkeypatch.setenv("WANDB_PROJECT", "team-runs")
+    assert project() == "team-runs"
+    assert project("logging.wandb_project=mine") == "mine"

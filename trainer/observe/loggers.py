@@ -26,6 +26,7 @@ from rich.markup import escape
 from pretrain_core.run.durations import eta_seconds, format_duration
 from pretrain_core.run.rundir import METRICS_FILE, TENSORBOARD_DIR, WANDB_ID_FILE
 from pretrain_core.run.wandb_credentials import api_key_configured as wandb_api_key_configured
+from pretrain_core.run.wandb_credentials import wandb_project
 from pretrain_core.schema import LoggingConfig
 from trainer.observe.run_identity import RunIdentity
 from trainer.observe.run_summary import RunSummary
@@ -262,7 +263,7 @@ class MetricsLogger:
             import wandb
 
             self._wandb_run = wandb.init(
-                project=self.logging.wandb_project,
+                project=wandb_project(self.logging.wandb_project),
                 entity=self.logging.wandb_entity or None,
                 name=f"{identity.name}-node{node}",
                 group=identity.group,
@@ -287,7 +288,7 @@ class MetricsLogger:
             import wandb
 
             run = wandb.init(
-                project=self.logging.wandb_project,
+                project=wandb_project(self.logging.wandb_project),
                 entity=self.logging.wandb_entity or None,
                 name=identity.name,
                 group=identity.group,

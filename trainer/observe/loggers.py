@@ -24,6 +24,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from pretrain_core.run.durations import eta_seconds, format_duration
+from pretrain_core.run.metric_names import WANDB_KEYS, wandb_key
 from pretrain_core.run.rundir import METRICS_FILE, TENSORBOARD_DIR, WANDB_ID_FILE
 from pretrain_core.run.wandb_credentials import api_key_configured as wandb_api_key_configured
 from pretrain_core.run.wandb_credentials import wandb_project
@@ -31,36 +32,6 @@ from pretrain_core.schema import LoggingConfig
 from trainer.observe.run_identity import RunIdentity
 from trainer.observe.run_summary import RunSummary
 
-WANDB_KEYS = {
-    "loss": "train/loss",
-    "lr": "train/lr",
-    "grad_norm": "train/grad_norm",
-    "tokens_per_s": "perf/tokens_per_s",
-    "tokens_per_s_per_device": "perf/tokens_per_s_per_device",
-    "tflops_per_device": "perf/tflops_per_device",
-    "mfu": "perf/mfu",
-    "hfu": "perf/hfu",
-    "peak_tflops": "perf/peak_tflops",
-    "peak_dtype": "perf/peak_dtype",
-    "peak_source": "perf/peak_source",
-    "loss_scale": "train/loss_scale",
-    "skipped_steps": "train/skipped_steps",
-    "step_time_s": "perf/step_time_s",
-    "data_wait_s": "time/data_wait_s",
-    "mem_peak_gib": "mem/peak_gib",
-    "moe_tokens_per_expert_min": "moe/tokens_per_expert_min",
-    "moe_tokens_per_expert_max": "moe/tokens_per_expert_max",
-    "moe_tokens_per_expert_mean": "moe/tokens_per_expert_mean",
-    "moe_dropped_frac": "moe/dropped_frac",
-    "moe_aux_loss": "moe/aux_loss",
-    "moe_z_loss": "moe/z_loss",
-    "val_loss": "val/loss",
-    "val_ppl": "val/ppl",
-}
-"""Flat metric name -> W&B key; names not listed go under their prefix's section
-(WANDB_PREFIXES) or train/."""
-WANDB_PREFIXES = {"tokens_seen_": "data/"}
-"""Flat metric name prefix -> W&B section (tokens_seen_fineweb -> data/tokens_seen_fineweb)."""
 WANDB_STEP = "train/step"
 WANDB_MODES = ("auto", "online", "offline", "disabled")
 NODE_JOB_TYPE = "node-system"
@@ -105,18 +76,6 @@ class WandbRunId:
     def load_state_dict(self, run_id: str | None) -> None:
         if self.is_main and run_id and not self.path.exists():
             self.path.write_text(run_id + "\n")
-
-
-def wandb_key(name: str) -> str:
-    """The W&B key of a flat metric name."""
-    if name in WANDB_KEYS:
-        return WANDB_KEYS[name]
-    if name.startswith("time_"):
-        return "time/" + name.removeprefix("time_")
-    for prefix, section in WANDB_PREFIXES.items():
-        if name.startswith(prefix):
-            return section + name
-    return name if "/" in name else f"train/{name}"
 
 
 def resolve_wandb_mode(setting: str) -> str:

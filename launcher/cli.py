@@ -79,7 +79,7 @@ def execute(cfg: RecipeConfig, launched: dict | None = None) -> float | None:
     validation (or training) loss of a local run, None for the other actions. `launched`
     (the recipe's name and the command line's overrides) goes to RUN_DIR/overrides.yaml."""
     from launcher.plan.plan import make_plan, plan_to_dict
-    from launcher.plan.render import render_plan
+    from launcher.plan.render import render_plan, render_summary
     from launcher.validate.short_run import fit_schedule_to_run
 
     for warning in fit_schedule_to_run(cfg):
@@ -104,7 +104,10 @@ def execute(cfg: RecipeConfig, launched: dict | None = None) -> float | None:
         else:
             print(render_plan(plan))
         return None
-    print(render_plan(plan))
+    if cfg.plan.before_run == "full":
+        print(render_plan(plan))
+    elif cfg.plan.before_run == "summary":
+        print(render_summary(plan))
     return _write_and_start(cfg, plan_to_dict(plan), launched)
 
 

@@ -38,6 +38,7 @@ GPU_TYPES = tuple(GPUS)
 WANDB_MODES = ("auto", "online", "offline", "disabled")
 ASYNC_MODES = ("none", "thread", "process")
 PLAN_FORMATS = ("table", "json")
+PLAN_BEFORE_RUN = ("summary", "full", "none")
 _INTERPOLATION = re.compile(r"(\\*)\$\{")
 
 
@@ -456,10 +457,14 @@ class RunConfig:
 
 @dataclass
 class PlanConfig:
-    """How action=plan prints."""
+    """How the plan prints."""
 
     format: str = one_of("table", PLAN_FORMATS)
     """table or json."""
+    before_run: str = one_of("summary", PLAN_BEFORE_RUN)
+    """What `action=run` and `action=script` print of the plan before the job: summary (a
+    few lines: layout, size, memory, speed and every warning), full (what action=plan
+    prints) or none."""
 
 
 @dataclass

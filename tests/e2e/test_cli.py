@@ -196,3 +196,22 @@ def test_the_wandb_project_comes_from_the_recipe_else_wandb_project_and_is_froze
     monkeypatch.setenv("WANDB_PROJECT", "team-runs")
     assert project() == "team-runs"
     assert project("logging.wandb_project=mine") == "mine"
+
+
+def test_a_run_prints_the_plan_in_a_few_lines_unless_asked_for_all_or_none(tmp_path: Path) -> None:
+    from tests.helpers import pretrain_in_process
+
+    def before_job(*overrides: str) -> list[str]:
+        run_dir = tmp_path / f"run{len(list(tmp_path.iterdir()))}"
+        code, out, err = pretrain_in_process(
+            "action=script", f"run.dir={run_dir}", *overrides, cwd=tmp_path
+        )
+        assert code == 0, err
+        return out[: out.index("run dir:")].splitlines()
+
+    summary = before_job()
+    assert summary[0].startswith("plan: tiny on 2 ranks (dp_shard=2), 1.84M")
+    assert "memory per rank" in summary[1] and len(summary) <= 4
+    full = before_job("plan.before_run=full")
+    assert any("Fit and speed" in line for line in full) and len(full) > 30
+    assert before_job("plan.before_run=none") == []

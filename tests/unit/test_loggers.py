@@ -261,7 +261,9 @@ def test_the_step_line_ends_with_the_time_left_at_the_current_step_time(
     first, last = capsys.readouterr().out.splitlines()[-2:]
     assert first.endswith(" | ETA 12m30s")  # 6 steps of 125 s
     assert "ETA" not in last
-    assert [format_duration(s) for s in (7, 247, 7500, 270000)] == ["7s", "4m07s", "2h05m", "3d03h"]
+    assert [format_duration(s) for s in (0.42, 7, 12.4, 247, 7500, 270000)] == [
+        "0.4s", "7.0s", "12.4s", "4m07s", "2h05m", "3d03h"
+    ]  # fmt: skip
 
 
 def test_another_nodes_first_rank_records_its_system_metrics_in_a_run_of_its_own(

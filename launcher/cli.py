@@ -233,6 +233,8 @@ def _hydra_main(node: DictConfig) -> float | None:
     launched = {"recipe": hydra_cfg.job.config_name, "overrides": overrides}
     if hydra_cfg.mode is None or hydra_cfg.mode.name != "MULTIRUN":
         return execute(cfg, launched)
+    if "optuna" in str(hydra_cfg.sweeper.get("_target_", "")):
+        _refuse_blind_search(cfg)
     maximize = "max" in str(getattr(hydra_cfg.sweeper, "direction", ""))
     swept = [o for o in overrides if o.split("=", 1)[0].lstrip("+~") in SWEPT_KEYS]
     point = " ".join(swept or overrides)
@@ -241,6 +243,23 @@ def _hydra_main(node: DictConfig) -> float | None:
     group = f"{cfg.name}:{','.join(sorted(SWEPT_KEYS)) or 'sweep'}"
     cfg.logging.wandb_group = cfg.logging.wandb_group or group[:128]
     return run_point(hydra_cfg.job.num, point, lambda: execute(cfg, launched), maximize)
+
+
+def _refuse_blind_search(cfg: RecipeConfig) -> None:
+    """An Optuna search picks each trial from the losses of the ones before: a trial that
+    is not trained here and now (a SLURM job, a script, a plan) has none, and every trial
+    would score the worst value. Refused before its first trial."""
+    if cfg.action == "run" and cfg.cluster.backend == "local":
+        return
+    where = (
+        f"cluster.backend={cfg.cluster.backend}" if cfg.action == "run" else f"action={cfg.action}"
+    )
+    _fail(
+        f"hydra/sweeper=optuna with {where}: an Optuna search needs each trial's final loss "
+        "before it picks the next, and these trials train nothing here to report one; run "
+        "the search here (cluster.backend=local, action=run), or sweep a grid of points "
+        "(-m optim.lr=1e-4,3e-4,1e-3), which runs on SLURM as one job per point"
+    )
 
 
 def _wants_help(argv: list[str]) -> bool:
@@ -287,6 +306,9 @@ def main() -> None:
             print(render_help(search_dirs(argv), _help_filter(argv)))
             return
         sys.argv[1:] = checked_command_line(argv, DEFAULT_RECIPE)
+        # One command, one sweep: nothing of an earlier main() in this process counts.
+        OUTCOMES.clear()
+        SWEPT_KEYS.clear()
         SWEPT_KEYS.update(swept_keys(sys.argv[1:]))
         with hydra_errors_as_problems():
             _hydra_main()

@@ -244,7 +244,22 @@ def _override_problems(arguments: list[str], dirs: list[Path], multirun: bool) -
             problems += _group_problems(override, group_options(key, dirs))
         else:
             problems += _field_problems(override)
+        if override.is_sweep_override():
+            problems += _repeated_points(override)
     return problems
+
+
+def _repeated_points(override: Any) -> list[Problem]:
+    """A value listed twice in a sweep makes two points with the same overrides: they would
+    share one run dir, the second resuming (or refusing) the first."""
+    values = [str(v) for v in _values(override)]
+    repeated = sorted({v for v in values if values.count(v) > 1})
+    if not repeated:
+        return []
+    key = override.key_or_group
+    kept = ",".join(dict.fromkeys(values))
+    reason = f"sweeps {', '.join(repeated)} twice: two points with one run dir"
+    return [Problem(key, ",".join(values), reason, f"list each value once: {key}={kept}")]
 
 
 def flags_first(argv: list[str]) -> list[str]:

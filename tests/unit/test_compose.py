@@ -208,3 +208,13 @@ def test_flags_move_before_the_overrides_with_their_values(
     argv: list[str], expected: list[str]
 ) -> None:
     assert flags_first(argv) == expected
+
+
+def test_a_sweep_listing_a_value_twice_is_refused_before_any_point_runs() -> None:
+    assert problems_of("-m", "seed=1,1,2", "precision=fp32,bf16,fp32") == [
+        "seed='1,1,2': sweeps 1 twice: two points with one run dir; list each value once: seed=1,2",
+        "precision='fp32,bf16,fp32': sweeps fp32 twice: two points with one run dir; list "
+        "each value once: precision=fp32,bf16",
+    ]
+    sound = ["-m", "seed=1,2"]
+    assert checked_command_line(sound, "tiny") == [*sound, *QUIET_HYDRA]

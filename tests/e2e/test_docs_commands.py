@@ -65,3 +65,13 @@ def test_a_documented_command_composes_validates_and_plans(
     code, out, err = pretrain_in_process(*args, cwd=tmp_path)
     assert code == 0, f"{doc}: pretrain {command}\n{err[-2000:]}"
     assert out.strip()
+
+
+def test_the_validation_example_in_the_docs_is_what_the_launcher_prints(tmp_path: Path) -> None:
+    text = (REPO / "docs" / "recipes-and-cli.md").read_text()
+    command, printed = re.search(
+        r"`pretrain ([^`]*)`\s*prints\s*```\n(.*?)```", text, re.S
+    ).groups()
+    code, _, err = pretrain_in_process(*shlex.split(command), cwd=tmp_path)
+    assert code == 2
+    assert err.strip().splitlines() == printed.strip().splitlines()

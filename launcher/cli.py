@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import signal
 import sys
 from pathlib import Path
@@ -273,6 +274,29 @@ def _help_filter(argv: list[str]) -> str:
     return rest[0] if rest and "=" not in rest[0] and not rest[0].startswith("-") else ""
 
 
+SUBCOMMANDS = ("status", "report", "export", "dashboard")
+"""`pretrain COMMAND ...`: the commands besides the recipe's actions; each is also installed
+as `pretrain-COMMAND`, and takes the same arguments either way."""
+
+
+def run_subcommand(name: str, argv: list[str]) -> int:
+    """Run `pretrain NAME ARGV`; its exit code."""
+    if name == "export":
+        # The exporter is the trainer's (it loads the checkpoint with torch), and the
+        # launcher imports no trainer code: the process becomes the exporter instead.
+        os.execv(sys.executable, [sys.executable, "-m", "trainer.checkpoint.export", *argv])
+    if name == "status":
+        from launcher.job.status import main as status
+
+        return status(argv)
+    if name == "report":
+        from launcher.report import main as command
+    else:
+        from launcher.dashboard import main as command
+    command(argv)
+    return 0
+
+
 def version_line() -> str:
     """`pretrain --version`: this package's version and those of what it drives (Hydra's own
     `--version` would print Hydra's alone)."""
@@ -296,10 +320,8 @@ def main() -> None:
     if "--version" in sys.argv[1:]:
         print(version_line())
         return
-    if sys.argv[1:2] == ["status"]:
-        from launcher.job.status import main as status
-
-        raise SystemExit(status(sys.argv[2:]))
+    if sys.argv[1:2] and sys.argv[1] in SUBCOMMANDS:
+        raise SystemExit(run_subcommand(sys.argv[1], sys.argv[2:]))
     try:
         argv = with_user_recipes(flags_first(sys.argv[1:]))
         if _wants_help(argv):

@@ -215,3 +215,24 @@ def test_a_run_prints_the_plan_in_a_few_lines_unless_asked_for_all_or_none(tmp_p
     full = before_job("plan.before_run=full")
     assert any("Fit and speed" in line for line in full) and len(full) > 30
     assert before_job("plan.before_run=none") == []
+
+
+def test_status_report_export_and_dashboard_are_commands_of_pretrain(tmp_path: Path) -> None:
+    from launcher.dashboard import spec
+    from tests.helpers import pretrain_in_process
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    row = {"step": 1, "loss": 5.0, "lr": 1e-3, "tokens_per_s": 10.0, "grad_norm": 1.0}
+    (run_dir / "metrics.jsonl").write_text(json.dumps(row) + "\n")
+    code, out, _ = pretrain_in_process("report", str(run_dir), cwd=tmp_path)
+    assert code == 0 and out.strip() == str(run_dir / "report.png")
+    code, _, err = pretrain_in_process("status", str(tmp_path / "nowhere"), cwd=tmp_path)
+    assert code == 2 and "pretrain status" in err
+    code, out, _ = pretrain_in_process("dashboard", "--print", cwd=tmp_path)
+    assert code == 0 and json.loads(out) == json.loads(json.dumps(spec()))
+    # The exporter runs in a process of its own (the launcher imports no trainer code).
+    exported = pretrain("export", str(run_dir), str(tmp_path / "hf"), cwd=tmp_path)
+    assert exported.returncode != 0 and "pretrain-export:" in exported.stderr
+    code, out, _ = pretrain_in_process("--help", cwd=tmp_path)
+    assert "pretrain export RUN_DIR OUT_DIR" in out

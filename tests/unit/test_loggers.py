@@ -334,7 +334,7 @@ def test_the_summary_covers_the_whole_run_with_the_jobs_before_a_resume(
     assert block[0] == "run finished: 10 steps, 40,960 tokens, this job 1m15s"
     assert block[1] == "  train loss 2.4000 | val loss 2.6000 (best 2.5000 at step 4)"
     assert block[2] == f"  checkpoint: {tmp_path / 'ckpt'}"
-    assert block[-1] == f"  export:  pretrain-export {tmp_path} {tmp_path}-hf"
+    assert block[-1] == f"  export:  pretrain export {tmp_path} {tmp_path}-hf"
 
 
 def test_a_run_without_a_checkpoint_or_validation_says_so_and_offers_no_export(
@@ -346,4 +346,4 @@ def test_a_run_without_a_checkpoint_or_validation_says_so_and_offers_no_export(
     block = capsys.readouterr().out.split("run finished")[1]
     assert "val loss n/a (best n/a)" in block
     assert "checkpoint: none written" in block
-    assert "pretrain-export" not in block
+    assert "pretrain export" not in block

@@ -79,8 +79,8 @@ class RunSummary:
             f"  train loss {loss(self.last_loss)} | val loss {loss(self.last_val)} (best {best})",
             f"  checkpoint: {checkpoint if checkpoint is not None else 'none written'}",
             f"  status:  pretrain status {quoted}",
-            f"  report:  pretrain-report {quoted}",
+            f"  report:  pretrain report {quoted}",
         ]
         if checkpoint is not None:
-            lines.append(f"  export:  pretrain-export {quoted} {export_dir}")
+            lines.append(f"  export:  pretrain export {quoted} {export_dir}")
         return lines

@@ -122,7 +122,12 @@ def local_command(cfg: RecipeConfig, config_path: Path) -> list[str]:
 
 def job_env(cfg: RecipeConfig) -> dict[str, str]:
     """The variables every rank gets on top of the launcher's environment."""
-    env = {"OMP_NUM_THREADS": str(cfg.cluster.omp_num_threads)}
+    env = {
+        "OMP_NUM_THREADS": str(cfg.cluster.omp_num_threads),
+        # `python -m trainer` would put the job's working directory first on sys.path, where
+        # a user's own models/ or trainer/ folder would stand in for ours (Python >= 3.11).
+        "PYTHONSAFEPATH": "1",
+    }
     for key, value in cfg.cluster.env.items():
         if not _ENV_KEY.fullmatch(key):
             raise JobError(

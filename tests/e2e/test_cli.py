@@ -137,6 +137,10 @@ def test_multirun_writes_one_run_dir_per_point(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_default_recipe_trains_end_to_end_on_two_ranks(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
+    # The user's own folders named like ours, where the job runs, stand in for nothing.
+    for name in ("models", "parallel", "trainer", "pretrain_core", "pretrain_data"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "__init__.py").write_text(f"raise ImportError('the user {name}')\n")
     # The recipe's own evaluation: every 100 steps and at the end, so at step 30.
     overrides = [
         o for o in BASE_OVERRIDES if not o.startswith(("train.steps", "logging.", "eval."))

@@ -23,6 +23,7 @@ from typing import Any
 from rich.console import Console
 from rich.markup import escape
 
+from pretrain_core.problems import install_fix, installed
 from pretrain_core.run.durations import eta_seconds, format_duration
 from pretrain_core.run.metric_names import WANDB_KEYS, wandb_key
 from pretrain_core.run.rundir import METRICS_FILE, TENSORBOARD_DIR, WANDB_ID_FILE
@@ -81,13 +82,16 @@ class WandbRunId:
 def resolve_wandb_mode(setting: str) -> str:
     """online, offline or disabled for a `logging.wandb` setting.
 
-    auto honours an explicit WANDB_MODE in the environment, else goes online with credentials
-    and offline without.
+    auto is disabled where the wandb package is not installed (the `wandb` extra); else it
+    honours an explicit WANDB_MODE in the environment, else goes online with credentials and
+    offline without.
     """
     if setting not in WANDB_MODES:
         raise ValueError(f"logging.wandb={setting!r}: use {', '.join(WANDB_MODES)}")
     if setting != "auto":
         return setting
+    if not installed("wandb"):
+        return "disabled"
     env = os.environ.get("WANDB_MODE", "").lower()
     if env in ("online", "offline", "disabled"):
         return env
@@ -205,6 +209,9 @@ class MetricsLogger:
         self._file = jsonl.open("a", encoding="utf-8")
         if mode != "disabled":
             self._init_wandb(mode, config, identity)
+        elif logging.wandb == "auto" and not installed("wandb"):
+            line = f"W&B off: the wandb package is not installed ({install_fix('wandb')})"
+            self.console.print(line, markup=False)  # the extra's [brackets] are not markup
         if logging.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 

@@ -17,6 +17,7 @@ import os
 import signal
 import sys
 from pathlib import Path
+from typing import Any
 
 import hydra
 from hydra.core.config_store import ConfigStore
@@ -97,6 +98,9 @@ def execute(cfg: RecipeConfig, launched: dict | None = None) -> float | None:
     if cfg.action == "prepare":
         _prepare(cfg)
         return None
+    if cfg.plan.chart == "png" and cfg.action != "plan":
+        _fail(f"plan.chart=png: the chart is drawn by action=plan, not action={cfg.action}; "
+              "add action=plan, or drop plan.chart")  # fmt: skip
     _validate_for_action(cfg)
     plan = make_plan(cfg)
     if cfg.action == "plan":
@@ -104,12 +108,26 @@ def execute(cfg: RecipeConfig, launched: dict | None = None) -> float | None:
             print(json.dumps(plan_to_dict(plan)))
         else:
             print(render_plan(plan))
+        if cfg.plan.chart == "png":
+            _draw_pipeline_chart(cfg, plan)
         return None
     if cfg.plan.before_run == "full":
         print(render_plan(plan))
     elif cfg.plan.before_run == "summary":
         print(render_summary(plan))
     return _write_and_start(cfg, plan_to_dict(plan), launched)
+
+
+def _draw_pipeline_chart(cfg: RecipeConfig, plan: Any) -> None:
+    """plan.chart=png: the simulated schedule of `plan` (launcher/plan/plan.py's Plan) as
+    pipeline.png here, said on stderr, so that a JSON plan on stdout stays one object."""
+    from launcher.plan.chart_png import draw_chart
+
+    if plan.pipeline is None:
+        _fail(f"plan.chart=png: recipe '{cfg.name}' has parallel.pp=1 and no pipeline to "
+              "chart; set parallel.pp > 1, or drop plan.chart")  # fmt: skip
+    out = draw_chart(plan.pipeline, Path("pipeline.png"), cfg.name)
+    print(f"pipeline chart: {out.resolve()}", file=sys.stderr)
 
 
 def _validate_for_action(cfg: RecipeConfig) -> None:

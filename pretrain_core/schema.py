@@ -39,6 +39,7 @@ WANDB_MODES = ("auto", "online", "offline", "disabled")
 ASYNC_MODES = ("none", "thread", "process")
 PLAN_FORMATS = ("table", "json")
 PLAN_BEFORE_RUN = ("summary", "full", "none")
+PLAN_CHARTS = ("text", "png")
 _INTERPOLATION = re.compile(r"(\\*)\$\{")
 
 
@@ -461,6 +462,9 @@ class PlanConfig:
 
     format: str = one_of("table", PLAN_FORMATS)
     """table or json."""
+    chart: str = one_of("text", PLAN_CHARTS)
+    """The pipeline schedule's chart: text (in the plan), or png to draw it too, as
+    pipeline.png in the current directory (action=plan, with pp > 1)."""
     before_run: str = one_of("summary", PLAN_BEFORE_RUN)
     """What `action=run` and `action=script` print of the plan before the job: summary (a
     few lines: layout, size, memory, speed and every warning), full (what action=plan

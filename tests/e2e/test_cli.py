@@ -240,3 +240,14 @@ def test_status_report_export_and_dashboard_are_commands_of_pretrain(tmp_path: P
     assert exported.returncode != 0 and "pretrain-export:" in exported.stderr
     code, out, _ = pretrain_in_process("--help", cwd=tmp_path)
     assert "pretrain export RUN_DIR OUT_DIR" in out
+
+
+def test_a_script_of_a_layout_the_trainer_cannot_run_says_so_loudly(tmp_path: Path) -> None:
+    from tests.helpers import pretrain_in_process
+
+    code, _, err = pretrain_in_process(
+        "parallel.pp=2", "data.doc_mask=true", "cluster.gpus_per_node=2", "action=script",
+        f"run.dir={tmp_path / 'run'}", cwd=tmp_path,
+    )  # fmt: skip
+    assert code == 0 and (tmp_path / "run" / "run.sh").is_file()
+    assert "warning: data.doc_mask=true: document masking under pipeline parallelism is not" in err

@@ -367,6 +367,13 @@ def stage_params(
     return counts.layers * blocks // cfg.model.n_layers, root, blocks
 
 
+def stage_experts(cfg: RecipeConfig, pp_rank: int = 0, counts: ParamCount | None = None) -> int:
+    """Routed-expert parameters among pipeline rank `pp_rank`'s blocks (what ep splits)."""
+    counts = counts or count_params(cfg.model)
+    blocks = stage_params(cfg, pp_rank, counts)[2]
+    return counts.experts * blocks // cfg.model.n_layers if blocks else 0
+
+
 def peak_breakdown(cfg: RecipeConfig, degrees: Degrees, microbatches: int) -> MemoryBreakdown:
     """The breakdown of the pipeline rank with the largest peak (the only one without PP)."""
     ranks = [

@@ -30,7 +30,7 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from launcher.plan.cost import StepCost, assumptions, predicted_mfu, step_cost
+from launcher.plan.cost import StepCost, assumptions, predicted_mfu, recipe_links, step_cost
 from launcher.plan.memory import MemoryBreakdown, peak_breakdown, state_floor
 from launcher.plan.memory_fit import device_memory_gib
 from launcher.plan.plan import LONG_CONTEXT
@@ -271,7 +271,7 @@ def search(cfg: RecipeConfig, top: int | None = None) -> Search:
     top = cfg.suggest.top if top is None else top
     _check_searchable(cfg)
     spec = hardware.gpu_spec(cfg.cluster.gpu_type)
-    links = hardware.links(spec.name)
+    links = recipe_links(cfg, spec.name)
     peak = cfg.hardware.peak_tflops or spec.peak_tflops[cfg.precision.dtype]
     limit = device_memory_gib(cfg)
     # _check_searchable admits CUDA devices only, and every GPU of the table has links.

@@ -8,6 +8,7 @@ import dataclasses
 import pytest
 
 from launcher.plan.cost import LINK_EFFICIENCY, recipe_links, step_cost
+from launcher.plan.suggest import layouts, render_search, search, three_terms
 from models.flops import count_params
 from pretrain_core import hardware
 from pretrain_core.layout import Degrees
@@ -22,6 +23,13 @@ assert H100 is not None
 # 8 KV heads, 8 experts of 16384 with top-2 routing, vocabulary 32768.
 MIXTRAL_8X22B = ModelConfig(
     vocab_size=32768, dim=6144, n_layers=56, n_heads=48, n_kv_heads=8, ffn_dim=16384,
+    max_seq_len=4096, moe_experts=8, moe_top_k=2,
+)  # fmt: skip
+
+
+# Mixtral 8x7B (mistralai/Mixtral-8x7B-v0.1 config.json).
+MIXTRAL_8X7B = ModelConfig(
+    vocab_size=32000, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336,
     max_seq_len=4096, moe_experts=8, moe_top_k=2,
 )  # fmt: skip
 
@@ -132,3 +140,34 @@ def test_the_recipes_link_figures_replace_the_gpu_tables() -> None:
         8.0,
     )
     assert hardware.match_device_name("NVIDIA H800") == "h800"
+
+
+def suggest_recipe(model: ModelConfig, gpus: int, seq: int) -> RecipeConfig:
+    cfg = recipe(model, nodes=gpus // 8)
+    cfg.action = "suggest"
+    cfg.train.seq_len, cfg.train.global_batch = seq, 2048
+    cfg.model = dataclasses.replace(model, max_seq_len=seq)
+    return cfg
+
+
+def test_the_search_tries_cp_from_8k_tokens_and_across_nodes() -> None:
+    """Context parallelism pays from 8k tokens on large runs (issue 25: a published 405B
+    run used TP8 CP2 at 8k); tp8 x cp2 spans two nodes of 8 GPUs."""
+    seen = {(lay.tp, lay.cp) for lay in layouts(suggest_recipe(LLAMA3_8B, 64, 8192))}
+    assert (8, 2) in seen and (1, 16) in seen
+    shorter = layouts(suggest_recipe(LLAMA3_8B, 64, 4096))
+    assert {lay.cp for lay in shorter} == {1}
+
+
+def test_the_search_tries_every_expert_parallel_degree_and_prints_three_terms() -> None:
+    """ep is searched (1 to the 8 experts of Mixtral 8x7B), and each suggestion states its
+    step as compute + exposed communication + bubble, which add up to its step time."""
+    cfg = suggest_recipe(MIXTRAL_8X7B, 16, 4096)
+    assert {lay.ep for lay in layouts(cfg)} == {1, 2, 4, 8}
+    cfg.suggest.top = 2
+    result = search(cfg)
+    text = render_search(cfg, result)
+    for suggestion in result.suggestions:
+        terms = three_terms(suggestion.cost)
+        assert sum(terms.values()) == pytest.approx(suggestion.cost.total)
+        assert f"step: compute {terms['compute']:.2f} s + exposed communication" in text

@@ -2,16 +2,22 @@
 the layout search alike.
 
     step = m * max_r u_r + (sum_r u_r - max_r u_r) / v + dp exposed
-    u_r  = compute_r + tp_r + cp_r + pp_p2p     (pipeline rank r, one micro-batch)
+    u_r  = compute_r + tp_r + cp_r + ep_r + pp_p2p     (pipeline rank r, one micro-batch)
 
 - compute_r: the FLOPs pipeline rank r runs per micro-batch (its own blocks, with the
   recomputation of those that recompute, from `models.flops`, the functions MFU uses; the
   last rank adds the LM head; the embedding costs no matmul) at COMPUTE_EFFICIENCY of the
-  GPU's dense peak. Uneven stages (`parallel.pp_layers`) give each rank its own share.
+  GPU's dense peak. Uneven stages (`parallel.pp_layers`) give each rank its own share. A
+  MoE layer's router and experts run whole on every TP rank (parallel/expert.py): tp does
+  not divide their FLOPs.
 - tp_r: tensor parallelism's collectives, not overlapped. Per block and micro-batch, forward
   and backward each move two all-reduces of the block's s*b*h activations in the compute
   dtype (with SP, a reduce-scatter and an all-gather each: the same bytes); a fully
-  recomputed block repeats the forward's. A ring moves 2(t-1)/t of the message per rank.
+  recomputed block repeats the forward's. A ring moves 2(t-1)/t of the message per rank,
+  in 2(t-1) steps of one latency each.
+- ep_r: expert parallelism's all-to-alls (`launcher.plan.ep_comm`): dispatch and combine,
+  forward and backward, again under full recompute, not overlapped, over the link the ep
+  group spans, one latency each.
 - cp_r: context parallelism's K/V ring (`launcher.plan.cp_comm`: every layer's hops, over the
   link the ring crosses), hidden up to CP_OVERLAP of the attention-score compute it
   overlaps; the rest is exposed. Under cp, every rank computes and sends 1/cp of each
@@ -19,7 +25,7 @@ the layout search alike.
 - pp_p2p: one activation forward and one gradient backward per micro-batch and chunk between
   stages (1/t of it with SP), not overlapped; with tied embeddings the all-reduce of the
   embedding's gradient between the first and the last stage after the last backward (none
-  under a V schedule, whose first rank holds both).
+  under a V schedule, whose first rank holds both). Every send adds one latency.
 - bubble: the pipeline runs at the pace of its slowest rank (m of its micro-batches), and the
   fill and drain cost every other rank's time once, divided by v under the interleaved
   schedules (v chunks per rank). With equal ranks this is the closed form
@@ -32,14 +38,18 @@ the layout search alike.
   ZeRO-0/1 all-reduce the gradients over dp (ZeRO-1 then all-gathers the updated FP32
   parameters over dp_shard after the step: exposed); ZeRO-2/3 reduce-scatter them over
   dp_shard and all-reduce the shard over dp_replicate, and all-gather the parameters once
-  (ZeRO-2) or twice (ZeRO-3) per micro-batch. Gradient reduction overlaps the last
+  per step (ZeRO-2) or twice per micro-batch (ZeRO-3). Routed experts' gradients and
+  gathers go over the ranks holding the same experts (dp / ep of them, x cp), the dense
+  parameters' over dp x cp (`_group_traffic`). Gradient reduction overlaps the last
   micro-batch's backward, parameter gathers the compute of every micro-batch, each up to
   DP_OVERLAP of that window; the rest is exposed.
 
 A group's collectives run at the GPU's intra-node bandwidth when the whole group sits in one
 node (mesh dims outer to inner: pp, dp_replicate, dp_shard, tp), else at its inter-node
-bandwidth (`pretrain_core.hardware.LINKS`), both at LINK_EFFICIENCY. Embedding, loss and latency
-terms are left out.
+bandwidth (`pretrain_core.hardware.LINKS`, or the recipe's `hardware.*` figures), both at
+LINK_EFFICIENCY; each step of a collective and each send costs that link's latency (the
+data-parallel traffic's latencies are left in its overlap). Embedding and loss terms are
+left out.
 """
 
 from __future__ import annotations
@@ -389,10 +399,14 @@ def assumptions(gpu_type: str, links: Links, peak_tflops: float, dtype: str) -> 
         f"compute at {COMPUTE_EFFICIENCY:.0%} of {gpu_type}'s dense {dtype} peak "
         f"({peak_tflops:g} TFLOP/s), recomputation included",
         f"links at {LINK_EFFICIENCY:.0%} of nominal: {links.intra_node_gbs:g} GB/s inside a node, "
-        f"{links.inter_node_gbs:g} GB/s per GPU between nodes",
+        f"{links.inter_node_gbs:g} GB/s per GPU between nodes; latency "
+        f"{links.intra_node_latency_us:g} us / {links.inter_node_latency_us:g} us per step",
         "TP/SP collectives and pipeline sends exposed; DP traffic hidden up to "
         f"{DP_OVERLAP:.0%} of its window (gradients: the last micro-batch's backward; "
-        "parameter gathers: all compute); ZeRO-1's parameter all-gather after the step exposed",
+        "parameter gathers: all compute); ZeRO-2 gathers once per step, ZeRO-3 per "
+        "micro-batch; ZeRO-1's parameter all-gather after the step exposed; routed experts "
+        "over their own data-parallel group",
+        "expert all-to-alls (dispatch, combine; forward, backward) exposed",
         "the pipeline at the pace of its slowest rank (its own blocks, the LM head on the "
         "last), the others' fill and drain once, divided by vpp when interleaved; the V "
         "schedules' and 2bw's simulated bubble",

@@ -289,7 +289,9 @@ def mlp_width(m: ModelConfig, padding: float = 1.0) -> float:
         2 + 3 * padding
     ) * k * m.dim / 4
     layers = m.n_moe_layers
-    return ((m.n_layers - layers) * m.ffn_dim + layers * moe) / m.n_layers
+    # A one-input MLP (GeLU, squared ReLU) keeps half of SwiGLU's ffn-wide tensors.
+    dense = m.ffn_dim if m.mlp == "swiglu" else m.ffn_dim / 2
+    return ((m.n_layers - layers) * dense + layers * moe) / m.n_layers
 
 
 def attention_widths(m: ModelConfig) -> tuple[int, int, int]:

@@ -383,11 +383,23 @@ class ClusterConfig:
 
 @dataclass
 class HardwareConfig:
-    """Device facts used by the metrics."""
+    """Device facts used by the metrics and the planner."""
 
     peak_tflops: float = 0.0
     """Peak dense TFLOP/s per device for the compute dtype; 0 takes it from the GPU table (or,
     on CPU, from a short measured matmul)."""
+    intra_node_gbs: float = 0.0
+    """GB/s per GPU and direction to the GPUs of its own node (NVLink) the planner costs
+    collectives at; 0 takes the GPU table's (pretrain_core/hardware.py LINKS)."""
+    inter_node_gbs: float = 0.0
+    """GB/s per GPU and direction to other nodes (its share of the node's NICs) the planner
+    costs collectives at; 0 takes the GPU table's."""
+    intra_node_latency_us: float = 0.0
+    """Microseconds one step of a collective or one send costs inside a node; 0 takes the
+    table's (2 us)."""
+    inter_node_latency_us: float = 0.0
+    """Microseconds one step of a collective or one send costs between nodes; 0 takes the
+    table's (5 us)."""
 
 
 @dataclass

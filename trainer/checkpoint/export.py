@@ -116,7 +116,14 @@ def hf_config(cfg: RecipeConfig, eos: int | None) -> dict:
 
 
 def refuse_unexportable(cfg: RecipeConfig) -> None:
-    """Raise ExportError for an attention this exporter cannot write in a Hugging Face format."""
+    """Raise ExportError for an attention or MLP this exporter cannot write in a Hugging Face
+    format."""
+    if cfg.model.mlp != "swiglu":
+        raise ExportError(
+            f"model.mlp={cfg.model.mlp}: Llama's and Mixtral's MLPs are SwiGLU (gate, up and "
+            "down projections), so a one-input MLP has no place there; this run's checkpoints "
+            "can be resumed but not exported"
+        )
     if cfg.model.is_mla:
         raise ExportError(
             "model.attention=mla: multi-head latent attention is DeepSeek-V2's, not Llama's; "

@@ -13,18 +13,21 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import signal
 import sys
 from pathlib import Path
+from typing import Any
 
 import hydra
 from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from launcher.assets import SHIPPED_RECIPES
 from launcher.compose.command_line import (
     checked_command_line,
+    flags_first,
     hydra_errors_as_problems,
     search_dirs,
     with_user_recipes,
@@ -43,12 +46,18 @@ from launcher.job.sweep import (
 )
 from pretrain_core.problems import RecipeError
 from pretrain_core.run.rundir import PREEMPTED_MARKER
+from pretrain_core.run.wandb_credentials import wandb_project
 from pretrain_core.schema import RecipeConfig, dump_config, schema_node, to_recipe
 
 RECIPES_DIR = str(SHIPPED_RECIPES)
 DEFAULT_RECIPE = "tiny"
 
 ConfigStore.instance().store(name="recipe_schema", node=schema_node())
+# recipes/base.yaml puts a sweep's own record (multirun.yaml, Optuna's results) in the
+# sweep's folder: run.dir when given, else runs/<recipe>, as the points' run dirs are.
+OmegaConf.register_new_resolver(
+    "sweep_dir", lambda run_dir, name: run_dir or f"runs/{name}", replace=True
+)
 
 
 def _run_dir(cfg: RecipeConfig) -> Path:
@@ -74,7 +83,7 @@ def execute(cfg: RecipeConfig, launched: dict | None = None) -> float | None:
     from launcher.compose.from_hf import adopted_lines
     from launcher.compose.nanogpt_split import nanogpt_val_lines
     from launcher.plan.plan import make_plan, plan_to_dict
-    from launcher.plan.render import render_plan
+    from launcher.plan.render import render_plan, render_summary
     from launcher.validate.short_run import fit_schedule_to_run
 
     overrides = (launched or {}).get("overrides", [])
@@ -97,6 +106,9 @@ def execute(cfg: RecipeConfig, launched: dict | None = None) -> float | None:
     if cfg.action == "prepare":
         _prepare(cfg)
         return None
+    if cfg.plan.chart == "png" and cfg.action != "plan":
+        _fail(f"plan.chart=png: the chart is drawn by action=plan, not action={cfg.action}; "
+              "add action=plan, or drop plan.chart")  # fmt: skip
     _validate_for_action(cfg)
     plan = make_plan(cfg)
     if cfg.action == "plan":
@@ -104,9 +116,26 @@ def execute(cfg: RecipeConfig, launched: dict | None = None) -> float | None:
             print(json.dumps(plan_to_dict(plan)))
         else:
             print(render_plan(plan))
+        if cfg.plan.chart == "png":
+            _draw_pipeline_chart(cfg, plan)
         return None
-    print(render_plan(plan))
+    if cfg.plan.before_run == "full":
+        print(render_plan(plan))
+    elif cfg.plan.before_run == "summary":
+        print(render_summary(plan))
     return _write_and_start(cfg, plan_to_dict(plan), launched)
+
+
+def _draw_pipeline_chart(cfg: RecipeConfig, plan: Any) -> None:
+    """plan.chart=png: the simulated schedule of `plan` (launcher/plan/plan.py's Plan) as
+    pipeline.png here, said on stderr, so that a JSON plan on stdout stays one object."""
+    from launcher.plan.chart_png import draw_chart
+
+    if plan.pipeline is None:
+        _fail(f"plan.chart=png: recipe '{cfg.name}' has parallel.pp=1 and no pipeline to "
+              "chart; set parallel.pp > 1, or drop plan.chart")  # fmt: skip
+    out = draw_chart(plan.pipeline, Path("pipeline.png"), cfg.name)
+    print(f"pipeline chart: {out.resolve()}", file=sys.stderr)
 
 
 def _validate_for_action(cfg: RecipeConfig) -> None:
@@ -147,11 +176,15 @@ def _write_and_start(cfg: RecipeConfig, plan: dict, launched: dict | None) -> fl
         submit_slurm,
     )
     from launcher.job.failure_summary import failure_message
-    from launcher.job.run_dir import JobError, check_run_dir, write_run_dir
+    from launcher.job.run_dir import JobError, check_run_dir, finished_message, write_run_dir
 
     config_yaml = dump_config(cfg)
     try:
         check_run_dir(cfg, Path(cfg.run.dir), config_yaml)  # refuse before anything is written
+        finished = finished_message(cfg, Path(cfg.run.dir)) if cfg.action == "run" else None
+        if finished:
+            print(finished)
+            return final_loss(Path(cfg.run.dir))
         with claimed_run_dir(cfg) as lock_token:
             files = write_run_dir(cfg, Path(cfg.run.dir), config_yaml, plan, launched)
             print(f"run dir:    {files.run_dir}")
@@ -221,11 +254,14 @@ def _prepare(cfg: RecipeConfig) -> None:
 def _hydra_main(node: DictConfig) -> float | None:
     cfg = to_recipe(node)
     cfg.run.dir = str(_run_dir(cfg))
+    cfg.logging.wandb_project = wandb_project(cfg.logging.wandb_project)
     hydra_cfg = HydraConfig.get()
     overrides = list(hydra_cfg.overrides.task)
     launched = {"recipe": hydra_cfg.job.config_name, "overrides": overrides}
     if hydra_cfg.mode is None or hydra_cfg.mode.name != "MULTIRUN":
         return execute(cfg, launched)
+    if "optuna" in str(hydra_cfg.sweeper.get("_target_", "")):
+        _refuse_blind_search(cfg)
     maximize = "max" in str(getattr(hydra_cfg.sweeper, "direction", ""))
     swept = [o for o in overrides if o.split("=", 1)[0].lstrip("+~") in SWEPT_KEYS]
     point = " ".join(swept or overrides)
@@ -234,6 +270,23 @@ def _hydra_main(node: DictConfig) -> float | None:
     group = f"{cfg.name}:{','.join(sorted(SWEPT_KEYS)) or 'sweep'}"
     cfg.logging.wandb_group = cfg.logging.wandb_group or group[:128]
     return run_point(hydra_cfg.job.num, point, lambda: execute(cfg, launched), maximize)
+
+
+def _refuse_blind_search(cfg: RecipeConfig) -> None:
+    """An Optuna search picks each trial from the losses of the ones before: a trial that
+    is not trained here and now (a SLURM job, a script, a plan) has none, and every trial
+    would score the worst value. Refused before its first trial."""
+    if cfg.action == "run" and cfg.cluster.backend == "local":
+        return
+    where = (
+        f"cluster.backend={cfg.cluster.backend}" if cfg.action == "run" else f"action={cfg.action}"
+    )
+    _fail(
+        f"hydra/sweeper=optuna with {where}: an Optuna search needs each trial's final loss "
+        "before it picks the next, and these trials train nothing here to report one; run "
+        "the search here (cluster.backend=local, action=run), or sweep a grid of points "
+        "(-m optim.lr=1e-4,3e-4,1e-3), which runs on SLURM as one job per point"
+    )
 
 
 def _wants_help(argv: list[str]) -> bool:
@@ -247,19 +300,63 @@ def _help_filter(argv: list[str]) -> str:
     return rest[0] if rest and "=" not in rest[0] and not rest[0].startswith("-") else ""
 
 
+SUBCOMMANDS = ("status", "report", "export", "dashboard")
+"""`pretrain COMMAND ...`: the commands besides the recipe's actions; each is also installed
+as `pretrain-COMMAND`, and takes the same arguments either way."""
+
+
+def run_subcommand(name: str, argv: list[str]) -> int:
+    """Run `pretrain NAME ARGV`; its exit code."""
+    if name == "export":
+        # The exporter is the trainer's (it loads the checkpoint with torch), and the
+        # launcher imports no trainer code: the process becomes the exporter instead.
+        os.execv(sys.executable, [sys.executable, "-m", "trainer.checkpoint.export", *argv])
+    if name == "status":
+        from launcher.job.status import main as status
+
+        return status(argv)
+    if name == "report":
+        from launcher.report import main as command
+    else:
+        from launcher.dashboard import main as command
+    command(argv)
+    return 0
+
+
+def version_line() -> str:
+    """`pretrain --version`: this package's version and those of what it drives (Hydra's own
+    `--version` would print Hydra's alone)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    def installed(name: str) -> str:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return "not installed"
+
+    return (
+        f"pretrain {installed('pretrain')} (torch {installed('torch')}, "
+        f"hydra-core {installed('hydra-core')}, Python {sys.version.split()[0]})"
+    )
+
+
 def main() -> None:
     """Console entry point of `pretrain`: the command line and recipe files are checked
     before Hydra composes, and Hydra's errors are reported like the validator's."""
-    if sys.argv[1:2] == ["status"]:
-        from launcher.job.status import main as status
-
-        raise SystemExit(status(sys.argv[2:]))
+    if "--version" in sys.argv[1:]:
+        print(version_line())
+        return
+    if sys.argv[1:2] and sys.argv[1] in SUBCOMMANDS:
+        raise SystemExit(run_subcommand(sys.argv[1], sys.argv[2:]))
     try:
-        argv = with_user_recipes(sys.argv[1:])
+        argv = with_user_recipes(flags_first(sys.argv[1:]))
         if _wants_help(argv):
             print(render_help(search_dirs(argv), _help_filter(argv)))
             return
         sys.argv[1:] = checked_command_line(argv, DEFAULT_RECIPE)
+        # One command, one sweep: nothing of an earlier main() in this process counts.
+        OUTCOMES.clear()
+        SWEPT_KEYS.clear()
         SWEPT_KEYS.update(swept_keys(sys.argv[1:]))
         with hydra_errors_as_problems():
             _hydra_main()

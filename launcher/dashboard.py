@@ -99,7 +99,11 @@ def workspace(entity: str, project: str, name: str) -> Any:
 def main(argv: list[str] | None = None) -> None:
     """Console entry point of `pretrain-dashboard`."""
     parser = argparse.ArgumentParser(prog="pretrain-dashboard", description=__doc__)
-    parser.add_argument("--project", help="W&B project (logging.wandb_project)")
+    parser.add_argument(
+        "--project",
+        default=os.environ.get("WANDB_PROJECT", ""),
+        help="W&B project (logging.wandb_project; default: $WANDB_PROJECT)",
+    )
     parser.add_argument("--entity", default="", help="W&B entity (default: your API key's)")
     parser.add_argument("--name", default="pretrain", help="name of the saved workspace view")
     parser.add_argument("--print", action="store_true", help="print the spec; create nothing")

@@ -31,8 +31,12 @@ usage: pretrain [--config-name RECIPE] [--config-dir DIR] [KEY=VALUE | GROUP=OPT
                      hydra/sweeper=optuna searches KEY=interval(lo,hi) (docs/sweeps.md)
   --cfg job          print the composed recipe and exit
   --config-dir DIR   your own recipes (also PRETRAIN_RECIPES=DIR); see docs/recipes-and-cli.md
-  also: pretrain status RUN_DIR, pretrain-report RUN_DIR..., pretrain-export RUN_DIR OUT_DIR,
-        pretrain-dashboard --project P"""
+
+commands (each also installed as pretrain-COMMAND):
+  pretrain status RUN_DIR...          where a run or a sweep stands
+  pretrain report RUN_DIR...          the dashboard's panels as a PNG, without W&B
+  pretrain export RUN_DIR OUT_DIR     a checkpoint as a Hugging Face folder
+  pretrain dashboard --project P      a saved W&B workspace of those panels"""
 
 
 def _wrap(text: str, indent: int) -> list[str]:

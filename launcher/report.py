@@ -1,14 +1,20 @@
-"""`pretrain-report RUN_DIR [RUN_DIR ...]`: the curves of one run, or of several overlaid,
-in one PNG.
+"""`pretrain-report RUN_DIR [RUN_DIR ...]`: the W&B dashboard's panels drawn offline from
+metrics.jsonl, for one run or several overlaid, in one PNG.
 
 Reads RUN_DIR/metrics.jsonl (one JSON object per logged step, as the trainer writes it) and
-draws RUN_DIR/report.png (loss, LR, tokens/s, MFU), for users who do not use W&B. Several
-run dirs, or a sweep dir (whose points are its run dirs), are overlaid, one colour per run
-(loss, validation loss, tokens/s, MFU), into report.png of their common parent. A resumed
-run appends steps it had already logged before its last checkpoint: the last record of
-each step wins, and the steps where a run resumed are marked. A metric logged as null (MFU
-on a device without a known peak) leaves a gap. No torch here; matplotlib is imported only
-when drawing.
+draws RUN_DIR/report.png with the line panels of `pretrain-dashboard` (launcher/dashboard.py
+SECTIONS: throughput, loss, validation loss, grad norm, learning rate, memory, MoE), each
+panel only where the run logged its metric. Noisy curves (loss, grad norm) are drawn raw and
+smoothed; the plan's predictions (RUN_DIR/plan.json: MFU, tokens/s, memory) are dashed lines
+on the panels of what they predict. A resumed or restarted run appends steps it had already
+logged before its checkpoint: the last record of each step wins, and the steps where it
+went back are marked. A metric logged as null (MFU on a device without a known peak) leaves
+a gap. Several run dirs, or a sweep dir (whose points are its run dirs), are overlaid, one
+colour per run, into report.png of their common parent.
+
+The PNG carries the data of every panel it draws (the `pretrain-report` text chunk: JSON
+of titles, series, smoothed series and plan lines), so what a picture shows can be read
+back without re-deriving it. No torch here; matplotlib is imported only when drawing.
 """
 
 from __future__ import annotations
@@ -18,26 +24,24 @@ import json
 import math
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pretrain_core.run.rundir import METRICS_FILE
+from launcher.dashboard import SECTIONS
+from pretrain_core.run.metric_names import flat_name
+from pretrain_core.run.rundir import METRICS_FILE, PLAN_FILE
 
-PANELS = (
-    ("loss", "loss", 1.0),
-    ("lr", "learning rate", 1.0),
-    ("tokens_per_s", "tokens/s", 1.0),
-    ("mfu", "MFU (%)", 100.0),
-)
-"""(metric, axis label, scale) of each panel, left to right and top to bottom."""
-OVERLAY_PANELS = (
-    ("loss", "loss", 1.0),
-    ("val_loss", "validation loss", 1.0),
-    ("tokens_per_s", "tokens/s", 1.0),
-    ("mfu", "MFU (%)", 100.0),
-)
-"""The panels when several runs are overlaid."""
+PNG_DATA_KEY = "pretrain-report"
+"""The PNG text chunk that holds the drawn panels' data."""
+PERCENT = {"mfu", "hfu"}
+"""Metrics drawn in percent (logged as fractions)."""
+SMOOTHED = {"loss", "grad_norm"}
+"""Metrics drawn raw (faint) and smoothed (as W&B's default smoothing does)."""
+SMOOTHING = 0.8
+"""Weight of the exponential moving average, debiased at the start (TensorBoard's rule)."""
+PLAN_KEYS = {"mfu": "mfu", "tokens_per_s": "tokens_per_s", "mem_peak_gib": "memory_gib"}
+"""Measured metric -> the plan.json figure that predicts it."""
 
 
 @dataclass
@@ -83,51 +87,145 @@ def load_metrics(path: Path) -> Metrics:
     return Metrics(records, sorted(set(resumed_at)), skipped)
 
 
-def draw(runs: list[tuple[str, Metrics]], out: Path, title: str) -> Path:
-    """Draw the four panels of one run, or of several overlaid, into `out` (PNG)."""
-    figure(runs, title).savefig(out, format="png")
+@dataclass
+class Series:
+    """One line of a panel: a run's metric, raw and (for noisy metrics) smoothed."""
+
+    run: str
+    metric: str
+    steps: list[int]
+    values: list[float | None]
+    smoothed: list[float | None] | None = None
+
+
+@dataclass
+class ReportPanel:
+    """One drawn panel: its title, its lines, the plan's prediction and the resume steps."""
+
+    title: str
+    series: list[Series]
+    plan: float | None = None
+    resumed_at: list[int] = field(default_factory=list)
+
+
+def smooth(values: list[float], weight: float = SMOOTHING) -> list[float]:
+    """Debiased exponential moving average; gaps (NaN) stay gaps and do not reset it."""
+    out, average, norm = [], 0.0, 0.0
+    for value in values:
+        if math.isnan(value):
+            out.append(math.nan)
+            continue
+        average = weight * average + (1 - weight) * value
+        norm = weight * norm + (1 - weight)
+        out.append(average / norm)
     return out
 
 
-def figure(runs: list[tuple[str, Metrics]], title: str) -> Any:
-    """The matplotlib Figure of `draw`: one panel per metric, one line per run."""
+def _plain(values: list[float]) -> list[float | None]:
+    return [None if math.isnan(v) else v for v in values]
+
+
+def report_panels(runs: list[tuple[str, Metrics]], plan: dict[str, Any]) -> list[ReportPanel]:
+    """The dashboard's line panels that some run logged, with their data; `plan` (a single
+    run's plan.json, {} for none) adds the predicted figure to the panel of its metric."""
+    panels = []
+    # The dashboard's sections, the loss first: what a report is opened for.
+    order = sorted(SECTIONS, key=lambda name: name != "Loss")
+    for section in (SECTIONS[name] for name in order):
+        for spec in section:
+            if spec.summary:
+                continue  # predicted-vs-measured scatter: here, a plan line on the panel
+            names = [flat_name(key) for key in spec.y]
+            series = []
+            for run_name, metrics in runs:
+                for name in names:
+                    steps, values = metrics.series(name, 100.0 if name in PERCENT else 1.0)
+                    if all(math.isnan(v) for v in values):
+                        continue
+                    smoothed = _plain(smooth(values)) if name in SMOOTHED else None
+                    series.append(Series(run_name, name, steps, _plain(values), smoothed))
+            if not series:
+                continue
+            title = spec.title + (" (%)" if set(names) & PERCENT else "")
+            predicted = [plan.get(PLAN_KEYS[n]) for n in names if n in PLAN_KEYS]
+            number = next((v for v in predicted if isinstance(v, (int, float))), None)
+            if number is not None and set(names) & PERCENT:
+                number *= 100.0
+            resumed = runs[0][1].resumed_at if len(runs) == 1 else []
+            panels.append(ReportPanel(title, series, number, list(resumed)))
+    return panels
+
+
+def draw(runs: list[tuple[str, Metrics]], out: Path, title: str, plan: dict | None = None) -> Path:
+    """Draw the panels of one run, or of several overlaid, into `out` (PNG), with their data
+    in the PNG's PNG_DATA_KEY text chunk."""
+    panels = report_panels(runs, plan or {})
+    data = json.dumps({"title": title, "panels": [asdict(p) for p in panels]})
+    figure(runs, title, panels).savefig(out, format="png", metadata={PNG_DATA_KEY: data})
+    return out
+
+
+def read_png_data(path: Path) -> dict[str, Any]:
+    """The panel data a report PNG carries (see `draw`)."""
+    from PIL import Image
+
+    with Image.open(path) as image:
+        return json.loads(image.text[PNG_DATA_KEY])
+
+
+def figure(
+    runs: list[tuple[str, Metrics]], title: str, panels: list[ReportPanel] | None = None
+) -> Any:
+    """The matplotlib Figure of `draw`: one axes per panel, one line per run and metric."""
     import matplotlib
 
     matplotlib.use("Agg")
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(11, 7), dpi=110, layout="constrained")
-    axes = fig.subplots(2, 2, sharex=True).flat
-    panels = PANELS if len(runs) == 1 else OVERLAY_PANELS
-    for ax, (name, label, scale) in zip(axes, panels, strict=True):
-        drawn = 0
-        for i, (run_name, metrics) in enumerate(runs):
-            steps, values = metrics.series(name, scale)
-            if all(math.isnan(v) for v in values):
-                continue
-            drawn += 1
-            ax.plot(
-                *(_measured(steps, values) if name == "val_loss" else (steps, values)),
-                color="tab:blue" if len(runs) == 1 else f"C{i % 10}",
-                linewidth=1.4,
-                marker="." if len(steps) < 40 else None,
-                label=run_name if len(runs) > 1 else None,
-            )
-        if not drawn:
-            ax.text(0.5, 0.5, f"{name} not measured", ha="center", va="center",
-                    transform=ax.transAxes, color="gray")  # fmt: skip
-        if len(runs) == 1:
-            _mark_resumes(ax, runs[0][1])
-        elif drawn:
-            ax.legend(loc="best", fontsize="x-small")
-        ax.set_title(label, loc="left", fontsize="medium")
-        ax.grid(True, alpha=0.3)
-        if name == "lr":
-            ax.ticklabel_format(axis="y", style="sci", scilimits=(-2, 3))
-    for ax in list(fig.axes)[2:]:
+    panels = report_panels(runs, {}) if panels is None else panels
+    columns = 3
+    rows = max(1, math.ceil(len(panels) / columns))
+    fig = Figure(figsize=(14, 3.2 * rows + 0.6), dpi=100, layout="constrained")
+    grid = fig.subplots(rows, columns, sharex=True, squeeze=False).flat
+    axes = list(grid)
+    for ax in axes[len(panels) :]:
+        ax.set_visible(False)
+    for ax, panel in zip(axes, panels, strict=False):
+        _draw_panel(ax, panel, overlay=len(runs) > 1)
+    for ax in axes[max(0, len(panels) - columns) : len(panels)]:
         ax.set_xlabel("step")
     fig.suptitle(title)
     return fig
+
+
+def _draw_panel(ax: Any, panel: ReportPanel, overlay: bool) -> None:
+    """One panel's lines, its plan line and its resume marks."""
+    runs = list(dict.fromkeys(s.run for s in panel.series))
+    for i, series in enumerate(panel.series):
+        colour = f"C{(runs.index(series.run) if overlay else i) % 10}"
+        label = series.run if overlay else series.metric
+        steps, values = series.steps, [math.nan if v is None else v for v in series.values]
+        if series.metric == "val_loss":
+            steps, values = _measured(steps, values)
+        sparse = len(steps) < 40
+        if series.smoothed is not None:
+            ax.plot(steps, values, color=colour, alpha=0.3, linewidth=1)
+            smoothed = [math.nan if v is None else v for v in series.smoothed]
+            ax.plot(series.steps, smoothed, color=colour, linewidth=1.6, label=label)
+        else:
+            ax.plot(steps, values, color=colour, linewidth=1.4, label=label,
+                    marker="." if sparse else None)  # fmt: skip
+    if panel.plan is not None:
+        ax.axhline(panel.plan, color="gray", linestyle=":", linewidth=1.2, label="plan")
+    for i, step in enumerate(panel.resumed_at):
+        ax.axvline(step, color="tab:orange", linestyle="--", linewidth=1,
+                   label="resumed" if i == 0 else None)  # fmt: skip
+    if overlay or len(panel.series) > 1 or panel.plan is not None or panel.resumed_at:
+        ax.legend(loc="best", fontsize="x-small")
+    ax.set_title(panel.title, loc="left", fontsize="medium")
+    ax.grid(True, alpha=0.3)
+    if panel.series[0].metric == "lr":
+        ax.ticklabel_format(axis="y", style="sci", scilimits=(-2, 3))
 
 
 def _measured(steps: list[int], values: list[float]) -> tuple[list[int], list[float]]:
@@ -136,20 +234,22 @@ def _measured(steps: list[int], values: list[float]) -> tuple[list[int], list[fl
     return [s for s, _ in kept], [v for _, v in kept]
 
 
-def _mark_resumes(ax: Any, metrics: Metrics) -> None:
-    for i, step in enumerate(metrics.resumed_at):
-        ax.axvline(step, color="tab:orange", linestyle="--", linewidth=1,
-                   label="resumed" if i == 0 else None)  # fmt: skip
-    if metrics.resumed_at:
-        ax.legend(loc="best", fontsize="small")
-
-
 def _title(run_dir: Path, metrics: Metrics) -> str:
     last = metrics.records[-1]
     parts = [run_dir.name, f"step {last['step']}"]
     if last.get("loss") is not None:
         parts.append(f"loss {last['loss']:.4f}")
     return " | ".join(parts)
+
+
+def _plan(run_dir: Path) -> dict[str, Any]:
+    """The run's plan.json as the launcher wrote it; {} when absent or unreadable (the
+    report then draws no plan lines)."""
+    try:
+        plan = json.loads((run_dir / PLAN_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return plan if isinstance(plan, dict) else {}
 
 
 def run_dirs(paths: list[Path]) -> list[Path]:
@@ -191,14 +291,16 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     dirs = run_dirs(args.run_dir)
     runs = [(d.name, _load(d)) for d in dirs]
+    plan: dict[str, Any] = {}
     if len(runs) == 1:
         title = _title(dirs[0], runs[0][1])
         default = dirs[0] / "report.png"
+        plan = _plan(dirs[0])
     else:
         parent = Path(os.path.commonpath([d.resolve() for d in dirs]))
         title = f"{len(runs)} runs under {parent.name or parent}"
         default = parent / "report.png"
-    print(draw(runs, args.out or default, title))
+    print(draw(runs, args.out or default, title, plan))
 
 
 if __name__ == "__main__":

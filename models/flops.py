@@ -79,11 +79,17 @@ def attention_weights(cfg: ModelConfig) -> tuple[int, int]:
     return queries + latent + heads * cfg.v_head_dim * h, q_rank + kv_rank
 
 
+def mlp_matrices(cfg: ModelConfig) -> int:
+    """Weight matrices of the dense MLP: SwiGLU's gate, up and down; GeLU's and squared
+    ReLU's up and down."""
+    return 3 if cfg.mlp == "swiglu" else 2
+
+
 def count_params(cfg: ModelConfig) -> ParamCount:
     """Count every parameter of the model; a tied LM head adds none of its own."""
     h = cfg.dim
     attention = sum(attention_weights(cfg))
-    mlp = 3 * h * cfg.ffn_dim
+    mlp = mlp_matrices(cfg) * h * cfg.ffn_dim
     norms = 2 * h
     embedding = cfg.vocab_size * h
     expert = 3 * h * cfg.expert_ffn_dim
@@ -163,7 +169,7 @@ def _block_terms(cfg: ModelConfig, seq_len: int) -> tuple[int, int, int, int]:
     # Q @ K^T and P @ V: each query meets seq_len keys in every head (a sliding window fewer).
     keys = min(seq_len, cfg.sliding_window) if cfg.sliding_window else seq_len
     scores = 2 * keys * cfg.n_heads * (cfg.qk_head_dim + cfg.v_head_dim)
-    mlp = 3 * 2 * h * cfg.ffn_dim
+    mlp = mlp_matrices(cfg) * 2 * h * cfg.ffn_dim
     # A MoE layer: the router's logits plus the k routed and the shared experts' SwiGLUs.
     experts = cfg.moe_top_k + cfg.moe_shared_experts
     moe_mlp = 2 * h * cfg.moe_experts + experts * 3 * 2 * h * cfg.expert_ffn_dim

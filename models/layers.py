@@ -126,13 +126,21 @@ def _same(weight: torch.Tensor) -> torch.Tensor:
 
 
 class FeedForward(nn.Module):
-    """SwiGLU MLP: w2(silu(w1 x) * w3 x)."""
+    """The MLP: SwiGLU w2(silu(w1 x) * w3 x), or with one input projection GeLU
+    w2(gelu(w1 x)) (tanh approximation, as GPT-2/3 and BLOOM) or squared ReLU
+    w2(relu(w1 x)^2) (So et al. 2021, "Primer"; Nemotron-4)."""
 
-    def __init__(self, dim: int, ffn_dim: int) -> None:
+    def __init__(self, dim: int, ffn_dim: int, kind: str = "swiglu") -> None:
         super().__init__()
+        self.kind = kind
         self.w1 = nn.Linear(dim, ffn_dim, bias=False)
-        self.w3 = nn.Linear(dim, ffn_dim, bias=False)
+        if kind == "swiglu":
+            self.w3 = nn.Linear(dim, ffn_dim, bias=False)
         self.w2 = nn.Linear(ffn_dim, dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kind == "gelu":
+            return self.w2(F.gelu(self.w1(x), approximate="tanh"))
+        if self.kind == "relu2":
+            return self.w2(torch.square(F.relu(self.w1(x))))
         return self.w2(F.silu(self.w1(x)) * self.w3(x))

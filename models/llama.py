@@ -1,8 +1,8 @@
 """A Llama-style decoder in plain single-device PyTorch.
 
 RMSNorm, rotary position embeddings, grouped-query (or multi-head latent, models/mla.py)
-attention and a SwiGLU MLP with pre-norm residuals. Parallelism is applied from outside (see
-`parallel/`), which is why:
+attention and an MLP (SwiGLU, GeLU or squared ReLU: `model.mlp`) with pre-norm residuals.
+Parallelism is applied from outside (see `parallel/`), which is why:
 - blocks live in a `ModuleDict` keyed by layer index, so a pipeline stage can drop
   blocks and keep the parameter names of the ones it holds;
 - attention reads the number of local heads from the projections' output shapes, so
@@ -45,7 +45,9 @@ class TransformerBlock(nn.Module):
         self.attention: nn.Module = MultiHeadLatentAttention(cfg) if cfg.is_mla else Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.feed_forward: nn.Module = (
-            MoEFeedForward(cfg) if cfg.is_moe_layer(index) else FeedForward(cfg.dim, cfg.ffn_dim)
+            MoEFeedForward(cfg)
+            if cfg.is_moe_layer(index)
+            else FeedForward(cfg.dim, cfg.ffn_dim, cfg.mlp)
         )
 
     def forward(

@@ -5,8 +5,9 @@
   each replica group holds its own sharded copy: hybrid ZeRO-1).
 - ZeRO-2/3: FSDP2 `fully_shard` per transformer block and on the root, over the (replicate,
   shard) mesh; ZeRO-3 reshards parameters after forward, ZeRO-2 keeps them unsharded until
-  backward. BF16, FP16 and FP8 (bf16 outside its FP8 matmuls) use a MixedPrecisionPolicy
-  with FP32 master weights and FP32 reduction. Expert-parallel experts are their own FSDP2
+  backward, and between accumulation micro-batches (one all-gather per step). BF16, FP16
+  and FP8 (bf16 outside its FP8 matmuls) use a MixedPrecisionPolicy with FP32 master
+  weights and FP32 reduction. Expert-parallel experts are their own FSDP2
   unit inside their block, over the `edp` ranks that hold the same experts, sharded on dim 1
   (dim 0 is the experts, already split by ep, often one per rank), their reduce-scatter
   divided by dp rather than edp (parallel/expert.py says why); with a single such rank
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import weakref
 from collections.abc import Iterator
 
 import torch
@@ -39,6 +41,9 @@ from pretrain_core.layout import Degrees
 from pretrain_core.schema import ParallelConfig, PrecisionConfig
 
 REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+_GATHERED_ONCE: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+"""ZeRO-2 roots: their blocks stay unsharded from the step's first forward to its last
+backward (FSDP2 reshards after backward only on the micro-batch that syncs)."""
 
 
 def uses_fsdp(parallel: ParallelConfig, degrees: Degrees) -> bool:
@@ -88,6 +93,8 @@ def apply_fsdp(
             offload_policy=offload,
             ignored_params=ignored,
         )
+    if parallel.zero == 2:
+        _GATHERED_ONCE.add(model)
     # The root's parameters (embedding, final norm, head) are needed again right at the
     # start of backward, so resharding them after forward would only add an all-gather.
     fully_shard(
@@ -189,4 +196,8 @@ def gradient_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
         return
     if isinstance(model, FSDPModule):
         model.set_requires_gradient_sync(enabled)
+        if model in _GATHERED_ONCE:
+            # ZeRO-2: keep the blocks unsharded between accumulation micro-batches, so that
+            # the parameters are all-gathered once per step (the planner costs it so).
+            model.set_reshard_after_backward(enabled)
     yield

@@ -99,7 +99,8 @@ def apply_tensor_parallel(model: nn.Module, mesh: JobMesh, parallel: ParallelCon
                 input_layouts=(residual,), desired_input_layouts=(Replicate(),)
             )
             plan["feed_forward.w1"] = ColwiseParallel()
-            plan["feed_forward.w3"] = ColwiseParallel()
+            if hasattr(block.feed_forward, "w3"):  # SwiGLU's up projection
+                plan["feed_forward.w3"] = ColwiseParallel()
             plan["feed_forward.w2"] = RowwiseParallel(output_layouts=residual)
         if sp:
             plan["attention_norm"] = SequenceParallel()

@@ -18,7 +18,7 @@ parts run PyTorch through ROCm, which reports their ISA (gfx942) as compute capa
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 GIB = 2**30
 """Bytes in a GiB: the unit device memory, plans and measurements are reported in."""
@@ -67,6 +67,8 @@ GPUS: dict[str, GpuSpec] = {
         ),
         # The Grace Hopper superchip's GPU computes like the H100 SXM.
         GpuSpec("gh200", 96, dict(_HOPPER_SXM), (9, 0)),
+        # The H800 SXM: the H100 SXM's compute and memory with NVLink cut to 400 GB/s.
+        GpuSpec("h800", 80, dict(_HOPPER_SXM), (9, 0)),
         GpuSpec("gh200_144gb", 144, dict(_HOPPER_SXM), (9, 0)),
         GpuSpec("a100_sxm_80gb", 80, dict(_AMPERE), (8, 0)),
         GpuSpec("a100_sxm_40gb", 40, dict(_AMPERE), (8, 0)),
@@ -98,6 +100,7 @@ _DEVICE_NAME_PATTERNS: tuple[tuple[str, str], ...] = (
     (r"^(NVIDIA )?H100\b(?!.*\bNVL\b)", "h100_sxm"),
     (r"^(NVIDIA )?H200\b(?!.*\bNVL\b)", "h200_sxm"),
     (r"^(NVIDIA )?H20\b", "h20"),
+    (r"^(NVIDIA )?H800\b(?!.*\bNVL\b)", "h800"),
     (r"^(NVIDIA )?GH200\b.*\b144G", "gh200_144gb"),
     (r"^(NVIDIA )?GH200\b", "gh200"),
     (r"\bA100-SXM4?-80GB\b", "a100_sxm_80gb"),
@@ -143,6 +146,13 @@ class Links:
     """NVLink (or PCIe where a node has no NVLink switch) from one GPU to its node's peers."""
     inter_node_gbs: float
     """InfiniBand from one GPU to other nodes: the reference system's NICs divided by its GPUs."""
+    intra_node_latency_us: float = 2.0
+    """Seconds (in us) one step of a collective or one send costs inside a node, whatever
+    its size: NCCL's LL-protocol hop over NVLink is 1-2 us (nccl-tests on DGX H100: an
+    8-byte all-reduce over 8 GPUs, 14 ring steps, takes about 20 us)."""
+    inter_node_latency_us: float = 5.0
+    """The same between nodes: an InfiniBand NDR/HDR send through one switch level plus the
+    NIC and proxy thread (NCCL's base latency for the IB transport, about 5 us)."""
 
 
 # NVLink: the datasheets' total NVLink bandwidth per GPU is bidirectional; half of it flows
@@ -163,6 +173,10 @@ LINKS: dict[str, Links] = {
     "a100_sxm_40gb": Links(300.0, 25.0),
     "a100_pcie_80gb": Links(32.0, 25.0),
     "h20": Links(450.0, 50.0),
+    # H800 SXM: 400 GB/s of NVLink (bidirectional; the H100's 900), one 400 Gb/s NIC per
+    # GPU (DeepSeek-V3 technical report, section 3.2.2: 160 GB/s of NVLink reached, IB
+    # 50 GB/s).
+    "h800": Links(200.0, 50.0),
     "gh200": Links(450.0, 25.0),
     "gh200_144gb": Links(450.0, 25.0),
     "a100_pcie_40gb": Links(32.0, 25.0),
@@ -178,3 +192,9 @@ LINKS: dict[str, Links] = {
 def links(name: str) -> Links | None:
     """Link bandwidths of GPU `name`, or None where the table has none (e.g. `cpu`)."""
     return LINKS.get(name)
+
+
+def with_overrides(table: Links, stated: dict[str, float]) -> Links:
+    """`table` with the user's stated figures (`hardware.*` fields; 0 keeps the table's)."""
+    chosen = {name: value for name, value in stated.items() if value > 0}
+    return replace(table, **chosen)

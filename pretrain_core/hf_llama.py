@@ -307,6 +307,8 @@ def config_mismatches(hf: dict[str, Any], m: ModelConfig) -> list[str]:
         )
     if hf.get("hidden_act", "silu") != "silu":
         found.append(f"hidden_act={hf['hidden_act']!r} there; this model uses silu (SwiGLU)")
+    if m.mlp != "swiglu":
+        found.append(f"model.mlp={m.mlp} here; LlamaForCausalLM's MLP is SwiGLU (model.mlp=swiglu)")
     return found
 
 

@@ -12,6 +12,7 @@ ATTENTIONS = ("gqa", "mla")
 MOE_ROUTERS = ("softmax", "sigmoid")
 MOE_GEMMS = ("grouped", "loop")
 MOE_BALANCES = ("aux", "bias", "both")
+MLPS = ("swiglu", "gelu", "relu2")
 
 
 @dataclass
@@ -59,7 +60,10 @@ class ModelConfig:
     mla_v_dim: int = 0
     """MLA: dims of each value head; 0 means head_dim (DeepSeek-V2: 128)."""
     ffn_dim: int = 384
-    """Hidden size of the SwiGLU MLP (the gate and up projections' output width)."""
+    """Hidden size of the MLP (SwiGLU: the gate and up projections' output width)."""
+    mlp: str = one_of("swiglu", MLPS)
+    """The dense MLP: swiglu (w2(silu(w1 x) * w3 x), Llama), gelu (w2(gelu(w1 x)), GPT-3
+    and BLOOM) or relu2 (w2(relu(w1 x)^2), Nemotron-4); experts stay SwiGLU."""
     max_seq_len: int = 2048
     """Longest sequence the rotary tables are built for; train.seq_len must not exceed it."""
     rope_theta: float = 10000.0

@@ -7,6 +7,7 @@ in one pass. The small formatting helpers the messages share live here too.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import re
 from collections.abc import Sequence
@@ -122,3 +123,29 @@ def or_list(values: Sequence[object]) -> str:
     """Choices as prose: '1, 2, 4 or 8'."""
     words = [str(v) for v in values]
     return words[0] if len(words) == 1 else ", ".join(words[:-1]) + " or " + words[-1]
+
+
+EXTRAS = {
+    "wandb": "wandb",
+    "datasets": "hf",
+    "pyarrow": "hf",
+    "tensorboard": "tensorboard",
+    "torchao": "fp8",
+    "wandb_workspaces": "dashboard",
+}
+"""Optional package (its import name) -> the extra of this project that installs it: the
+default install runs the default recipe, each extra one feature."""
+
+
+def installed(module: str) -> bool:
+    """Whether `module` can be imported here (looked up, not imported)."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a broken or blocked install counts as none
+        return False
+
+
+def install_fix(module: str) -> str:
+    """The command that installs `module` with this project's extra for it."""
+    extra = EXTRAS.get(module)
+    return f"pip install 'pretrain[{extra}]'" if extra else f"pip install {module}"

@@ -38,6 +38,8 @@ GPU_TYPES = tuple(GPUS)
 WANDB_MODES = ("auto", "online", "offline", "disabled")
 ASYNC_MODES = ("none", "thread", "process")
 PLAN_FORMATS = ("table", "json")
+PLAN_BEFORE_RUN = ("summary", "full", "none")
+PLAN_CHARTS = ("text", "png")
 _INTERPOLATION = re.compile(r"(\\*)\$\{")
 
 
@@ -381,11 +383,23 @@ class ClusterConfig:
 
 @dataclass
 class HardwareConfig:
-    """Device facts used by the metrics."""
+    """Device facts used by the metrics and the planner."""
 
     peak_tflops: float = 0.0
     """Peak dense TFLOP/s per device for the compute dtype; 0 takes it from the GPU table (or,
     on CPU, from a short measured matmul)."""
+    intra_node_gbs: float = 0.0
+    """GB/s per GPU and direction to the GPUs of its own node (NVLink) the planner costs
+    collectives at; 0 takes the GPU table's (pretrain_core/hardware.py LINKS)."""
+    inter_node_gbs: float = 0.0
+    """GB/s per GPU and direction to other nodes (its share of the node's NICs) the planner
+    costs collectives at; 0 takes the GPU table's."""
+    intra_node_latency_us: float = 0.0
+    """Microseconds one step of a collective or one send costs inside a node; 0 takes the
+    table's (2 us)."""
+    inter_node_latency_us: float = 0.0
+    """Microseconds one step of a collective or one send costs between nodes; 0 takes the
+    table's (5 us)."""
 
 
 @dataclass
@@ -397,8 +411,9 @@ class LoggingConfig:
     wandb: str = one_of("auto", WANDB_MODES)
     """Weights & Biases: auto (online with an API key, offline without), online, offline or
     disabled."""
-    wandb_project: str = "pretrain"
-    """W&B project."""
+    wandb_project: str = ""
+    """W&B project; empty means $WANDB_PROJECT where set, else `pretrain`. The launcher
+    writes the project it chose into the run's config, so a resumed job logs to the same."""
     wandb_entity: str = ""
     """W&B entity (empty: the default of the API key)."""
     wandb_name: str = ""
@@ -455,10 +470,17 @@ class RunConfig:
 
 @dataclass
 class PlanConfig:
-    """How action=plan prints."""
+    """How the plan prints."""
 
     format: str = one_of("table", PLAN_FORMATS)
     """table or json."""
+    chart: str = one_of("text", PLAN_CHARTS)
+    """The pipeline schedule's chart: text (in the plan), or png to draw it too, as
+    pipeline.png in the current directory (action=plan, with pp > 1)."""
+    before_run: str = one_of("summary", PLAN_BEFORE_RUN)
+    """What `action=run` and `action=script` print of the plan before the job: summary (a
+    few lines: layout, size, memory, speed and every warning), full (what action=plan
+    prints) or none."""
 
 
 @dataclass

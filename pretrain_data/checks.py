@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO, cast
 
-from pretrain_core.problems import Checks
+from pretrain_core.problems import Checks, install_fix, installed
 from pretrain_core.schema import RecipeConfig, SourceConfig
 from pretrain_data.sources import (
     DatasetPlace,
@@ -208,7 +208,10 @@ def _kind(src: SourceConfig) -> str | None:
 
 def check_source(c: Checks, field: str, src: SourceConfig, cfg: RecipeConfig) -> None:
     """One source exists and its files look like what it claims to be."""
-    if src.source in ("stdlib",) or src.source.startswith("hf:"):
+    if src.source.startswith("hf:"):
+        _needs(c, field, src, "datasets", "a hub dataset")
+        return
+    if src.source in ("stdlib",):
         return
     fix = "give a file, directory or glob of text/JSONL/Parquet, stdlib, hf:NAME or a token file"
     if not src.source.strip():
@@ -221,6 +224,8 @@ def check_source(c: Checks, field: str, src: SourceConfig, cfg: RecipeConfig) ->
         except SourceError as exc:
             c.add(field, src.source, str(exc), fix)
             return
+        if any(text_format(path, src.format) == "parquet" for path in files):
+            _needs(c, field, src, "pyarrow", "Parquet files")
         for path in files:
             problem = file_problem(path, text_format(path, src.format) or "text", src.text_field)
             if problem:
@@ -230,6 +235,7 @@ def check_source(c: Checks, field: str, src: SourceConfig, cfg: RecipeConfig) ->
     elif kind == "megatron":
         _check_megatron(c, field, src)
     elif kind == "hf_disk":
+        _needs(c, field, src, "datasets", "a save_to_disk folder")
         _check_hf_disk(c, field, src)
     elif kind == "prepared" and read_manifest(Path(os.path.expanduser(src.source))) is None:
         c.add(
@@ -238,6 +244,12 @@ def check_source(c: Checks, field: str, src: SourceConfig, cfg: RecipeConfig) ->
             "no manifest.json: not a (complete) prepared dataset",
             "prepare it again (action=prepare) or name the source it was made from",
         )
+
+
+def _needs(c: Checks, field: str, src: SourceConfig, module: str, what: str) -> None:
+    """Refuse a source whose reader is an optional package that is not installed."""
+    if not installed(module):
+        c.add(field, src.source, f"reading {what} needs the {module} package", install_fix(module))
 
 
 def _check_nanogpt(c: Checks, field: str, src: SourceConfig, cfg: RecipeConfig) -> None:

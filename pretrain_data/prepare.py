@@ -161,6 +161,8 @@ def prepare_text_source(
         {n for p in parts for n in (p["file"], p["docs"])}
         | {f"u{r['unit']['index']:06d}.json" for r in kept},
     )
+    if frontier.cut:
+        report(_cut_line(src.source, parts, total, src.max_tokens, src.max_bytes))
     shards = [{**p, "dtype": dtype, "offset": 0} for p in parts]
     return _manifest(
         place,
@@ -174,6 +176,22 @@ def prepare_text_source(
             "workers": workers,
             "seconds": round(time.perf_counter() - start, 3),
         },
+    )
+
+
+def _cut_line(
+    source: str, parts: list[dict[str, Any]], input_bytes: int, max_tokens: int, max_bytes: int
+) -> str:
+    """Say that (and where) the dataset stops before the end of its source: a cut that goes
+    unsaid looks like the whole corpus."""
+    tokens = sum(p["tokens"] for p in parts)
+    text_bytes = sum(p["text_bytes"] for p in parts)
+    by_bytes = 0 < max_bytes <= text_bytes
+    field, limit = ("data.max_bytes", max_bytes) if by_bytes else ("data.max_tokens", max_tokens)
+    return (
+        f"data: {source!r} is cut at {field}={limit:,}: the first "
+        f"{sum(p['documents'] for p in parts):,} documents ({tokens:,} tokens, {text_bytes:,} "
+        f"bytes of text; the source has {input_bytes:,} bytes); {field}=0 takes all of it"
     )
 
 

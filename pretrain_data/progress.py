@@ -3,6 +3,10 @@
 On a terminal one line is redrawn in place twice a second; elsewhere (a SLURM log, a rank's
 logger) a plain line is written every `plain_every_s()` seconds, and always at the end.
 Waits and loads show theirs the same way (`pretrain_data/waiting.py`).
+
+Not `rich.progress`: its live display is for a terminal, and most preparations write to a
+SLURM log or a rank's logger, where what is needed is a plain line at a fixed interval (and
+the same text published to the processes waiting on the lock).
 """
 
 from __future__ import annotations

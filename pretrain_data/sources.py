@@ -136,26 +136,42 @@ def local_files(src: SourceConfig) -> list[Path]:
     """The data files a `files` source names: the file, a directory's data files (nested,
     compressed included, hidden files and non-data files left out), or a glob's matches."""
     source = os.path.expanduser(src.source)
+    if os.path.isfile(source):
+        return [Path(source).resolve()]  # named on its own: checked, never skipped
     if os.path.isdir(source):
-        matches = [
+        visible = [
             p
             for p in Path(source).rglob("*")
-            if p.is_file()
-            and not any(part.startswith(".") for part in p.relative_to(source).parts)
-            and text_format(p, src.format) is not None
+            if p.is_file() and not any(part.startswith(".") for part in p.relative_to(source).parts)
         ]
+        matches = [p for p in visible if text_format(p, src.format) is not None]
         if not matches:
-            raise SourceError(
-                f"{source} holds no data files ({', '.join(TEXT_EXTENSIONS)}, optionally "
-                f"{'/'.join(COMPRESSIONS)} compressed)"
-            )
-    elif os.path.isfile(source):
-        matches = [Path(source)]
+            raise SourceError(_no_data_files(source, visible))
     else:
         matches = [Path(p) for p in glob.glob(source, recursive=True) if os.path.isfile(p)]
         if not matches:
             raise SourceError(f"{source}: no such file or directory, and no glob match")
-    return sorted((p.resolve() for p in matches), key=lambda p: p.as_posix())
+    # An empty file among many holds no document: it is left out, not a reason to refuse.
+    found = [p for p in matches if p.stat().st_size > 0]
+    if not found:
+        raise SourceError(f"{source}: all {len(matches)} of its data files are empty")
+    return sorted((p.resolve() for p in found), key=lambda p: p.as_posix())
+
+
+def _no_data_files(source: str, visible: list[Path]) -> str:
+    """Why a directory gives no data files, and how to read the files it does hold."""
+    why = (
+        f"{source} holds no data files ({', '.join(TEXT_EXTENSIONS)}, optionally "
+        f"{'/'.join(COMPRESSIONS)} compressed)"
+    )
+    suffixes = sorted({p.suffix for p in visible if p.suffix})
+    if not visible:
+        return why
+    example = f"{source.rstrip('/')}/**/*{suffixes[0]}" if suffixes else f"{source}/**/*"
+    return (
+        f"{why}; its {len(visible)} other files ({', '.join(suffixes[:5]) or 'no extension'}) "
+        f"are read as text with data.format=text, or name them with a glob such as '{example}'"
+    )
 
 
 def token_files(src: SourceConfig) -> list[Path]:

@@ -25,11 +25,6 @@ from pretrain_data.progress import TTY_EVERY_S, plain_every_s, show_line
 Report = Callable[[str], None]
 
 
-def took(seconds: float) -> str:
-    """0.42 -> '0.4s'; 75 -> '1m15s'."""
-    return f"{seconds:.1f}s" if seconds < 60 else format_duration(seconds)
-
-
 class Wait:
     """Shows one wait or load while its block runs, then its duration."""
 
@@ -115,7 +110,7 @@ class Wait:
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
-        seconds = took(time.perf_counter() - self.start)
+        seconds = format_duration(time.perf_counter() - self.start)
         if exc_type is not None:
             final = f"{self.what}: stopped after {seconds} ({exc_type.__name__})"
         else:

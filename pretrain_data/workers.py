@@ -95,6 +95,8 @@ def tokenize_in_pool(
     progress: Progress,
 ) -> None:
     """Spawned workers, at most 2 units each in flight, submitted in source order."""
+    # multiprocessing.Pool, not concurrent.futures: at the cut (or a stop) the units still
+    # running are killed at once with terminate(); an executor can only wait for them.
     ctx = multiprocessing.get_context("spawn")
     queue = ctx.Queue()
     with _main_module_hidden():

@@ -99,10 +99,11 @@ def problems(cfg: RecipeConfig, for_launch: bool = False) -> list[Problem]:
 def pretrain(
     *args: str, cwd: Path, timeout: float = 120, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess:
-    """Run the `pretrain` CLI (as `python -m launcher`) in `cwd` and capture its output;
-    `env` adds variables to this process's environment."""
+    """Run the `pretrain` CLI (as `python -P -m launcher`: as the console script, without
+    `cwd` on the import path) in `cwd` and capture its output; `env` adds variables to this
+    process's environment."""
     return subprocess.run(
-        [sys.executable, "-m", "launcher", *args],
+        [sys.executable, "-P", "-m", "launcher", *args],
         cwd=cwd,
         capture_output=True,
         text=True,

@@ -9,11 +9,14 @@ hang watchdog, told where the loop is.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import torch.distributed as dist
 
 from pretrain_core.run import run_lock
+from pretrain_core.run.checkpoint_files import find_checkpoint
+from pretrain_core.run.rundir import CHECKPOINTS_DIR
 from pretrain_core.schema import RecipeConfig, load_config
 from trainer.dist import RankInfo, init_distributed
 from trainer.faults.step_guard import install_stop_handlers, mark_preempted, stop_signal_name
@@ -26,6 +29,8 @@ from trainer.setup import Run, setup
 def train(run: Run, watchdog: Watchdog) -> None:
     """Step `run` from its start to `train.steps`, logging and checkpointing on the way."""
     total = run.cfg.train.steps
+    # The job's wall time from its first stamp (the launcher's start on a local run).
+    started = CLOCK.marks[0][1] if CLOCK.marks else time.time()
     with run.metrics as metrics:
         for step in range(run.start + 1, total + 1):
             watchdog.beat(step, "training")
@@ -52,6 +57,11 @@ def train(run: Run, watchdog: Watchdog) -> None:
         watchdog.beat(total, "checkpoint")
         run.checkpointer.finish(total)
         run.checkpointer.close()
+        metrics.print_summary(
+            tokens=total * run.cfg.train.global_batch * run.cfg.train.seq_len,
+            wall_s=time.time() - started,
+            checkpoint=find_checkpoint(run.run_dir / CHECKPOINTS_DIR),
+        )
 
 
 def _stop_after_save(run: Run, step: int) -> None:

@@ -244,7 +244,54 @@ def _override_problems(arguments: list[str], dirs: list[Path], multirun: bool) -
             problems += _group_problems(override, group_options(key, dirs))
         else:
             problems += _field_problems(override)
+        if override.is_sweep_override():
+            problems += _repeated_points(override)
     return problems
+
+
+def _repeated_points(override: Any) -> list[Problem]:
+    """A value listed twice in a sweep makes two points with the same overrides: they would
+    share one run dir, the second resuming (or refusing) the first."""
+    values = [str(v) for v in _values(override)]
+    repeated = sorted({v for v in values if values.count(v) > 1})
+    if not repeated:
+        return []
+    key = override.key_or_group
+    kept = ",".join(dict.fromkeys(values))
+    reason = f"sweeps {', '.join(repeated)} twice: two points with one run dir"
+    return [Problem(key, ",".join(values), reason, f"list each value once: {key}={kept}")]
+
+
+def flags_first(argv: list[str]) -> list[str]:
+    """`argv` with Hydra's flags (and their values) moved before the overrides, in order.
+
+    Hydra's parser takes the overrides as one positional list, so a flag between two
+    overrides (`parallel.tp=2 --config-name X action=plan`) leaves the later ones
+    unrecognised; users write keys and flags in any order.
+    """
+    from hydra._internal.utils import get_args_parser
+
+    # argparse keeps no public table of its options: read what each one consumes from it.
+    actions = {flag: a for a in get_args_parser()._actions for flag in a.option_strings}
+    flags: list[str] = []
+    overrides: list[str] = []
+    tokens = iter(argv)
+    for token in tokens:
+        action = actions.get(token.split("=", 1)[0]) if token.startswith("-") else None
+        if action is None:
+            overrides.append(token)
+            continue
+        flags.append(token)
+        if "=" in token or action.nargs == 0:
+            continue
+        value = next(tokens, None)
+        if value is None:  # a flag missing its value stays last, for argparse to name it
+            return [*flags[:-1], *overrides, token]
+        if action.nargs == "?" and value not in (action.choices or ()):
+            overrides.append(value)  # `--info` alone: the next token is an override
+        else:
+            flags.append(value)
+    return [*flags, *overrides]
 
 
 def checked_command_line(argv: list[str], default_recipe: str) -> list[str]:

@@ -9,6 +9,7 @@ resubmitted continues where it was.
 
 from __future__ import annotations
 
+import os
 import shlex
 import subprocess
 import sys
@@ -77,7 +78,10 @@ def write_prepare_files(cfg: RecipeConfig, run_dir: Path) -> JobFiles:
 
 def run_prepare_here(files: JobFiles) -> int:
     """Prepare in the foreground with this Python; its exit code."""
-    return subprocess.call([sys.executable, "-m", "pretrain_data.prepare", str(files.config_path)])
+    # As the ranks do: the working directory's folders never stand in for ours.
+    env = {**os.environ, "PYTHONSAFEPATH": "1"}
+    command = [sys.executable, "-m", "pretrain_data.prepare", str(files.config_path)]
+    return subprocess.call(command, env=env)
 
 
 def submit_prepare(files: JobFiles) -> SubmittedJob:

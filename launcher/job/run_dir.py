@@ -122,7 +122,12 @@ def local_command(cfg: RecipeConfig, config_path: Path) -> list[str]:
 
 def job_env(cfg: RecipeConfig) -> dict[str, str]:
     """The variables every rank gets on top of the launcher's environment."""
-    env = {"OMP_NUM_THREADS": str(cfg.cluster.omp_num_threads)}
+    env = {
+        "OMP_NUM_THREADS": str(cfg.cluster.omp_num_threads),
+        # `python -m trainer` would put the job's working directory first on sys.path, where
+        # a user's own models/ or trainer/ folder would stand in for ours (Python >= 3.11).
+        "PYTHONSAFEPATH": "1",
+    }
     for key, value in cfg.cluster.env.items():
         if not _ENV_KEY.fullmatch(key):
             raise JobError(
@@ -341,6 +346,24 @@ def check_run_dir(cfg: RecipeConfig, run_dir: Path, config_yaml: str) -> None:
         _render_run_dir(cfg, Path(run_dir).expanduser().resolve(), config_yaml)
     except OSError as err:
         raise JobError(f"cannot read the run dir {run_dir}: {err.strerror or err}") from None
+
+
+def finished_message(cfg: RecipeConfig, run_dir: Path) -> str | None:
+    """What to tell a user who starts a run its run dir already finished (its newest
+    complete checkpoint is at train.steps or beyond), None when there is training left."""
+    from pretrain_core.run.checkpoint_files import complete_checkpoints
+    from pretrain_core.run.rundir import CHECKPOINTS_DIR
+
+    done = complete_checkpoints(Path(run_dir) / CHECKPOINTS_DIR)
+    if not done or done[-1][0] < cfg.train.steps:
+        return None
+    step = done[-1][0]
+    return (
+        f"run dir {run_dir} already finished: its newest checkpoint is step {step} of "
+        f"train.steps={cfg.train.steps}, so there is nothing to train. To train on from "
+        f"step {step}, raise train.steps; for a new run, give another run.dir "
+        f"(e.g. run.dir={run_dir}-2); to look at this one: pretrain status {run_dir}"
+    )
 
 
 def _write_run_dir(

@@ -289,7 +289,9 @@ def mlp_width(m: ModelConfig, padding: float = 1.0) -> float:
         2 + 3 * padding
     ) * k * m.dim / 4
     layers = m.n_moe_layers
-    return ((m.n_layers - layers) * m.ffn_dim + layers * moe) / m.n_layers
+    # A one-input MLP (GeLU, squared ReLU) keeps half of SwiGLU's ffn-wide tensors.
+    dense = m.ffn_dim if m.mlp == "swiglu" else m.ffn_dim / 2
+    return ((m.n_layers - layers) * dense + layers * moe) / m.n_layers
 
 
 def attention_widths(m: ModelConfig) -> tuple[int, int, int]:
@@ -365,6 +367,13 @@ def stage_params(
         root += counts.final_norm + head
     # MoE layers are spread evenly over the stages (exact with one stage).
     return counts.layers * blocks // cfg.model.n_layers, root, blocks
+
+
+def stage_experts(cfg: RecipeConfig, pp_rank: int = 0, counts: ParamCount | None = None) -> int:
+    """Routed-expert parameters among pipeline rank `pp_rank`'s blocks (what ep splits)."""
+    counts = counts or count_params(cfg.model)
+    blocks = stage_params(cfg, pp_rank, counts)[2]
+    return counts.experts * blocks // cfg.model.n_layers if blocks else 0
 
 
 def peak_breakdown(cfg: RecipeConfig, degrees: Degrees, microbatches: int) -> MemoryBreakdown:

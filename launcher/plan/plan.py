@@ -130,7 +130,7 @@ def make_plan(cfg: RecipeConfig) -> Plan:
     spec = hardware.gpu_spec(cfg.cluster.gpu_type if on_gpu else "cpu")
     peak = cfg.hardware.peak_tflops or spec.peak_tflops.get(peak_dtype(cfg.precision))
     tokens = cfg.train.global_batch * cfg.train.seq_len
-    links = hardware.links(spec.name)
+    links = cost.recipe_links(cfg, spec.name)
     step = cost.step_cost(cfg, degrees, micro, peak, links) if peak and links else None
     step_time = step.total if step else None
     memory = (cfg.cluster.gpu_memory_gib or spec.memory_gib) if on_gpu else None

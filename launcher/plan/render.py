@@ -249,3 +249,30 @@ def _bytes(n: float) -> str:
 
 def _maybe(value: float | None, fmt: str) -> str:
     return fmt.format(value) if value is not None else "n/a"
+
+
+def render_summary(plan: Plan) -> str:
+    """The plan in a few lines, as a run prints it before its job (plan.before_run=summary):
+    layout, size, memory and speed, and every warning; action=plan prints the whole."""
+    d = plan.degrees
+    split = " ".join(
+        f"{name}={size}"
+        for name, size in (("pp", d.pp), ("dp_replicate", d.dp_replicate),
+                           ("dp_shard", d.dp_shard), ("cp", d.cp), ("tp", d.tp), ("ep", d.ep))
+        if size > 1
+    )  # fmt: skip
+    gpu = f"of {plan.gpu_memory_gib:g} GiB" if plan.gpu_memory_gib else "(no device limit)"
+    # The trainer's own breakdown where there is one: what the fit check refuses on.
+    peak_gib = plan.memory.total_gib if plan.memory is not None else plan.memory_gib
+    lines = [
+        f"plan: {plan.name} on {d.world} rank{'s' if d.world > 1 else ''}"
+        + (f" ({split})" if split else "")
+        + f", {_count(plan.params_total)} parameters, {plan.tokens_per_step:,} tokens/step"
+        + (f", bubble {plan.bubble_fraction:.1%}" if d.pp > 1 else ""),
+        f"  memory per rank {_bytes(peak_gib * GIB)} {gpu} | step time "
+        f"{_maybe(plan.step_time_s, '{:.3g} s')} | MFU {_maybe(plan.mfu, '{:.1%}')} | "
+        f"tokens/s {_maybe(plan.tokens_per_s, '{:,.0f}')}",
+    ]
+    lines += [f"warning: {line}" for line in plan.warnings]
+    lines.append("  (the whole plan: action=plan, or plan.before_run=full)")
+    return "\n".join(lines)

@@ -14,8 +14,10 @@ layout and micro-batch are ignored. The search spans:
 - ZeRO 0-3, and hybrid sharding (dp_replicate > 1) where a node holds a whole shard group
   and the dp group would otherwise leave the node;
 - recompute none, selective or full (every block); micro-batches dividing the per-rank batch;
-- for long sequences (train.seq_len >= LONG_CONTEXT), context parallelism: cp dividing the
-  data-parallel ranks with tp*cp inside a node (the K/V ring stays on NVLink).
+- from CP_FROM tokens on, context parallelism: cp up to MAX_CP dividing the data-parallel
+  ranks, the ring inside a node or across nodes (the cost model prices the link it crosses);
+- for MoE models, expert parallelism: every ep dividing both the data-parallel ranks and
+  the experts.
 
 Ties in step time go to less traffic, then to more memory headroom. For long sequences each
 suggestion's reasons walk the long-context levers in the seeds' order (recompute, then SP,
@@ -26,11 +28,12 @@ for a cp > 1 layout the peak the same layout would reach without it.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from launcher.plan.cost import StepCost, assumptions, predicted_mfu, step_cost
+from launcher.plan.cost import StepCost, assumptions, predicted_mfu, recipe_links, step_cost
 from launcher.plan.memory import MemoryBreakdown, peak_breakdown, state_floor
 from launcher.plan.memory_fit import device_memory_gib
 from launcher.plan.plan import LONG_CONTEXT
@@ -49,10 +52,16 @@ HEADROOM = 0.05
 """Share of device memory a suggested layout leaves free beyond the predicted peak (which
 already counts the framework allowance): a margin for the memory model's error."""
 LAYOUT_FIELDS = ("parallel.", "train.global_batch", "train.micro_batch")
+"""Problems on these fields depend on the layout, which the search chooses."""
 MAX_VPP = 8
 """Most virtual stages per rank the search tries: each adds a send per micro-batch while
 the bubble it removes shrinks as 1/vpp."""
-"""Problems on these fields depend on the layout, which the search chooses."""
+CP_FROM = 8192
+"""Sequences from this length on try context parallelism (issue 25 cites a published 405B
+run at TP8 CP2 and 8k tokens; Llama 3 405B's 128k phase ran CP16: Dubey et al. 2024,
+Table 4)."""
+MAX_CP = 16
+"""Largest cp the search tries (the Llama 3 long-context phase's)."""
 
 
 @dataclass(frozen=True)
@@ -71,6 +80,7 @@ class Layout:
     pp_layers: tuple[int, ...] = ()
     """Layers per stage when the stages do not divide them; () for an even split."""
     cp: int = 1
+    ep: int = 1
 
     @property
     def pp_schedule(self) -> str:
@@ -82,6 +92,7 @@ class Layout:
             f"parallel.tp={self.tp}",
             f"parallel.sp={str(self.sp).lower()}",
             f"parallel.cp={self.cp}",
+            f"parallel.ep={self.ep}",
             f"parallel.pp={self.pp}",
             f"parallel.vpp={self.vpp}",
             f"parallel.pp_schedule={self.pp_schedule}",
@@ -102,6 +113,7 @@ class Layout:
             tp=self.tp,
             sp=self.sp,
             cp=self.cp,
+            ep=self.ep,
             pp=self.pp,
             vpp=self.vpp,
             pp_schedule=self.pp_schedule,
@@ -172,14 +184,14 @@ class Search:
 def layouts(cfg: RecipeConfig) -> Iterator[Layout]:
     """Every layout of the search space that tiles the cluster and the global batch."""
     m, k = cfg.model, cfg.cluster
-    world, gpn, ep = k.nodes * k.gpus_per_node, k.gpus_per_node, cfg.parallel.ep
+    world, gpn = k.nodes * k.gpus_per_node, k.gpus_per_node
     for tp in divisors(math.gcd(m.n_heads, m.kv_heads)):
         if gpn % tp:
             continue
         sp = tp > 1 and cfg.train.seq_len % tp == 0
         for pp, cp in _pipelines_and_rings(cfg, tp):
             dp = world // (tp * pp * cp)
-            if cfg.train.global_batch % dp or dp % ep:
+            if cfg.train.global_batch % dp:
                 continue
             per_rank = cfg.train.global_batch // dp
             # Without data parallelism every ZeRO stage is the same layout.
@@ -192,24 +204,34 @@ def layouts(cfg: RecipeConfig) -> Iterator[Layout]:
                     continue
                 split = balanced_split(m.n_layers, pp * vpp)
                 uneven = tuple(split) if len(set(split)) > 1 else ()
-                for replicate in _replicas(zero, tp, dp * cp, gpn):
+                for replicate, ep in itertools.product(
+                    _replicas(zero, tp, dp * cp, gpn), _eps(cfg, dp)
+                ):
                     if replicate > 1 and dp % replicate:
                         continue
                     shard = dp // replicate
                     yield Layout(
-                        tp, sp, pp, vpp, replicate, shard, zero, recompute, micro, uneven, cp
+                        tp, sp, pp, vpp, replicate, shard, zero, recompute, micro, uneven, cp, ep
                     )
+
+
+def _eps(cfg: RecipeConfig, dp: int) -> list[int]:
+    """ep degrees to try: the recipe's for a dense model, else every one dividing dp and
+    the experts."""
+    if not cfg.model.moe_experts:
+        return [1]
+    return divisors(math.gcd(dp, cfg.model.moe_experts))
 
 
 def _pipelines_and_rings(cfg: RecipeConfig, tp: int) -> Iterator[tuple[int, int]]:
     """(pp, cp) pairs that tile the world with tp, at least one layer per stage: cp > 1 only
-    for long sequences, with 2cp chunks of the sequence (split over tp under SP) and the
-    ring inside a node."""
+    from CP_FROM tokens, up to MAX_CP, with 2cp chunks of the sequence (split over tp under
+    SP); the ring may leave the node."""
     k, seq = cfg.cluster, cfg.train.seq_len
-    world, gpn = k.nodes * k.gpus_per_node, k.gpus_per_node
+    world = k.nodes * k.gpus_per_node
     rings = [1]
-    if seq >= LONG_CONTEXT:
-        rings += [c for c in divisors(gpn // tp) if c > 1 and seq % (2 * c * tp) == 0]
+    if seq >= CP_FROM:
+        rings += [c for c in divisors(world // tp) if 1 < c <= MAX_CP and seq % (2 * c * tp) == 0]
     for pp in divisors(world // tp):
         if pp > cfg.model.n_layers:
             continue
@@ -257,7 +279,7 @@ def degrees_of(layout: Layout, cfg: RecipeConfig) -> Degrees:
         layout.dp_replicate,
         layout.dp_shard,
         layout.tp,
-        cfg.parallel.ep,
+        layout.ep,
         world,
         layout.cp,
     )
@@ -271,7 +293,7 @@ def search(cfg: RecipeConfig, top: int | None = None) -> Search:
     top = cfg.suggest.top if top is None else top
     _check_searchable(cfg)
     spec = hardware.gpu_spec(cfg.cluster.gpu_type)
-    links = hardware.links(spec.name)
+    links = recipe_links(cfg, spec.name)
     peak = cfg.hardware.peak_tflops or spec.peak_tflops[cfg.precision.dtype]
     limit = device_memory_gib(cfg)
     # _check_searchable admits CUDA devices only, and every GPU of the table has links.
@@ -365,7 +387,15 @@ def _evaluate(
     for layout in layouts(cfg):
         enumerated += 1
         degrees = degrees_of(layout, cfg)
-        family = (layout.tp, layout.cp, layout.pp, layout.vpp, layout.zero, layout.dp_replicate)
+        family = (
+            layout.tp,
+            layout.cp,
+            layout.ep,
+            layout.pp,
+            layout.vpp,
+            layout.zero,
+            layout.dp_replicate,
+        )
         if prune and family not in floors:
             floors[family] = state_floor(layout.apply(cfg), degrees) / GIB
         if prune and floors[family] > budget:
@@ -454,6 +484,7 @@ def suggestion_to_dict(suggestion: Suggestion) -> dict:
         "tokens_per_s": suggestion.tokens_per_s,
         "mfu": suggestion.mfu,
         "cost_s": {**suggestion.cost.terms(), "dp_total": suggestion.cost.dp_total},
+        "summary_s": three_terms(suggestion.cost),
         "memory": {**memory, "total": suggestion.memory.total},
         "peak_gib": suggestion.memory.total_gib,
         "headroom_gib": suggestion.headroom_gib,
@@ -503,6 +534,12 @@ def render_search(cfg: RecipeConfig, result: Search) -> str:
             f"{lay.zero:>4} {lay.recompute:>9} {lay.micro_batch:>3} {s.cost.total:>8.2f} "
             f"{s.tokens_per_s:>9,.0f} {s.mfu:>5.0%} {s.memory.total_gib:>8.1f}"
         )
+        terms = three_terms(s.cost)
+        lines.append(
+            f"   step: compute {terms['compute']:.2f} s + exposed communication "
+            f"{terms['exposed communication']:.2f} s + bubble {terms['bubble']:.2f} s"
+            + (f"; tp {lay.tp} cp {lay.cp} ep {lay.ep}" if lay.cp > 1 or lay.ep > 1 else "")
+        )
         lines.append(f"   why: {s.why()}")
         if lay.pp_layers:
             lines.append(f"   stages: {split_text(lay.pp_layers)} layers (parallel.pp_layers)")
@@ -513,6 +550,15 @@ def render_search(cfg: RecipeConfig, result: Search) -> str:
             lines.append("   (this trainer version can only plan this layout: action=plan)")
     lines += ["", "cost model:"] + [f"  - {line}" for line in result.assumptions]
     return "\n".join(lines)
+
+
+def three_terms(cost: StepCost) -> dict[str, float]:
+    """A step's seconds in three: compute, the communication nothing hides, the bubble."""
+    return {
+        "compute": cost.compute,
+        "exposed communication": cost.exposed_communication,
+        "bubble": cost.bubble,
+    }
 
 
 def split_text(counts: tuple[int, ...]) -> str:

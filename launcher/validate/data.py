@@ -55,13 +55,6 @@ def check_data(c: Checks, cfg: RecipeConfig, for_launch: bool) -> None:
             "documents are split at the end-of-sequence token, and data.tokenizer=none has none",
             "give the sources' tokenizer",
         )
-    if d.doc_mask and cfg.parallel.pp > 1 and for_launch:
-        c.add(
-            "data.doc_mask",
-            True,
-            "not supported with pipeline parallelism yet (later stages do not see the tokens)",
-            "use parallel.pp=1 or data.doc_mask=false",
-        )
     if for_launch and cfg.cluster.backend == "local":
         check_data_on_disk(c, cfg)
         _check_hf_checkpoint(c, cfg)

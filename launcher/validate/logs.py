@@ -1,12 +1,11 @@
 """Rules of the logging fields: W&B names, group, job type and tags within W&B's limits,
-and TensorBoard only where its package is installed."""
+and TensorBoard and W&B only where their packages are installed."""
 
 from __future__ import annotations
 
-import importlib.util
 import re
 
-from pretrain_core.problems import Checks
+from pretrain_core.problems import Checks, install_fix, installed
 from pretrain_core.schema import RecipeConfig
 
 MAX_WANDB_TEXT = 128
@@ -33,6 +32,10 @@ def check_logging(c: Checks, cfg: RecipeConfig) -> None:
             c.add(f"logging.wandb_tags[{i}]", tag,
                   f"a W&B tag is 1 to {MAX_WANDB_TAG} characters on one line",
                   "shorten it, or remove it")  # fmt: skip
-    if g.tensorboard and importlib.util.find_spec("tensorboard") is None:
+    if g.tensorboard and not installed("tensorboard"):
         c.add("logging.tensorboard", True, "the tensorboard package is not installed",
-              "pip install tensorboard, or set logging.tensorboard=false")  # fmt: skip
+              f"{install_fix('tensorboard')}, or set logging.tensorboard=false")  # fmt: skip
+    if g.wandb in ("online", "offline") and not installed("wandb"):
+        c.add("logging.wandb", g.wandb, "the wandb package is not installed",
+              f"{install_fix('wandb')}, or logging.wandb=auto (off where wandb is missing) "
+              "or disabled")  # fmt: skip

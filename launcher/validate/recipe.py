@@ -65,6 +65,10 @@ def validate(
     c.at_least("logging.log_every", cfg.logging.log_every, 1)
     c.at_least("suggest.top", cfg.suggest.top, 1)
     c.at_least("hardware.peak_tflops", cfg.hardware.peak_tflops, 0)
+    for link in ("intra_node_gbs", "inter_node_gbs"):
+        c.at_least(f"hardware.{link}", getattr(cfg.hardware, link), 0)
+    for latency in ("intra_node_latency_us", "inter_node_latency_us"):
+        c.at_least(f"hardware.{latency}", getattr(cfg.hardware, latency), 0)
     check_data(c, cfg, for_launch)
     if here:
         check_local_device(c, cfg)

@@ -11,7 +11,10 @@ def eta_seconds(step: int, total_steps: int, step_time_s: float | None) -> float
 
 
 def format_duration(seconds: float) -> str:
-    """3d04h, 2h05m, 4m07s or 12s: the two largest units."""
+    """3d04h, 2h05m, 4m07s or 12.4s: the two largest units (tenths under a minute, where a
+    load or a wait is measured)."""
+    if seconds < 59.95:
+        return f"{max(seconds, 0.0):.1f}s"
     s = round(seconds)
     days, hours, minutes = s // 86400, s % 86400 // 3600, s % 3600 // 60
     if days:

@@ -1,5 +1,6 @@
 """Whether W&B has credentials here: asked by the trainer (auto goes online with them) and by
-`pretrain-dashboard` (creating a workspace needs them); no wandb import."""
+`pretrain-dashboard` (creating a workspace needs them); and which project a run logs to.
+No wandb import."""
 
 from __future__ import annotations
 
@@ -19,3 +20,12 @@ def api_key_configured(environ: Mapping[str, str] = os.environ) -> bool:
         return netrc.netrc(path).authenticators(host) is not None
     except (OSError, netrc.NetrcParseError):
         return False
+
+
+DEFAULT_PROJECT = "pretrain"
+
+
+def wandb_project(setting: str, environ: Mapping[str, str] = os.environ) -> str:
+    """The W&B project: `logging.wandb_project` when set, else $WANDB_PROJECT (W&B's own
+    convention), else DEFAULT_PROJECT."""
+    return setting or environ.get("WANDB_PROJECT", "").strip() or DEFAULT_PROJECT

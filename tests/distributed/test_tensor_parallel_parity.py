@@ -6,7 +6,8 @@ pads a vocabulary of 510 to 512 with a tied LM head: padded logits that leaked i
 softmax would raise the very first loss by about log(512/510) = 4e-3. Document-aware
 attention (data.doc_mask) under TP + SP matches its own one-process run. Multi-head latent
 attention (with a query latent) splits its heads over tp and keeps its latent projections
-replicated: a rotary key gradient not summed over tp moved the gradient norm by 1.4%.
+replicated: a rotary key gradient not summed over tp moved the gradient norm by 1.4%. A
+GeLU MLP (no up projection) splits its two matrices as SwiGLU's.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ pytestmark = pytest.mark.distributed
 TP4_MODEL = ["model.n_kv_heads=4", "model.vocab_size=510", "model.tie_embeddings=true"]
 DOC_MASK = ["data.doc_mask=true"]
 MLA = ["model.attention=mla", "model.n_kv_heads=0", "model.mla_q_rank=32"]
+GELU = ["model.mlp=gelu"]
 
 
 @pytest.fixture(scope="module")
@@ -34,6 +36,7 @@ def references(workdir: Path, harness_reference) -> dict:
         "tp4_model": run_pretrain(workdir / "reference_tp4_model", TP4_MODEL, nproc=1),
         "doc_mask": run_pretrain(workdir / "reference_doc_mask", DOC_MASK, nproc=1),
         "mla": run_pretrain(workdir / "reference_mla", MLA, nproc=1),
+        "gelu": run_pretrain(workdir / "reference_gelu", GELU, nproc=1),
     }
 
 
@@ -48,6 +51,7 @@ def references(workdir: Path, harness_reference) -> dict:
         ("tp2_dp2_zero3", "harness", ["parallel.tp=2", "parallel.zero=3"], 4),
         ("tp2_full_recompute", "harness", ["parallel.tp=2", "recompute=full"], 2),
         ("mla_tp2_sp", "mla", [*MLA, "parallel.tp=2", "parallel.sp=true"], 2),
+        ("gelu_tp2_sp", "gelu", [*GELU, "parallel.tp=2", "parallel.sp=true"], 2),
         (
             "tp2_sp_selective_recompute",
             "harness",

@@ -31,10 +31,11 @@ def test_plan_writes_nothing(tmp_path: Path) -> None:
 
 
 def test_llama3_70b_json_plan_has_layout_params_flops_and_memory(tmp_path: Path) -> None:
+    # A key before the flag and others after it, as plain Hydra users write them.
     result = pretrain(
+        "cluster.nodes=8",
         "--config-name",
         "llama3_70b",
-        "cluster.nodes=8",
         "action=plan",
         "plan.format=json",
         cwd=tmp_path,
@@ -124,11 +125,22 @@ def test_multirun_writes_one_run_dir_per_point(tmp_path: Path) -> None:
         for d in dirs
     ]
     assert seeds == [1, 2]
+    assert (tmp_path / "runs/tiny/multirun.yaml").is_file()
+    # Given a run.dir, the sweep's own record goes there too, and nothing to runs/.
+    again = pretrain("-m", "action=script", "seed=1,2", "run.dir=sweeps/seeds", cwd=tmp_path)
+    assert again.returncode == 0, again.stderr
+    assert (tmp_path / "sweeps/seeds/multirun.yaml").is_file()
+    assert sorted(p.name for p in (tmp_path / "sweeps/seeds").iterdir() if p.is_dir()) == dirs
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["tiny"]
 
 
 @pytest.mark.slow
 def test_default_recipe_trains_end_to_end_on_two_ranks(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
+    # The user's own folders named like ours, where the job runs, stand in for nothing.
+    for name in ("models", "parallel", "trainer", "pretrain_core", "pretrain_data"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "__init__.py").write_text(f"raise ImportError('the user {name}')\n")
     # The recipe's own evaluation: every 100 steps and at the end, so at step 30.
     overrides = [
         o for o in BASE_OVERRIDES if not o.startswith(("train.steps", "logging.", "eval."))
@@ -157,3 +169,85 @@ def test_default_recipe_trains_end_to_end_on_two_ranks(tmp_path: Path) -> None:
     assert read_curve(run_dir / "metrics.jsonl").loss == [r["loss"] for r in rows]
     assert (run_dir / "wandb_run_id").exists()
     assert list((run_dir / "wandb").glob("offline-run-*"))
+
+
+def test_version_names_this_package_and_what_it_drives(tmp_path: Path) -> None:
+    from importlib.metadata import version
+
+    from tests.helpers import pretrain_in_process
+
+    code, out, _ = pretrain_in_process("action=plan", "--version", cwd=tmp_path)
+    assert code == 0
+    assert out.startswith(f"pretrain {version('pretrain')} (torch {version('torch')}, hydra-core ")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_wandb_project_comes_from_the_recipe_else_wandb_project_and_is_frozen(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tests.helpers import pretrain_in_process
+
+    def project(*overrides: str) -> str:
+        run_dir = tmp_path / f"run{len(list(tmp_path.iterdir()))}"
+        code, _, err = pretrain_in_process(
+            "action=script", f"run.dir={run_dir}", *overrides, cwd=tmp_path
+        )
+        assert code == 0, err
+        return yaml.safe_load((run_dir / "config.yaml").read_text())["logging"]["wandb_project"]
+
+    monkeypatch.delenv("WANDB_PROJECT", raising=False)
+    assert project() == "pretrain"
+    monkeypatch.setenv("WANDB_PROJECT", "team-runs")
+    assert project() == "team-runs"
+    assert project("logging.wandb_project=mine") == "mine"
+
+
+def test_a_run_prints_the_plan_in_a_few_lines_unless_asked_for_all_or_none(tmp_path: Path) -> None:
+    from tests.helpers import pretrain_in_process
+
+    def before_job(*overrides: str) -> list[str]:
+        run_dir = tmp_path / f"run{len(list(tmp_path.iterdir()))}"
+        code, out, err = pretrain_in_process(
+            "action=script", f"run.dir={run_dir}", *overrides, cwd=tmp_path
+        )
+        assert code == 0, err
+        return out[: out.index("run dir:")].splitlines()
+
+    summary = before_job()
+    assert summary[0].startswith("plan: tiny on 2 ranks (dp_shard=2), 1.84M")
+    assert "memory per rank" in summary[1] and len(summary) <= 4
+    full = before_job("plan.before_run=full")
+    assert any("Fit and speed" in line for line in full) and len(full) > 30
+    assert before_job("plan.before_run=none") == []
+
+
+def test_status_report_export_and_dashboard_are_commands_of_pretrain(tmp_path: Path) -> None:
+    from launcher.dashboard import spec
+    from tests.helpers import pretrain_in_process
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    row = {"step": 1, "loss": 5.0, "lr": 1e-3, "tokens_per_s": 10.0, "grad_norm": 1.0}
+    (run_dir / "metrics.jsonl").write_text(json.dumps(row) + "\n")
+    code, out, _ = pretrain_in_process("report", str(run_dir), cwd=tmp_path)
+    assert code == 0 and out.strip() == str(run_dir / "report.png")
+    code, _, err = pretrain_in_process("status", str(tmp_path / "nowhere"), cwd=tmp_path)
+    assert code == 2 and "pretrain status" in err
+    code, out, _ = pretrain_in_process("dashboard", "--print", cwd=tmp_path)
+    assert code == 0 and json.loads(out) == json.loads(json.dumps(spec()))
+    # The exporter runs in a process of its own (the launcher imports no trainer code).
+    exported = pretrain("export", str(run_dir), str(tmp_path / "hf"), cwd=tmp_path)
+    assert exported.returncode != 0 and "pretrain-export:" in exported.stderr
+    code, out, _ = pretrain_in_process("--help", cwd=tmp_path)
+    assert "pretrain export RUN_DIR OUT_DIR" in out
+
+
+def test_a_script_of_a_layout_the_trainer_cannot_run_says_so_loudly(tmp_path: Path) -> None:
+    from tests.helpers import pretrain_in_process
+
+    code, _, err = pretrain_in_process(
+        "parallel.pp=2", "data.doc_mask=true", "cluster.gpus_per_node=2", "action=script",
+        f"run.dir={tmp_path / 'run'}", cwd=tmp_path,
+    )  # fmt: skip
+    assert code == 0 and (tmp_path / "run" / "run.sh").is_file()
+    assert "warning: data.doc_mask=true: document masking under pipeline parallelism is not" in err

@@ -140,6 +140,16 @@ def test_corrupt_checkpoints_are_moved_aside_and_the_previous_one_resumes(tmp_pa
     assert "step_00000006.corrupt" in names and "step_00000004.corrupt" in names
     assert "step_00000008.tmp" not in names and "step_00000008" in names
     assert (checkpoints / "step_00000008" / "manifest.json").is_file()
+    # The run's story ends with its summary; run again, the finished run says so and what
+    # to do, and starts no rank.
+    assert "run finished: 8 steps" in resumed.stdout
+    assert f"checkpoint: {checkpoints / 'step_00000008'}" in resumed.stdout
+    rows = (run_dir / "metrics.jsonl").read_text()
+    again = pretrain(*args(run_dir, "train.steps=8", *every), cwd=tmp_path, timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "already finished: its newest checkpoint is step 8 of train.steps=8" in again.stdout
+    assert "raise train.steps" in again.stdout
+    assert (run_dir / "metrics.jsonl").read_text() == rows
 
 
 @pytest.fixture

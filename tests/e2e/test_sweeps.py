@@ -86,3 +86,20 @@ def test_each_sweep_point_is_a_named_wandb_run_in_one_group_per_sweep(tmp_path: 
     configs = [yaml.safe_load((sweep_dir / f"seed={n}/config.yaml").read_text()) for n in (1, 2)]
     assert [c["logging"]["wandb_name"] for c in configs] == ["tiny seed=1", "tiny seed=2"]
     assert {c["logging"]["wandb_group"] for c in configs} == {"tiny:seed"}
+
+
+@pytest.mark.parametrize("where", ["cluster.backend=slurm", "action=script"])
+def test_an_optuna_search_whose_trials_train_nothing_here_is_refused_before_its_first(
+    tmp_path: Path, where: str
+) -> None:
+    pytest.importorskip("hydra_plugins.hydra_optuna_sweeper", reason="pip install -e '.[dev]'")
+    from tests.helpers import pretrain_in_process
+
+    code, _, err = pretrain_in_process(
+        "-m", "hydra/sweeper=optuna", "hydra.sweeper.n_trials=3", "optim.lr=interval(1e-4,1e-2)",
+        where, "cluster.account=x", "run.dir=search", cwd=tmp_path,
+    )  # fmt: skip
+    assert code == 2
+    assert f"hydra/sweeper=optuna with {where}: an Optuna search needs each trial's" in err
+    assert "sweep a grid of points" in err
+    assert not list((tmp_path / "search").rglob("config.yaml"))  # no trial was written

@@ -10,7 +10,12 @@ import pytest
 from hydra.errors import ConfigCompositionException, MissingConfigException
 from omegaconf.errors import ValidationError
 
-from launcher.compose.command_line import QUIET_HYDRA, checked_command_line, translate
+from launcher.compose.command_line import (
+    QUIET_HYDRA,
+    checked_command_line,
+    flags_first,
+    translate,
+)
 from launcher.compose.recipe_files import MAX_ALIASES, load, package_of
 from launcher.compose.recipe_keys import did_you_mean, value_problem
 from pretrain_core.problems import RecipeError
@@ -184,3 +189,32 @@ def test_bad_sweeper_values_are_refused_with_what_fits() -> None:
 def test_a_sweeper_outside_a_sweep_is_refused() -> None:
     [found] = problems_of("hydra/sweeper=optuna")
     assert found == "hydra/sweeper=optuna: a sweeper setting only matters in a sweep; add -m"
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["parallel.tp=2", "--config-name", "x", "action=plan"],
+         ["--config-name", "x", "parallel.tp=2", "action=plan"]),
+        (["a=1", "-m", "b=1,2", "--config-dir=d", "c=3"],
+         ["-m", "--config-dir=d", "a=1", "b=1,2", "c=3"]),
+        (["a=1", "--info", "b=2"], ["--info", "a=1", "b=2"]),
+        (["a=1", "--info", "defaults"], ["--info", "defaults", "a=1"]),
+        (["--help", "cluster"], ["--help", "cluster"]),
+        (["a=1", "--config-name"], ["a=1", "--config-name"]),
+    ],
+)  # fmt: skip
+def test_flags_move_before_the_overrides_with_their_values(
+    argv: list[str], expected: list[str]
+) -> None:
+    assert flags_first(argv) == expected
+
+
+def test_a_sweep_listing_a_value_twice_is_refused_before_any_point_runs() -> None:
+    assert problems_of("-m", "seed=1,1,2", "precision=fp32,bf16,fp32") == [
+        "seed='1,1,2': sweeps 1 twice: two points with one run dir; list each value once: seed=1,2",
+        "precision='fp32,bf16,fp32': sweeps fp32 twice: two points with one run dir; list "
+        "each value once: precision=fp32,bf16",
+    ]
+    sound = ["-m", "seed=1,2"]
+    assert checked_command_line(sound, "tiny") == [*sound, *QUIET_HYDRA]

@@ -62,6 +62,14 @@ BAD_SOURCES = {
     "missing": (lambda d: d / "missing" / "*.jsonl", "no such file or directory, and no glob"),
     "empty-dir": (_empty_dir, "holds no data files"),
     "empty-file": (lambda d: _write(d / "a.jsonl", b""), "a.jsonl is empty"),
+    "only-empty-files": (
+        lambda d: _write(d / "x" / "a.txt", b"").parent,
+        "all 1 of its data files are empty",
+    ),
+    "code-dir": (
+        lambda d: _write(d / "pkg" / "m.py", b"x = 1\n").parent,
+        "other files (.py) are read as text with data.format=text, or name them with a glob",
+    ),
     "binary": (lambda d: _write(d / "b.txt", b"text\x00\x01binary"), "b.txt is binary, not UTF-8"),
     "not-parquet": (
         lambda d: _write(d / "c.parquet", b"not parquet"),
@@ -88,6 +96,7 @@ def test_a_bad_local_source_is_refused_naming_the_file(tmp_path: Path, case: str
 
 def test_a_good_source_passes(tmp_path: Path, tokenizer: Path) -> None:
     write_jsonl(tmp_path / "a" / "x.jsonl.zst", DOCS)
+    _write(tmp_path / "a" / "empty.txt", b"")  # holds no document: left out, not refused
     found = problems_of({"data.source": str(tmp_path / "a"), "data.tokenizer": str(tokenizer),
                          "model.vocab_size": 320})  # fmt: skip
     assert not {k for k in found if k.startswith(("data.", "model.vocab"))}

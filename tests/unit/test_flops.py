@@ -24,6 +24,9 @@ VARIANTS = {
     "tiny_gqa": TINY,
     "multi_head": dataclasses.replace(TINY, n_kv_heads=0),
     "tied": dataclasses.replace(TINY, tie_embeddings=True),
+    # One-input MLPs (GPT-3 and BLOOM's GeLU, Nemotron-4's squared ReLU): two matrices.
+    "gelu": dataclasses.replace(TINY, mlp="gelu"),
+    "relu2": dataclasses.replace(TINY, mlp="relu2"),
 }
 
 
@@ -71,9 +74,10 @@ def test_fused_kernel_formulas_count_recomputed_scores_in_backward() -> None:
     assert sdpa_backward_flop_count(q, q, kv, kv) * 2 == 5 * forward
 
 
+@pytest.mark.parametrize("mlp", ["swiglu", "gelu", "relu2"])
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
-def test_param_count_equals_model_parameters(tied: bool) -> None:
-    cfg = dataclasses.replace(TINY, tie_embeddings=tied)
+def test_param_count_equals_model_parameters(tied: bool, mlp: str) -> None:
+    cfg = dataclasses.replace(TINY, tie_embeddings=tied, mlp=mlp)
     model = build_on_meta(cfg)
     assert count_params(cfg).total == sum(p.numel() for p in model.parameters())
 
@@ -104,3 +108,22 @@ def test_tied_head_adds_no_parameters() -> None:
 )
 def test_param_count_matches_published_llama3_size(cfg: ModelConfig, published: float) -> None:
     assert count_params(cfg).total == pytest.approx(published, rel=0.01)
+
+
+def test_one_input_mlps_compute_what_their_papers_define() -> None:
+    """GeLU (Hendrycks and Gimpel 2016, tanh form as in GPT-2) and squared ReLU (So et al.
+    2021, "Primer", section 4): w2 applied to the activation of w1 x, no gate."""
+    from models.layers import FeedForward
+
+    x = torch.randn(3, 16)
+    for kind, act in (
+        (
+            "gelu",
+            lambda v: 0.5 * v * (1 + torch.tanh((2 / torch.pi) ** 0.5 * (v + 0.044715 * v**3))),
+        ),
+        ("relu2", lambda v: torch.clamp(v, min=0) ** 2),
+    ):
+        mlp = FeedForward(16, 24, kind)
+        assert not hasattr(mlp, "w3")
+        expected = act(x @ mlp.w1.weight.T) @ mlp.w2.weight.T
+        torch.testing.assert_close(mlp(x), expected)

@@ -59,3 +59,14 @@ def test_a_checkpoint_of_another_shape_is_refused_naming_the_tensor(tmp_path: Pa
     (tmp_path / "config.json").write_text(json.dumps({**config, "intermediate_size": 96}))
     with pytest.raises(ValueError, match=r"mlp\.gate_proj\.weight is \[64, 32\] there"):
         load_hf_weights(plain(wider), wider, tmp_path)
+
+
+def test_a_one_input_mlp_is_refused_against_a_llama_checkpoint() -> None:
+    """LlamaForCausalLM's MLP is SwiGLU (gate, up, down): a GeLU model cannot load it."""
+    from pretrain_core.hf_llama import config_json, config_mismatches
+
+    llama = ModelConfig(vocab_size=64, dim=32, n_layers=1, n_heads=2, ffn_dim=64)
+    gelu = ModelConfig(vocab_size=64, dim=32, n_layers=1, n_heads=2, ffn_dim=64, mlp="gelu")
+    assert config_mismatches(config_json(llama, None), llama) == []
+    [found] = config_mismatches(config_json(llama, None), gelu)
+    assert "model.mlp=gelu" in found

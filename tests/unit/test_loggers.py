@@ -261,7 +261,9 @@ def test_the_step_line_ends_with_the_time_left_at_the_current_step_time(
     first, last = capsys.readouterr().out.splitlines()[-2:]
     assert first.endswith(" | ETA 12m30s")  # 6 steps of 125 s
     assert "ETA" not in last
-    assert [format_duration(s) for s in (7, 247, 7500, 270000)] == ["7s", "4m07s", "2h05m", "3d03h"]
+    assert [format_duration(s) for s in (0.42, 7, 12.4, 247, 7500, 270000)] == [
+        "0.4s", "7.0s", "12.4s", "4m07s", "2h05m", "3d03h"
+    ]  # fmt: skip
 
 
 def test_another_nodes_first_rank_records_its_system_metrics_in_a_run_of_its_own(
@@ -304,3 +306,44 @@ def test_a_run_on_several_nodes_is_grouped_under_its_run_dir_unless_a_group_is_s
     assert group(1) is None
     assert group(2) == "llama-2node"  # where the other nodes' system-metrics runs sit too
     assert group(2, "sweep:optim.lr") == "sweep:optim.lr"
+
+
+def test_the_time_left_follows_the_median_step_time_so_one_slow_step_barely_moves_it(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    with make_logger(tmp_path) as logger:
+        for step, seconds in [(1, 10.0), (2, 10.0), (3, 50.0)]:
+            logger.log(step, {**METRICS, "step_time_s": seconds})
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert last.endswith(" | ETA 1m10s")  # 7 steps at the median 10 s, not at 50 s
+
+
+def test_the_summary_covers_the_whole_run_with_the_jobs_before_a_resume(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    with make_logger(tmp_path) as first_job:
+        first_job.log(4, {**METRICS, "loss": 3.0, "val_loss": 2.5, "val_ppl": 12.2})
+        first_job.log(5, {**METRICS, "loss": 2.9, "val_loss": 2.7, "val_ppl": 14.9})
+    with (tmp_path / "metrics.jsonl").open("a") as rows:
+        rows.write('{"step": null}\n[1, 2]\n{"step": 1e400, "val_loss": 0.1}\n')
+    with make_logger(tmp_path) as resumed:
+        resumed.log(10, {**METRICS, "loss": 2.4, "val_loss": 2.6, "val_ppl": 13.5})
+        resumed.print_summary(tokens=40_960, wall_s=75, checkpoint=tmp_path / "ckpt")
+    out = capsys.readouterr().out
+    block = out[out.index("run finished") :].splitlines()
+    assert block[0] == "run finished: 10 steps, 40,960 tokens, this job 1m15s"
+    assert block[1] == "  train loss 2.4000 | val loss 2.6000 (best 2.5000 at step 4)"
+    assert block[2] == f"  checkpoint: {tmp_path / 'ckpt'}"
+    assert block[-1] == f"  export:  pretrain export {tmp_path} {tmp_path}-hf"
+
+
+def test_a_run_without_a_checkpoint_or_validation_says_so_and_offers_no_export(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    with make_logger(tmp_path) as logger:
+        logger.log(10, {**METRICS, "val_loss": None})
+        logger.print_summary(tokens=0, wall_s=3, checkpoint=None)
+    block = capsys.readouterr().out.split("run finished")[1]
+    assert "val loss n/a (best n/a)" in block
+    assert "checkpoint: none written" in block
+    assert "pretrain export" not in block

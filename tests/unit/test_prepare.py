@@ -89,10 +89,18 @@ def test_max_bytes_counts_text_bytes_of_whole_documents(
     corpus: Path, tokenizer: Path, tmp_path: Path
 ) -> None:
     limit = 10_000
-    _, manifest, _ = quiet(data_recipe(str(corpus), tmp_path / "cache", tokenizer, max_bytes=limit))
+    _, manifest, lines = quiet(
+        data_recipe(str(corpus), tmp_path / "cache", tokenizer, max_bytes=limit)
+    )
     sizes = np.cumsum([len(d.encode()) for d in DOCS])
     kept = int(np.searchsorted(sizes, limit)) + 1
     assert manifest["documents"] == kept and manifest["text_bytes"] == sizes[kept - 1]
+    # The cut is said, with what the dataset holds and how to take everything.
+    [cut] = [line for line in lines if "is cut at" in line]
+    assert f"is cut at data.max_bytes=10,000: the first {kept:,} documents" in cut
+    assert f"{sizes[kept - 1]:,} bytes of text" in cut and "data.max_bytes=0 takes all" in cut
+    _, _, whole = quiet(data_recipe(str(corpus), tmp_path / "cache2", tokenizer))
+    assert not [line for line in whole if "is cut at" in line]
 
 
 def test_units_depend_on_the_source_and_limits_not_the_workers(corpus: Path, tmp_path) -> None:

@@ -69,16 +69,17 @@ class Published:
 CASES = [
     Published(
         "llama3_405b_8k", LLAMA3_405B, 8192, "h100_sxm", 2048, 8192,
-        {"tp": 8, "pp": 16}, 430 / 989.5, False, ratio=0.84,
+        {"tp": 8, "pp": 16, "cp": 1}, 430 / 989.5, False, ratio=0.84,
     ),
     Published(
         "llama3_405b_16k", LLAMA3_405B, 16384, "h100_sxm", 2048, 8192,
-        {"tp": 8, "pp": 16}, 400 / 989.5, False, ratio=0.97,
+        {"tp": 8, "pp": 16, "cp": 1}, 400 / 989.5, False, ratio=0.97,
     ),
     Published(
         "gpt3_175b", GPT3_175B, 1024, "a100_sxm_80gb", 1536, 2048,
         {"tp": 8, "pp": 16, "recompute": "full"}, 138 / 312, True, ratio=1.12,
-        faster_because={"recompute": "selective"},
+        # ZeRO-2 gathers once per step: half the tp, half the pipeline and no recompute fit.
+        faster_because={"tp": 4, "pp": 8, "zero": 2, "recompute": "none"},
     ),
     Published(
         "megatron_1t", MEGATRON_1T, 3072, "a100_sxm_80gb", 3072, 2048,
@@ -87,7 +88,8 @@ CASES = [
     Published(
         "torchtitan_70b", LLAMA3_70B, 64, "a100_sxm_80gb", 64, 8192,
         {"tp": 1, "pp": 1, "zero": 3, "recompute": "full"}, 0.517, False, ratio=0.87,
-        faster_because={"recompute": "selective"},
+        # TP inside the node and CP instead of 64-way FSDP: no recompute fits.
+        faster_because={"tp": 8, "pp": 2, "cp": 2, "zero": 2, "recompute": "none"},
     ),
 ]  # fmt: skip
 
@@ -122,8 +124,13 @@ def utilization(cfg: RecipeConfig, suggestion: Suggestion, counts_recompute: boo
 def searched(request: pytest.FixtureRequest):
     """(case, its recipe, the search's result, the published layout as costed)."""
     case = request.param
-    cfg = case.recipe()
-    return case, cfg, search(cfg), fastest_published(cfg, case)
+    if case.name not in _SEARCHED:  # the 16k-GPU test asks for its case again
+        cfg = case.recipe()
+        _SEARCHED[case.name] = (case, cfg, search(cfg), fastest_published(cfg, case))
+    return _SEARCHED[case.name]
+
+
+_SEARCHED: dict[str, tuple] = {}
 
 
 def test_the_published_layout_is_predicted_within_20_percent(searched) -> None:
@@ -166,6 +173,9 @@ def test_llama3_405b_on_16k_h100_suggests_tp8_pp16_with_lighter_first_and_last_s
 ) -> None:
     result = searched[2]
     best = result.suggestions[0].layout
-    assert (best.tp, best.pp, best.dp_replicate * best.dp_shard) == (8, 16, 128)
+    # The published 128 data-parallel ranks, or some of them as context-parallel ones: the
+    # flat compute efficiency costs cp's shorter per-rank sequences nothing, and its longer
+    # accumulation shrinks the bubble.
+    assert (best.tp, best.pp, best.dp_replicate * best.dp_shard * best.cp) == (8, 16, 128)
     split = best.pp_layers
     assert sum(split) == 126 and split[0] < max(split) and split[-1] < max(split)

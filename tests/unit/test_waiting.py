@@ -21,7 +21,8 @@ from pretrain_data.waiting import Wait
 from tests.helpers import data_recipe, generated_documents, write_jsonl, write_tokenizer
 from trainer.data.loader import open_datasets
 
-ELAPSED = r"\d+s elapsed"
+ELAPSED = r"[\d.]+s elapsed"
+ETA = r"ETA [\d.]+s"
 
 
 @pytest.fixture
@@ -38,8 +39,8 @@ def test_a_wait_writes_a_plain_line_at_each_interval_then_its_duration(quick_lin
         time.sleep(0.9)
     *progress, final = lines
     assert len(progress) >= 4  # one at once, then about one per 0.2 s
-    assert progress[0] == "x: waiting for y (held by z): 20%, 0s elapsed"
-    assert re.fullmatch(rf"x: waiting for y \(held by z\): 40%, ETA \d+s, {ELAPSED}", progress[1])
+    assert progress[0] == "x: waiting for y (held by z): 20%, 0.0s elapsed"
+    assert re.fullmatch(rf"x: waiting for y \(held by z\): 40%, {ETA}, {ELAPSED}", progress[1])
     assert re.fullmatch(r"x: waiting for y: done in (0\.9|1\.\d)s", final)
 
 
@@ -58,7 +59,7 @@ def test_on_a_terminal_the_line_is_redrawn_in_place(capsys: pytest.CaptureFixtur
     with Wait("data: waiting", tty=True):
         time.sleep(0.1)
     out = capsys.readouterr().out
-    assert out.startswith("\rdata: waiting: 0s elapsed\x1b[K")
+    assert out.startswith("\rdata: waiting: 0.0s elapsed\x1b[K")
     assert re.search(r"\rdata: waiting: done in 0\.\ds\x1b\[K\n$", out)
 
 
@@ -107,8 +108,8 @@ def test_the_main_rank_waits_for_another_preparation_naming_its_holder(
     *waits, final = [line for line in lines if line.startswith("data: waiting for the prep")]
     assert len(waits) >= 5  # at once, then every 0.2 s of the 2 s
     assert f"(held by pid {child.pid} on host " in waits[0]
-    assert waits[0].endswith("; prepare corpus: 25%): 25%, 0s elapsed")
-    assert any(re.search(rf"; prepare corpus: 50%\): 50%, ETA \d+s, {ELAPSED}$", w) for w in waits)
+    assert waits[0].endswith("; prepare corpus: 25%): 25%, 0.0s elapsed")
+    assert any(re.search(rf"; prepare corpus: 50%\): 50%, {ETA}, {ELAPSED}$", w) for w in waits)
     assert re.search(r": done in [12]\.\ds$", final)
     # The lock came free with no dataset: this process prepared it, with its own progress.
     assert any(line.startswith("prepare ") for line in lines) and dataset.manifest["documents"]
@@ -124,7 +125,7 @@ def test_other_ranks_wait_for_the_main_ranks_preparation_showing_its_progress(
     *waits, final = lines
     assert waits[0].startswith("data: waiting for the preparation of ")
     assert f"(by the main rank) (held by pid {child.pid} on host " in waits[0]
-    assert "; prepare corpus: 25%): 25%, 0s elapsed" in waits[0]
+    assert "; prepare corpus: 25%): 25%, 0.0s elapsed" in waits[0]
     assert any("; prepare corpus: 50%): 50%, ETA " in line for line in waits)
     assert re.fullmatch(r"data: waiting for the preparation of .*: done in \d+\.\ds", final)
     assert dataset.manifest["documents"] == 40

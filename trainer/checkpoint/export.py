@@ -139,7 +139,14 @@ def hf_config(cfg: RecipeConfig, eos: int | None) -> dict:
 
 
 def refuse_unexportable(cfg: RecipeConfig) -> None:
-    """Raise ExportError for an attention this exporter cannot write in a Hugging Face format."""
+    """Raise ExportError for an attention or MLP this exporter cannot write in a Hugging Face
+    format."""
+    if cfg.model.mlp != "swiglu":
+        raise ExportError(
+            f"model.mlp={cfg.model.mlp}: Llama's and Mixtral's MLPs are SwiGLU (gate, up and "
+            "down projections), so a one-input MLP has no place there; this run's checkpoints "
+            "can be resumed but not exported"
+        )
     if cfg.model.qk_norm and cfg.model.attn_bias:
         raise ExportError(
             "model.qk_norm=true with model.attn_bias=true: Qwen3 (the family with query/key "

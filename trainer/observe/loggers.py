@@ -12,8 +12,10 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import statistics
 import string
 import time
+from collections import deque
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -21,46 +23,23 @@ from typing import Any
 from rich.console import Console
 from rich.markup import escape
 
+from pretrain_core.problems import install_fix, installed
 from pretrain_core.run.durations import eta_seconds, format_duration
+from pretrain_core.run.metric_names import WANDB_KEYS, wandb_key
 from pretrain_core.run.rundir import METRICS_FILE, TENSORBOARD_DIR, WANDB_ID_FILE
 from pretrain_core.run.wandb_credentials import api_key_configured as wandb_api_key_configured
+from pretrain_core.run.wandb_credentials import wandb_project
 from pretrain_core.schema import LoggingConfig
 from trainer.observe.run_identity import RunIdentity
+from trainer.observe.run_summary import RunSummary
 
-WANDB_KEYS = {
-    "loss": "train/loss",
-    "lr": "train/lr",
-    "grad_norm": "train/grad_norm",
-    "tokens_per_s": "perf/tokens_per_s",
-    "tokens_per_s_per_device": "perf/tokens_per_s_per_device",
-    "tflops_per_device": "perf/tflops_per_device",
-    "mfu": "perf/mfu",
-    "hfu": "perf/hfu",
-    "peak_tflops": "perf/peak_tflops",
-    "peak_dtype": "perf/peak_dtype",
-    "peak_source": "perf/peak_source",
-    "loss_scale": "train/loss_scale",
-    "skipped_steps": "train/skipped_steps",
-    "step_time_s": "perf/step_time_s",
-    "data_wait_s": "time/data_wait_s",
-    "mem_peak_gib": "mem/peak_gib",
-    "moe_tokens_per_expert_min": "moe/tokens_per_expert_min",
-    "moe_tokens_per_expert_max": "moe/tokens_per_expert_max",
-    "moe_tokens_per_expert_mean": "moe/tokens_per_expert_mean",
-    "moe_dropped_frac": "moe/dropped_frac",
-    "moe_aux_loss": "moe/aux_loss",
-    "moe_z_loss": "moe/z_loss",
-    "val_loss": "val/loss",
-    "val_ppl": "val/ppl",
-}
-"""Flat metric name -> W&B key; names not listed go under their prefix's section
-(WANDB_PREFIXES) or train/."""
-WANDB_PREFIXES = {"tokens_seen_": "data/"}
-"""Flat metric name prefix -> W&B section (tokens_seen_fineweb -> data/tokens_seen_fineweb)."""
 WANDB_STEP = "train/step"
 WANDB_MODES = ("auto", "online", "offline", "disabled")
 NODE_JOB_TYPE = "node-system"
 """W&B job_type of the runs that hold another node's system metrics."""
+ETA_WINDOW = 20
+"""Logged step times the ETA takes the median of: one slow step (a save, an evaluation's
+neighbour, a page fault) moves it little, a lasting change of pace moves it in a few lines."""
 
 
 def node_wandb_dir(run_dir: Path, node: int) -> Path:
@@ -100,28 +79,19 @@ class WandbRunId:
             self.path.write_text(run_id + "\n")
 
 
-def wandb_key(name: str) -> str:
-    """The W&B key of a flat metric name."""
-    if name in WANDB_KEYS:
-        return WANDB_KEYS[name]
-    if name.startswith("time_"):
-        return "time/" + name.removeprefix("time_")
-    for prefix, section in WANDB_PREFIXES.items():
-        if name.startswith(prefix):
-            return section + name
-    return name if "/" in name else f"train/{name}"
-
-
 def resolve_wandb_mode(setting: str) -> str:
     """online, offline or disabled for a `logging.wandb` setting.
 
-    auto honours an explicit WANDB_MODE in the environment, else goes online with credentials
-    and offline without.
+    auto is disabled where the wandb package is not installed (the `wandb` extra); else it
+    honours an explicit WANDB_MODE in the environment, else goes online with credentials and
+    offline without.
     """
     if setting not in WANDB_MODES:
         raise ValueError(f"logging.wandb={setting!r}: use {', '.join(WANDB_MODES)}")
     if setting != "auto":
         return setting
+    if not installed("wandb"):
+        return "disabled"
     env = os.environ.get("WANDB_MODE", "").lower()
     if env in ("online", "offline", "disabled"):
         return env
@@ -225,6 +195,8 @@ class MetricsLogger:
         self._wandb_run = None
         self._wandb_mode = "disabled"
         self._tensorboard: Any = None
+        self.summary = RunSummary()
+        self._step_times: deque[float] = deque(maxlen=ETA_WINDOW)
         mode = resolve_wandb_mode(logging.wandb)  # on every rank: a bad setting fails everywhere
         if not is_main:
             if node is not None and mode != "disabled":
@@ -233,9 +205,13 @@ class MetricsLogger:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         jsonl = self.run_dir / METRICS_FILE
         truncate_partial_line(jsonl)
+        self.summary.read_history(jsonl)
         self._file = jsonl.open("a", encoding="utf-8")
         if mode != "disabled":
             self._init_wandb(mode, config, identity)
+        elif logging.wandb == "auto" and not installed("wandb"):
+            line = f"W&B off: the wandb package is not installed ({install_fix('wandb')})"
+            self.console.print(line, markup=False)  # the extra's [brackets] are not markup
         if logging.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -253,7 +229,7 @@ class MetricsLogger:
             import wandb
 
             self._wandb_run = wandb.init(
-                project=self.logging.wandb_project,
+                project=wandb_project(self.logging.wandb_project),
                 entity=self.logging.wandb_entity or None,
                 name=f"{identity.name}-node{node}",
                 group=identity.group,
@@ -278,7 +254,7 @@ class MetricsLogger:
             import wandb
 
             run = wandb.init(
-                project=self.logging.wandb_project,
+                project=wandb_project(self.logging.wandb_project),
                 entity=self.logging.wandb_entity or None,
                 name=identity.name,
                 group=identity.group,
@@ -320,8 +296,9 @@ class MetricsLogger:
         if not self.is_main:
             return
         values = {k: _plain(v) for k, v in metrics.items()}
+        self.summary.observe(step, values)
         line = console_line(step, self.total_steps, values)
-        eta = eta_seconds(step, self.total_steps, values.get("step_time_s"))
+        eta = eta_seconds(step, self.total_steps, self._smoothed_step_time(values))
         if eta is not None:
             line += f" | ETA {format_duration(eta)}"
         self.console.print(line, markup=False)
@@ -340,6 +317,22 @@ class MetricsLogger:
             except Exception as exc:  # losing W&B mid-run must not stop training
                 self.console.print(f"[yellow]W&B log failed, W&B disabled: {escape(str(exc))}")
                 self._wandb_run = None
+
+    def _smoothed_step_time(self, values: dict[str, Any]) -> float | None:
+        """The median of the last ETA_WINDOW logged step times, this row's included."""
+        step_time = values.get("step_time_s")
+        if isinstance(step_time, (int, float)) and step_time > 0:
+            self._step_times.append(float(step_time))
+        return statistics.median(self._step_times) if self._step_times else None
+
+    def print_summary(self, *, tokens: int, wall_s: float, checkpoint: Path | None) -> None:
+        """Print the end-of-run block (main rank only): see trainer/observe/run_summary.py."""
+        if not self.is_main:
+            return
+        lines = self.summary.lines(
+            tokens=tokens, wall_s=wall_s, checkpoint=checkpoint, run_dir=self.run_dir
+        )
+        self.console.print("\n".join(lines), markup=False)
 
     def close(self, exit_code: int = 0) -> None:
         """Flush and close every sink; safe to call more than once."""

@@ -1,0 +1,55 @@
+"""Expert parallelism's all-to-all traffic per MoE layer and micro-batch, for the cost model.
+
+Per MoE layer and micro-batch (parallel/expert.py): the dispatch sends every assignment's
+row (tokens x top_k of them, dim wide, in the compute dtype) to its expert's rank and the
+combine brings the outputs back, both one even `all_to_all_single`; backward runs the same
+two with the gradients (the functional autograd form), and a fully recomputed block runs
+its forward's two again. Each all-to-all keeps (1/ep) of its rows on the rank and sends the
+rest; the rows are the dispatch's slots, `memory.dispatch_padding` times the assignments
+(a capacity factor, or the dropless slots' start). A MoE layer is not split over tp: every
+TP rank routes its cp share of the whole sequence. The ep ranks are tp x cp apart (ep
+splits the flattened data-parallel index, inner), so the exchange stays inside a node when
+tp x cp x ep ranks fit one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from launcher.plan.memory import dispatch_padding
+from pretrain_core.layout import Degrees
+from pretrain_core.precision import COMPUTE_BYTES
+from pretrain_core.recompute import is_recomputed
+from pretrain_core.schema import RecipeConfig
+
+
+@dataclass(frozen=True)
+class EPComm:
+    """One MoE layer's all-to-alls per micro-batch, on one rank."""
+
+    message_bytes: float
+    """Bytes one all-to-all sends from this rank (the share kept local left out)."""
+    stride: int
+    """Global ranks between two members of the ep group (tp x cp)."""
+
+
+def ep_communication(cfg: RecipeConfig, degrees: Degrees) -> EPComm | None:
+    """The all-to-all of one MoE layer and micro-batch; None without expert parallelism."""
+    m, ep = cfg.model, degrees.ep
+    if ep == 1 or not m.moe_experts:
+        return None
+    tokens = cfg.train.seq_len // degrees.cp * cfg.train.micro_batch
+    rows = tokens * m.moe_top_k * dispatch_padding(cfg)
+    sent = rows * m.dim * COMPUTE_BYTES[cfg.precision.dtype] * (ep - 1) / ep
+    return EPComm(message_bytes=sent, stride=degrees.tp * degrees.cp)
+
+
+def all_to_alls(cfg: RecipeConfig, layers: tuple[int, ...]) -> int:
+    """All-to-alls per micro-batch of the MoE layers among `layers`: dispatch and combine in
+    forward and backward, and the forward's again in a fully recomputed block."""
+    m, full = cfg.model, cfg.recompute.policy == "full"
+    count = 0
+    for layer in layers:
+        if m.is_moe_layer(layer):
+            count += 4 + (2 if full and is_recomputed(cfg.recompute, layer) else 0)
+    return count

@@ -1,0 +1,173 @@
+"""The cost model's data-parallel, expert and latency terms, each against the figure its
+source states (launcher/plan/cost.py, launcher/plan/ep_comm.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from launcher.plan.cost import LINK_EFFICIENCY, recipe_links, step_cost
+from launcher.plan.suggest import layouts, render_search, search, three_terms
+from models.flops import count_params
+from pretrain_core import hardware
+from pretrain_core.layout import Degrees
+from pretrain_core.model_config import ModelConfig
+from pretrain_core.schema import RecipeConfig
+from tests.helpers import LLAMA3_8B
+
+PEAK = 989.5
+H100 = hardware.links("h100_sxm")
+assert H100 is not None
+# Mixtral 8x22B (mistralai/Mixtral-8x22B-v0.1 config.json): 56 layers of 6144, 48 heads,
+# 8 KV heads, 8 experts of 16384 with top-2 routing, vocabulary 32768.
+MIXTRAL_8X22B = ModelConfig(
+    vocab_size=32768, dim=6144, n_layers=56, n_heads=48, n_kv_heads=8, ffn_dim=16384,
+    max_seq_len=4096, moe_experts=8, moe_top_k=2,
+)  # fmt: skip
+
+
+# Mixtral 8x7B (mistralai/Mixtral-8x7B-v0.1 config.json).
+MIXTRAL_8X7B = ModelConfig(
+    vocab_size=32000, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336,
+    max_seq_len=4096, moe_experts=8, moe_top_k=2,
+)  # fmt: skip
+
+
+def recipe(model: ModelConfig, nodes: int, **parallel: int) -> RecipeConfig:
+    cfg = RecipeConfig(name="cost", model=model, action="plan")
+    cfg.precision.dtype = "bf16"
+    cfg.cluster.nodes, cfg.cluster.gpus_per_node, cfg.cluster.gpu_type = nodes, 8, "h100_sxm"
+    cfg.train.seq_len, cfg.train.micro_batch = 4096, 1
+    cfg.parallel = dataclasses.replace(cfg.parallel, **parallel)
+    return cfg
+
+
+def degrees(cfg: RecipeConfig) -> Degrees:
+    p, world = cfg.parallel, cfg.cluster.nodes * cfg.cluster.gpus_per_node
+    shard = world // (p.pp * p.dp_replicate * p.tp * p.cp)
+    return Degrees(p.pp, p.dp_replicate, shard, p.tp, p.ep, world, p.cp)
+
+
+def dp_total(cfg: RecipeConfig, microbatches: int) -> float:
+    cfg.train.global_batch = microbatches * degrees(cfg).dp
+    return step_cost(cfg, degrees(cfg), microbatches, PEAK, H100).dp_total
+
+
+def test_zero2_gathers_the_parameters_once_per_step_whatever_the_accumulation() -> None:
+    """Megatron-LM's distributed optimizer (docs/source/api-guide/dist_optimizer.md) and
+    FSDP2 without reshard_after_forward all-gather the parameters once per step: with 32
+    micro-batches the data-parallel traffic is that of one (issue 25 item 1: the per
+    micro-batch gather made 340B-462B PP layouts look 20-45% slower than they ran)."""
+    cfg = recipe(LLAMA3_8B, nodes=2, zero=2)
+    assert dp_total(cfg, 32) == pytest.approx(dp_total(cfg, 1))
+
+
+def test_zero3_gathers_every_block_in_each_micro_batchs_forward_and_backward() -> None:
+    """FSDP2 with reshard_after_forward (ZeRO-3) all-gathers each block before its forward
+    and again before its backward (Zhao et al. 2023, "PyTorch FSDP", section 3.2): 31 more
+    micro-batches add 62 gathers of the rank's BF16 parameters, (n-1)/n of them received
+    over InfiniBand (16 ranks on two nodes)."""
+    cfg = recipe(LLAMA3_8B, nodes=2, zero=3)
+    one_gather = 2 * count_params(LLAMA3_8B).total * 15 / 16 / (50e9 * LINK_EFFICIENCY)
+    assert dp_total(cfg, 32) - dp_total(cfg, 1) == pytest.approx(62 * one_gather, rel=1e-6)
+
+
+def test_expert_gradients_reduce_over_their_expert_data_parallel_group_only() -> None:
+    """Expert gradients are summed over the ranks holding the same experts, world / (ep x
+    etp x pp) of them (Megatron-Core MoE docs, "expert data parallelism"; DeepSpeed-MoE,
+    Rajbhandari et al. 2022, section 5). With ep = dp = 8 there is one such rank, so DDP's
+    all-reduce moves the dense parameters' FP32 gradients alone: 2 (n-1)/n of 4 bytes per
+    dense parameter over NVLink (issue 25 item 2: 13 s of traffic on a Mixtral-8x22B
+    layout came from costing the experts as dense)."""
+    cfg = recipe(MIXTRAL_8X22B, nodes=8, tp=1, pp=8, ep=8, zero=0)
+    counts = count_params(MIXTRAL_8X22B)
+    assert counts.experts > 0.9 * counts.total  # the experts are most of the model
+    # The largest stage: the first or the last (embedding or head), 7 of the 56 layers.
+    blocks = (counts.layers - counts.experts) * 7 // 56
+    dense = blocks + max(counts.embedding, counts.final_norm + counts.lm_head)
+    expected = 2 * 4 * dense * 7 / 8 / (450e9 * LINK_EFFICIENCY)
+    assert dp_total(cfg, 8) == pytest.approx(expected, rel=1e-6)
+
+
+def test_the_expert_all_to_all_moves_tokens_times_dim_times_top_k_four_times() -> None:
+    """Dispatch and combine each move every token's top_k rows of dim over the ep group,
+    forward and backward (GShard, Lepikhin et al. 2020, section 3.2; the DeepSeek-V3
+    technical report, section 3.2.2): per MoE layer and micro-batch four all-to-alls of
+    s x k x h BF16 rows, (ep-1)/ep of them sent, here across nodes (ep = 16 > 8 GPUs).
+    The 2x is the trainer's dropless slots (parallel/expert.py SLOT_START)."""
+    cfg = recipe(MIXTRAL_8X22B, nodes=2, tp=1, pp=1, ep=16, zero=3)
+    cfg.train.global_batch = 16
+    cost = step_cost(cfg, degrees(cfg), 1, PEAK, H100)
+    rows = 4096 * 2 * 2.0
+    one = rows * 6144 * 2 * 15 / 16 / (50e9 * LINK_EFFICIENCY) + 5e-6
+    assert cost.ep == pytest.approx(56 * 4 * one, rel=1e-6)
+
+
+def test_full_recompute_repeats_the_forward_dispatch_and_combine() -> None:
+    """A fully recomputed block runs its forward again in backward, with its two
+    all-to-alls (Megatron-Core MoE docs: recompute of the MoE layer re-dispatches)."""
+    plain = recipe(MIXTRAL_8X22B, nodes=1, tp=1, pp=1, ep=8, zero=3)
+    plain.train.global_batch = 8
+    full = dataclasses.replace(plain.recompute, policy="full")
+    again = dataclasses.replace(plain, recompute=full)
+    first = step_cost(plain, degrees(plain), 1, PEAK, H100).ep
+    assert step_cost(again, degrees(again), 1, PEAK, H100).ep == pytest.approx(1.5 * first)
+
+
+def test_pipeline_sends_cost_a_latency_each_however_small() -> None:
+    """A send is never free: with zero-sized activations a pipeline of 16 stages over 16
+    nodes still pays one inter-node latency (NCCL's IB transport, about 5 us) per send,
+    two per micro-batch."""
+    tiny = ModelConfig(vocab_size=64, dim=64, n_layers=16, n_heads=4, ffn_dim=128, max_seq_len=16)
+    cfg = recipe(tiny, nodes=16, pp=16, tp=8, zero=0)
+    cfg.train.seq_len, cfg.train.global_batch = 16, 32
+    cost = step_cost(cfg, degrees(cfg), 32, PEAK, H100)
+    assert cost.pp_p2p >= 32 * 2 * 5e-6
+
+
+def test_the_recipes_link_figures_replace_the_gpu_tables() -> None:
+    """`hardware.*` link fields override the table; 0 keeps it (H800: 400 GB/s NVLink,
+    bidirectional, per the H800 product brief; 160 GB/s measured in the DeepSeek-V3 report)."""
+    cfg = recipe(LLAMA3_8B, nodes=1)
+    assert recipe_links(cfg, "h800") == hardware.Links(200.0, 50.0)
+    cfg.hardware.inter_node_gbs, cfg.hardware.inter_node_latency_us = 25.0, 8.0
+    links = recipe_links(cfg, "h800")
+    assert links is not None
+    assert (links.intra_node_gbs, links.inter_node_gbs, links.inter_node_latency_us) == (
+        200.0,
+        25.0,
+        8.0,
+    )
+    assert hardware.match_device_name("NVIDIA H800") == "h800"
+
+
+def suggest_recipe(model: ModelConfig, gpus: int, seq: int) -> RecipeConfig:
+    cfg = recipe(model, nodes=gpus // 8)
+    cfg.action = "suggest"
+    cfg.train.seq_len, cfg.train.global_batch = seq, 2048
+    cfg.model = dataclasses.replace(model, max_seq_len=seq)
+    return cfg
+
+
+def test_the_search_tries_cp_from_8k_tokens_and_across_nodes() -> None:
+    """Context parallelism pays from 8k tokens on large runs (issue 25: a published 405B
+    run used TP8 CP2 at 8k); tp8 x cp2 spans two nodes of 8 GPUs."""
+    seen = {(lay.tp, lay.cp) for lay in layouts(suggest_recipe(LLAMA3_8B, 64, 8192))}
+    assert (8, 2) in seen and (1, 16) in seen
+    shorter = layouts(suggest_recipe(LLAMA3_8B, 64, 4096))
+    assert {lay.cp for lay in shorter} == {1}
+
+
+def test_the_search_tries_every_expert_parallel_degree_and_prints_three_terms() -> None:
+    """ep is searched (1 to the 8 experts of Mixtral 8x7B), and each suggestion states its
+    step as compute + exposed communication + bubble, which add up to its step time."""
+    cfg = suggest_recipe(MIXTRAL_8X7B, 16, 4096)
+    assert {lay.ep for lay in layouts(cfg)} == {1, 2, 4, 8}
+    cfg.suggest.top = 2
+    result = search(cfg)
+    text = render_search(cfg, result)
+    for suggestion in result.suggestions:
+        terms = three_terms(suggestion.cost)
+        assert sum(terms.values()) == pytest.approx(suggestion.cost.total)
+        assert f"step: compute {terms['compute']:.2f} s + exposed communication" in text

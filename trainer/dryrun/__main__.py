@@ -12,13 +12,16 @@ if __name__ == "__main__":
         sys.exit("usage: python -m trainer.dryrun RANK < config.yaml")
     from omegaconf import OmegaConf
 
-    from trainer.dryrun.run import dry_run
+    from trainer.dryrun.run import DryRunFailure, dry_run
 
     rank = int(sys.argv[1])
     cfg = to_recipe(OmegaConf.create(sys.stdin.read()))
     try:
         result = dry_run(cfg, rank)
-    except Exception as error:  # the report names what broke, for the launcher to print
-        print(json.dumps({"rank": rank, "error": f"{type(error).__name__}: {error}"}))
+    except DryRunFailure as error:
+        print(json.dumps({"rank": rank, "error": str(error)}))
+        sys.exit(1)
+    except ValueError as error:  # a layout or rank the dry run cannot take
+        print(json.dumps({"rank": rank, "error": str(error)}))
         sys.exit(1)
     print(json.dumps(result))

@@ -9,8 +9,10 @@ which would count every full-size shadow tensor. The inference gets a fake mode 
 Three things cannot run on fake tensors and run on real ones here, none holding storage:
 the plain model is built on the meta device outside fake mode (torch cannot `to_empty` a
 fake parameter: it swaps tensors, which a fake tensor's weak references forbid); a DeviceMesh
-computes its coordinates from its small tensor of ranks (data-dependent ops), and the
-bad-step agreement reads the loss and the norm (`FakeStepGuard`).
+computes its coordinates from its small tensor of ranks (data-dependent ops), the
+bad-step agreement reads the loss and the norm (`FakeStepGuard`). A dropless expert-parallel
+dispatch learns its slots from the loads it reads after a step; under fake tensors there
+are none to read, so its slots stay as first sized (the all-reduce is still issued).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import _disable_current_modes
 
 import models
+import trainer.step.local
 
 
 def _outside_modes(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -38,6 +41,14 @@ def _outside_modes(fn: Callable[..., Any]) -> Callable[..., Any]:
             return fn(*args, **kwargs)
 
     return wrapper
+
+
+def _slots_as_sized(_: Callable[..., Any]) -> Callable[..., Any]:
+    def settle(model: Any, n_layers: int, device: torch.device) -> bool:
+        dist.all_reduce(torch.zeros(2, n_layers, dtype=torch.long, device=device))
+        return False
+
+    return settle
 
 
 def _on_real_tensors(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -60,6 +71,7 @@ def fake_world(rank: int, world_size: int) -> Iterator[None]:
         (DeviceMesh, "__init__", _on_real_tensors),
         (ShardingPropagator, "_propagate_tensor_meta_non_cached", _outside_modes),
         (models, "build", _on_real_tensors),
+        (trainer.step.local, "settle_slot_bounds", _slots_as_sized),
     ]
     originals = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
     for owner, name, wrap in patches:

@@ -9,13 +9,16 @@ checkpoint I/O, metrics sinks and the watchdog; nothing is written.
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
+from parallel.data_parallel import uses_fsdp
 from parallel.mesh import JobMesh, build_mesh
-from pretrain_core.layout import grad_accum_steps, resolve_degrees
+from pretrain_core.layout import Degrees, grad_accum_steps, resolve_degrees
 from pretrain_core.schema import RecipeConfig
 from trainer.build import build_train_state
 from trainer.dryrun.collectives import CollectiveCounter
@@ -50,6 +53,25 @@ def dry_run_device(job_device: str) -> torch.device:
     return torch.device(job_device, 0) if job_device == "cuda" else torch.device(job_device)
 
 
+def unsupported(cfg: RecipeConfig, degrees: Degrees) -> str | None:
+    """Why this layout cannot be dry-run yet (None when it can)."""
+    if degrees.pp > 1:
+        # torch's pipeline stages infer their shapes from their neighbours (a warm-up vote
+        # read with .item() and metadata sent as objects); a fake group delivers neither.
+        return (
+            f"parallel.pp={degrees.pp}: pipeline stages infer their shapes from their "
+            "neighbours at the first step, which a fake process group cannot deliver; "
+            "dry-run a layout with pp=1"
+        )
+    if degrees.grad_replicas > 1 and not uses_fsdp(cfg.parallel, degrees):
+        # DDP checks every parameter's shape against rank 0's with a real collective.
+        return (
+            f"parallel.zero={cfg.parallel.zero} with {degrees.grad_replicas} gradient replicas "
+            "runs DDP, whose start-up reads the parameters' values, which fake tensors lack"
+        )
+    return None
+
+
 def dry_run(cfg: RecipeConfig, rank: int) -> dict[str, Any]:
     """Build rank `rank` of `cfg`'s job and run one step under fake tensors; what it held at
     its peak (by category, in bytes), when, and the collectives it issued."""
@@ -57,13 +79,17 @@ def dry_run(cfg: RecipeConfig, rank: int) -> dict[str, Any]:
     degrees = resolve_degrees(cfg)
     if not 0 <= rank < degrees.world:
         raise ValueError(f"dryrun.rank={rank}: the job has ranks 0 to {degrees.world - 1}")
+    problem = unsupported(cfg, degrees)
+    if problem:
+        raise ValueError(problem)
     device = dry_run_device(cfg.cluster.device)
     with fake_world(rank, degrees.world):
         mesh = build_mesh(degrees, device.type)
         counter = CollectiveCounter()
         tracker = StepMemTracker()
         with fake_tensors(), counter:
-            state = build_train_state(cfg, mesh, device)
+            with _while("building the model and optimizer"):
+                state = build_train_state(cfg, mesh, device)
             state.phases = StepPhases(device)
             ctx = StepContext(state, cfg, degrees, device, mesh, FakeStepGuard(device))  # type: ignore[arg-type]
             stepper: Stepper = pipeline_step(ctx) if degrees.pp > 1 else LocalStep(ctx)
@@ -73,14 +99,14 @@ def dry_run(cfg: RecipeConfig, rank: int) -> dict[str, Any]:
             build_bytes = dict(counter.bytes)
             counter.bytes.clear()
             counter.calls.clear()
-            with tracker:
+            with tracker, _while("running the training step"):
                 stepper.step(micro_batches)
         peak = _device_bytes(tracker.get_tracker_snapshot("peak"), device)
         after = _device_bytes(tracker.get_tracker_snapshot("current"), device)
         coordinates = _coordinates(mesh)
     # The first step's forward runs before the optimizer has states; every later step's
     # holds them (the plan's peak is that of a later step).
-    steady = peak.get("Total", 0) + (after.get("Optstate", 0) - peak.get("Optstate", 0))
+    steady = peak.get("Total", 0) + max(0, after.get("Optstate", 0) - peak.get("Optstate", 0))
     return {
         "rank": rank,
         "device": device.type,
@@ -97,6 +123,18 @@ def dry_run(cfg: RecipeConfig, rank: int) -> dict[str, Any]:
         "build_collectives": {kind: int(b) for kind, b in build_bytes.items()},
         "seconds": time.monotonic() - start,
     }
+
+
+class DryRunFailure(RuntimeError):
+    """The layout failed to build or step; the message says at which point and why."""
+
+
+@contextlib.contextmanager
+def _while(doing: str) -> Iterator[None]:
+    try:
+        yield
+    except Exception as error:
+        raise DryRunFailure(f"{doing}: {type(error).__name__}: {error}") from error
 
 
 def _device_bytes(

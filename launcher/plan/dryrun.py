@@ -13,6 +13,7 @@ import json
 import subprocess
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 from launcher.plan.memory import memory_breakdown
 from launcher.plan.plan import Plan, plan_to_dict
@@ -20,6 +21,8 @@ from pretrain_core.hardware import GIB
 from pretrain_core.layout import grad_accum_steps, resolve_degrees
 from pretrain_core.schema import RecipeConfig, dump_config
 
+INSTALL_ROOT = Path(__file__).resolve().parents[2]
+"""The directory holding the `launcher` package this module was imported from, and `trainer`."""
 TIMEOUT_S = 900.0
 """A dry run of the largest layouts takes minutes; one that takes longer is a hang."""
 
@@ -66,9 +69,10 @@ def run_dry_run(cfg: RecipeConfig, rank: int) -> dict:
     if not 0 <= rank < degrees.world:
         raise DryRunError(rank, f"dryrun.rank={rank}: the job has ranks 0 to {degrees.world - 1}")
     try:
-        # -P: the trainer is imported from the installed packages, never from the user's cwd.
+        # Started in the directory this launcher was imported from: the trainer comes from
+        # the same install (or checkout), never from the user's cwd.
         done = subprocess.run(
-            [sys.executable, "-P", "-m", "trainer.dryrun", str(rank)],
+            [sys.executable, "-m", "trainer.dryrun", str(rank)], cwd=INSTALL_ROOT,
             input=dump_config(cfg), capture_output=True, text=True, timeout=TIMEOUT_S,
         )  # fmt: skip
     except subprocess.TimeoutExpired:

@@ -100,3 +100,14 @@ def test_plan_dryrun_refuses_a_submission_whose_dry_run_fails_naming_rank_and_re
     refused = refusal(cfg, make_plan(cfg))
     assert refused is not None
     assert refused.startswith("Recipe 'small' is refused: the dry run of rank 5 failed:")
+
+
+def test_a_dropless_expert_parallel_layout_under_selective_recompute_steps():
+    """A block's recomputation issues the ops its forward did, though the dispatch's slot
+    bound has seen that forward's load by then."""
+    cfg = compose_recipe(
+        "tiny_moe",
+        ["parallel.ep=2", "parallel.zero=2", "recompute=selective", "train.global_batch=8"],
+    )
+    result = run_dry_run(cfg, 1)
+    assert result["collectives"]["all_to_all"] > 0

@@ -149,10 +149,10 @@ def render(plan: Plan, result: dict) -> str:
         lines.append(
             f"  {c.name:<36}{c.plan_bytes / GIB:>10.2f}{c.measured_bytes / GIB:>13.2f}{ratio:>8}"
         )
-    lines.append("  collectives of the step (bytes sent by this rank, calls):")
-    for kind, sent in sorted(result["collectives"].items()):
-        calls = result["collective_calls"].get(kind, 0)
-        lines.append(f"    {kind:<20}{sent / GIB:>10.2f} GiB {calls:>8} calls")
+    lines.append("  collectives of the step (bytes sent by this rank, calls), by group size:")
+    for kind, sent in sorted(result["collectives_by_group"].items()):
+        calls = result["collective_calls_by_group"].get(kind, 0)
+        lines.append(f"    {kind:<28}{sent / GIB:>10.2f} GiB {calls:>8} calls")
     return "\n".join(lines)
 
 

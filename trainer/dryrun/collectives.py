@@ -12,6 +12,8 @@ from collections import defaultdict
 from typing import Any
 
 import torch
+from torch.distributed import ProcessGroup
+from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -34,8 +36,20 @@ def _kind(name: str) -> str:
     return base.removesuffix("_coalesced").strip("_")
 
 
+def _group_size(func: Any, args: Any, kwargs: dict) -> int:
+    """Ranks in the op's group: c10d ops take the group, functional ones its name."""
+    named = dict(zip((a.name for a in func._schema.arguments), args, strict=False)) | kwargs
+    if "group_size" in named:
+        return int(named["group_size"])
+    if "group_name" in named:
+        return _resolve_process_group(named["group_name"]).size()
+    group = named.get("process_group")
+    return ProcessGroup.unbox(group).size() if group is not None else 1
+
+
 class CollectiveCounter(TorchDispatchMode):
-    """Bytes and calls per collective kind while active."""
+    """Bytes and calls per collective kind and group size ("all_gather over 8") while
+    active."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -48,7 +62,7 @@ class CollectiveCounter(TorchDispatchMode):
         if namespace in _NAMESPACES:
             name = packet.__name__
             if name not in _SKIP:
-                kind = _kind(name)
+                kind = f"{_kind(name)} over {_group_size(func, args, kwargs or {})}"
                 sent = args[1] if namespace == "c10d" and name in _INPUT_SECOND else args[0]
                 flat, _ = tree_flatten(sent)
                 self.bytes[kind] += sum(

@@ -118,11 +118,22 @@ def dry_run(cfg: RecipeConfig, rank: int) -> dict[str, Any]:
         "after_step": after,
         "steady_peak": steady,
         "peak_gib": steady / GIB,
-        "collectives": {kind: int(b) for kind, b in counter.bytes.items()},
-        "collective_calls": {kind: int(n) for kind, n in counter.calls.items()},
+        "collectives": _by_kind(counter.bytes),
+        "collective_calls": _by_kind(counter.calls),
+        "collectives_by_group": {key: int(b) for key, b in counter.bytes.items()},
+        "collective_calls_by_group": {key: int(n) for key, n in counter.calls.items()},
         "build_collectives": {kind: int(b) for kind, b in build_bytes.items()},
         "seconds": time.monotonic() - start,
     }
+
+
+def _by_kind(figures: dict[str, int]) -> dict[str, int]:
+    """ "all_gather over 8" and "all_gather over 2" summed as all_gather."""
+    kinds: dict[str, int] = {}
+    for key, value in figures.items():
+        kind = key.split(" over ")[0]
+        kinds[kind] = kinds.get(kind, 0) + int(value)
+    return kinds
 
 
 class DryRunFailure(RuntimeError):

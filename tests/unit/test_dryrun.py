@@ -87,7 +87,7 @@ def test_llama3_8b_at_its_recipe_layout_builds_and_steps_with_the_planned_states
     figures = {c.name: c for c in comparisons(make_plan(cfg), result)}
     assert figures["parameters"].ratio == pytest.approx(1.0, abs=TOLERANCE)
     assert figures["optimizer states"].ratio == pytest.approx(1.0, abs=TOLERANCE)
-    # The plan's peak, measured: plan / dry run was 0.71 (the plan is short of saved
+    # The plan's peak, measured: plan / dry run was 0.72 (the plan is short of saved
     # activations and of the unsharded gradients FSDP holds across micro-batches); stated,
     # not yet within the 10% the issue asks.
     assert 0.5 < figures["peak of later steps"].ratio < 1.5
@@ -110,4 +110,16 @@ def test_a_dropless_expert_parallel_layout_under_selective_recompute_steps():
         ["parallel.ep=2", "parallel.zero=2", "recompute=selective", "train.global_batch=8"],
     )
     result = run_dry_run(cfg, 1)
+    assert result["collectives"]["all_to_all"] > 0
+
+
+@pytest.mark.slow
+def test_mixtral_8x7b_at_its_recipe_layout_steps_within_the_planned_peak():
+    """Full size, MoE: 8 experts over ep=8, ZeRO-3 over 16 ranks, full recompute (two
+    micro-batches of the step's 16). Every category's peak: plan / dry run was 1.02."""
+    cfg = compose_recipe("mixtral_8x7b", ["train.global_batch=32"])
+    result = run_dry_run(cfg, fullest_rank(cfg))
+    figures = {c.name: c for c in comparisons(make_plan(cfg), result)}
+    for name in ("parameters", "optimizer states", "peak of later steps"):
+        assert figures[name].ratio == pytest.approx(1.0, abs=TOLERANCE), name
     assert result["collectives"]["all_to_all"] > 0

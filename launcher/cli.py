@@ -5,7 +5,8 @@
 `action=run` (default) writes the run dir and launches (torchrun here, or sbatch);
 `action=plan` prints the plan and writes nothing; `action=script` writes the run dir and
 the job script and launches nothing; `action=suggest` lists the fastest layouts that fit;
-`action=prepare` tokenizes the data into prepared datasets (here, or as a SLURM CPU job).
+`action=prepare` tokenizes the data into prepared datasets (here, or as a SLURM CPU job);
+`action=dryrun` builds one rank and runs one step under fake collectives and fake tensors.
 Nothing here imports torch, so the command starts fast.
 """
 
@@ -119,11 +120,25 @@ def execute(cfg: RecipeConfig, launched: dict | None = None) -> float | None:
         if cfg.plan.chart == "png":
             _draw_pipeline_chart(cfg, plan)
         return None
+    if cfg.action == "dryrun":
+        from launcher.plan.dryrun import dry_run_action
+
+        _fail_on(dry_run_action(cfg, plan))
+        return None
     if cfg.plan.before_run == "full":
         print(render_plan(plan))
     elif cfg.plan.before_run == "summary":
         print(render_summary(plan))
+    if cfg.plan.dryrun and cfg.action == "run" and cfg.cluster.backend == "slurm":
+        from launcher.plan.dryrun import refusal
+
+        _fail_on(refusal(cfg, plan))
     return _write_and_start(cfg, plan_to_dict(plan), launched)
+
+
+def _fail_on(problem: str | None) -> None:
+    if problem:
+        _fail(problem)
 
 
 def _draw_pipeline_chart(cfg: RecipeConfig, plan: Any) -> None:
@@ -149,7 +164,7 @@ def _validate_for_action(cfg: RecipeConfig) -> None:
         launch = cfg.action == "run"
         here = launch and cfg.cluster.backend == "local"
         validate(cfg, for_launch=launch, run_dir=cfg.action in ("run", "script"), here=here)
-        if cfg.action != "plan":
+        if cfg.action not in ("plan", "dryrun"):
             # A job that would run out of memory is refused before it is written or submitted.
             check_fits(cfg)
         if cfg.action == "run" and cfg.cluster.backend == "slurm":

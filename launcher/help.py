@@ -18,6 +18,7 @@ ACTIONS = {
     "script": "write the run dir and its job script; launch nothing",
     "suggest": "list the fastest layouts of the model that fit the cluster",
     "prepare": "tokenize the data into a prepared dataset (here, or as a SLURM CPU job)",
+    "dryrun": "build one rank and run one step under fake collectives and tensors; vs the plan",
 }
 """What each `action=` does (the schema's `action` field lists the same names)."""
 

@@ -83,8 +83,11 @@ class SlotBound:
         return self.used
 
     def observe(self, largest: torch.Tensor) -> None:
-        """Remember the largest slot this forward needed (on the device: no sync)."""
-        self.seen = largest if self.seen is None else torch.maximum(self.seen, largest)
+        """Remember the largest slot this forward needed (on the device: no sync).
+
+        The same one op whether or not an earlier forward was seen: a block under selective
+        recompute must issue in its recomputation the ops its forward did."""
+        self.seen = torch.maximum(largest if self.seen is None else self.seen, largest)
 
     def settle(self, largest: int) -> bool:
         """Adapt to the step's largest load over all ranks; True when a slot overflowed."""

@@ -19,7 +19,7 @@ from pretrain_core.optim_states import STATE_DTYPES
 from pretrain_core.schedules import DEFAULT as DEFAULT_SCHEDULE
 from pretrain_core.schedules import SCHEDULES
 
-ACTIONS = ("run", "plan", "script", "suggest", "prepare")
+ACTIONS = ("run", "plan", "script", "suggest", "prepare", "dryrun")
 PP_SCHEDULES = tuple(SCHEDULES)
 DTYPES = ("fp32", "bf16", "fp16", "fp8")
 FP8_BACKENDS = ("torchao", "te")
@@ -481,6 +481,17 @@ class PlanConfig:
     """What `action=run` and `action=script` print of the plan before the job: summary (a
     few lines: layout, size, memory, speed and every warning), full (what action=plan
     prints) or none."""
+    dryrun: bool = False
+    """Dry-run the fullest rank (action=dryrun) before a SLURM submission, and refuse the job
+    if the dry run fails or does not fit; costs about a minute."""
+
+
+@dataclass
+class DryrunConfig:
+    """What action=dryrun runs: one rank of the job, under fake collectives and tensors."""
+
+    rank: int = -1
+    """The rank to dry-run; -1 picks the one the plan says holds the most memory."""
 
 
 @dataclass
@@ -501,7 +512,9 @@ class RecipeConfig:
     """run (plan, write the run dir, launch or submit), plan (print only) or script
     (write the run dir and job script, launch nothing) or suggest (list the fastest layouts
     of the model on the cluster that fit; launcher/plan/suggest.py) or prepare (tokenize the
-    data into a prepared dataset, here or as a CPU-only SLURM job)."""
+    data into a prepared dataset, here or as a CPU-only SLURM job) or dryrun (build one rank
+    of the job and run one step under fake collectives and fake tensors; compare with the
+    plan)."""
     seed: int = 1234
     """Seed for weights and data order; the same seed gives the same run in every layout."""
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -523,6 +536,7 @@ class RecipeConfig:
     run: RunConfig = field(default_factory=RunConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
     suggest: SuggestConfig = field(default_factory=SuggestConfig)
+    dryrun: DryrunConfig = field(default_factory=DryrunConfig)
 
 
 def choice_fields(

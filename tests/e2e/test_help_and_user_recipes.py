@@ -29,7 +29,7 @@ def test_help_lists_recipes_actions_and_every_field_with_its_doc(tmp_path: Path)
     out = result.stdout
     recipes = out[out.index("recipes (--config-name") : out.index("actions (")]
     assert all(name in recipes for name in RECIPES)
-    for action in ("run", "plan", "script", "suggest", "prepare"):
+    for action in ("run", "plan", "script", "suggest", "prepare", "dryrun"):
         assert f"\n  {action} " in out
     assert "  precision  bf16, fp16, fp32, fp8, fp8_te" in out
     lines = out.splitlines()

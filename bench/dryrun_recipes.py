@@ -1,0 +1,84 @@
+"""Dry-run every shipped recipe (and the Llama 3 405B layout the search picks on 16,384
+H100) at its layout, under fake collectives and fake tensors, and print the plan beside the
+measurement: rank, plan GiB, dry-run GiB, plan / dry run, the step's collective bytes and
+seconds.
+
+    python bench/dryrun_recipes.py [--micro-batches 2] [RECIPE ...]
+
+Each rank's step runs `--micro-batches` micro-batches (the global batch is cut to that many
+per data-parallel rank): a step's peak and its per-micro-batch traffic are those of its
+second micro-batch on, so two measure what the recipe's full accumulation would, in minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from hydra import compose, initialize_config_dir  # noqa: E402
+
+import launcher.cli  # noqa: E402,F401  (registers the recipe schema with Hydra)
+from launcher.plan.dryrun import DryRunError, chosen_rank, comparisons, run_dry_run  # noqa: E402
+from launcher.plan.plan import make_plan  # noqa: E402
+from pretrain_core.hardware import GIB  # noqa: E402
+from pretrain_core.layout import resolve_degrees  # noqa: E402
+from pretrain_core.schema import RecipeConfig, to_recipe  # noqa: E402
+
+RECIPES = ("gpt2_124m", "llama3_1b", "llama3_8b", "llama3_70b", "mixtral_8x7b", "deepseek_v2_lite")
+LLAMA3_405B = [
+    "model=llama3_70b", "model.dim=16384", "model.n_layers=126", "model.n_heads=128",
+    "model.ffn_dim=53248", "model.rope_theta=500000", "parallel.tp=8", "parallel.pp=16",
+    "cluster.nodes=2048", "train.global_batch=2048",
+]  # fmt: skip
+"""The 405B layout of tests/unit/test_published_layouts.py (TP8 PP16 DP128, 16,384 H100)."""
+
+
+def recipe(name: str, overrides: list[str], micro_batches: int) -> RecipeConfig:
+    with initialize_config_dir(config_dir=str(REPO / "recipes"), version_base=None):
+        cfg = to_recipe(compose(config_name=name, overrides=overrides))
+    dp = resolve_degrees(cfg).dp
+    cfg.train.global_batch = micro_batches * cfg.train.micro_batch * dp
+    return cfg
+
+
+def row(label: str, cfg: RecipeConfig) -> str:
+    start = time.monotonic()
+    rank = chosen_rank(cfg)
+    plan = make_plan(cfg)
+    try:
+        result = run_dry_run(cfg, rank)
+    except DryRunError as err:
+        return f"| {label} | {rank} | | | | {err.reason} | {time.monotonic() - start:.0f} |"
+    peak = {c.name: c for c in comparisons(plan, result)}["peak of later steps"]
+    sent = ", ".join(f"{k} {v / GIB:.2f}" for k, v in sorted(result["collectives"].items()))
+    return (
+        f"| {label} | {rank} | {peak.plan_bytes / GIB:.2f} | {peak.measured_bytes / GIB:.2f} "
+        f"| {peak.ratio:.2f} | {sent} | {time.monotonic() - start:.0f} |"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--micro-batches", type=int, default=2)
+    parser.add_argument("recipes", nargs="*", default=[*RECIPES, "llama3_405b"])
+    args = parser.parse_args()
+    print(
+        "| recipe or layout | rank | plan GiB | dry-run GiB | plan / dry run "
+        "| collectives GiB (measured) | s |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for name in args.recipes:
+        if name == "llama3_405b":
+            cfg = recipe("llama3_70b", LLAMA3_405B, args.micro_batches)
+        else:
+            cfg = recipe(name, [], args.micro_batches)
+        print(row(name, cfg), flush=True)
+
+
+if __name__ == "__main__":
+    main()

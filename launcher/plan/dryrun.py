@@ -1,0 +1,187 @@
+"""action=dryrun: one rank of the job through the trainer's real build and one real step,
+under fake collectives and fake tensors (`python -m trainer.dryrun`, a child process: the
+launcher imports no torch), set beside the plan's own figures.
+
+The plan's peak counts an allowance the dry run cannot see (CUDA context, NCCL, allocator
+fragmentation: `MemoryBreakdown.framework`), so the measured peak is compared with the plan's
+peak without it.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from launcher.plan.memory import memory_breakdown
+from launcher.plan.plan import Plan, plan_to_dict
+from pretrain_core.hardware import GIB
+from pretrain_core.layout import grad_accum_steps, resolve_degrees
+from pretrain_core.schema import RecipeConfig, dump_config
+
+INSTALL_ROOT = Path(__file__).resolve().parents[2]
+"""The directory holding the `launcher` package this module was imported from, and `trainer`."""
+TIMEOUT_S = 900.0
+"""A dry run of the largest layouts takes minutes; one that takes longer is a hang."""
+
+
+class DryRunError(RuntimeError):
+    """The dry run did not complete: the layout failed to build or step on `rank`."""
+
+    def __init__(self, rank: int, reason: str) -> None:
+        super().__init__(f"the dry run of rank {rank} failed: {reason}")
+        self.rank, self.reason = rank, reason
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """One figure of the plan beside the dry run's."""
+
+    name: str
+    plan_bytes: float
+    measured_bytes: float
+
+    @property
+    def ratio(self) -> float | None:
+        """plan / measured; None where nothing was measured."""
+        return self.plan_bytes / self.measured_bytes if self.measured_bytes else None
+
+
+def fullest_rank(cfg: RecipeConfig) -> int:
+    """The global rank of the pipeline stage the memory model says peaks highest (rank 0
+    without a pipeline): the first rank of that stage, pp being the outermost mesh dim."""
+    degrees = resolve_degrees(cfg)
+    micro = cfg.parallel.pp_microbatches or grad_accum_steps(cfg)
+    totals = [memory_breakdown(cfg, degrees, micro, r).total for r in range(degrees.pp)]
+    return totals.index(max(totals)) * (degrees.world // degrees.pp)
+
+
+def chosen_rank(cfg: RecipeConfig) -> int:
+    """`dryrun.rank`, or the fullest rank when it is -1."""
+    return cfg.dryrun.rank if cfg.dryrun.rank >= 0 else fullest_rank(cfg)
+
+
+def run_dry_run(cfg: RecipeConfig, rank: int) -> dict:
+    """Dry-run `rank` of `cfg` in a child process; its JSON result (DryRunError if it fails)."""
+    degrees = resolve_degrees(cfg)
+    if not 0 <= rank < degrees.world:
+        raise DryRunError(rank, f"dryrun.rank={rank}: the job has ranks 0 to {degrees.world - 1}")
+    try:
+        # Started in the directory this launcher was imported from: the trainer comes from
+        # the same install (or checkout), never from the user's cwd.
+        done = subprocess.run(
+            [sys.executable, "-m", "trainer.dryrun", str(rank)], cwd=INSTALL_ROOT,
+            input=dump_config(cfg), capture_output=True, text=True, timeout=TIMEOUT_S,
+        )  # fmt: skip
+    except subprocess.TimeoutExpired:
+        raise DryRunError(rank, f"no result after {TIMEOUT_S:.0f} s") from None
+    lines = done.stdout.strip().splitlines()
+    try:
+        result = json.loads(lines[-1]) if lines else {}
+    except json.JSONDecodeError:
+        result = {}
+    if done.returncode != 0 or "error" in result or not result:
+        tail = done.stderr.strip().splitlines()[-1:] or [f"exit status {done.returncode}"]
+        raise DryRunError(rank, result.get("error") or tail[0])
+    return result
+
+
+def comparisons(plan: Plan, result: dict) -> list[Comparison]:
+    """The plan's memory per category and peak beside what the dry run measured (the plan's
+    peak without its framework allowance)."""
+    assert plan.memory is not None
+    m, built, after, peak = plan.memory, result["built"], result["after_step"], result["peak"]
+    return [
+        Comparison("parameters", m.params, built.get("Parameter", 0) + built.get("Buffer", 0)),
+        Comparison("optimizer states", m.optimizer_states, after.get("Optstate", 0)),
+        Comparison("gradients at peak", m.grads, peak.get("Gradient", 0)),
+        Comparison("activations at peak", m.activations + m.logits, peak.get("Activation", 0)),
+        Comparison("peak of later steps", m.total - m.framework, result["steady_peak"]),
+    ]
+
+
+def fits(plan: Plan, result: dict) -> str | None:
+    """Why the dry run's peak does not fit the device (None when it fits or the device's
+    memory is unknown): the measured peak plus the plan's framework allowance."""
+    assert plan.memory is not None
+    if not plan.gpu_memory_gib:
+        return None
+    need = (result["steady_peak"] + plan.memory.framework) / GIB
+    if need <= plan.gpu_memory_gib:
+        return None
+    return (
+        f"rank {result['rank']} peaks at {need:.1f} GiB (measured {result['peak_gib']:.1f} GiB "
+        f"+ the plan's {plan.memory.framework / GIB:.1f} GiB allowance), more than the "
+        f"{plan.gpu_memory_gib:.0f} GiB of a {plan.gpu_type}"
+    )
+
+
+def _comparison_dict(c: Comparison) -> dict:
+    gib = {"plan_gib": c.plan_bytes / GIB, "dryrun_gib": c.measured_bytes / GIB}
+    return {"name": c.name, **gib, "ratio": c.ratio}
+
+
+def report_dict(plan: Plan, result: dict) -> dict:
+    """The `dryrun` object of `plan.format=json`: the measurement and the plan's figures."""
+    assert plan.memory is not None
+    return {
+        **result,
+        "plan_peak_gib": (plan.memory.total - plan.memory.framework) / GIB,
+        "plan_peak_with_allowance_gib": plan.memory.total / GIB,
+        "comparison": [_comparison_dict(c) for c in comparisons(plan, result)],
+        "fits": fits(plan, result) is None,
+    }
+
+
+def render(plan: Plan, result: dict) -> str:
+    """The table: each figure of the plan, as measured under fake tensors, and their ratio."""
+    coords = ", ".join(f"{k} {v}" for k, v in result["coordinates"].items())
+    lines = [
+        f"dry run of rank {result['rank']} of {result['world_size']} ({coords}) on fake "
+        f"{result['device']} tensors: {result['micro_batches']} micro-batches, "
+        f"{result['seconds']:.0f} s",
+        f"  {'':<36}{'plan GiB':>10}{'dry run GiB':>13}{'ratio':>8}",
+    ]
+    for c in comparisons(plan, result):
+        ratio = f"{c.ratio:.2f}" if c.ratio is not None else "-"
+        lines.append(
+            f"  {c.name:<36}{c.plan_bytes / GIB:>10.2f}{c.measured_bytes / GIB:>13.2f}{ratio:>8}"
+        )
+    lines.append("  collectives of the step (bytes sent by this rank, calls), by group size:")
+    for kind, sent in sorted(result["collectives_by_group"].items()):
+        calls = result["collective_calls_by_group"].get(kind, 0)
+        lines.append(f"    {kind:<28}{sent / GIB:>10.2f} GiB {calls:>8} calls")
+    return "\n".join(lines)
+
+
+def dry_run_action(cfg: RecipeConfig, plan: Plan) -> str | None:
+    """action=dryrun: print the comparison (one JSON object under plan.format=json); the
+    problem to exit with when the dry run fails."""
+    rank = chosen_rank(cfg)
+    try:
+        result = run_dry_run(cfg, rank)
+    except DryRunError as err:
+        return f"Recipe '{cfg.name}': {err}"
+    if cfg.plan.format == "json":
+        print(json.dumps({**plan_to_dict(plan), "dryrun": report_dict(plan, result)}))
+    else:
+        print(render(plan, result))
+        problem = fits(plan, result)
+        print(f"  does not fit: {problem}" if problem else "  fits")
+    return None
+
+
+def refusal(cfg: RecipeConfig, plan: Plan) -> str | None:
+    """plan.dryrun=true before a submission: why the job is refused (its dry run fails or
+    does not fit), None to submit it."""
+    rank = chosen_rank(cfg)
+    print(f"dry-running rank {rank} before submission (plan.dryrun=true) ...", flush=True)
+    try:
+        result = run_dry_run(cfg, rank)
+    except DryRunError as err:
+        return f"Recipe '{cfg.name}' is refused: {err}"
+    print(render(plan, result))
+    problem = fits(plan, result)
+    return f"Recipe '{cfg.name}' is refused: {problem}" if problem else None

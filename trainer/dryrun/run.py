@@ -1,0 +1,166 @@
+"""One rank of a job, dry: the trainer's real build (`trainer.build.build_train_state`, every
+`parallel.apply_*`) and one real optimizer step (every micro-batch through the layout's
+stepper, backward, clipping, the optimizer's update) in a fake world (`trainer/dryrun/fake.py`),
+with torch's memory tracker and a collective counter watching.
+
+What does not run: data loading (synthetic token batches of the recipe's shapes instead),
+checkpoint I/O, metrics sinks and the watchdog; nothing is written.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from parallel.data_parallel import uses_fsdp
+from parallel.mesh import JobMesh, build_mesh
+from pretrain_core.layout import Degrees, grad_accum_steps, resolve_degrees
+from pretrain_core.schema import RecipeConfig
+from trainer.build import build_train_state
+from trainer.dryrun.collectives import CollectiveCounter
+from trainer.dryrun.fake import FakeStepGuard, fake_tensors, fake_world
+from trainer.dryrun.tracker import StepMemTracker
+from trainer.step.context import StepContext
+from trainer.step.local import LocalStep
+from trainer.step.phases import StepPhases
+from trainer.step.pipeline import pipeline_step
+from trainer.step.state import MicroBatches, Stepper
+
+GIB = 2**30
+
+
+def synthetic_batches(cfg: RecipeConfig, device: torch.device) -> MicroBatches:
+    """One step's micro-batches of token ids, of the shapes the loader gives this rank."""
+    shape = (cfg.train.micro_batch, cfg.train.seq_len)
+    return [
+        (
+            torch.randint(0, cfg.model.vocab_size, shape, device=device),
+            torch.randint(0, cfg.model.vocab_size, shape, device=device),
+        )
+        for _ in range(grad_accum_steps(cfg))
+    ]
+
+
+def dry_run_device(job_device: str) -> torch.device:
+    """The device type the fake tensors carry: the job's, or the host's where this machine
+    has no CUDA (FSDP asks the CUDA runtime for its current device, even under fake mode)."""
+    if job_device == "cuda" and not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device(job_device, 0) if job_device == "cuda" else torch.device(job_device)
+
+
+def unsupported(cfg: RecipeConfig, degrees: Degrees) -> str | None:
+    """Why this layout cannot be dry-run yet (None when it can)."""
+    if degrees.pp > 1:
+        # torch's pipeline stages infer their shapes from their neighbours (a warm-up vote
+        # read with .item() and metadata sent as objects); a fake group delivers neither.
+        return (
+            f"parallel.pp={degrees.pp}: pipeline stages infer their shapes from their "
+            "neighbours at the first step, which a fake process group cannot deliver; "
+            "dry-run a layout with pp=1"
+        )
+    if degrees.grad_replicas > 1 and not uses_fsdp(cfg.parallel, degrees):
+        # DDP checks every parameter's shape against rank 0's with a real collective.
+        return (
+            f"parallel.zero={cfg.parallel.zero} with {degrees.grad_replicas} gradient replicas "
+            "runs DDP, whose start-up reads the parameters' values, which fake tensors lack"
+        )
+    return None
+
+
+def dry_run(cfg: RecipeConfig, rank: int) -> dict[str, Any]:
+    """Build rank `rank` of `cfg`'s job and run one step under fake tensors; what it held at
+    its peak (by category, in bytes), when, and the collectives it issued."""
+    start = time.monotonic()
+    degrees = resolve_degrees(cfg)
+    if not 0 <= rank < degrees.world:
+        raise ValueError(f"dryrun.rank={rank}: the job has ranks 0 to {degrees.world - 1}")
+    problem = unsupported(cfg, degrees)
+    if problem:
+        raise ValueError(problem)
+    device = dry_run_device(cfg.cluster.device)
+    with fake_world(rank, degrees.world):
+        mesh = build_mesh(degrees, device.type)
+        counter = CollectiveCounter()
+        tracker = StepMemTracker()
+        with fake_tensors(), counter:
+            with _while("building the model and optimizer"):
+                state = build_train_state(cfg, mesh, device)
+            state.phases = StepPhases(device)
+            ctx = StepContext(state, cfg, degrees, device, mesh, FakeStepGuard(device))  # type: ignore[arg-type]
+            stepper: Stepper = pipeline_step(ctx) if degrees.pp > 1 else LocalStep(ctx)
+            micro_batches = synthetic_batches(cfg, device)
+            tracker.track_external(state.model, state.optimizer)
+            built = _device_bytes(tracker.get_tracker_snapshot("current"), device)
+            build_bytes = dict(counter.bytes)
+            counter.bytes.clear()
+            counter.calls.clear()
+            with tracker, _while("running the training step"):
+                stepper.step(micro_batches)
+        peak = _device_bytes(tracker.get_tracker_snapshot("peak"), device)
+        after = _device_bytes(tracker.get_tracker_snapshot("current"), device)
+        coordinates = _coordinates(mesh)
+    # The first step's forward runs before the optimizer has states; every later step's
+    # holds them (the plan's peak is that of a later step).
+    steady = peak.get("Total", 0) + max(0, after.get("Optstate", 0) - peak.get("Optstate", 0))
+    return {
+        "rank": rank,
+        "device": device.type,
+        "world_size": degrees.world,
+        "coordinates": coordinates,
+        "micro_batches": len(micro_batches),
+        "built": built,
+        "peak": peak,
+        "after_step": after,
+        "steady_peak": steady,
+        "peak_gib": steady / GIB,
+        "collectives": _by_kind(counter.bytes),
+        "collective_calls": _by_kind(counter.calls),
+        "collectives_by_group": {key: int(b) for key, b in counter.bytes.items()},
+        "collective_calls_by_group": {key: int(n) for key, n in counter.calls.items()},
+        "build_collectives": {kind: int(b) for kind, b in build_bytes.items()},
+        "seconds": time.monotonic() - start,
+    }
+
+
+def _by_kind(figures: dict[str, int]) -> dict[str, int]:
+    """ "all_gather over 8" and "all_gather over 2" summed as all_gather."""
+    kinds: dict[str, int] = {}
+    for key, value in figures.items():
+        kind = key.split(" over ")[0]
+        kinds[kind] = kinds.get(kind, 0) + int(value)
+    return kinds
+
+
+class DryRunFailure(RuntimeError):
+    """The layout failed to build or step; the message says at which point and why."""
+
+
+@contextlib.contextmanager
+def _while(doing: str) -> Iterator[None]:
+    try:
+        yield
+    except Exception as error:
+        raise DryRunFailure(f"{doing}: {type(error).__name__}: {error}") from error
+
+
+def _device_bytes(
+    snapshot: dict[torch.device, dict[str, int]], device: torch.device
+) -> dict[str, int]:
+    """The snapshot's figures for the job's device (the host's too, under offload)."""
+    out: dict[str, int] = {}
+    for dev, figures in snapshot.items():
+        prefix = "" if dev.type == device.type else f"{dev.type}:"
+        for key, value in figures.items():
+            out[prefix + key] = out.get(prefix + key, 0) + int(value)
+    return out
+
+
+def _coordinates(mesh: JobMesh) -> dict[str, int]:
+    """This rank's place on each mesh dim."""
+    names = mesh.world.mesh_dim_names or ()
+    return dict(zip(names, mesh.world.get_coordinate() or (), strict=True))

@@ -31,9 +31,12 @@ from launcher.compose.recipe_files import (
     defaults_problems,
     file_problem,
     group_options,
+    has_package_header,
     hydra_problem,
+    is_hydra_key,
     load,
     package_of,
+    read_text,
     unknown_option,
     yaml_files,
 )
@@ -118,6 +121,16 @@ def recipe_names(dirs: list[Path]) -> list[str]:
     return sorted(names)
 
 
+def _config_name_problem(name: str) -> Problem | None:
+    """A recipe name is looked up in the search path only: no absolute path, no `..`."""
+    parts = Path(name).parts
+    if Path(name).is_absolute() or name.startswith("~") or ".." in parts:
+        reason = "a recipe is named by its file in the search path, not by a path leading out of it"
+        fix = "put the file in a directory and give --config-dir DIR --config-name NAME"
+        return Problem("--config-name", name, reason, fix)
+    return None
+
+
 def _primary_file(name: str, dirs: list[Path]) -> Path | None:
     for d in dirs:
         for suffix in ("", ".yaml", ".yml"):
@@ -143,9 +156,14 @@ def _file_problems(dirs: list[Path], user: list[Path]) -> list[Problem]:
             problems += found
             if content is None:
                 continue
-            section = package_of(path, directory)
-            if section and section not in sections():
-                continue  # a folder of the user's own that no recipe section matches
+            text = read_text(path)[0] or ""
+            section = package_of(path, directory, text)
+            # A folder of the user's own that no recipe section matches is never composed
+            # into the recipe; a file whose header places it (anywhere, Hydra's settings
+            # included) is checked where it lands.
+            placed = has_package_header(text)
+            if section and section not in sections() and not placed:
+                continue
             problems += content_problems(path, content, section)
             problems += defaults_problems(path, content, dirs)
     return problems
@@ -229,7 +247,7 @@ def _override_problems(arguments: list[str], dirs: list[Path], multirun: bool) -
         key = override.key_or_group
         if is_sweeper_setting(key):
             problems += sweeper_problems(override, multirun)
-        elif key == "hydra" or key.startswith(("hydra.", "hydra/")):
+        elif is_hydra_key(key):
             problems.append(hydra_problem(key, argument.partition("=")[2]))
         elif override.package is not None:
             reason = "group@package overrides move a group elsewhere in the recipe"
@@ -257,8 +275,11 @@ def checked_command_line(argv: list[str], default_recipe: str) -> list[str]:
         return argv
     dirs, user, problems = _search_path(args)
     name = (args.config_name or default_recipe).removesuffix(".yaml")
-    primary = _primary_file(name, dirs)
-    if primary is None:
+    name_problem = _config_name_problem(name)
+    primary = None if name_problem else _primary_file(name, dirs)
+    if name_problem:
+        problems.append(name_problem)
+    elif primary is None:
         recipes = recipe_names(dirs)
         problems.append(unknown_option("--config-name", name, recipes, "no such recipe"))
     problems += _file_problems(dirs, user)

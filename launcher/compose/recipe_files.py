@@ -152,17 +152,44 @@ def _is_dict_field(path: str) -> bool:
     return typing.get_origin(leaf_types().get(path)) is dict
 
 
-def package_of(path: Path, config_dir: Path) -> str:
+def header_package(text: str) -> str | None:
+    """The `# @package` of a file's header as Hydra reads it (every leading `# @key value`
+    line, not only the first), or None; a header Hydra would refuse reads as None here and
+    Hydra's own error follows."""
+    from hydra.plugins.config_source import ConfigSource
+
+    try:
+        return ConfigSource._get_header_dict(text).get("package")
+    except ValueError:
+        return None
+
+
+def package_of(path: Path, config_dir: Path, text: str | None = None) -> str:
     """The recipe section a file's content lands in: its group folder, or the whole recipe
-    (a `# @package` header says otherwise)."""
-    first = path.read_text(errors="replace").lstrip().splitlines()[:1]
-    header = re.match(r"#\s*@package\s+(\S+)", first[0]) if first else None
+    (a `# @package` header says otherwise: `_global_` is the whole recipe, `_group_` the
+    folder, `_global_.a.b` is `a.b`)."""
+    if text is None:
+        text, _ = read_text(path)
     relative = path.relative_to(config_dir).parent.as_posix()
     group = "" if relative == "." else relative.replace("/", ".")
-    if header:
-        package = header.group(1)
-        return "" if package == "_global_" else group if package == "_group_" else package
-    return group
+    package = header_package(text or "")
+    if package is None:
+        return group
+    parts = [group if part == "_group_" else part for part in package.split(".")]
+    if parts[0] == "_global_":
+        parts = parts[1:]
+    return ".".join(part for part in parts if part)
+
+
+def has_package_header(text: str) -> bool:
+    """Whether a file's header names its package (so its folder does not decide)."""
+    return header_package(text) is not None
+
+
+def is_hydra_key(key: str) -> bool:
+    """Whether a dotted key, group path or package lies in Hydra's own settings."""
+    key = key.strip().lstrip("/")
+    return key == "hydra" or key.startswith(("hydra.", "hydra/"))
 
 
 def content_problems(path: Path, content: dict, section: str) -> list[Problem]:
@@ -170,7 +197,7 @@ def content_problems(path: Path, content: dict, section: str) -> list[Problem]:
     prefix = f"{section}." if section else ""
     problems = []
     for key, value in _leaves({k: v for k, v in content.items() if k != "defaults"}, prefix):
-        if key == "hydra" or key.startswith("hydra."):
+        if is_hydra_key(key):
             problem: Problem | None = hydra_problem(key, value)
         elif not key_exists(key):
             problem = unknown_key(key, value)
@@ -196,16 +223,20 @@ def hydra_problem(field: str, value: Any) -> Problem:
 
 
 def defaults_problems(path: Path, content: dict, dirs: list[Path]) -> list[Problem]:
-    """Entries of a user file's defaults list: no Hydra groups, options that exist."""
+    """Entries of a user file's defaults list: no Hydra groups or packages (`x@hydra`),
+    options that exist."""
     problems = []
     for entry in content.get("defaults") or []:
+        if isinstance(entry, str):
+            entry = {entry: None}
         if not isinstance(entry, dict):
             continue
         for raw_key, option in entry.items():
             key = str(raw_key).removeprefix("override ").removeprefix("optional ").strip()
-            group = key.lstrip("/").split("@")[0]
+            group, _, package = key.lstrip("/").partition("@")
+            package = package.removeprefix("_global_").lstrip(".")
             field = f"defaults: {raw_key}"
-            if group == "hydra" or group.startswith("hydra/"):
+            if is_hydra_key(group) or is_hydra_key(package):
                 problem: Problem | None = hydra_problem(field, option)
             elif isinstance(option, str) and "optional" not in str(raw_key):
                 options = group_options(group, dirs)

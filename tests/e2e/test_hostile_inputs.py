@@ -76,6 +76,32 @@ RECIPE_FILES: dict[str, bytes] = {
 }
 """Hostile recipe files, each alone in recipes/<name>/<name>.yaml."""
 
+CALLBACK = "callbacks:\n  x:\n    _target_: builtins.open\n    file: {root}/owned\n    mode: w\n"
+RECIPE_TREES: dict[str, dict[str, str]] = {
+    # A group file whose header moves it into Hydra's settings: a callback that opens (and
+    # truncates) any file would run at composition.
+    "pkg_hydra": {"model/evil.yaml": "# @package hydra\n" + CALLBACK},
+    "pkg_global_hydra": {"model/evil.yaml": "# @package _global_.hydra\n" + CALLBACK},
+    "pkg_hydra_callbacks": {
+        "model/evil.yaml": "# @package hydra.callbacks\n" + CALLBACK.split("\n", 1)[1]
+    },
+    # Hydra reads every leading `# @key value` line, not only the first.
+    "pkg_second_header_line": {"model/evil.yaml": "# @foo bar\n# @package hydra\n" + CALLBACK},
+    "pkg_primary_hydra": {"main.yaml": "# @package hydra\n" + CALLBACK},
+    "pkg_unknown_section": {"model/evil.yaml": "# @package nowhere\nsteps: 3\n"},
+    "defaults_at_hydra": {
+        "main.yaml": "defaults:\n  - tiny\n  - grp@hydra: evil\n  - _self_\n",
+        "grp/evil.yaml": CALLBACK,
+    },
+    "defaults_string_at_hydra": {
+        "main.yaml": "defaults:\n  - tiny\n  - grp/evil@hydra\n  - _self_\n",
+        "grp/evil.yaml": CALLBACK,
+    },
+    "clean": {},
+}
+"""Hostile recipe trees, each in recipes/<name>/ with main.yaml (the tiny recipe, unless
+the tree has its own) as the recipe composed."""
+
 
 def recipe(name: str, field: str = "") -> Case:
     args = ("--config-dir", f"{{root}}/recipes/{name}", "--config-name", name)
@@ -91,7 +117,29 @@ def rule(case_id: str, *args: str, field: str = "") -> Case:
     return Case(case_id, args, field or args[-1].lstrip("+~").split("=")[0], composed=True)
 
 
+def tree_case(name: str, field: str, *args: str) -> Case:
+    dirs = ("--config-dir", f"{{root}}/trees/{name}", "--config-name", "main")
+    return Case(f"tree_{name}", (*dirs, *args, "action=plan"), field)
+
+
 CASES = [
+    # Hydra's settings reached through a file's package header or a defaults entry
+    tree_case("pkg_hydra", "hydra.callbacks.x._target_", "model=evil"),
+    tree_case("pkg_global_hydra", "hydra.callbacks.x._target_", "model=evil"),
+    tree_case("pkg_hydra_callbacks", "hydra.callbacks.x._target_", "model=evil"),
+    tree_case("pkg_second_header_line", "hydra.callbacks.x._target_", "model=evil"),
+    tree_case("pkg_primary_hydra", "hydra.callbacks.x._target_"),
+    tree_case("pkg_unknown_section", "nowhere.steps", "model=evil"),
+    tree_case("defaults_at_hydra", "defaults: grp@hydra"),
+    tree_case("defaults_string_at_hydra", "defaults: grp/evil@hydra"),
+    # a recipe named by a path out of the search path skips every file check
+    cli(
+        "config_name_dotdot",
+        *("--config-dir", "{root}/trees/clean", "--config-name", "../../outside"),
+        field="--config-name=../../outside",
+    ),
+    cli("config_name_absolute", "--config-name", "{root}/outside", field="--config-name="),
+    cli("config_name_home", "--config-name", "~/outside", field="--config-name="),
     # Hydra-level: keys, types, groups, recipes, syntax
     cli("unknown_key", "model.hidden=3"),
     cli("typo_did_you_mean", "parallel.tpp=2", field="did you mean parallel.tp"),
@@ -250,6 +298,13 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     for name, content in RECIPE_FILES.items():
         (root / "recipes" / name).mkdir(parents=True)
         (root / "recipes" / name / f"{name}.yaml").write_bytes(content)
+    for name, files in RECIPE_TREES.items():
+        files = {"main.yaml": "defaults:\n  - tiny\n  - _self_\n", **files}
+        for relative, text in files.items():
+            (root / "trees" / name / relative).parent.mkdir(parents=True, exist_ok=True)
+            (root / "trees" / name / relative).write_text(text.replace("{root}", str(root)))
+    # An alias bomb outside every search path: reached only by a path as the recipe name.
+    (root / "outside.yaml").write_bytes(RECIPE_FILES["bomb"])
     mounted = (
         os.geteuid() == 0
         and not subprocess.run(
@@ -356,7 +411,15 @@ def test_the_suite_is_large_enough() -> None:
 
 
 @pytest.mark.parametrize(
-    "case_id", ["recipe_bomb", "deep_list_argument", "hydra_callbacks", "not_utf8_argument"]
+    "case_id",
+    [
+        "recipe_bomb",
+        "deep_list_argument",
+        "hydra_callbacks",
+        "not_utf8_argument",
+        "tree_pkg_hydra",
+        "config_name_dotdot",
+    ],
 )
 def test_a_real_pretrain_process_refuses_cleanly_and_quickly(root: Path, case_id: str) -> None:
     case = next(c for c in CASES if c.id == case_id)

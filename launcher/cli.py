@@ -41,6 +41,7 @@ from launcher.job.sweep import (
     summary,
     swept_keys,
 )
+from pretrain_core.inputs.boundary import run_command
 from pretrain_core.problems import RecipeError
 from pretrain_core.run.rundir import PREEMPTED_MARKER
 from pretrain_core.schema import RecipeConfig, dump_config, to_recipe
@@ -240,12 +241,18 @@ def _help_filter(argv: list[str]) -> str:
 
 
 def main() -> None:
-    """Console entry point of `pretrain`: the command line and recipe files are checked
-    before Hydra composes, and Hydra's errors are reported like the validator's."""
+    """Console entry point of `pretrain` (and `pretrain status`), inside the error boundary:
+    a user error exits 2, Ctrl-C 130, a bug 1 with its traceback saved, never shown."""
     if sys.argv[1:2] == ["status"]:
         from launcher.job.status import main as status
 
-        raise SystemExit(status(sys.argv[2:]))
+        run_command("pretrain status", lambda: status(sys.argv[2:]))
+    run_command("pretrain", _main)
+
+
+def _main() -> None:
+    """The command line and recipe files are checked before Hydra composes, and Hydra's
+    errors are reported like the validator's."""
     try:
         argv = with_user_recipes(sys.argv[1:])
         if _wants_help(argv):

@@ -14,7 +14,6 @@ when drawing.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -22,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pretrain_core.inputs.reading import ReadError, integer, json_objects, number
 from pretrain_core.run.rundir import METRICS_FILE
 
 PANELS = (
@@ -54,8 +54,8 @@ class Metrics:
         """Steps and values of one metric; a missing or null value is NaN (a gap)."""
         values = []
         for record in self.records:
-            value = record.get(name)
-            values.append(math.nan if value is None else float(value) * scale)
+            value = number(record.get(name))
+            values.append(math.nan if value is None else value * scale)
         return [r["step"] for r in self.records], values
 
 
@@ -63,17 +63,18 @@ def load_metrics(path: Path) -> Metrics:
     """Read a metrics.jsonl: the last record per step, sorted by step."""
     by_step: dict[int, dict] = {}
     resumed_at: list[int] = []
-    skipped = 0
     previous = None
-    for line in path.read_text(encoding="utf-8").splitlines():
-        if not line.strip():
-            continue
+    rows, skipped = json_objects(path, "a run's metrics.jsonl (one JSON object per line)")
+    for record in rows:
         try:
-            record = json.loads(line)
-            step = int(record["step"])
-        except (ValueError, TypeError, KeyError):
+            step = integer(record.get("step"), path, "step")
+        except ReadError:
+            step = None
+        if step is None:
             skipped += 1
             continue
+        # A metric that is not a finite number (text, an infinity) is a gap, as null is.
+        record = {**record, "step": step}
         # Steps go up within one run: a step at or below the previous one starts a resume.
         if previous is not None and step <= previous:
             resumed_at.append(step)
@@ -147,8 +148,9 @@ def _mark_resumes(ax: Any, metrics: Metrics) -> None:
 def _title(run_dir: Path, metrics: Metrics) -> str:
     last = metrics.records[-1]
     parts = [run_dir.name, f"step {last['step']}"]
-    if last.get("loss") is not None:
-        parts.append(f"loss {last['loss']:.4f}")
+    loss = number(last.get("loss"))
+    if loss is not None:
+        parts.append(f"loss {loss:.4f}")
     return " | ".join(parts)
 
 
@@ -165,7 +167,7 @@ def run_dirs(paths: list[Path]) -> list[Path]:
 
 def _load(run_dir: Path) -> Metrics:
     source = run_dir / METRICS_FILE
-    if not source.is_file():
+    if not source.exists():
         print(f"pretrain-report: no {source}; give a run dir the trainer logged to",
               file=sys.stderr)  # fmt: skip
         raise SystemExit(2)
@@ -180,7 +182,14 @@ def _load(run_dir: Path) -> Metrics:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Console entry point of `pretrain-report`: draw the PNG and print its path."""
+    """Console entry point of `pretrain-report`, inside the error boundary."""
+    from pretrain_core.inputs.boundary import run_command
+
+    run_command("pretrain-report", lambda: _main(argv))
+
+
+def _main(argv: list[str] | None) -> None:
+    """Draw the PNG and print its path."""
     parser = argparse.ArgumentParser(
         prog="pretrain-report",
         description="Draw the curves of RUN_DIR/metrics.jsonl into RUN_DIR/report.png; "
@@ -198,7 +207,11 @@ def main(argv: list[str] | None = None) -> None:
         parent = Path(os.path.commonpath([d.resolve() for d in dirs]))
         title = f"{len(runs)} runs under {parent.name or parent}"
         default = parent / "report.png"
-    print(draw(runs, args.out or default, title))
+    out = args.out or default
+    if out.exists() and not out.is_file():
+        found = "a directory" if out.is_dir() else "not a regular file"
+        raise ReadError(out, found, "the PNG file to write", "give --out a new file's path")
+    print(draw(runs, out, title))
 
 
 if __name__ == "__main__":

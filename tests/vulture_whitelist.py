@@ -34,3 +34,4 @@ _.local_step
 _.local_drain
 _.newest
 _.one_process_loader  # trainer/data/loader.py: bench/, tests/pipedream_oracle.py
+_.dashboard  # launcher/entry.py: the pretrain-dashboard console script (pyproject.toml)

@@ -48,6 +48,7 @@ from launcher.compose.recipe_keys import (
     value_problem,
 )
 from launcher.compose.sweep_settings import is_sweeper_setting, sweeper_problems
+from pretrain_core.inputs.reading import env_value
 from pretrain_core.problems import Problem, RecipeError, or_list
 
 RECIPES_ENV = "PRETRAIN_RECIPES"
@@ -103,7 +104,7 @@ def with_user_recipes(argv: list[str]) -> list[str]:
     command line gives no --config-dir of its own (the flag wins)."""
     from hydra._internal.utils import get_args_parser
 
-    env_dir = os.environ.get(RECIPES_ENV, "")
+    env_dir = env_value(os.environ, RECIPES_ENV)
     if not env_dir or get_args_parser().parse_args(argv).config_dir is not None:
         return argv
     if not Path(env_dir).expanduser().is_dir():

@@ -20,14 +20,15 @@ from typing import Any
 import yaml
 
 from launcher.compose.recipe_keys import key_exists, leaf_types, unknown_key, value_problem
+from pretrain_core.inputs.reading import (
+    ReadError,
+    read_bytes,
+    yaml_shape_problem,
+)
 from pretrain_core.problems import Problem, or_list
 
 MAX_BYTES = 1 << 20
 """A recipe larger than 1 MiB is not a recipe (the shipped ones are under 2 KiB)."""
-MAX_ALIASES = 32
-"""YAML anchors plus aliases per file: recipes need few; an alias bomb needs many."""
-MAX_DEPTH = 32
-"""Nesting depth of a recipe's mappings and lists (the schema is three deep)."""
 MAX_FILES = 2000
 """YAML files per config dir that are checked; more is a wrong --config-dir."""
 HYDRA_SETTINGS_FILE = "base.yaml"
@@ -66,7 +67,10 @@ def read_text(path: Path) -> tuple[str | None, list[Problem]]:
             f"{size:,} bytes, more than the {MAX_BYTES:,} a recipe may have",
             "a recipe lists fields and groups; put data elsewhere",
         )
-    raw = path.read_bytes()
+    try:
+        raw = read_bytes(path, "a recipe file (YAML)", MAX_BYTES)
+    except ReadError as err:
+        return _refused(path, err.found, err.fix)
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as err:
@@ -88,31 +92,16 @@ def read_text(path: Path) -> tuple[str | None, list[Problem]]:
 
 def _event_problems(path: Path, text: str) -> list[Problem]:
     """Syntax, aliases and depth, from the parser's events (nothing is constructed)."""
-    aliases = depth = deepest = 0
-    try:
-        for event in yaml.parse(text, Loader=_Loader):
-            if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None):
-                aliases += 1
-            if isinstance(event, (yaml.MappingStartEvent, yaml.SequenceStartEvent)):
-                depth += 1
-                deepest = max(deepest, depth)
-            elif isinstance(event, (yaml.MappingEndEvent, yaml.SequenceEndEvent)):
-                depth -= 1
-            if aliases > MAX_ALIASES or deepest > MAX_DEPTH:
-                break
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        what = getattr(err, "problem", None) or str(err).splitlines()[0]
-        return [file_problem(path, f"not valid YAML{where}: {what}", "fix the YAML syntax")]
-    if aliases > MAX_ALIASES:
-        reason = f"more than {MAX_ALIASES} YAML anchors and aliases"
+    reason = yaml_shape_problem(text)
+    if reason is None:
+        return []
+    if reason.startswith("not valid YAML"):
+        fix = "fix the YAML syntax"
+    elif "anchors" in reason:
         fix = "write the values out; a recipe needs few anchors (an alias bomb needs many)"
-        return [file_problem(path, reason, fix)]
-    if deepest > MAX_DEPTH:
-        reason = f"nested more than {MAX_DEPTH} levels deep"
-        return [file_problem(path, reason, "a recipe's fields are at most three levels deep")]
-    return []
+    else:
+        fix = "a recipe's fields are at most three levels deep"
+    return [file_problem(path, reason, fix)]
 
 
 def check(path: Path) -> tuple[str | None, list[Problem]]:

@@ -432,3 +432,186 @@ def test_a_real_pretrain_process_refuses_cleanly_and_quickly(root: Path, case_id
     assert "Traceback" not in result.stdout + result.stderr
     assert case.field.replace("{root}", str(root)) in result.stderr
     assert tree(root) == before
+
+
+# The tool's other commands read files a run dir holds (or any path given to them): each
+# hostile file is refused with exit 2 naming it, or, for a metrics row that cannot be a
+# step, skipped; never a traceback, a hang or a write.
+
+CONFIG = "name: tiny\ntrain:\n  steps: 10\n"
+FIFO = object()
+"""A FIFO in place of the file: opening it for reading blocks until a writer comes."""
+
+
+@dataclass(frozen=True)
+class FileCase:
+    id: str
+    command: str
+    """status, report or export."""
+    files: dict[str, Any]
+    """Run-dir files: text, bytes, FIFO, or a dict (a folder in place of the file)."""
+    code: int
+    named: str
+    """Must appear in stderr (exit 2) or stdout (exit 0)."""
+
+
+def file_case(case_id: str, command: str, code: int, named: str, **files: Any) -> FileCase:
+    names = {"config_yaml": "config.yaml", "metrics_jsonl": "metrics.jsonl", "run_lock": LOCK_FILE}
+    files = {"config.yaml": CONFIG, **{names.get(k, k): v for k, v in files.items()}}
+    return FileCase(f"{command}_{case_id}", command, files, code, named)
+
+
+ROW = '{"step": 3, "loss": 2.5}\n'
+FILE_CASES = [
+    # run.config.yaml: not a mapping, a section not a mapping, binary, a FIFO, a folder
+    file_case("config_list", "status", 2, "config.yaml", config_yaml="- a\n- b\n"),
+    file_case("config_train_list", "status", 2, "train", config_yaml="name: x\ntrain: [1]\n"),
+    file_case("config_binary", "status", 2, "config.yaml", config_yaml=bytes(range(256))),
+    file_case("config_fifo", "status", 2, "config.yaml", config_yaml=FIFO),
+    file_case("config_folder", "status", 2, "config.yaml", config_yaml={}),
+    file_case("config_bomb", "status", 2, "config.yaml", config_yaml=bomb()),
+    file_case("steps_text", "status", 2, "train.steps", config_yaml="train:\n  steps: x\n"),
+    # metrics rows that cannot be steps are skipped, the others shown
+    file_case("step_null", "status", 0, "0/10", metrics_jsonl='{"step": null}\n'),
+    file_case("step_huge", "status", 0, "3/10", metrics_jsonl=ROW + '{"step": 1e400}\n'),
+    file_case("step_text", "status", 0, "3/10", metrics_jsonl=ROW + '{"step": "x"}\n'),
+    file_case("step_bool", "status", 0, "3/10", metrics_jsonl=ROW + '{"step": true}\n'),
+    file_case("row_list", "status", 0, "3/10", metrics_jsonl=ROW + "[1, 2]\n"),
+    file_case("loss_text", "status", 0, "3/10", metrics_jsonl='{"step": 3, "loss": "x"}\n'),
+    file_case("loss_infinite", "status", 0, "3/10", metrics_jsonl='{"step": 3, "loss": 1e999}\n'),
+    file_case("metrics_binary", "status", 2, "metrics.jsonl", metrics_jsonl=b"\xff\xfe\x00"),
+    file_case("metrics_fifo", "status", 2, "metrics.jsonl", metrics_jsonl=FIFO),
+    file_case("lock_list", "status", 0, "3/10", metrics_jsonl=ROW, run_lock="[1, 2]"),
+    file_case("slurm_binary", "status", 2, "slurm_job_id", slurm_job_id=b"\xff" * 8),
+    file_case("slurm_not_an_id", "status", 0, "no job id", slurm_job_id="1; rm -rf ~\n"),
+    # pretrain-report: the same rows, and an --out that is not a file to write
+    file_case("step_null", "report", 2, "no logged step", metrics_jsonl='{"step": null}\n'),
+    file_case("step_huge", "report", 2, "no logged step", metrics_jsonl='{"step": 1e400}\n'),
+    file_case("metrics_binary", "report", 2, "metrics.jsonl", metrics_jsonl=bytes(range(256))),
+    file_case("metrics_fifo", "report", 2, "metrics.jsonl", metrics_jsonl=FIFO),
+    file_case("metrics_folder", "report", 2, "metrics.jsonl", metrics_jsonl={}),
+    file_case("out_folder", "report", 2, "out", metrics_jsonl=ROW, out={}),
+    file_case("out_fifo", "report", 2, "out", metrics_jsonl=ROW, out=FIFO),
+    # pretrain-export reads the run's config.yaml before any checkpoint
+    file_case("config_list", "export", 2, "config.yaml", config_yaml="- a\n"),
+    file_case("config_binary", "export", 2, "config.yaml", config_yaml=bytes(range(256))),
+    file_case("config_fifo", "export", 2, "config.yaml", config_yaml=FIFO),
+    file_case("config_wrong_type", "export", 2, "train.steps", config_yaml="train:\n  steps: x\n"),
+]
+
+
+def make_files(run_dir: Path, files: dict[str, Any]) -> None:
+    run_dir.mkdir(parents=True)
+    for name, content in files.items():
+        path = run_dir / name
+        if content is FIFO:
+            os.mkfifo(path)
+        elif isinstance(content, dict):
+            path.mkdir()
+        elif isinstance(content, bytes):
+            path.write_bytes(content)
+        else:
+            path.write_text(content)
+
+
+def run_tool(command: str, run_dir: Path, cwd: Path) -> tuple[int, str, str]:
+    """The command's console entry point in this process (its error boundary included)."""
+    import sys
+
+    out, err, argv, code = io.StringIO(), io.StringIO(), sys.argv, 0
+    sys.argv = {
+        "status": ["pretrain", "status", str(run_dir)],
+        "report": ["pretrain-report", str(run_dir), "--out", str(run_dir / "out")],
+        "export": ["pretrain-export", str(run_dir), str(cwd.parent / "exported")],
+    }[command]
+    entry = {"status": "pretrain", "report": "report", "export": "export"}[command]
+    from launcher import entry as entries
+
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            getattr(entries, entry)()
+    except SystemExit as exit_:
+        code = exit_.code if isinstance(exit_.code, int) else 1
+    finally:
+        sys.argv = argv
+    return code, out.getvalue(), err.getvalue()
+
+
+@pytest.mark.parametrize("case", FILE_CASES, ids=[c.id for c in FILE_CASES])
+def test_a_hostile_run_dir_file_is_refused_cleanly_or_skipped(root: Path, case: FileCase) -> None:
+    run_dir = root / "files" / case.id
+    make_files(run_dir, case.files)
+    before = tree(root)
+    code, out, err = run_tool(case.command, run_dir, root / "work")
+    assert code == case.code, f"exit {code}\n{out[-2000:]}\n{err[-2000:]}"
+    assert "Traceback" not in out + err
+    assert case.named in (err if code else out), (out + err)[-2000:]
+    if code:
+        assert len(err.strip().splitlines()) <= 3, err  # a line or two, not a dump
+    assert tree(root) == before, "something was written"
+
+
+def test_there_is_a_file_case_for_every_command_and_kind() -> None:
+    kinds = {(c.command, type(v).__name__ if v is not FIFO else "fifo") for c in FILE_CASES
+             for v in c.files.values()}  # fmt: skip
+    for command in ("status", "report", "export"):
+        assert {(command, "fifo"), (command, "bytes"), (command, "str")} <= kinds
+
+
+# The error boundary of the entry points, in real processes: a bug is one line naming the
+# saved traceback, exit 1; Ctrl-C is one line, exit 130.
+
+
+def test_an_unexpected_error_is_one_line_with_the_traceback_saved(root: Path) -> None:
+    """A broken install (matplotlib that fails to import) while drawing a report."""
+    broken = root / "broken_site"
+    broken.mkdir(exist_ok=True)
+    (broken / "matplotlib.py").write_text("raise RuntimeError('a broken matplotlib')\n")
+    run_dir = root / "files" / "boundary_report"
+    make_files(run_dir, {"config.yaml": CONFIG, "metrics.jsonl": ROW})
+    temp = root / "tmp"
+    temp.mkdir(exist_ok=True)
+    env = dict(
+        os.environ,
+        TMPDIR=str(temp),
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=os.pathsep.join([str(broken), os.environ.get("PYTHONPATH", "")]),
+    )
+    import sys
+
+    command = [sys.executable, "-c", "from launcher.entry import report; report()"]
+    result = subprocess.run(
+        [*command, str(run_dir)], capture_output=True, text=True, timeout=60, env=env
+    )
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert "Traceback" not in result.stdout + result.stderr
+    [line] = result.stderr.strip().splitlines()
+    assert "pretrain-report: unexpected error" in line and "a broken matplotlib" in line
+    [saved] = (temp / "pretrain-tracebacks").iterdir()
+    assert str(saved) in line
+    assert "Traceback" in saved.read_text() and "a broken matplotlib" in saved.read_text()
+    assert not (run_dir / "report.png").exists()
+
+
+@pytest.mark.parametrize("delay_s", [0.5, 1.2])
+def test_ctrl_c_is_one_line_and_exit_130(root: Path, delay_s: float) -> None:
+    """SIGINT while the command's modules load or while it composes and plans."""
+    import signal
+    import sys
+
+    process = subprocess.Popen(
+        [sys.executable, "-m", "launcher", "action=plan", f"run.dir={root}/sigint"],
+        cwd=root / "work",
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
+    time.sleep(delay_s)
+    process.send_signal(signal.SIGINT)
+    out, err = process.communicate(timeout=60)
+    if process.returncode == 0:
+        pytest.skip("the plan finished before the signal came")
+    assert process.returncode == 130, err[-2000:]
+    assert "Traceback" not in out + err
+    assert err.strip().splitlines()[-1] == "pretrain: interrupted (Ctrl-C); stopped"

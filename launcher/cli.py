@@ -27,8 +27,10 @@ from launcher.compose.command_line import (
     checked_command_line,
     hydra_errors_as_problems,
     search_dirs,
+    sweep_scratch,
     with_user_recipes,
 )
+from launcher.compose.sweep_settings import CONFIRM_FLAG
 from launcher.help import render_help
 from launcher.job.sweep import (
     OUTCOMES,
@@ -253,15 +255,17 @@ def main() -> None:
 def _main() -> None:
     """The command line and recipe files are checked before Hydra composes, and Hydra's
     errors are reported like the validator's."""
+    confirmed = CONFIRM_FLAG in sys.argv[1:]  # a large sweep's go-ahead; not Hydra's flag
     try:
-        argv = with_user_recipes(sys.argv[1:])
+        argv = with_user_recipes([a for a in sys.argv[1:] if a != CONFIRM_FLAG])
         if _wants_help(argv):
             print(render_help(search_dirs(argv), _help_filter(argv)))
             return
-        sys.argv[1:] = checked_command_line(argv, DEFAULT_RECIPE)
-        SWEPT_KEYS.update(swept_keys(sys.argv[1:]))
-        with hydra_errors_as_problems():
-            _hydra_main()
+        with sweep_scratch(argv, DEFAULT_RECIPE) as scratch:
+            sys.argv[1:] = checked_command_line(argv, DEFAULT_RECIPE, confirmed) + scratch
+            SWEPT_KEYS.update(swept_keys(sys.argv[1:]))
+            with hydra_errors_as_problems():
+                _hydra_main()
     except RecipeError as err:
         _fail(f"The command line or a recipe is not valid:\n{err}")
     if OUTCOMES:

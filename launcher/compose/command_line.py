@@ -47,7 +47,12 @@ from launcher.compose.recipe_keys import (
     unknown_key,
     value_problem,
 )
-from launcher.compose.sweep_settings import is_sweeper_setting, sweeper_problems
+from launcher.compose.sweep_settings import (
+    is_sweeper_setting,
+    points_problem,
+    sweeper_problems,
+    values_count,
+)
 from pretrain_core.inputs.reading import env_value
 from pretrain_core.problems import Problem, RecipeError, or_list
 
@@ -266,9 +271,54 @@ def _override_problems(arguments: list[str], dirs: list[Path], multirun: bool) -
     return problems
 
 
-def checked_command_line(argv: list[str], default_recipe: str) -> list[str]:
+WRITES_NOTHING = ("plan", "suggest")
+"""Actions that write nothing: a sweep of them keeps Hydra's multirun.yaml in a scratch
+folder that is removed afterwards."""
+
+
+def _parsed(arguments: list[str]) -> list[Any]:
+    """The overrides Hydra can parse (the others are reported by _override_problems)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import OverrideParseException
+
+    parser = OverridesParser.create()
+    parsed = []
+    for argument in arguments:
+        with contextlib.suppress(OverrideParseException):
+            parsed += parser.parse_overrides([argument])
+    return parsed
+
+
+def _sweep_problems(arguments: list[str], multirun: bool, confirmed: bool) -> list[Problem]:
+    """A sweep's size, counted before Hydra enumerates (and composes) every point."""
+    if not multirun:
+        return []
+    parsed = _parsed([a for a in arguments if not _argument_problems(a)])
+    counts = [values_count(o.value()) for o in parsed if o.is_sweep_override()]
+    trials = next((o.value() for o in parsed if o.key_or_group == "hydra.sweeper.n_trials"), 20)
+    problem = points_problem(counts, trials if isinstance(trials, int) else None, confirmed)
+    return [problem] if problem else []
+
+
+def action_of(arguments: list[str], primary: Path | None) -> str:
+    """The action a command line asks for: its last `action=` override, else the recipe
+    file's own `action:`, else the schema's default."""
+    for override in reversed(
+        _parsed([a for a in arguments if a.lstrip("+").startswith("action=")])
+    ):
+        if isinstance(override.value(), str):
+            return str(override.value())
+    content = load(primary)[0] if primary is not None else None
+    action = content.get("action") if isinstance(content, dict) else None
+    return action if isinstance(action, str) else "run"
+
+
+def checked_command_line(
+    argv: list[str], default_recipe: str, confirmed: bool = False
+) -> list[str]:
     """The arguments to hand Hydra: `argv` plus QUIET_HYDRA, once the command line and the
-    recipe files are found sound. Raises RecipeError listing every problem."""
+    recipe files are found sound (a sweep of more than MAX_SWEEP_POINTS points needs
+    `confirmed`, the `--yes` flag). Raises RecipeError listing every problem."""
     from hydra._internal.utils import get_args_parser
 
     args = get_args_parser().parse_args(argv)
@@ -285,9 +335,33 @@ def checked_command_line(argv: list[str], default_recipe: str) -> list[str]:
         problems.append(unknown_option("--config-name", name, recipes, "no such recipe"))
     problems += _file_problems(dirs, user)
     problems += _override_problems(args.overrides, dirs, args.multirun)
+    problems += _sweep_problems(args.overrides, args.multirun, confirmed)
     if problems:
         raise RecipeError(problems)
     return [*argv, *QUIET_HYDRA]
+
+
+@contextlib.contextmanager
+def sweep_scratch(argv: list[str], default_recipe: str) -> Iterator[list[str]]:
+    """The Hydra settings a sweep of an action that writes nothing adds (Hydra writes its
+    multirun.yaml to the sweep dir before the first point: here a scratch folder, removed
+    when the sweep ends); none for anything else."""
+    import shutil
+    import tempfile
+
+    from hydra._internal.utils import get_args_parser
+
+    args = get_args_parser().parse_args(argv)
+    name = (args.config_name or default_recipe).removesuffix(".yaml")
+    primary = _primary_file(name, _search_path(args)[0])
+    if not args.multirun or action_of(args.overrides, primary) not in WRITES_NOTHING:
+        yield []
+        return
+    scratch = tempfile.mkdtemp(prefix="pretrain-sweep-")
+    try:
+        yield [f"hydra.sweep.dir={scratch}"]
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def translate(error: Exception) -> list[Problem] | None:

@@ -262,6 +262,21 @@ CASES = [
         "cluster.partition='a;b'",
         field="cluster.partition",
     ),
+    # numbers no message or search may enumerate up to, and sweeps too large to start
+    rule("heads_huge_prime", "model.n_heads=999999937", field="999999937"),
+    cli("sweep_too_large", "-m", "seed=range(0,100000)", "action=plan", field="100,000 points"),
+    cli("sweep_needs_yes", "-m", "seed=range(0,65)", "action=plan", field="--yes"),
+    cli(
+        "sweep_product_too_large",
+        *("-m", "seed=range(0,1000)", "train.steps=range(1,12)", "action=plan"),
+        field="11,000 points",
+    ),
+    cli(
+        "optuna_trials_too_many",
+        *("-m", "hydra/sweeper=optuna", "hydra.sweeper.n_trials=100000"),
+        *("optim.lr=interval(1e-4,1e-2)", "action=plan"),
+        field="hydra.sweeper.n_trials",
+    ),
     # the same refusals through the whole command
     cli("run_dir_in_use_through_main", "run.dir={root}/busy", field="run.dir"),
     cli("env_path_through_main", "+cluster.env.PATH=/evil", field="cluster.env.PATH"),
@@ -615,3 +630,12 @@ def test_ctrl_c_is_one_line_and_exit_130(root: Path, delay_s: float) -> None:
     assert process.returncode == 130, err[-2000:]
     assert "Traceback" not in out + err
     assert err.strip().splitlines()[-1] == "pretrain: interrupted (Ctrl-C); stopped"
+
+
+def test_a_sweep_of_plans_writes_nothing(root: Path) -> None:
+    """Hydra writes multirun.yaml before the first point; a plan promises to write nothing."""
+    before = tree(root)
+    code, out, err = pretrain_in_process("-m", "seed=1,2", "action=plan", cwd=root / "work")
+    assert code == 0, err[-2000:]
+    assert out.count("plan") >= 2 or "seed=2" in err
+    assert tree(root) == before, "something was written"

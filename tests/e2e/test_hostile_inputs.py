@@ -277,6 +277,28 @@ CASES = [
         *("optim.lr=interval(1e-4,1e-2)", "action=plan"),
         field="hydra.sweeper.n_trials",
     ),
+    # directives the job script owns, given in cluster.sbatch_extra (or abbreviated)
+    *(
+        rule(
+            f"sbatch_extra_{name}",
+            "cluster=slurm",
+            "action=script",
+            f"cluster.sbatch_extra=['{directive}']",
+            field=owner,
+        )  # fmt: skip
+        for name, directive, owner in [
+            ("ntasks", "--ntasks=3", "cluster.sbatch_extra[0]"),
+            ("nodes", "--nodes=4", "cluster.nodes"),
+            ("array", "--array=0-9", "-m"),
+            ("chdir", "--chdir=/", "--chdir"),
+            ("export", "--export=NONE", "cluster.env"),
+            ("signal", "--signal=B:USR1@5", "cluster.signal_seconds"),
+            ("no_requeue", "--no-requeue", "--no-requeue"),
+            ("output", "--output=/tmp/x", "run.dir"),
+            ("abbreviated_output", "--out=/tmp/x", "--output"),
+            ("abbreviated_chdir", "--chd=/", "--chdir"),
+        ]
+    ),
     # the same refusals through the whole command
     cli("run_dir_in_use_through_main", "run.dir={root}/busy", field="run.dir"),
     cli("env_path_through_main", "+cluster.env.PATH=/evil", field="cluster.env.PATH"),

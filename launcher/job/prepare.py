@@ -25,6 +25,7 @@ from launcher.job.run_dir import (
     _write_atomic,
     job_python,
 )
+from pretrain_core.inputs.reading import read_text
 from pretrain_core.run.rundir import LOGS_DIR, PREPARE_CONFIG, PREPARE_SCRIPT
 from pretrain_core.schema import RecipeConfig, dump_config
 
@@ -49,7 +50,7 @@ def render_prepare_sbatch(cfg: RecipeConfig, run_dir: Path, config_path: Path) -
         "config_path": shlex.quote(str(config_path)),
         "python": shlex.quote(job_python(cfg)),
     }
-    template = ScriptTemplate(TEMPLATE.read_text())
+    template = ScriptTemplate(read_text(TEMPLATE, "the shipped prepare job template"))
     found = {m["named"] or m["braced"] for m in template.pattern.finditer(template.template)}
     found.discard(None)
     if found != values.keys():

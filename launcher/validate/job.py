@@ -14,6 +14,7 @@ import shutil
 import subprocess
 
 from launcher.assets import SBATCH_TEMPLATE, template_placeholders
+from pretrain_core.inputs.reading import ReadError, read_text
 from pretrain_core.problems import Checks
 from pretrain_core.schema import RecipeConfig
 
@@ -76,14 +77,11 @@ def _check_template(c: Checks, path_text: str) -> None:
         c.add(field, path_text, "a relative path depends on where pretrain is run", fix)
         return
     try:
-        if path.stat().st_size > MAX_TEMPLATE_BYTES:
-            c.add(field, path_text, f"larger than {MAX_TEMPLATE_BYTES:,} bytes", fix)
-            return
-        text = path.read_text()
-    except (OSError, UnicodeDecodeError) as err:
-        c.add(field, path_text, f"cannot be read ({getattr(err, 'strerror', None) or err})", fix)
+        text = read_text(path, "an sbatch template (text)", MAX_TEMPLATE_BYTES)
+    except ReadError as err:
+        c.add(field, path_text, f"cannot be used: {err.found}", fix)
         return
-    expected = template_placeholders(SBATCH_TEMPLATE.read_text())
+    expected = template_placeholders(read_text(SBATCH_TEMPLATE, "the shipped sbatch template"))
     found = template_placeholders(text)
     if found != expected:
         parts = []

@@ -89,6 +89,16 @@ def read_text(path: Path, expected: str, max_bytes: int = MAX_BYTES) -> str:
     return text
 
 
+def read_json(path: Path, expected: str, max_bytes: int = MAX_BYTES) -> Any:
+    """A regular file's JSON value (shape unchecked: see the accessors)."""
+    text = read_text(path, expected, max_bytes)
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError) as err:
+        found = f"not valid JSON ({str(err).splitlines()[0][:120]})"
+        raise ReadError(path, found, expected, "give the file the tool wrote") from None
+
+
 def json_objects(
     path: Path, expected: str, max_bytes: int = MAX_LOG_BYTES
 ) -> tuple[list[dict[str, Any]], int]:

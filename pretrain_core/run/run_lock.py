@@ -183,9 +183,11 @@ def _stale_reason(run_dir: Path, holder: LockHolder | None) -> str:
 
 
 def _read_text(path: Path) -> str | None:
+    from pretrain_core.inputs.reading import MissingFile, read_text
+
     try:
-        return path.read_text()
-    except FileNotFoundError:
+        return read_text(path, "the run dir's lock (JSON)", 1 << 16)
+    except MissingFile:
         return None
 
 

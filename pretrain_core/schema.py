@@ -536,6 +536,7 @@ def load_config(path: str) -> RecipeConfig:
     the schema's fields is a ReadError naming it and the field at fault."""
     from pathlib import Path
 
+    import yaml
     from omegaconf import DictConfig, OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
@@ -552,7 +553,9 @@ def load_config(path: str) -> RecipeConfig:
         if not isinstance(node, DictConfig):
             raise ReadError(path, "holds a list, not a mapping of fields", expected, fix)
         return to_recipe(node)
-    except OmegaConfBaseException as err:
+    except (OmegaConfBaseException, yaml.YAMLError, ValueError) as err:
+        if isinstance(err, ReadError):
+            raise
         key = getattr(err, "full_key", None)
         found = f"{key}: " if key else ""
         found += str(err).splitlines()[0][:200] if str(err) else type(err).__name__

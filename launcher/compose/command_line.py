@@ -17,6 +17,7 @@ is translated by `hydra_errors_as_problems`.
 from __future__ import annotations
 
 import contextlib
+import difflib
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -177,7 +178,7 @@ def _file_problems(dirs: list[Path], user: list[Path]) -> list[Problem]:
 
 def _argument_problems(argument: str) -> list[Problem]:
     """Length, bracket nesting and encoding of one raw argument."""
-    key = argument.split("=", 1)[0].lstrip("+~")[:80]
+    key = argument.split("=", 1)[0].lstrip("+~")[:80] or "argument"
     try:
         argument.encode("utf-8")
     except UnicodeEncodeError:
@@ -193,6 +194,25 @@ def _argument_problems(argument: str) -> list[Problem]:
         reason = f"brackets nested {deepest} deep, more than {MAX_ARG_DEPTH}"
         return [Problem(key, "...", reason, "no recipe field is nested that deep")]
     return []
+
+
+def _unparsable(argument: str, error: Exception) -> Problem:
+    """An argument Hydra cannot parse: a key with a look-alike (non-ASCII) character is said
+    so, with the key it resembles; anything else gets Hydra's reason and the quoting rule."""
+    import unicodedata
+
+    key = argument.split("=", 1)[0].lstrip("+~")
+    odd = next((c for c in key if not c.isascii()), None)
+    if odd is not None:
+        name = unicodedata.name(odd, "an unnamed character")
+        reason = f"the key holds {odd!r} (U+{ord(odd):04X} {name}); field names are ASCII"
+        ascii_key = unicodedata.normalize("NFKD", key).encode("ascii", "ignore").decode()
+        close = difflib.get_close_matches(ascii_key, leaf_types(), n=1, cutoff=0.6)
+        fix = f"retype it{f': did you mean {close[0]}?' if close else ''}"
+        return Problem(key, argument.partition("=")[2], reason, fix)
+    reason = f"Hydra cannot parse it ({str(error).splitlines()[0]})"
+    fix = "quote values with spaces or brackets: key='a b'; lists are [a,b]"
+    return Problem(key or "argument", argument.partition("=")[2] or argument, reason, fix)
 
 
 def _values(override: Any) -> list[Any]:
@@ -245,13 +265,13 @@ def _override_problems(arguments: list[str], dirs: list[Path], multirun: bool) -
         try:
             [override] = parser.parse_overrides([argument])
         except OverrideParseException as err:
-            key = argument.split("=", 1)[0].lstrip("+~")
-            reason = f"Hydra cannot parse it ({str(err).splitlines()[0]})"
-            fix = "quote values with spaces or brackets: key='a b'; lists are [a,b]"
-            problems.append(Problem(key, argument.partition("=")[2], reason, fix))
+            problems.append(_unparsable(argument, err))
             continue
         key = override.key_or_group
-        if is_sweeper_setting(key):
+        if not key.strip("/."):
+            fix = "write key=value, e.g. train.steps=100 (see pretrain --help)"
+            problems.append(Problem("argument", argument, "no key before the '='", fix))
+        elif is_sweeper_setting(key):
             problems += sweeper_problems(override, multirun)
         elif is_hydra_key(key):
             problems.append(hydra_problem(key, argument.partition("=")[2]))

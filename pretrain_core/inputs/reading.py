@@ -153,7 +153,11 @@ def read_yaml(path: Path, expected: str, max_bytes: int = MAX_BYTES) -> Any:
     problem = yaml_shape_problem(text)
     if problem is not None:
         raise ReadError(path, problem, expected, "give the file the tool wrote")
-    return yaml.load(text, Loader=_Loader)
+    try:
+        return yaml.load(text, Loader=_Loader)
+    except (yaml.YAMLError, ValueError, TypeError) as err:  # e.g. a key that is a list
+        found = f"cannot be read as YAML ({str(err).splitlines()[0][:120]})"
+        raise ReadError(path, found, expected, "give the file the tool wrote") from None
 
 
 def mapping(value: Any, source: Path | str, expected: str) -> dict[str, Any]:

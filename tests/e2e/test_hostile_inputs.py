@@ -262,6 +262,10 @@ CASES = [
         "cluster.partition='a;b'",
         field="cluster.partition",
     ),
+    # accepted, then failing on the ranks, though the recipe alone says so
+    rule("hub_source_without_name", "data.source=hf:", field="data.source=hf:"),
+    rule("hub_source_blank_name", "data.source='hf: :x'", field="data.source"),
+    rule("vocab_below_byte_bpe", "model.vocab_size=10", field="model.vocab_size=10"),
     # numbers no message or search may enumerate up to, and sweeps too large to start
     rule("heads_huge_prime", "model.n_heads=999999937", field="999999937"),
     cli("sweep_too_large", "-m", "seed=range(0,100000)", "action=plan", field="100,000 points"),

@@ -188,17 +188,22 @@ def _prepare(cfg: RecipeConfig) -> None:
     from launcher.validate.data import prepare_problems
     from launcher.validate.recipe import validate
     from pretrain_core.problems import RecipeError
+    from pretrain_core.run.run_lock import RunDirInUse, check_free
 
     try:
         validate(cfg)
         problems = prepare_problems(cfg)
         if problems:
             raise RecipeError(problems)
+        if cfg.cluster.backend == "local":
+            check_free(Path(cfg.run.dir))  # refused before anything is written
         files = write_prepare_files(cfg, Path(cfg.run.dir))
     except RecipeError as err:
         _fail(f"Recipe '{cfg.name}' is not valid:\n{err}")
     except JobError as err:
         _fail(str(err))
+    except RunDirInUse as err:
+        _fail(f"run.dir: {err}")
     print(f"config:     {files.config_path}")
     if cfg.cluster.backend == "slurm":
         try:
@@ -207,7 +212,10 @@ def _prepare(cfg: RecipeConfig) -> None:
             _fail(str(err))
         print(f"submitted SLURM job {job.job_id} (prepare); log: {job.log_path}")
         return
-    code = run_prepare_here(files)
+    try:
+        code = run_prepare_here(files)
+    except LaunchError as err:
+        _fail(f"run.dir: {err}")
     if code != 0:
         _fail(f"preparation exited with code {code}; see the output above", code)
 

@@ -12,11 +12,17 @@ from __future__ import annotations
 import shlex
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 from launcher.assets import PREPARE_TEMPLATE as TEMPLATE
 from launcher.assets import ScriptTemplate
-from launcher.job.backends import SubmittedJob, submit_slurm
+from launcher.job.backends import (
+    LaunchError,
+    SubmittedJob,
+    submit_slurm,
+    wait_forwarding_signals,
+)
 from launcher.job.run_dir import (
     JobError,
     JobFiles,
@@ -26,6 +32,8 @@ from launcher.job.run_dir import (
     job_python,
 )
 from pretrain_core.inputs.reading import read_text
+from pretrain_core.run import run_lock
+from pretrain_core.run.lifeline import child_dies_with_us
 from pretrain_core.run.rundir import LOGS_DIR, PREPARE_CONFIG, PREPARE_SCRIPT
 from pretrain_core.schema import RecipeConfig, dump_config
 
@@ -76,9 +84,33 @@ def write_prepare_files(cfg: RecipeConfig, run_dir: Path) -> JobFiles:
     return JobFiles(run_dir=run_dir, config_path=config_path, script_path=script_path)
 
 
+PREPARE_GRACE_S = 30.0
+"""Seconds the preparation has, after Ctrl-C or SIGTERM, to finish its unit and stop; its
+process group (the tokenizer workers included) is killed after that."""
+
+
 def run_prepare_here(files: JobFiles) -> int:
-    """Prepare in the foreground with this Python; its exit code."""
-    return subprocess.call([sys.executable, "-m", "pretrain_data.prepare", str(files.config_path)])
+    """Prepare in the foreground with this Python, holding the run dir's lock; its exit code.
+
+    As `run` does with its ranks: the child (and its tokenizer workers) runs in its own
+    process group that dies with this process, and Ctrl-C, SIGTERM and SIGHUP are forwarded
+    to the group, so the preparation stops after its current unit and keeps the finished
+    shards (the same command resumes). A child killed by signal N exits 128 + N."""
+    holder = run_lock.LockHolder.this_process()
+    try:
+        run_lock.acquire(files.run_dir, holder)
+    except run_lock.RunDirInUse as err:
+        raise LaunchError(str(err)) from None
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "pretrain_data.prepare", str(files.config_path)],
+            start_new_session=True,
+            preexec_fn=child_dies_with_us(),
+        )
+        code = wait_forwarding_signals(proc, threading.Event(), [], PREPARE_GRACE_S)
+    finally:
+        run_lock.release(files.run_dir, holder.token)
+    return 128 - code if code < 0 else code
 
 
 def submit_prepare(files: JobFiles) -> SubmittedJob:

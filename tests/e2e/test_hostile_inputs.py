@@ -666,3 +666,44 @@ def test_a_sweep_of_plans_writes_nothing(root: Path) -> None:
     assert code == 0, err[-2000:]
     assert out.count("plan") >= 2 or "seed=2" in err
     assert tree(root) == before, "something was written"
+
+
+def test_sigterm_to_the_launcher_stops_the_preparation_it_started(root: Path) -> None:
+    """`action=prepare` owns its child and the child's tokenizer workers: SIGTERM to the
+    launcher stops them all (none left writing into the cache), the finished units are kept
+    for the next run, and the lock the preparation held is released."""
+    import signal
+    import sys
+
+    from pretrain_data.sources import MANIFEST
+    from tests.helpers import generated_documents, live_processes, wait_until_gone, write_jsonl
+
+    work = root / "prepare_stop"
+    docs = generated_documents(24 * 400, seed=3)
+    for i in range(24):
+        write_jsonl(work / "corpus" / f"s{i:02d}.jsonl", docs[400 * i : 400 * (i + 1)])
+    run_dir = work / "run"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "launcher", "action=prepare", f"run.dir={run_dir}",
+         f"data.source={work / 'corpus'}", f"data.cache_dir={work / 'cache'}",
+         "data.workers=2", "model.vocab_size=512", "data.val_fraction=0", "eval.every=0"],
+        cwd=work, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )  # fmt: skip
+    config = str(run_dir / "prepare.yaml")
+    deadline = time.monotonic() + 60
+    while not live_processes(mentioning=config) and time.monotonic() < deadline:
+        assert process.poll() is None, process.communicate()[1][-2000:]
+        time.sleep(0.05)
+    assert live_processes(mentioning=config), "the preparation never started"
+    time.sleep(1.0)  # into the tokenizer's training or the workers' units
+    process.send_signal(signal.SIGTERM)
+    out, err = process.communicate(timeout=120)
+    assert wait_until_gone(mentioning=config, seconds=5) == [], "a child outlived the launcher"
+    assert "Traceback" not in out + err
+    folders = [p for p in (work / "cache" / "datasets").glob("*") if p.is_dir()]
+    if process.returncode == 0:
+        pytest.skip("the preparation finished before the signal came")
+    assert process.returncode in (143, 130, 2), err[-2000:]
+    assert not any((f / MANIFEST).exists() for f in folders), "it went on to the end"
+    assert not (run_dir / LOCK_FILE).exists()

@@ -384,6 +384,23 @@ def sweep_scratch(argv: list[str], default_recipe: str) -> Iterator[list[str]]:
         shutil.rmtree(scratch, ignore_errors=True)
 
 
+def _override_said(message: str) -> Problem | None:
+    """Hydra's words for a `+key` given twice or a `~key` not in the recipe, in ours."""
+    import re
+
+    added = re.search(r"Could not append to config\. An item is already at '([^']+)'", message)
+    if added:
+        key = added.group(1)
+        reason = f"{key} is set already (by the recipe, or by an earlier +{key})"
+        return Problem(f"+{key}", None, reason, f"give it once; without '+' to change it: {key}=V")
+    deleted = re.search(r"Could not delete from config\. '([^']+)' does not exist", message)
+    if deleted:
+        key = deleted.group(1)
+        reason = f"{key} is not in the composed recipe, so there is nothing to remove"
+        return Problem(f"~{key}", None, reason, f"drop ~{key} (see `pretrain --cfg job`)")
+    return None
+
+
 def translate(error: Exception) -> list[Problem] | None:
     """Hydra's or OmegaConf's error as problems; None for errors of other kinds."""
     from hydra.errors import HydraException, MissingConfigException
@@ -398,6 +415,9 @@ def translate(error: Exception) -> list[Problem] | None:
     cause = error.__cause__ if isinstance(error.__cause__, OmegaConfBaseException) else error
     if not isinstance(cause, (HydraException, OmegaConfBaseException)):
         return None
+    said = _override_said(str(cause))
+    if said is not None:
+        return [said]
     lines = [line for line in str(cause).splitlines() if line.strip()]
     field = getattr(cause, "full_key", None) or "recipe"
     value = getattr(cause, "value", None)

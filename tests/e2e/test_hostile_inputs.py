@@ -266,6 +266,12 @@ CASES = [
     rule("hub_source_without_name", "data.source=hf:", field="data.source=hf:"),
     rule("hub_source_blank_name", "data.source='hf: :x'", field="data.source"),
     rule("vocab_below_byte_bpe", "model.vocab_size=10", field="model.vocab_size=10"),
+    # Hydra's own words, said as ours
+    cli("plus_twice", "+cluster.env.X=1", "+cluster.env.X=2", field="+cluster.env.X"),
+    cli("delete_missing", "~cluster.env.NOPE", field="~cluster.env.NOPE"),
+    cli("empty_argument", "", field="argument="),
+    cli("key_only_equals", "=x", field="no key before"),
+    cli("homoglyph_in_key", "tr\u0430in.steps=3", field="did you mean train.steps"),
     # numbers no message or search may enumerate up to, and sweeps too large to start
     rule("heads_huge_prime", "model.n_heads=999999937", field="999999937"),
     cli("sweep_too_large", "-m", "seed=range(0,100000)", "action=plan", field="100,000 points"),

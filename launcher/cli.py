@@ -213,9 +213,13 @@ def _prepare(cfg: RecipeConfig) -> None:
         print(f"submitted SLURM job {job.job_id} (prepare); log: {job.log_path}")
         return
     try:
-        code = run_prepare_here(files)
+        code, stopped_by = run_prepare_here(files)
     except LaunchError as err:
         _fail(f"run.dir: {err}")
+    if stopped_by:
+        print(f"stopped by {stopped_by}; finished units are kept, run the same command again "
+              "to resume", file=sys.stderr)  # fmt: skip
+        raise Stopped(128 + signal.Signals[stopped_by].value)
     if code != 0:
         _fail(f"preparation exited with code {code}; see the output above", code)
 

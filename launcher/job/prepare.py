@@ -84,18 +84,20 @@ def write_prepare_files(cfg: RecipeConfig, run_dir: Path) -> JobFiles:
     return JobFiles(run_dir=run_dir, config_path=config_path, script_path=script_path)
 
 
-PREPARE_GRACE_S = 30.0
-"""Seconds the preparation has, after Ctrl-C or SIGTERM, to finish its unit and stop; its
-process group (the tokenizer workers included) is killed after that."""
+PREPARE_GRACE_S = 5.0
+"""Seconds the preparation has, after Ctrl-C or SIGTERM, to stop; its process group (the
+tokenizer workers included) is killed after that. Units are committed whole, so what was
+finished is kept either way and the same command resumes."""
 
 
-def run_prepare_here(files: JobFiles) -> int:
+def run_prepare_here(files: JobFiles) -> tuple[int, str | None]:
     """Prepare in the foreground with this Python, holding the run dir's lock; its exit code.
 
     As `run` does with its ranks: the child (and its tokenizer workers) runs in its own
     process group that dies with this process, and Ctrl-C, SIGTERM and SIGHUP are forwarded
     to the group, so the preparation stops after its current unit and keeps the finished
-    shards (the same command resumes). A child killed by signal N exits 128 + N."""
+    shards (the same command resumes). (its exit code, 128 + N for a child killed by
+    signal N; the name of the signal that stopped it, None if none did)."""
     holder = run_lock.LockHolder.this_process()
     try:
         run_lock.acquire(files.run_dir, holder)
@@ -107,10 +109,11 @@ def run_prepare_here(files: JobFiles) -> int:
             start_new_session=True,
             preexec_fn=child_dies_with_us(),
         )
-        code = wait_forwarding_signals(proc, threading.Event(), [], PREPARE_GRACE_S)
+        stopped: list[str] = []
+        code = wait_forwarding_signals(proc, threading.Event(), stopped, PREPARE_GRACE_S)
     finally:
         run_lock.release(files.run_dir, holder.token)
-    return 128 - code if code < 0 else code
+    return (128 - code if code < 0 else code), (stopped[0] if stopped else None)
 
 
 def submit_prepare(files: JobFiles) -> SubmittedJob:

@@ -1,6 +1,7 @@
 """The error boundary of every entry point: how a command ends, whatever happened.
 
-- a user error (a RecipeError, a ReadError, a file the system refuses): one line, exit 2;
+- a user error (a RecipeError, a ReadError, a file the system refuses, an unreachable
+  network): one line, exit 2;
 - Ctrl-C: one line, exit 130;
 - anything else is a bug: one line saying what failed, where its traceback was saved and
   how to report it, exit 1.
@@ -78,6 +79,9 @@ def run_command(
         raise SystemExit(130) from None
     except (ReadError, RecipeError, *user_errors) as err:  # type: ignore[misc]
         print(f"{command}: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
+    except (ConnectionError, TimeoutError) as err:  # the network, not a bug
+        print(f"{command}: {err}; check the network (or use a local copy)", file=sys.stderr)
         raise SystemExit(2) from None
     except OSError as err:
         if err.filename is None:

@@ -45,6 +45,8 @@ def test_each_ending_has_its_code_and_one_line(
     assert code == 2 and "a.b=1" in err
     code, err = ended(raising(FileNotFoundError(2, "No such file", "/nowhere")), capsys)
     assert code == 2 and err.startswith("cmd: /nowhere: No such file") and err[-1] == "\n"
+    code, err = ended(raising(ConnectionError("Couldn't reach 'x' on the Hub")), capsys)
+    assert code == 2 and "check the network" in err
     code, err = ended(raising(OwnError("mine")), capsys, (OwnError,))
     assert (code, err) == (2, "cmd: mine\n")
     assert not (tmp_path / TRACEBACK_DIR).exists()  # no user error saves a traceback

@@ -6,7 +6,7 @@ import time
 # Before the CLI's imports: where the launch-to-first-step breakdown starts.
 os.environ.setdefault("PRETRAIN_LAUNCH_T0", str(time.time()))
 
-from launcher.cli import main
+from launcher.entry import pretrain  # first: it takes Ctrl-C while the rest loads
 
 if __name__ == "__main__":
-    main()
+    pretrain()

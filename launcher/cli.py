@@ -31,8 +31,10 @@ from launcher.compose.command_line import (
     flags_first,
     hydra_errors_as_problems,
     search_dirs,
+    sweep_scratch,
     with_user_recipes,
 )
+from launcher.compose.sweep_settings import CONFIRM_FLAG
 from launcher.help import render_help
 from launcher.job.sweep import (
     OUTCOMES,
@@ -45,6 +47,7 @@ from launcher.job.sweep import (
     summary,
     swept_keys,
 )
+from pretrain_core.inputs.boundary import run_command
 from pretrain_core.problems import RecipeError
 from pretrain_core.run.rundir import PREEMPTED_MARKER
 from pretrain_core.run.wandb_credentials import wandb_project
@@ -241,17 +244,22 @@ def _prepare(cfg: RecipeConfig) -> None:
     from launcher.validate.data import prepare_problems
     from launcher.validate.recipe import validate
     from pretrain_core.problems import RecipeError
+    from pretrain_core.run.run_lock import RunDirInUse, check_free
 
     try:
         validate(cfg)
         problems = prepare_problems(cfg)
         if problems:
             raise RecipeError(problems)
+        if cfg.cluster.backend == "local":
+            check_free(Path(cfg.run.dir))  # refused before anything is written
         files = write_prepare_files(cfg, Path(cfg.run.dir))
     except RecipeError as err:
         _fail(f"Recipe '{cfg.name}' is not valid:\n{err}")
     except JobError as err:
         _fail(str(err))
+    except RunDirInUse as err:
+        _fail(f"run.dir: {err}")
     print(f"config:     {files.config_path}")
     if cfg.cluster.backend == "slurm":
         try:
@@ -260,7 +268,14 @@ def _prepare(cfg: RecipeConfig) -> None:
             _fail(str(err))
         print(f"submitted SLURM job {job.job_id} (prepare); log: {job.log_path}")
         return
-    code = run_prepare_here(files)
+    try:
+        code, stopped_by = run_prepare_here(files)
+    except LaunchError as err:
+        _fail(f"run.dir: {err}")
+    if stopped_by:
+        print(f"stopped by {stopped_by}; finished units are kept, run the same command again "
+              "to resume", file=sys.stderr)  # fmt: skip
+        raise Stopped(128 + signal.Signals[stopped_by].value)
     if code != 0:
         _fail(f"preparation exited with code {code}; see the output above", code)
 
@@ -356,25 +371,35 @@ def version_line() -> str:
 
 
 def main() -> None:
-    """Console entry point of `pretrain`: the command line and recipe files are checked
-    before Hydra composes, and Hydra's errors are reported like the validator's."""
+    """Console entry point of `pretrain` (and of `pretrain COMMAND`), inside the error
+    boundary: a user error exits 2, Ctrl-C 130, a bug 1 with its traceback saved, never
+    shown."""
     if "--version" in sys.argv[1:]:
         print(version_line())
         return
     if sys.argv[1:2] and sys.argv[1] in SUBCOMMANDS:
-        raise SystemExit(run_subcommand(sys.argv[1], sys.argv[2:]))
+        name = sys.argv[1]
+        run_command(f"pretrain {name}", lambda: run_subcommand(name, sys.argv[2:]))
+    run_command("pretrain", _main)
+
+
+def _main() -> None:
+    """The command line and recipe files are checked before Hydra composes, and Hydra's
+    errors are reported like the validator's."""
+    confirmed = CONFIRM_FLAG in sys.argv[1:]  # a large sweep's go-ahead; not Hydra's flag
     try:
-        argv = with_user_recipes(flags_first(sys.argv[1:]))
+        argv = with_user_recipes(flags_first([a for a in sys.argv[1:] if a != CONFIRM_FLAG]))
         if _wants_help(argv):
             print(render_help(search_dirs(argv), _help_filter(argv)))
             return
-        sys.argv[1:] = checked_command_line(argv, DEFAULT_RECIPE)
-        # One command, one sweep: nothing of an earlier main() in this process counts.
-        OUTCOMES.clear()
-        SWEPT_KEYS.clear()
-        SWEPT_KEYS.update(swept_keys(sys.argv[1:]))
-        with hydra_errors_as_problems():
-            _hydra_main()
+        with sweep_scratch(argv, DEFAULT_RECIPE) as scratch:
+            sys.argv[1:] = checked_command_line(argv, DEFAULT_RECIPE, confirmed) + scratch
+            # One command, one sweep: nothing of an earlier main() in this process counts.
+            OUTCOMES.clear()
+            SWEPT_KEYS.clear()
+            SWEPT_KEYS.update(swept_keys(sys.argv[1:]))
+            with hydra_errors_as_problems():
+                _hydra_main()
     except RecipeError as err:
         _fail(f"The command line or a recipe is not valid:\n{err}")
     if OUTCOMES:

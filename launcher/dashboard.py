@@ -97,7 +97,13 @@ def workspace(entity: str, project: str, name: str) -> Any:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Console entry point of `pretrain-dashboard`."""
+    """Console entry point of `pretrain-dashboard`, inside the error boundary."""
+    from pretrain_core.inputs.boundary import run_command
+
+    run_command("pretrain-dashboard", lambda: _main(argv))
+
+
+def _main(argv: list[str] | None) -> None:
     parser = argparse.ArgumentParser(prog="pretrain-dashboard", description=__doc__)
     parser.add_argument(
         "--project",

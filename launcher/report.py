@@ -29,6 +29,14 @@ from pathlib import Path
 from typing import Any
 
 from launcher.dashboard import SECTIONS
+from pretrain_core.inputs.reading import (
+    ReadError,
+    integer,
+    json_objects,
+    number,
+    read_bytes,
+    read_json,
+)
 from pretrain_core.run.metric_names import flat_name
 from pretrain_core.run.rundir import METRICS_FILE, PLAN_FILE
 
@@ -58,8 +66,8 @@ class Metrics:
         """Steps and values of one metric; a missing or null value is NaN (a gap)."""
         values = []
         for record in self.records:
-            value = record.get(name)
-            values.append(math.nan if value is None else float(value) * scale)
+            value = number(record.get(name))
+            values.append(math.nan if value is None else value * scale)
         return [r["step"] for r in self.records], values
 
 
@@ -67,17 +75,18 @@ def load_metrics(path: Path) -> Metrics:
     """Read a metrics.jsonl: the last record per step, sorted by step."""
     by_step: dict[int, dict] = {}
     resumed_at: list[int] = []
-    skipped = 0
     previous = None
-    for line in path.read_text(encoding="utf-8").splitlines():
-        if not line.strip():
-            continue
+    rows, skipped = json_objects(path, "a run's metrics.jsonl (one JSON object per line)")
+    for record in rows:
         try:
-            record = json.loads(line)
-            step = int(record["step"])
-        except (ValueError, TypeError, KeyError):
+            step = integer(record.get("step"), path, "step")
+        except ReadError:
+            step = None
+        if step is None:
             skipped += 1
             continue
+        # A metric that is not a finite number (text, an infinity) is a gap, as null is.
+        record = {**record, "step": step}
         # Steps go up within one run: a step at or below the previous one starts a resume.
         if previous is not None and step <= previous:
             resumed_at.append(step)
@@ -167,10 +176,34 @@ def draw(runs: list[tuple[str, Metrics]], out: Path, title: str, plan: dict | No
 
 def read_png_data(path: Path) -> dict[str, Any]:
     """The panel data a report PNG carries (see `draw`)."""
-    from PIL import Image
+    data = read_bytes(path, "a PNG drawn by pretrain report", 64 << 20)
+    return json.loads(png_text_chunks(data)[PNG_DATA_KEY])
 
-    with Image.open(path) as image:
-        return json.loads(image.text[PNG_DATA_KEY])
+
+def png_text_chunks(data: bytes) -> dict[str, str]:
+    """The tEXt chunks of a PNG (keyword -> text), as matplotlib writes `metadata`."""
+    import struct
+    import zlib
+
+    chunks: dict[str, str] = {}
+    at = 8  # after the signature
+    while at + 8 <= len(data):
+        length, kind = struct.unpack(">I4s", data[at : at + 8])
+        body = data[at + 8 : at + 8 + length]
+        if kind == b"tEXt":
+            keyword, _, text = body.partition(b"\0")
+            chunks[keyword.decode("latin-1")] = text.decode("latin-1")
+        elif kind == b"zTXt":
+            keyword, _, rest = body.partition(b"\0")
+            chunks[keyword.decode("latin-1")] = zlib.decompress(rest[1:]).decode("latin-1")
+        elif kind == b"iTXt":
+            keyword, _, rest = body.partition(b"\0")
+            flag, _method, rest = rest[0], rest[1], rest[2:]
+            _language, _, rest = rest.partition(b"\0")
+            _translated, _, text = rest.partition(b"\0")
+            chunks[keyword.decode("latin-1")] = (zlib.decompress(text) if flag else text).decode()
+        at += 12 + length
+    return chunks
 
 
 def figure(
@@ -237,8 +270,9 @@ def _measured(steps: list[int], values: list[float]) -> tuple[list[int], list[fl
 def _title(run_dir: Path, metrics: Metrics) -> str:
     last = metrics.records[-1]
     parts = [run_dir.name, f"step {last['step']}"]
-    if last.get("loss") is not None:
-        parts.append(f"loss {last['loss']:.4f}")
+    loss = number(last.get("loss"))
+    if loss is not None:
+        parts.append(f"loss {loss:.4f}")
     return " | ".join(parts)
 
 
@@ -246,8 +280,8 @@ def _plan(run_dir: Path) -> dict[str, Any]:
     """The run's plan.json as the launcher wrote it; {} when absent or unreadable (the
     report then draws no plan lines)."""
     try:
-        plan = json.loads((run_dir / PLAN_FILE).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        plan = read_json(run_dir / PLAN_FILE, "the launcher's plan of the run (JSON)", 64 << 20)
+    except ReadError:
         return {}
     return plan if isinstance(plan, dict) else {}
 
@@ -265,7 +299,7 @@ def run_dirs(paths: list[Path]) -> list[Path]:
 
 def _load(run_dir: Path) -> Metrics:
     source = run_dir / METRICS_FILE
-    if not source.is_file():
+    if not source.exists():
         print(f"pretrain-report: no {source}; give a run dir the trainer logged to",
               file=sys.stderr)  # fmt: skip
         raise SystemExit(2)
@@ -280,7 +314,14 @@ def _load(run_dir: Path) -> Metrics:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Console entry point of `pretrain-report`: draw the PNG and print its path."""
+    """Console entry point of `pretrain-report`, inside the error boundary."""
+    from pretrain_core.inputs.boundary import run_command
+
+    run_command("pretrain-report", lambda: _main(argv))
+
+
+def _main(argv: list[str] | None) -> None:
+    """Draw the PNG and print its path."""
     parser = argparse.ArgumentParser(
         prog="pretrain-report",
         description="Draw the curves of RUN_DIR/metrics.jsonl into RUN_DIR/report.png; "
@@ -300,7 +341,11 @@ def main(argv: list[str] | None = None) -> None:
         parent = Path(os.path.commonpath([d.resolve() for d in dirs]))
         title = f"{len(runs)} runs under {parent.name or parent}"
         default = parent / "report.png"
-    print(draw(runs, args.out or default, title, plan))
+    out = args.out or default
+    if out.exists() and not out.is_file():
+        found = "a directory" if out.is_dir() else "not a regular file"
+        raise ReadError(out, found, "the PNG file to write", "give --out a new file's path")
+    print(draw(runs, out, title, plan))
 
 
 if __name__ == "__main__":

@@ -108,9 +108,34 @@ class Checks:
             raise RecipeError(self.problems)
 
 
+TRIAL_DIVISION_LIMIT = 1_000_000
+"""Factors are sought by trial division up to this bound (and the square root): a number
+of any size is factored in at most a million steps; a cofactor left above the bound is
+taken as prime (always right below 10**12, and a divisor list only advises)."""
+
+
+def prime_factors(n: int) -> dict[int, int]:
+    """{prime: exponent} of n > 0, by trial division (see TRIAL_DIVISION_LIMIT)."""
+    factors: dict[int, int] = {}
+    d = 2
+    while d * d <= n and d <= TRIAL_DIVISION_LIMIT:
+        while n % d == 0:
+            factors[d] = factors.get(d, 0) + 1
+            n //= d
+        d += 1 if d == 2 else 2
+    if n > 1:
+        factors[n] = factors.get(n, 0) + 1
+    return factors
+
+
 def divisors(n: int) -> list[int]:
-    """Positive divisors of n in ascending order."""
-    return [d for d in range(1, n + 1) if n % d == 0] if n > 0 else []
+    """Positive divisors of n in ascending order, from its factors (never n steps)."""
+    if n <= 0:
+        return []
+    found = [1]
+    for prime, exponent in prime_factors(n).items():
+        found = [d * prime**k for d in found for k in range(exponent + 1)]
+    return sorted(found)
 
 
 def nearby_multiples(value: int, step: int) -> list[int]:
@@ -119,9 +144,16 @@ def nearby_multiples(value: int, step: int) -> list[int]:
     return [v for v in (below, below + step) if v > 0] if step > 0 else []
 
 
+MAX_LISTED = 16
+"""Most choices a message lists; a longer list keeps its first and last few."""
+
+
 def or_list(values: Sequence[object]) -> str:
-    """Choices as prose: '1, 2, 4 or 8'."""
+    """Choices as prose: '1, 2, 4 or 8' (a long list: '1, 2, ..., 96 more, ... or 720')."""
     words = [str(v) for v in values]
+    if len(words) > MAX_LISTED:
+        head, tail = words[: MAX_LISTED // 2], words[-MAX_LISTED // 4 :]
+        words = [*head, f"({len(words) - len(head) - len(tail):,} more)", *tail]
     return words[0] if len(words) == 1 else ", ".join(words[:-1]) + " or " + words[-1]
 
 

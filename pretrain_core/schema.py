@@ -581,10 +581,35 @@ def to_recipe(node: Any) -> RecipeConfig:
 
 
 def load_config(path: str) -> RecipeConfig:
-    """Load a run dir's resolved config.yaml into the typed schema (what every rank does)."""
-    from omegaconf import OmegaConf
+    """Load a run dir's resolved config.yaml into the typed schema (what every rank does),
+    through the reading layer: a file that is not a regular, bounded, UTF-8 YAML mapping of
+    the schema's fields is a ReadError naming it and the field at fault."""
+    from pathlib import Path
 
-    return to_recipe(OmegaConf.load(path))
+    import yaml
+    from omegaconf import DictConfig, OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    from pretrain_core.inputs.reading import ReadError, read_text, yaml_shape_problem
+
+    expected = "a run's config.yaml (the resolved recipe the launcher wrote)"
+    fix = "write it again: pretrain ... action=script"
+    text = read_text(Path(path), expected)
+    problem = yaml_shape_problem(text)
+    if problem is not None:
+        raise ReadError(path, problem, expected, fix)
+    try:
+        node = OmegaConf.create(text)  # OmegaConf's own YAML rules, as OmegaConf.load
+        if not isinstance(node, DictConfig):
+            raise ReadError(path, "holds a list, not a mapping of fields", expected, fix)
+        return to_recipe(node)
+    except (OmegaConfBaseException, yaml.YAMLError, ValueError) as err:
+        if isinstance(err, ReadError):
+            raise
+        key = getattr(err, "full_key", None)
+        found = f"{key}: " if key else ""
+        found += str(err).splitlines()[0][:200] if str(err) else type(err).__name__
+        raise ReadError(path, found, expected, fix) from None
 
 
 def dump_config(cfg: RecipeConfig) -> str:

@@ -314,6 +314,8 @@ def main(config_path: str) -> int:
 
 
 if __name__ == "__main__":
+    from pretrain_core.inputs.boundary import run_command
+
     if len(sys.argv) != 2:
         sys.exit("usage: python -m pretrain_data.prepare RUN_DIR/prepare.yaml")
-    sys.exit(main(sys.argv[1]))
+    run_command("prepare", lambda: main(sys.argv[1]))

@@ -35,3 +35,4 @@ _.local_drain
 _.newest
 _.one_process_loader  # trainer/data/loader.py: bench/, tests/pipedream_oracle.py
 _.read_png_data  # launcher/report.py: reads a report's panel data back (docs/metrics.md)
+_.dashboard  # launcher/entry.py: the pretrain-dashboard console script (pyproject.toml)

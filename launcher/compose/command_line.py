@@ -17,6 +17,7 @@ is translated by `hydra_errors_as_problems`.
 from __future__ import annotations
 
 import contextlib
+import difflib
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,9 +32,12 @@ from launcher.compose.recipe_files import (
     defaults_problems,
     file_problem,
     group_options,
+    has_package_header,
     hydra_problem,
+    is_hydra_key,
     load,
     package_of,
+    read_text,
     unknown_option,
     yaml_files,
 )
@@ -44,7 +48,13 @@ from launcher.compose.recipe_keys import (
     unknown_key,
     value_problem,
 )
-from launcher.compose.sweep_settings import is_sweeper_setting, sweeper_problems
+from launcher.compose.sweep_settings import (
+    is_sweeper_setting,
+    points_problem,
+    sweeper_problems,
+    values_count,
+)
+from pretrain_core.inputs.reading import env_value
 from pretrain_core.problems import Problem, RecipeError, or_list
 
 RECIPES_ENV = "PRETRAIN_RECIPES"
@@ -100,7 +110,7 @@ def with_user_recipes(argv: list[str]) -> list[str]:
     command line gives no --config-dir of its own (the flag wins)."""
     from hydra._internal.utils import get_args_parser
 
-    env_dir = os.environ.get(RECIPES_ENV, "")
+    env_dir = env_value(os.environ, RECIPES_ENV)
     if not env_dir or get_args_parser().parse_args(argv).config_dir is not None:
         return argv
     if not Path(env_dir).expanduser().is_dir():
@@ -116,6 +126,16 @@ def recipe_names(dirs: list[Path]) -> list[str]:
         if p.suffix in (".yaml", ".yml") and p.name != HYDRA_SETTINGS_FILE
     }  # fmt: skip
     return sorted(names)
+
+
+def _config_name_problem(name: str) -> Problem | None:
+    """A recipe name is looked up in the search path only: no absolute path, no `..`."""
+    parts = Path(name).parts
+    if Path(name).is_absolute() or name.startswith("~") or ".." in parts:
+        reason = "a recipe is named by its file in the search path, not by a path leading out of it"
+        fix = "put the file in a directory and give --config-dir DIR --config-name NAME"
+        return Problem("--config-name", name, reason, fix)
+    return None
 
 
 def _primary_file(name: str, dirs: list[Path]) -> Path | None:
@@ -143,9 +163,14 @@ def _file_problems(dirs: list[Path], user: list[Path]) -> list[Problem]:
             problems += found
             if content is None:
                 continue
-            section = package_of(path, directory)
-            if section and section not in sections():
-                continue  # a folder of the user's own that no recipe section matches
+            text = read_text(path)[0] or ""
+            section = package_of(path, directory, text)
+            # A folder of the user's own that no recipe section matches is never composed
+            # into the recipe; a file whose header places it (anywhere, Hydra's settings
+            # included) is checked where it lands.
+            placed = has_package_header(text)
+            if section and section not in sections() and not placed:
+                continue
             problems += content_problems(path, content, section)
             problems += defaults_problems(path, content, dirs)
     return problems
@@ -153,7 +178,7 @@ def _file_problems(dirs: list[Path], user: list[Path]) -> list[Problem]:
 
 def _argument_problems(argument: str) -> list[Problem]:
     """Length, bracket nesting and encoding of one raw argument."""
-    key = argument.split("=", 1)[0].lstrip("+~")[:80]
+    key = argument.split("=", 1)[0].lstrip("+~")[:80] or "argument"
     try:
         argument.encode("utf-8")
     except UnicodeEncodeError:
@@ -169,6 +194,25 @@ def _argument_problems(argument: str) -> list[Problem]:
         reason = f"brackets nested {deepest} deep, more than {MAX_ARG_DEPTH}"
         return [Problem(key, "...", reason, "no recipe field is nested that deep")]
     return []
+
+
+def _unparsable(argument: str, error: Exception) -> Problem:
+    """An argument Hydra cannot parse: a key with a look-alike (non-ASCII) character is said
+    so, with the key it resembles; anything else gets Hydra's reason and the quoting rule."""
+    import unicodedata
+
+    key = argument.split("=", 1)[0].lstrip("+~")
+    odd = next((c for c in key if not c.isascii()), None)
+    if odd is not None:
+        name = unicodedata.name(odd, "an unnamed character")
+        reason = f"the key holds {odd!r} (U+{ord(odd):04X} {name}); field names are ASCII"
+        ascii_key = unicodedata.normalize("NFKD", key).encode("ascii", "ignore").decode()
+        close = difflib.get_close_matches(ascii_key, leaf_types(), n=1, cutoff=0.6)
+        fix = f"retype it{f': did you mean {close[0]}?' if close else ''}"
+        return Problem(key, argument.partition("=")[2], reason, fix)
+    reason = f"Hydra cannot parse it ({str(error).splitlines()[0]})"
+    fix = "quote values with spaces or brackets: key='a b'; lists are [a,b]"
+    return Problem(key or "argument", argument.partition("=")[2] or argument, reason, fix)
 
 
 def _values(override: Any) -> list[Any]:
@@ -221,15 +265,15 @@ def _override_problems(arguments: list[str], dirs: list[Path], multirun: bool) -
         try:
             [override] = parser.parse_overrides([argument])
         except OverrideParseException as err:
-            key = argument.split("=", 1)[0].lstrip("+~")
-            reason = f"Hydra cannot parse it ({str(err).splitlines()[0]})"
-            fix = "quote values with spaces or brackets: key='a b'; lists are [a,b]"
-            problems.append(Problem(key, argument.partition("=")[2], reason, fix))
+            problems.append(_unparsable(argument, err))
             continue
         key = override.key_or_group
-        if is_sweeper_setting(key):
+        if not key.strip("/."):
+            fix = "write key=value, e.g. train.steps=100 (see pretrain --help)"
+            problems.append(Problem("argument", argument, "no key before the '='", fix))
+        elif is_sweeper_setting(key):
             problems += sweeper_problems(override, multirun)
-        elif key == "hydra" or key.startswith(("hydra.", "hydra/")):
+        elif is_hydra_key(key):
             problems.append(hydra_problem(key, argument.partition("=")[2]))
         elif override.package is not None:
             reason = "group@package overrides move a group elsewhere in the recipe"
@@ -294,9 +338,54 @@ def flags_first(argv: list[str]) -> list[str]:
     return [*flags, *overrides]
 
 
-def checked_command_line(argv: list[str], default_recipe: str) -> list[str]:
+WRITES_NOTHING = ("plan", "suggest")
+"""Actions that write nothing: a sweep of them keeps Hydra's multirun.yaml in a scratch
+folder that is removed afterwards."""
+
+
+def _parsed(arguments: list[str]) -> list[Any]:
+    """The overrides Hydra can parse (the others are reported by _override_problems)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import OverrideParseException
+
+    parser = OverridesParser.create()
+    parsed = []
+    for argument in arguments:
+        with contextlib.suppress(OverrideParseException):
+            parsed += parser.parse_overrides([argument])
+    return parsed
+
+
+def _sweep_problems(arguments: list[str], multirun: bool, confirmed: bool) -> list[Problem]:
+    """A sweep's size, counted before Hydra enumerates (and composes) every point."""
+    if not multirun:
+        return []
+    parsed = _parsed([a for a in arguments if not _argument_problems(a)])
+    counts = [values_count(o.value()) for o in parsed if o.is_sweep_override()]
+    trials = next((o.value() for o in parsed if o.key_or_group == "hydra.sweeper.n_trials"), 20)
+    problem = points_problem(counts, trials if isinstance(trials, int) else None, confirmed)
+    return [problem] if problem else []
+
+
+def action_of(arguments: list[str], primary: Path | None) -> str:
+    """The action a command line asks for: its last `action=` override, else the recipe
+    file's own `action:`, else the schema's default."""
+    for override in reversed(
+        _parsed([a for a in arguments if a.lstrip("+").startswith("action=")])
+    ):
+        if isinstance(override.value(), str):
+            return str(override.value())
+    content = load(primary)[0] if primary is not None else None
+    action = content.get("action") if isinstance(content, dict) else None
+    return action if isinstance(action, str) else "run"
+
+
+def checked_command_line(
+    argv: list[str], default_recipe: str, confirmed: bool = False
+) -> list[str]:
     """The arguments to hand Hydra: `argv` plus QUIET_HYDRA, once the command line and the
-    recipe files are found sound. Raises RecipeError listing every problem."""
+    recipe files are found sound (a sweep of more than MAX_SWEEP_POINTS points needs
+    `confirmed`, the `--yes` flag). Raises RecipeError listing every problem."""
     from hydra._internal.utils import get_args_parser
 
     args = get_args_parser().parse_args(argv)
@@ -304,15 +393,59 @@ def checked_command_line(argv: list[str], default_recipe: str) -> list[str]:
         return argv
     dirs, user, problems = _search_path(args)
     name = (args.config_name or default_recipe).removesuffix(".yaml")
-    primary = _primary_file(name, dirs)
-    if primary is None:
+    name_problem = _config_name_problem(name)
+    primary = None if name_problem else _primary_file(name, dirs)
+    if name_problem:
+        problems.append(name_problem)
+    elif primary is None:
         recipes = recipe_names(dirs)
         problems.append(unknown_option("--config-name", name, recipes, "no such recipe"))
     problems += _file_problems(dirs, user)
     problems += _override_problems(args.overrides, dirs, args.multirun)
+    problems += _sweep_problems(args.overrides, args.multirun, confirmed)
     if problems:
         raise RecipeError(problems)
     return [*argv, *QUIET_HYDRA]
+
+
+@contextlib.contextmanager
+def sweep_scratch(argv: list[str], default_recipe: str) -> Iterator[list[str]]:
+    """The Hydra settings a sweep of an action that writes nothing adds (Hydra writes its
+    multirun.yaml to the sweep dir before the first point: here a scratch folder, removed
+    when the sweep ends); none for anything else."""
+    import shutil
+    import tempfile
+
+    from hydra._internal.utils import get_args_parser
+
+    args = get_args_parser().parse_args(argv)
+    name = (args.config_name or default_recipe).removesuffix(".yaml")
+    primary = _primary_file(name, _search_path(args)[0])
+    if not args.multirun or action_of(args.overrides, primary) not in WRITES_NOTHING:
+        yield []
+        return
+    scratch = tempfile.mkdtemp(prefix="pretrain-sweep-")
+    try:
+        yield [f"hydra.sweep.dir={scratch}"]
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _override_said(message: str) -> Problem | None:
+    """Hydra's words for a `+key` given twice or a `~key` not in the recipe, in ours."""
+    import re
+
+    added = re.search(r"Could not append to config\. An item is already at '([^']+)'", message)
+    if added:
+        key = added.group(1)
+        reason = f"{key} is set already (by the recipe, or by an earlier +{key})"
+        return Problem(f"+{key}", None, reason, f"give it once; without '+' to change it: {key}=V")
+    deleted = re.search(r"Could not delete from config\. '([^']+)' does not exist", message)
+    if deleted:
+        key = deleted.group(1)
+        reason = f"{key} is not in the composed recipe, so there is nothing to remove"
+        return Problem(f"~{key}", None, reason, f"drop ~{key} (see `pretrain --cfg job`)")
+    return None
 
 
 def translate(error: Exception) -> list[Problem] | None:
@@ -329,6 +462,9 @@ def translate(error: Exception) -> list[Problem] | None:
     cause = error.__cause__ if isinstance(error.__cause__, OmegaConfBaseException) else error
     if not isinstance(cause, (HydraException, OmegaConfBaseException)):
         return None
+    said = _override_said(str(cause))
+    if said is not None:
+        return [said]
     lines = [line for line in str(cause).splitlines() if line.strip()]
     field = getattr(cause, "full_key", None) or "recipe"
     value = getattr(cause, "value", None)

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from pretrain_core.hf_llama import model_fields, same_scaling, same_value
+from pretrain_core.inputs.reading import ReadError, mapping, read_json
 from pretrain_core.model_config import ModelConfig
 from pretrain_core.problems import Problem, RecipeError
 from pretrain_core.schema import RecipeConfig
@@ -43,7 +44,8 @@ def _shown(value: Any) -> str:
 def _tokens_of(path: Path) -> Any:
     """What makes two tokenizer.json files the same tokenizer: the model (vocabulary, merges)
     and the added tokens."""
-    content = json.loads(path.read_text(encoding="utf-8"))
+    # A tokenizer.json holds its whole vocabulary and merges: tens of MB for large ones.
+    content = mapping(read_json(path, "a tokenizer.json", 1 << 30), path, "a tokenizer.json")
     return content.get("model"), content.get("added_tokens")
 
 
@@ -88,8 +90,8 @@ def adopt_hf_model(cfg: RecipeConfig, overrides: list[str]) -> list[str]:
         return []
     folder = Path(os.path.expanduser(cfg.init.from_hf))
     try:
-        hf = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        hf = read_json(folder / "config.json", "a Hugging Face model's config.json")
+    except ReadError:
         return []  # validation names what is wrong with the folder
     if not isinstance(hf, dict):
         return []

@@ -20,14 +20,15 @@ from typing import Any
 import yaml
 
 from launcher.compose.recipe_keys import key_exists, leaf_types, unknown_key, value_problem
+from pretrain_core.inputs.reading import (
+    ReadError,
+    read_bytes,
+    yaml_shape_problem,
+)
 from pretrain_core.problems import Problem, or_list
 
 MAX_BYTES = 1 << 20
 """A recipe larger than 1 MiB is not a recipe (the shipped ones are under 2 KiB)."""
-MAX_ALIASES = 32
-"""YAML anchors plus aliases per file: recipes need few; an alias bomb needs many."""
-MAX_DEPTH = 32
-"""Nesting depth of a recipe's mappings and lists (the schema is three deep)."""
 MAX_FILES = 2000
 """YAML files per config dir that are checked; more is a wrong --config-dir."""
 HYDRA_SETTINGS_FILE = "base.yaml"
@@ -66,7 +67,10 @@ def read_text(path: Path) -> tuple[str | None, list[Problem]]:
             f"{size:,} bytes, more than the {MAX_BYTES:,} a recipe may have",
             "a recipe lists fields and groups; put data elsewhere",
         )
-    raw = path.read_bytes()
+    try:
+        raw = read_bytes(path, "a recipe file (YAML)", MAX_BYTES)
+    except ReadError as err:
+        return _refused(path, err.found, err.fix)
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as err:
@@ -88,31 +92,16 @@ def read_text(path: Path) -> tuple[str | None, list[Problem]]:
 
 def _event_problems(path: Path, text: str) -> list[Problem]:
     """Syntax, aliases and depth, from the parser's events (nothing is constructed)."""
-    aliases = depth = deepest = 0
-    try:
-        for event in yaml.parse(text, Loader=_Loader):
-            if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None):
-                aliases += 1
-            if isinstance(event, (yaml.MappingStartEvent, yaml.SequenceStartEvent)):
-                depth += 1
-                deepest = max(deepest, depth)
-            elif isinstance(event, (yaml.MappingEndEvent, yaml.SequenceEndEvent)):
-                depth -= 1
-            if aliases > MAX_ALIASES or deepest > MAX_DEPTH:
-                break
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        what = getattr(err, "problem", None) or str(err).splitlines()[0]
-        return [file_problem(path, f"not valid YAML{where}: {what}", "fix the YAML syntax")]
-    if aliases > MAX_ALIASES:
-        reason = f"more than {MAX_ALIASES} YAML anchors and aliases"
+    reason = yaml_shape_problem(text)
+    if reason is None:
+        return []
+    if reason.startswith("not valid YAML"):
+        fix = "fix the YAML syntax"
+    elif "anchors" in reason:
         fix = "write the values out; a recipe needs few anchors (an alias bomb needs many)"
-        return [file_problem(path, reason, fix)]
-    if deepest > MAX_DEPTH:
-        reason = f"nested more than {MAX_DEPTH} levels deep"
-        return [file_problem(path, reason, "a recipe's fields are at most three levels deep")]
-    return []
+    else:
+        fix = "a recipe's fields are at most three levels deep"
+    return [file_problem(path, reason, fix)]
 
 
 def check(path: Path) -> tuple[str | None, list[Problem]]:
@@ -152,17 +141,44 @@ def _is_dict_field(path: str) -> bool:
     return typing.get_origin(leaf_types().get(path)) is dict
 
 
-def package_of(path: Path, config_dir: Path) -> str:
+def header_package(text: str) -> str | None:
+    """The `# @package` of a file's header as Hydra reads it (every leading `# @key value`
+    line, not only the first), or None; a header Hydra would refuse reads as None here and
+    Hydra's own error follows."""
+    from hydra.plugins.config_source import ConfigSource
+
+    try:
+        return ConfigSource._get_header_dict(text).get("package")
+    except ValueError:
+        return None
+
+
+def package_of(path: Path, config_dir: Path, text: str | None = None) -> str:
     """The recipe section a file's content lands in: its group folder, or the whole recipe
-    (a `# @package` header says otherwise)."""
-    first = path.read_text(errors="replace").lstrip().splitlines()[:1]
-    header = re.match(r"#\s*@package\s+(\S+)", first[0]) if first else None
+    (a `# @package` header says otherwise: `_global_` is the whole recipe, `_group_` the
+    folder, `_global_.a.b` is `a.b`)."""
+    if text is None:
+        text, _ = read_text(path)
     relative = path.relative_to(config_dir).parent.as_posix()
     group = "" if relative == "." else relative.replace("/", ".")
-    if header:
-        package = header.group(1)
-        return "" if package == "_global_" else group if package == "_group_" else package
-    return group
+    package = header_package(text or "")
+    if package is None:
+        return group
+    parts = [group if part == "_group_" else part for part in package.split(".")]
+    if parts[0] == "_global_":
+        parts = parts[1:]
+    return ".".join(part for part in parts if part)
+
+
+def has_package_header(text: str) -> bool:
+    """Whether a file's header names its package (so its folder does not decide)."""
+    return header_package(text) is not None
+
+
+def is_hydra_key(key: str) -> bool:
+    """Whether a dotted key, group path or package lies in Hydra's own settings."""
+    key = key.strip().lstrip("/")
+    return key == "hydra" or key.startswith(("hydra.", "hydra/"))
 
 
 def content_problems(path: Path, content: dict, section: str) -> list[Problem]:
@@ -170,7 +186,7 @@ def content_problems(path: Path, content: dict, section: str) -> list[Problem]:
     prefix = f"{section}." if section else ""
     problems = []
     for key, value in _leaves({k: v for k, v in content.items() if k != "defaults"}, prefix):
-        if key == "hydra" or key.startswith("hydra."):
+        if is_hydra_key(key):
             problem: Problem | None = hydra_problem(key, value)
         elif not key_exists(key):
             problem = unknown_key(key, value)
@@ -196,16 +212,20 @@ def hydra_problem(field: str, value: Any) -> Problem:
 
 
 def defaults_problems(path: Path, content: dict, dirs: list[Path]) -> list[Problem]:
-    """Entries of a user file's defaults list: no Hydra groups, options that exist."""
+    """Entries of a user file's defaults list: no Hydra groups or packages (`x@hydra`),
+    options that exist."""
     problems = []
     for entry in content.get("defaults") or []:
+        if isinstance(entry, str):
+            entry = {entry: None}
         if not isinstance(entry, dict):
             continue
         for raw_key, option in entry.items():
             key = str(raw_key).removeprefix("override ").removeprefix("optional ").strip()
-            group = key.lstrip("/").split("@")[0]
+            group, _, package = key.lstrip("/").partition("@")
+            package = package.removeprefix("_global_").lstrip(".")
             field = f"defaults: {raw_key}"
-            if group == "hydra" or group.startswith("hydra/"):
+            if is_hydra_key(group) or is_hydra_key(package):
                 problem: Problem | None = hydra_problem(field, option)
             elif isinstance(option, str) and "optional" not in str(raw_key):
                 options = group_options(group, dirs)

@@ -11,6 +11,7 @@ is given as ordinary overrides with -m: `optim.lr=interval(1e-4,1e-2)`,
 from __future__ import annotations
 
 import importlib.util
+import math
 from typing import Any
 
 from launcher.compose.recipe_files import unknown_option
@@ -63,3 +64,41 @@ def sweeper_problems(override: Any, multirun: bool) -> list[Problem]:
     if value < least:
         return [Problem(key, value, f"must be at least {least}", f"use {least} or more")]
     return []
+
+
+MAX_SWEEP_POINTS = 64
+"""Points a sweep may have without `--yes` (each point is composed, validated and run)."""
+MAX_SWEEP_POINTS_CONFIRMED = 10_000
+"""Points a sweep may have at all, with `--yes`."""
+CONFIRM_FLAG = "--yes"
+
+
+def values_count(value: Any) -> int | None:
+    """How many values a parsed sweep override takes (a choice, or a range counted by
+    arithmetic, never by enumerating it); None for an interval (Optuna picks its trials)."""
+    if hasattr(value, "list"):
+        return len(value.list)
+    if all(hasattr(value, name) for name in ("start", "stop", "step")):
+        start, stop, step = value.start, value.stop, value.step or 1
+        return max(0, math.ceil((stop - start) / step)) if math.isfinite(step) else 1
+    return None
+
+
+def points_problem(counts: list[int | None], trials: int | None, confirmed: bool) -> Problem | None:
+    """A sweep of too many points: the product of `counts` (the basic sweeper), or Optuna's
+    `trials`, above MAX_SWEEP_POINTS without `--yes`, or above MAX_SWEEP_POINTS_CONFIRMED."""
+    if any(c is None for c in counts):
+        points, field = trials, "hydra.sweeper.n_trials"
+    else:
+        points, field = math.prod(c for c in counts if c is not None), "-m"
+    if points is None or points <= MAX_SWEEP_POINTS:
+        return None
+    value = f"{points:,} points"
+    if points > MAX_SWEEP_POINTS_CONFIRMED:
+        reason = f"more than the {MAX_SWEEP_POINTS_CONFIRMED:,} points a sweep may have"
+        return Problem(field, value, reason, "narrow the values, or split it into sweeps")
+    if confirmed:
+        return None
+    reason = f"more than {MAX_SWEEP_POINTS} points, each composed, validated and run"
+    fix = f"add {CONFIRM_FLAG} to run them all, or narrow the values"
+    return Problem(field, value, reason, fix)

@@ -162,12 +162,12 @@ def run_local(files: JobFiles, cfg: RecipeConfig, lock_token: str | None = None)
         )  # fmt: skip
         assert proc.stderr is not None
         tee = _StderrTee(proc.stderr, log, quiet, files.run_dir)
-        code = _wait_forwarding_signals(proc, quiet, stopped, cfg.cluster.signal_seconds)
+        code = wait_forwarding_signals(proc, quiet, stopped, cfg.cluster.signal_seconds)
         tee.join()
     return LocalRun(128 - code if code < 0 else code, stopped[0] if stopped else None)
 
 
-def _wait_forwarding_signals(
+def wait_forwarding_signals(
     proc: subprocess.Popen, quiet: threading.Event, stopped: list[str], grace_s: float
 ) -> int:
     """Wait for `proc`, forwarding stop signals to its group (noted in `stopped`; its stderr

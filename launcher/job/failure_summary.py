@@ -8,10 +8,10 @@ described.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
+from pretrain_core.inputs.reading import ReadError, number, read_json
 from pretrain_core.run.rundir import FAILURE_RECORD_GLOB, LAUNCH_LOG, LOGS_DIR
 
 SECONDARY = frozenset({"peer", "stopped"})
@@ -23,10 +23,14 @@ def read_failures(run_dir: Path) -> list[dict[str, Any]]:
     records = []
     for path in (Path(run_dir) / LOGS_DIR).glob(FAILURE_RECORD_GLOB):
         try:
-            records.append(json.loads(path.read_text()))
-        except (OSError, ValueError):
+            record = read_json(path, "a rank's failure record (a JSON object)")
+        except ReadError:
             continue
-    return sorted(records, key=lambda r: (-int(r.get("attempt", 0)), r.get("time", 0.0)))
+        if isinstance(record, dict):
+            records.append(record)
+    return sorted(
+        records, key=lambda r: (-(number(r.get("attempt")) or 0), number(r.get("time")) or 0.0)
+    )
 
 
 def has_failures(run_dir: Path) -> bool:

@@ -13,11 +13,17 @@ import os
 import shlex
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 from launcher.assets import PREPARE_TEMPLATE as TEMPLATE
 from launcher.assets import ScriptTemplate
-from launcher.job.backends import SubmittedJob, submit_slurm
+from launcher.job.backends import (
+    LaunchError,
+    SubmittedJob,
+    submit_slurm,
+    wait_forwarding_signals,
+)
 from launcher.job.run_dir import (
     JobError,
     JobFiles,
@@ -26,6 +32,9 @@ from launcher.job.run_dir import (
     _write_atomic,
     job_python,
 )
+from pretrain_core.inputs.reading import read_text
+from pretrain_core.run import run_lock
+from pretrain_core.run.lifeline import child_dies_with_us
 from pretrain_core.run.rundir import LOGS_DIR, PREPARE_CONFIG, PREPARE_SCRIPT
 from pretrain_core.schema import RecipeConfig, dump_config
 
@@ -50,7 +59,7 @@ def render_prepare_sbatch(cfg: RecipeConfig, run_dir: Path, config_path: Path) -
         "config_path": shlex.quote(str(config_path)),
         "python": shlex.quote(job_python(cfg)),
     }
-    template = ScriptTemplate(TEMPLATE.read_text())
+    template = ScriptTemplate(read_text(TEMPLATE, "the shipped prepare job template"))
     found = {m["named"] or m["braced"] for m in template.pattern.finditer(template.template)}
     found.discard(None)
     if found != values.keys():
@@ -76,12 +85,38 @@ def write_prepare_files(cfg: RecipeConfig, run_dir: Path) -> JobFiles:
     return JobFiles(run_dir=run_dir, config_path=config_path, script_path=script_path)
 
 
-def run_prepare_here(files: JobFiles) -> int:
-    """Prepare in the foreground with this Python; its exit code."""
-    # As the ranks do: the working directory's folders never stand in for ours.
-    env = {**os.environ, "PYTHONSAFEPATH": "1"}
-    command = [sys.executable, "-m", "pretrain_data.prepare", str(files.config_path)]
-    return subprocess.call(command, env=env)
+PREPARE_GRACE_S = 5.0
+"""Seconds the preparation has, after Ctrl-C or SIGTERM, to stop; its process group (the
+tokenizer workers included) is killed after that. Units are committed whole, so what was
+finished is kept either way and the same command resumes."""
+
+
+def run_prepare_here(files: JobFiles) -> tuple[int, str | None]:
+    """Prepare in the foreground with this Python, holding the run dir's lock; its exit code.
+
+    As `run` does with its ranks: the child (and its tokenizer workers) runs in its own
+    process group that dies with this process, and Ctrl-C, SIGTERM and SIGHUP are forwarded
+    to the group, so the preparation stops after its current unit and keeps the finished
+    shards (the same command resumes). (its exit code, 128 + N for a child killed by
+    signal N; the name of the signal that stopped it, None if none did)."""
+    holder = run_lock.LockHolder.this_process()
+    try:
+        run_lock.acquire(files.run_dir, holder)
+    except run_lock.RunDirInUse as err:
+        raise LaunchError(str(err)) from None
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "pretrain_data.prepare", str(files.config_path)],
+            # As the ranks do: the working directory's folders never stand in for ours.
+            env={**os.environ, "PYTHONSAFEPATH": "1"},
+            start_new_session=True,
+            preexec_fn=child_dies_with_us(),
+        )
+        stopped: list[str] = []
+        code = wait_forwarding_signals(proc, threading.Event(), stopped, PREPARE_GRACE_S)
+    finally:
+        run_lock.release(files.run_dir, holder.token)
+    return (128 - code if code < 0 else code), (stopped[0] if stopped else None)
 
 
 def submit_prepare(files: JobFiles) -> SubmittedJob:

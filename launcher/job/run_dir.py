@@ -23,6 +23,7 @@ from pathlib import Path
 
 from launcher.assets import SBATCH_TEMPLATE, ScriptTemplate, template_placeholders
 from launcher.validate.resume import frozen_changes
+from pretrain_core.inputs.reading import ReadError, read_text
 from pretrain_core.run.rundir import (
     CONFIG_FILE,
     LOCAL_SCRIPT,
@@ -206,7 +207,7 @@ def render_sbatch(cfg: RecipeConfig, run_dir: Path, config_path: Path) -> str:
         "preempted_path": shlex.quote(str(Path(run_dir) / PREEMPTED_MARKER)),
     }
     path = Path(c.sbatch_template) if c.sbatch_template else SBATCH_TEMPLATE
-    template = ScriptTemplate(path.read_text())
+    template = ScriptTemplate(read_text(path, "an sbatch template (text)"))
     mismatch = sorted(template_placeholders(template.template) ^ values.keys())
     if mismatch:
         raise JobError(f"{path} and the renderer disagree on placeholders: {mismatch}")
@@ -256,13 +257,21 @@ def _umask() -> int:
     return mask
 
 
+def _text_or_none(path: Path) -> str | None:
+    """A file's text, None where it is not a readable text file (it is then replaced)."""
+    try:
+        return read_text(path, "a file the launcher wrote")
+    except ReadError:
+        return None
+
+
 def _write_atomic(path: Path, text: str, mode: int) -> None:
     """Write `text` to `path` so that readers see the old file or the new, never half of one.
 
     `mode` is what the file may be at most: the user's umask takes away from it, as it does
     for any file a program creates. A file that already holds `text` is left untouched.
     """
-    if path.is_file() and path.read_text() == text:
+    if path.is_file() and _text_or_none(path) == text:
         return
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     try:
@@ -328,7 +337,7 @@ def _render_run_dir(cfg: RecipeConfig, run_dir: Path, config_yaml: str) -> _Rend
         script = render_local(cfg, config_path)
     else:
         script = render_sbatch(cfg, run_dir, config_path)
-    old_yaml = config_path.read_text() if config_path.exists() else None
+    old_yaml = read_text(config_path, "the run's config.yaml") if config_path.exists() else None
     if old_yaml is not None and old_yaml != config_yaml:
         frozen = frozen_changes(old_yaml, config_yaml)
         if frozen:
@@ -382,7 +391,7 @@ def _write_run_dir(
         n = 1 + sum(1 for _ in run_dir.glob("config.*.yaml"))
         _write_atomic(run_dir / f"config.{n}.yaml", old_yaml, 0o644)
         if (run_dir / OVERRIDES_FILE).is_file():
-            old_overrides = (run_dir / OVERRIDES_FILE).read_text()
+            old_overrides = read_text(run_dir / OVERRIDES_FILE, "the run's overrides.yaml")
             _write_atomic(run_dir / f"overrides.{n}.yaml", old_overrides, 0o644)
     _write_atomic(files.config_path, config_yaml, 0o644)
     _write_atomic(files.script_path, rendered.script, 0o755)

@@ -8,13 +8,20 @@ who holds the lock, and the SLURM job's state with its pending reason. For a swe
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 from typing import Any
 
-import yaml
-
+from pretrain_core.inputs.reading import (
+    ReadError,
+    integer,
+    json_objects,
+    mapping,
+    number,
+    read_text,
+    read_yaml,
+    text,
+)
 from pretrain_core.run.checkpoint_files import complete_checkpoints
 from pretrain_core.run.durations import eta_seconds, format_duration
 from pretrain_core.run.rundir import (
@@ -27,19 +34,23 @@ from pretrain_core.run.rundir import (
 
 
 def _last_rows(run_dir: Path) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The last metrics row, and the last one with a validation loss ({} when none)."""
+    """The last metrics row with a step, and the last one with a validation loss ({} when
+    none); a row that is not a JSON object with a whole step (cut by a crash) is skipped."""
     path = run_dir / METRICS_FILE
     last: dict[str, Any] = {}
     last_val: dict[str, Any] = {}
-    if path.is_file():
-        for line in path.read_text().splitlines():
-            try:
-                row = json.loads(line)
-            except ValueError:
-                continue  # a line cut by a crash
-            last = row
-            if "val_loss" in row:
-                last_val = row
+    if not path.exists():
+        return last, last_val
+    rows, _ = json_objects(path, "the run's metrics.jsonl (one JSON object per line)")
+    for row in rows:
+        try:
+            if integer(row.get("step"), path, "step") is None:
+                continue
+        except ReadError:
+            continue
+        last = row
+        if number(row.get("val_loss")) is not None:
+            last_val = row
     return last, last_val
 
 
@@ -50,7 +61,9 @@ def slurm_state(run_dir: Path) -> str:
     path = run_dir / SLURM_JOB_FILE
     if not path.is_file():
         return "-"
-    job_id = path.read_text().strip()
+    job_id = read_text(path, "the SLURM job id the launcher wrote", 4096).strip()
+    if not job_id.isdigit():
+        return f"unknown: {path} holds no job id"
     try:
         fields = show_job(job_id)
     except LaunchError as err:
@@ -63,11 +76,14 @@ def run_status(run_dir: Path) -> dict[str, str]:
     """The status fields of one run dir, as text."""
     from pretrain_core.run.run_lock import holder_alive, read_holder
 
-    config = yaml.safe_load((run_dir / CONFIG_FILE).read_text()) or {}
-    total = int(config.get("train", {}).get("steps", 0))
+    config_path = run_dir / CONFIG_FILE
+    expected = "the run's config.yaml (a mapping of the recipe's fields)"
+    config = mapping(read_yaml(config_path, expected), config_path, expected)
+    train = mapping(config.get("train"), config_path, "train: a mapping of fields")
+    total = integer(train.get("steps"), config_path, "train.steps", 0) or 0
     last, last_val = _last_rows(run_dir)
-    step = int(last.get("step", 0))
-    eta = eta_seconds(step, total, last.get("step_time_s"))
+    step = integer(last.get("step"), run_dir / METRICS_FILE, "step", 0) or 0
+    eta = eta_seconds(step, total, number(last.get("step_time_s")))
     checkpoints = complete_checkpoints(run_dir / CHECKPOINTS_DIR)
     try:
         holder = read_holder(run_dir)
@@ -80,7 +96,7 @@ def run_status(run_dir: Path) -> dict[str, str]:
         else f"{holder.host} pid {holder.pid}" + (" (gone)" if alive is False else "")
     )
     return {
-        "recipe": str(config.get("name", "?")),
+        "recipe": text(config.get("name"), "?"),
         "step": f"{step}/{total}",
         "loss": _number(last.get("loss"), ".4f"),
         "val loss": _number(last_val.get("val_loss"), ".4f"),
@@ -94,12 +110,13 @@ def run_status(run_dir: Path) -> dict[str, str]:
 
 
 def _number(value: Any, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
+    finite = number(value)
+    return "-" if finite is None else format(finite, spec)
 
 
 def render_status(path: Path) -> str:
     """The status of a run dir, or one row per point of a sweep dir."""
-    if (path / CONFIG_FILE).is_file():
+    if (path / CONFIG_FILE).exists():
         status = run_status(path)
         width = max(map(len, status))
         return "\n".join([str(path), *(f"  {k:<{width}}  {v}" for k, v in status.items())])
@@ -127,7 +144,7 @@ def main(argv: list[str]) -> int:
     for raw in argv:
         try:
             print(render_status(Path(raw)))
-        except (OSError, ValueError, yaml.YAMLError) as err:
+        except (OSError, ValueError) as err:
             print(f"pretrain status {raw}: {err}", file=sys.stderr)
             code = 2
     return code

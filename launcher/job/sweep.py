@@ -13,7 +13,6 @@ the whole sweep.
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 import re
 import sys
@@ -21,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from pretrain_core.inputs.reading import json_objects
 from pretrain_core.run.rundir import METRICS_FILE
 
 
@@ -93,9 +93,9 @@ def final_loss(run_dir: Path) -> float | None:
     path = run_dir / METRICS_FILE
     if not path.is_file():
         return None
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows, _ = json_objects(path, "the run's metrics.jsonl (one JSON object per line)")
     for key in ("val_loss", "loss"):
-        values = [row[key] for row in rows if key in row]
+        values = [row[key] for row in rows if isinstance(row.get(key), (int, float))]
         if values:
             return float(values[-1])
     return None

@@ -48,6 +48,7 @@ def check_data(c: Checks, cfg: RecipeConfig, for_launch: bool) -> None:
         )
     _check_mixture(c, cfg)
     _check_eval(c, cfg)
+    _check_known_before_the_ranks(c, cfg)
     if d.doc_mask and d.tokenizer == "none":
         c.add(
             "data.doc_mask",
@@ -58,6 +59,25 @@ def check_data(c: Checks, cfg: RecipeConfig, for_launch: bool) -> None:
     if for_launch and cfg.cluster.backend == "local":
         check_data_on_disk(c, cfg)
         _check_hf_checkpoint(c, cfg)
+
+
+BYTE_BPE_MIN_VOCAB = 257
+"""A byte-level BPE trained here holds the 256 byte tokens and EOS before any merge."""
+
+
+def _check_known_before_the_ranks(c: Checks, cfg: RecipeConfig) -> None:
+    """What the ranks (or the preparation) would fail on, known from the recipe alone."""
+    for field, src in source_fields(cfg):
+        if src.source.startswith("hf:"):
+            name = src.source[len("hf:") :].partition(":")[0]
+            if not name.strip() or name != name.strip():
+                fix = "write hf:NAME or hf:NAME:CONFIG, e.g. hf:roneneldan/TinyStories"
+                c.add(field, src.source, "names no hub dataset after 'hf:'", fix)
+    if cfg.data.tokenizer == "train" and 0 < cfg.model.vocab_size < BYTE_BPE_MIN_VOCAB:
+        c.add("model.vocab_size", cfg.model.vocab_size,
+              "a byte-level BPE trained here (data.tokenizer=train) has 256 byte tokens and "
+              "EOS before its first merge", f"use at least {BYTE_BPE_MIN_VOCAB}, e.g. 512, or "
+              "give a tokenizer")  # fmt: skip
 
 
 def prepare_problems(cfg: RecipeConfig) -> list[Problem]:

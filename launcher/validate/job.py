@@ -14,6 +14,7 @@ import shutil
 import subprocess
 
 from launcher.assets import SBATCH_TEMPLATE, template_placeholders
+from pretrain_core.inputs.reading import ReadError, read_text
 from pretrain_core.problems import Checks
 from pretrain_core.schema import RecipeConfig
 
@@ -26,6 +27,11 @@ OWNED_DIRECTIVES = {
     "--open-mode": "(append)", "--signal": "cluster.signal_seconds",
     "--gpus-per-node": "cluster.gpus_per_node", "--partition": "cluster.partition",
     "--account": "cluster.account", "--qos": "cluster.qos",
+    "--ntasks": "(one per node)", "--ntasks-per-gpu": "(one per node)",
+    "--array": "a sweep (-m)", "--chdir": "run.dir (the job runs from it)",
+    "--export": "cluster.env", "--export-file": "cluster.env", "--get-user-env": "cluster.env",
+    "--no-requeue": "(always requeued)", "--wrap": "cluster.setup (the script is the job)",
+    "--input": "(none)",
 }  # fmt: skip
 """#SBATCH directives the launcher writes from recipe fields: set the field instead."""
 MAX_TEMPLATE_BYTES = 1 << 20
@@ -71,14 +77,11 @@ def _check_template(c: Checks, path_text: str) -> None:
         c.add(field, path_text, "a relative path depends on where pretrain is run", fix)
         return
     try:
-        if path.stat().st_size > MAX_TEMPLATE_BYTES:
-            c.add(field, path_text, f"larger than {MAX_TEMPLATE_BYTES:,} bytes", fix)
-            return
-        text = path.read_text()
-    except (OSError, UnicodeDecodeError) as err:
-        c.add(field, path_text, f"cannot be read ({getattr(err, 'strerror', None) or err})", fix)
+        text = read_text(path, "an sbatch template (text)", MAX_TEMPLATE_BYTES)
+    except ReadError as err:
+        c.add(field, path_text, f"cannot be used: {err.found}", fix)
         return
-    expected = template_placeholders(SBATCH_TEMPLATE.read_text())
+    expected = template_placeholders(read_text(SBATCH_TEMPLATE, "the shipped sbatch template"))
     found = template_placeholders(text)
     if found != expected:
         parts = []
@@ -98,9 +101,17 @@ def _check_directive(c: Checks, field: str, directive: str) -> None:
     elif not _DIRECTIVE.fullmatch(directive):
         c.add(field, directive, "not an sbatch long option",
               "write --name=value or --flag, e.g. --constraint=h100 or --exclusive")  # fmt: skip
-    elif name in OWNED_DIRECTIVES:
-        c.add(field, directive, "the launcher writes this directive from the recipe",
-              f"set {OWNED_DIRECTIVES[name]} instead")  # fmt: skip
+    elif owner := _owned(name):
+        c.add(field, directive, f"the job script owns {owner[0]} (sbatch takes an unambiguous "
+              "abbreviation for the whole option)", f"set {owner[1]} instead")  # fmt: skip
+
+
+def _owned(name: str) -> tuple[str, str] | None:
+    """(the owned directive, the field that sets it) that `name` is, or abbreviates."""
+    if name in OWNED_DIRECTIVES:
+        return name, OWNED_DIRECTIVES[name]
+    matches = [d for d in OWNED_DIRECTIVES if len(name) > 3 and d.startswith(name)]
+    return (matches[0], OWNED_DIRECTIVES[matches[0]]) if matches else None
 
 
 def _check_setup(c: Checks, setup: list[str]) -> None:

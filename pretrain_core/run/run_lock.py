@@ -145,9 +145,11 @@ def _parse(text: str) -> LockHolder:
 def read_holder(run_dir: Path) -> LockHolder | None:
     """The current holder; None when the run dir is not locked. A lock file that cannot be
     read as a holder raises ValueError."""
+    from pretrain_core.inputs.reading import MissingFile, read_text
+
     try:
-        text = (Path(run_dir) / LOCK_FILE).read_text()
-    except FileNotFoundError:
+        text = read_text(Path(run_dir) / LOCK_FILE, "the run dir's lock (JSON)", 1 << 16)
+    except MissingFile:
         return None
     try:
         return _parse(text)
@@ -181,9 +183,11 @@ def _stale_reason(run_dir: Path, holder: LockHolder | None) -> str:
 
 
 def _read_text(path: Path) -> str | None:
+    from pretrain_core.inputs.reading import MissingFile, read_text
+
     try:
-        return path.read_text()
-    except FileNotFoundError:
+        return read_text(path, "the run dir's lock (JSON)", 1 << 16)
+    except MissingFile:
         return None
 
 

@@ -76,6 +76,32 @@ RECIPE_FILES: dict[str, bytes] = {
 }
 """Hostile recipe files, each alone in recipes/<name>/<name>.yaml."""
 
+CALLBACK = "callbacks:\n  x:\n    _target_: builtins.open\n    file: {root}/owned\n    mode: w\n"
+RECIPE_TREES: dict[str, dict[str, str]] = {
+    # A group file whose header moves it into Hydra's settings: a callback that opens (and
+    # truncates) any file would run at composition.
+    "pkg_hydra": {"model/evil.yaml": "# @package hydra\n" + CALLBACK},
+    "pkg_global_hydra": {"model/evil.yaml": "# @package _global_.hydra\n" + CALLBACK},
+    "pkg_hydra_callbacks": {
+        "model/evil.yaml": "# @package hydra.callbacks\n" + CALLBACK.split("\n", 1)[1]
+    },
+    # Hydra reads every leading `# @key value` line, not only the first.
+    "pkg_second_header_line": {"model/evil.yaml": "# @foo bar\n# @package hydra\n" + CALLBACK},
+    "pkg_primary_hydra": {"main.yaml": "# @package hydra\n" + CALLBACK},
+    "pkg_unknown_section": {"model/evil.yaml": "# @package nowhere\nsteps: 3\n"},
+    "defaults_at_hydra": {
+        "main.yaml": "defaults:\n  - tiny\n  - grp@hydra: evil\n  - _self_\n",
+        "grp/evil.yaml": CALLBACK,
+    },
+    "defaults_string_at_hydra": {
+        "main.yaml": "defaults:\n  - tiny\n  - grp/evil@hydra\n  - _self_\n",
+        "grp/evil.yaml": CALLBACK,
+    },
+    "clean": {},
+}
+"""Hostile recipe trees, each in recipes/<name>/ with main.yaml (the tiny recipe, unless
+the tree has its own) as the recipe composed."""
+
 
 def recipe(name: str, field: str = "") -> Case:
     args = ("--config-dir", f"{{root}}/recipes/{name}", "--config-name", name)
@@ -91,7 +117,29 @@ def rule(case_id: str, *args: str, field: str = "") -> Case:
     return Case(case_id, args, field or args[-1].lstrip("+~").split("=")[0], composed=True)
 
 
+def tree_case(name: str, field: str, *args: str) -> Case:
+    dirs = ("--config-dir", f"{{root}}/trees/{name}", "--config-name", "main")
+    return Case(f"tree_{name}", (*dirs, *args, "action=plan"), field)
+
+
 CASES = [
+    # Hydra's settings reached through a file's package header or a defaults entry
+    tree_case("pkg_hydra", "hydra.callbacks.x._target_", "model=evil"),
+    tree_case("pkg_global_hydra", "hydra.callbacks.x._target_", "model=evil"),
+    tree_case("pkg_hydra_callbacks", "hydra.callbacks.x._target_", "model=evil"),
+    tree_case("pkg_second_header_line", "hydra.callbacks.x._target_", "model=evil"),
+    tree_case("pkg_primary_hydra", "hydra.callbacks.x._target_"),
+    tree_case("pkg_unknown_section", "nowhere.steps", "model=evil"),
+    tree_case("defaults_at_hydra", "defaults: grp@hydra"),
+    tree_case("defaults_string_at_hydra", "defaults: grp/evil@hydra"),
+    # a recipe named by a path out of the search path skips every file check
+    cli(
+        "config_name_dotdot",
+        *("--config-dir", "{root}/trees/clean", "--config-name", "../../outside"),
+        field="--config-name=../../outside",
+    ),
+    cli("config_name_absolute", "--config-name", "{root}/outside", field="--config-name="),
+    cli("config_name_home", "--config-name", "~/outside", field="--config-name="),
     # Hydra-level: keys, types, groups, recipes, syntax
     cli("unknown_key", "model.hidden=3"),
     cli("typo_did_you_mean", "parallel.tpp=2", field="did you mean parallel.tp"),
@@ -214,6 +262,53 @@ CASES = [
         "cluster.partition='a;b'",
         field="cluster.partition",
     ),
+    # accepted, then failing on the ranks, though the recipe alone says so
+    rule("hub_source_without_name", "data.source=hf:", field="data.source=hf:"),
+    rule("hub_source_blank_name", "data.source='hf: :x'", field="data.source"),
+    rule("vocab_below_byte_bpe", "model.vocab_size=10", field="model.vocab_size=10"),
+    # Hydra's own words, said as ours
+    cli("plus_twice", "+cluster.env.X=1", "+cluster.env.X=2", field="+cluster.env.X"),
+    cli("delete_missing", "~cluster.env.NOPE", field="~cluster.env.NOPE"),
+    cli("empty_argument", "", field="argument="),
+    cli("key_only_equals", "=x", field="no key before"),
+    cli("homoglyph_in_key", "tr\u0430in.steps=3", field="did you mean train.steps"),
+    # numbers no message or search may enumerate up to, and sweeps too large to start
+    rule("heads_huge_prime", "model.n_heads=999999937", field="999999937"),
+    cli("sweep_too_large", "-m", "seed=range(0,100000)", "action=plan", field="100,000 points"),
+    cli("sweep_needs_yes", "-m", "seed=range(0,65)", "action=plan", field="--yes"),
+    cli(
+        "sweep_product_too_large",
+        *("-m", "seed=range(0,1000)", "train.steps=range(1,12)", "action=plan"),
+        field="11,000 points",
+    ),
+    cli(
+        "optuna_trials_too_many",
+        *("-m", "hydra/sweeper=optuna", "hydra.sweeper.n_trials=100000"),
+        *("optim.lr=interval(1e-4,1e-2)", "action=plan"),
+        field="hydra.sweeper.n_trials",
+    ),
+    # directives the job script owns, given in cluster.sbatch_extra (or abbreviated)
+    *(
+        rule(
+            f"sbatch_extra_{name}",
+            "cluster=slurm",
+            "action=script",
+            f"cluster.sbatch_extra=['{directive}']",
+            field=owner,
+        )
+        for name, directive, owner in [
+            ("ntasks", "--ntasks=3", "cluster.sbatch_extra[0]"),
+            ("nodes", "--nodes=4", "cluster.nodes"),
+            ("array", "--array=0-9", "-m"),
+            ("chdir", "--chdir=/", "--chdir"),
+            ("export", "--export=NONE", "cluster.env"),
+            ("signal", "--signal=B:USR1@5", "cluster.signal_seconds"),
+            ("no_requeue", "--no-requeue", "--no-requeue"),
+            ("output", "--output=/tmp/x", "run.dir"),
+            ("abbreviated_output", "--out=/tmp/x", "--output"),
+            ("abbreviated_chdir", "--chd=/", "--chdir"),
+        ]
+    ),
     # the same refusals through the whole command
     cli("run_dir_in_use_through_main", "run.dir={root}/busy", field="run.dir"),
     cli("env_path_through_main", "+cluster.env.PATH=/evil", field="cluster.env.PATH"),
@@ -250,6 +345,13 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     for name, content in RECIPE_FILES.items():
         (root / "recipes" / name).mkdir(parents=True)
         (root / "recipes" / name / f"{name}.yaml").write_bytes(content)
+    for name, files in RECIPE_TREES.items():
+        files = {"main.yaml": "defaults:\n  - tiny\n  - _self_\n", **files}
+        for relative, text in files.items():
+            (root / "trees" / name / relative).parent.mkdir(parents=True, exist_ok=True)
+            (root / "trees" / name / relative).write_text(text.replace("{root}", str(root)))
+    # An alias bomb outside every search path: reached only by a path as the recipe name.
+    (root / "outside.yaml").write_bytes(RECIPE_FILES["bomb"])
     mounted = (
         os.geteuid() == 0
         and not subprocess.run(
@@ -356,7 +458,15 @@ def test_the_suite_is_large_enough() -> None:
 
 
 @pytest.mark.parametrize(
-    "case_id", ["recipe_bomb", "deep_list_argument", "hydra_callbacks", "not_utf8_argument"]
+    "case_id",
+    [
+        "recipe_bomb",
+        "deep_list_argument",
+        "hydra_callbacks",
+        "not_utf8_argument",
+        "tree_pkg_hydra",
+        "config_name_dotdot",
+    ],
 )
 def test_a_real_pretrain_process_refuses_cleanly_and_quickly(root: Path, case_id: str) -> None:
     case = next(c for c in CASES if c.id == case_id)
@@ -369,3 +479,237 @@ def test_a_real_pretrain_process_refuses_cleanly_and_quickly(root: Path, case_id
     assert "Traceback" not in result.stdout + result.stderr
     assert case.field.replace("{root}", str(root)) in result.stderr
     assert tree(root) == before
+
+
+# The tool's other commands read files a run dir holds (or any path given to them): each
+# hostile file is refused with exit 2 naming it, or, for a metrics row that cannot be a
+# step, skipped; never a traceback, a hang or a write.
+
+CONFIG = "name: tiny\ntrain:\n  steps: 10\n"
+FIFO = object()
+"""A FIFO in place of the file: opening it for reading blocks until a writer comes."""
+
+
+@dataclass(frozen=True)
+class FileCase:
+    id: str
+    command: str
+    """status, report or export."""
+    files: dict[str, Any]
+    """Run-dir files: text, bytes, FIFO, or a dict (a folder in place of the file)."""
+    code: int
+    named: str
+    """Must appear in stderr (exit 2) or stdout (exit 0)."""
+
+
+def file_case(case_id: str, command: str, code: int, named: str, **files: Any) -> FileCase:
+    names = {"config_yaml": "config.yaml", "metrics_jsonl": "metrics.jsonl", "run_lock": LOCK_FILE}
+    files = {"config.yaml": CONFIG, **{names.get(k, k): v for k, v in files.items()}}
+    return FileCase(f"{command}_{case_id}", command, files, code, named)
+
+
+ROW = '{"step": 3, "loss": 2.5}\n'
+FILE_CASES = [
+    # run.config.yaml: not a mapping, a section not a mapping, binary, a FIFO, a folder
+    file_case("config_list", "status", 2, "config.yaml", config_yaml="- a\n- b\n"),
+    file_case("config_train_list", "status", 2, "train", config_yaml="name: x\ntrain: [1]\n"),
+    file_case("config_binary", "status", 2, "config.yaml", config_yaml=bytes(range(256))),
+    file_case("config_fifo", "status", 2, "config.yaml", config_yaml=FIFO),
+    file_case("config_folder", "status", 2, "config.yaml", config_yaml={}),
+    file_case("config_bomb", "status", 2, "config.yaml", config_yaml=bomb()),
+    file_case("steps_text", "status", 2, "train.steps", config_yaml="train:\n  steps: x\n"),
+    # metrics rows that cannot be steps are skipped, the others shown
+    file_case("step_null", "status", 0, "0/10", metrics_jsonl='{"step": null}\n'),
+    file_case("step_huge", "status", 0, "3/10", metrics_jsonl=ROW + '{"step": 1e400}\n'),
+    file_case("step_text", "status", 0, "3/10", metrics_jsonl=ROW + '{"step": "x"}\n'),
+    file_case("step_bool", "status", 0, "3/10", metrics_jsonl=ROW + '{"step": true}\n'),
+    file_case("row_list", "status", 0, "3/10", metrics_jsonl=ROW + "[1, 2]\n"),
+    file_case("loss_text", "status", 0, "3/10", metrics_jsonl='{"step": 3, "loss": "x"}\n'),
+    file_case("loss_infinite", "status", 0, "3/10", metrics_jsonl='{"step": 3, "loss": 1e999}\n'),
+    file_case("metrics_binary", "status", 2, "metrics.jsonl", metrics_jsonl=b"\xff\xfe\x00"),
+    file_case("metrics_fifo", "status", 2, "metrics.jsonl", metrics_jsonl=FIFO),
+    file_case("lock_list", "status", 0, "3/10", metrics_jsonl=ROW, run_lock="[1, 2]"),
+    file_case("slurm_binary", "status", 2, "slurm_job_id", slurm_job_id=b"\xff" * 8),
+    file_case("slurm_not_an_id", "status", 0, "no job id", slurm_job_id="1; rm -rf ~\n"),
+    # pretrain-report: the same rows, and an --out that is not a file to write
+    file_case("step_null", "report", 2, "no logged step", metrics_jsonl='{"step": null}\n'),
+    file_case("step_huge", "report", 2, "no logged step", metrics_jsonl='{"step": 1e400}\n'),
+    file_case("metrics_binary", "report", 2, "metrics.jsonl", metrics_jsonl=bytes(range(256))),
+    file_case("metrics_fifo", "report", 2, "metrics.jsonl", metrics_jsonl=FIFO),
+    file_case("metrics_folder", "report", 2, "metrics.jsonl", metrics_jsonl={}),
+    file_case("out_folder", "report", 2, "out", metrics_jsonl=ROW, out={}),
+    file_case("out_fifo", "report", 2, "out", metrics_jsonl=ROW, out=FIFO),
+    # pretrain-export reads the run's config.yaml before any checkpoint
+    file_case("config_list", "export", 2, "config.yaml", config_yaml="- a\n"),
+    file_case("config_binary", "export", 2, "config.yaml", config_yaml=bytes(range(256))),
+    file_case("config_fifo", "export", 2, "config.yaml", config_yaml=FIFO),
+    file_case("config_wrong_type", "export", 2, "train.steps", config_yaml="train:\n  steps: x\n"),
+]
+
+
+def make_files(run_dir: Path, files: dict[str, Any]) -> None:
+    run_dir.mkdir(parents=True)
+    for name, content in files.items():
+        path = run_dir / name
+        if content is FIFO:
+            os.mkfifo(path)
+        elif isinstance(content, dict):
+            path.mkdir()
+        elif isinstance(content, bytes):
+            path.write_bytes(content)
+        else:
+            path.write_text(content)
+
+
+def run_tool(command: str, run_dir: Path, cwd: Path) -> tuple[int, str, str]:
+    """The command's console entry point in this process (its error boundary included)."""
+    import sys
+
+    out, err, argv, code = io.StringIO(), io.StringIO(), sys.argv, 0
+    sys.argv = {
+        "status": ["pretrain", "status", str(run_dir)],
+        "report": ["pretrain-report", str(run_dir), "--out", str(run_dir / "out")],
+        "export": ["pretrain-export", str(run_dir), str(cwd.parent / "exported")],
+    }[command]
+    entry = {"status": "pretrain", "report": "report", "export": "export"}[command]
+    from launcher import entry as entries
+
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            getattr(entries, entry)()
+    except SystemExit as exit_:
+        code = exit_.code if isinstance(exit_.code, int) else 1
+    finally:
+        sys.argv = argv
+    return code, out.getvalue(), err.getvalue()
+
+
+@pytest.mark.parametrize("case", FILE_CASES, ids=[c.id for c in FILE_CASES])
+def test_a_hostile_run_dir_file_is_refused_cleanly_or_skipped(root: Path, case: FileCase) -> None:
+    run_dir = root / "files" / case.id
+    make_files(run_dir, case.files)
+    before = tree(root)
+    code, out, err = run_tool(case.command, run_dir, root / "work")
+    assert code == case.code, f"exit {code}\n{out[-2000:]}\n{err[-2000:]}"
+    assert "Traceback" not in out + err
+    assert case.named in (err if code else out), (out + err)[-2000:]
+    if code:
+        assert len(err.strip().splitlines()) <= 3, err  # a line or two, not a dump
+    assert tree(root) == before, "something was written"
+
+
+def test_there_is_a_file_case_for_every_command_and_kind() -> None:
+    kinds = {(c.command, type(v).__name__ if v is not FIFO else "fifo") for c in FILE_CASES
+             for v in c.files.values()}  # fmt: skip
+    for command in ("status", "report", "export"):
+        assert {(command, "fifo"), (command, "bytes"), (command, "str")} <= kinds
+
+
+# The error boundary of the entry points, in real processes: a bug is one line naming the
+# saved traceback, exit 1; Ctrl-C is one line, exit 130.
+
+
+def test_an_unexpected_error_is_one_line_with_the_traceback_saved(root: Path) -> None:
+    """A broken install (matplotlib that fails to import) while drawing a report."""
+    broken = root / "broken_site"
+    broken.mkdir(exist_ok=True)
+    (broken / "matplotlib.py").write_text("raise RuntimeError('a broken matplotlib')\n")
+    run_dir = root / "files" / "boundary_report"
+    make_files(run_dir, {"config.yaml": CONFIG, "metrics.jsonl": ROW})
+    temp = root / "tmp"
+    temp.mkdir(exist_ok=True)
+    env = dict(
+        os.environ,
+        TMPDIR=str(temp),
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=os.pathsep.join([str(broken), os.environ.get("PYTHONPATH", "")]),
+    )
+    import sys
+
+    command = [sys.executable, "-c", "from launcher.entry import report; report()"]
+    result = subprocess.run(
+        [*command, str(run_dir)], capture_output=True, text=True, timeout=60, env=env
+    )
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert "Traceback" not in result.stdout + result.stderr
+    [line] = result.stderr.strip().splitlines()
+    assert "pretrain-report: unexpected error" in line and "a broken matplotlib" in line
+    [saved] = (temp / "pretrain-tracebacks").iterdir()
+    assert str(saved) in line
+    assert "Traceback" in saved.read_text() and "a broken matplotlib" in saved.read_text()
+    assert not (run_dir / "report.png").exists()
+
+
+@pytest.mark.parametrize("delay_s", [0.3, 1.0])
+def test_ctrl_c_is_one_line_and_exit_130(root: Path, delay_s: float) -> None:
+    """SIGINT while the command's modules load, or while it composes and plans (the
+    boundary's own handling of KeyboardInterrupt is tests/unit/test_boundary.py's)."""
+    import signal
+    import sys
+
+    process = subprocess.Popen(
+        [sys.executable, "-m", "launcher", "-m", "seed=range(0,40)", "action=plan"],
+        cwd=root / "work",
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
+    time.sleep(delay_s)
+    process.send_signal(signal.SIGINT)
+    out, err = process.communicate(timeout=60)
+    if process.returncode == 0:
+        pytest.skip("the plan finished before the signal came")
+    assert process.returncode == 130, err[-2000:]
+    assert "Traceback" not in out + err
+    assert err.strip().splitlines()[-1] == "pretrain: interrupted (Ctrl-C); stopped"
+
+
+def test_a_sweep_of_plans_writes_nothing(root: Path) -> None:
+    """Hydra writes multirun.yaml before the first point; a plan promises to write nothing."""
+    before = tree(root)
+    code, out, err = pretrain_in_process("-m", "seed=1,2", "action=plan", cwd=root / "work")
+    assert code == 0, err[-2000:]
+    assert out.count("plan") >= 2 or "seed=2" in err
+    assert tree(root) == before, "something was written"
+
+
+def test_sigterm_to_the_launcher_stops_the_preparation_it_started(root: Path) -> None:
+    """`action=prepare` owns its child and the child's tokenizer workers: SIGTERM to the
+    launcher stops them all (none left writing into the cache), the finished units are kept
+    for the next run, and the lock the preparation held is released."""
+    import signal
+    import sys
+
+    from pretrain_data.sources import MANIFEST
+    from tests.helpers import generated_documents, live_processes, wait_until_gone, write_jsonl
+
+    work = root / "prepare_stop"
+    docs = generated_documents(24 * 400, seed=3)
+    for i in range(24):
+        write_jsonl(work / "corpus" / f"s{i:02d}.jsonl", docs[400 * i : 400 * (i + 1)])
+    run_dir = work / "run"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "launcher", "action=prepare", f"run.dir={run_dir}",
+         f"data.source={work / 'corpus'}", f"data.cache_dir={work / 'cache'}",
+         "data.workers=2", "model.vocab_size=512", "data.val_fraction=0", "eval.every=0"],
+        cwd=work, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )  # fmt: skip
+    config = str(run_dir / "prepare.yaml")
+    deadline = time.monotonic() + 60
+    while not live_processes(mentioning=config) and time.monotonic() < deadline:
+        assert process.poll() is None, process.communicate()[1][-2000:]
+        time.sleep(0.05)
+    assert live_processes(mentioning=config), "the preparation never started"
+    time.sleep(1.0)  # into the tokenizer's training or the workers' units
+    process.send_signal(signal.SIGTERM)
+    out, err = process.communicate(timeout=120)
+    assert wait_until_gone(mentioning=config, seconds=5) == [], "a child outlived the launcher"
+    assert "Traceback" not in out + err
+    folders = [p for p in (work / "cache" / "datasets").glob("*") if p.is_dir()]
+    if process.returncode == 0:
+        pytest.skip("the preparation finished before the signal came")
+    assert process.returncode in (143, 130, 2), err[-2000:]
+    assert not any((f / MANIFEST).exists() for f in folders), "it went on to the end"
+    assert not (run_dir / LOCK_FILE).exists()

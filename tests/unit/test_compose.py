@@ -16,8 +16,9 @@ from launcher.compose.command_line import (
     flags_first,
     translate,
 )
-from launcher.compose.recipe_files import MAX_ALIASES, load, package_of
+from launcher.compose.recipe_files import load, package_of
 from launcher.compose.recipe_keys import did_you_mean, value_problem
+from pretrain_core.inputs.reading import YAML_MAX_ALIASES as MAX_ALIASES
 from pretrain_core.problems import RecipeError
 
 

@@ -33,7 +33,7 @@ def test_a_job_that_ignores_the_forwarded_sigterm_is_killed_after_its_grace(
     job = started_job('trap "" TERM')
     stopped: list[str] = []
     start = time.monotonic()
-    code = backends._wait_forwarding_signals(job, threading.Event(), stopped, grace_s=1.0)
+    code = backends.wait_forwarding_signals(job, threading.Event(), stopped, grace_s=1.0)
     assert stopped == ["SIGTERM"]
     assert code == -signal.SIGKILL
     assert 1.0 <= time.monotonic() - start < 10
@@ -42,5 +42,5 @@ def test_a_job_that_ignores_the_forwarded_sigterm_is_killed_after_its_grace(
 def test_a_job_that_ends_within_its_grace_keeps_its_own_exit_code() -> None:
     job = started_job("trap 'exit 0' TERM")
     stopped: list[str] = []
-    assert backends._wait_forwarding_signals(job, threading.Event(), stopped, grace_s=30) == 0
+    assert backends.wait_forwarding_signals(job, threading.Event(), stopped, grace_s=30) == 0
     assert stopped == ["SIGTERM"]

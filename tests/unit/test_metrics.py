@@ -23,7 +23,7 @@ from trainer.observe.metrics import (
 def test_mfu_is_model_flops_per_token_times_tokens_per_s_per_device_over_peak() -> None:
     tokens_per_step, devices, peak_tflops = 2**20, 8, 989.5
     steps, elapsed, data_wait = 4, 8.0, 2.0
-    model_flops, hardware_flops = 1e12, 1.25e12
+    model_flops, hardware_flops = 1e10, 1.25e10  # MFU 0.66, HFU 0.83: below the peak
     meter = ThroughputMeter(
         tokens_per_step=tokens_per_step,
         model_flops_per_token=model_flops,
@@ -118,3 +118,19 @@ def test_known_gpu_without_the_dtype_gives_no_peak() -> None:
 def test_cpu_peak_memory_is_the_process_peak_rss_in_gib() -> None:
     block = torch.ones(32 * 2**20)  # 128 MiB, written so its pages are resident
     assert peak_memory_gib(torch.device("cpu")) >= block.numel() * block.element_size() / GIB
+
+
+def test_an_mfu_above_one_is_never_reported() -> None:
+    """A peak below what the run reached (a CPU matmul timed on a loaded machine) gives no
+    figure, and says why, rather than 'MFU 109.8%'."""
+    meter = ThroughputMeter(
+        tokens_per_step=1000,
+        model_flops_per_token=6e9,
+        hardware_flops_per_token=6e9,
+        devices=1,
+        peak=PeakFlops(1.0, "measured CPU matmul", "fp32"),
+    )
+    assert meter.measure(steps=1, elapsed_s=10.0)["mfu"] == pytest.approx(0.6)
+    fast = meter.measure(steps=1, elapsed_s=5.0)  # 1.2 TFLOP/s against a 1 TFLOP/s peak
+    assert fast["mfu"] is None and fast["hfu"] is None
+    assert "implausible" in fast["peak_source"]

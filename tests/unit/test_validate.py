@@ -242,3 +242,17 @@ def test_pipelined_mixture_of_experts_with_expert_parallelism_is_runnable():
     )
     validate(cfg)
     assert check_runnable(cfg) == []
+
+
+def test_divisors_come_from_factors_and_long_lists_are_cut() -> None:
+    """Never n steps: a prime near 10**9 or 10**30 is factored at once, and a message lists
+    at most MAX_LISTED of them."""
+    from pretrain_core.problems import MAX_LISTED, divisors, or_list
+
+    for n in range(1, 2000):
+        assert divisors(n) == [d for d in range(1, n + 1) if n % d == 0]
+    assert divisors(999_999_937) == [1, 999_999_937]
+    assert len(divisors(10**30)) == 31 * 31
+    listed = or_list(divisors(720_720))
+    assert listed.startswith("1, 2, 3, 4,") and listed.endswith("or 720720")
+    assert len(listed.split(", ")) <= MAX_LISTED + 1

@@ -271,5 +271,13 @@ def main(argv: list[str] | None = None) -> None:
     print(f"wrote {out}")
 
 
+def entry() -> None:
+    """Console entry point of `pretrain-export`: `main` inside the error boundary (a user
+    error exits 2, Ctrl-C 130, a bug 1 with its traceback saved, never shown)."""
+    from pretrain_core.inputs.boundary import run_command
+
+    run_command("pretrain-export", main, (ExportError,))
+
+
 if __name__ == "__main__":
-    main()
+    entry()

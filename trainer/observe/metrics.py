@@ -10,6 +10,7 @@ peak comes from the recipe, the GPU table or (on CPU) a short measured matmul, n
 
 from __future__ import annotations
 
+import math
 import resource
 import sys
 import time
@@ -103,17 +104,25 @@ class ThroughputMeter:
         hardware_flops = self.hardware_flops_per_token * per_device
         peak = None if self.peak.tflops is None else self.peak.tflops * 1e12
         # MFU = model FLOPs per token x tokens/s per device / peak FLOP/s (HFU: hardware FLOPs).
+        mfu = None if peak is None else model_flops / peak
+        hfu = None if peak is None else hardware_flops / peak
+        source = self.peak.source
+        if hfu is not None and (hfu > 1 or not math.isfinite(hfu)):
+            # Work beyond the peak means the peak is wrong (a CPU matmul timed while other
+            # processes ran): no figure rather than one above 100%.
+            mfu = hfu = None
+            source = f"{source}: implausible, the run went faster; set hardware.peak_tflops"
         return {
             "tokens_per_s": tokens_per_s,
             "tokens_per_s_per_device": per_device,
             "step_time_s": step_time_s,
             "data_wait_s": data_wait_s / steps,
             "tflops_per_device": model_flops / 1e12,
-            "mfu": None if peak is None else model_flops / peak,
-            "hfu": None if peak is None else hardware_flops / peak,
+            "mfu": mfu,
+            "hfu": hfu,
             "peak_tflops": self.peak.tflops,
             "peak_dtype": self.peak.dtype or None,
-            "peak_source": self.peak.source,
+            "peak_source": source,
         }
 
 

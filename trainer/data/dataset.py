@@ -5,9 +5,9 @@ validation tail; the validation stream is those tails back to back. Of the D_s d
 shard s, the last floor(f * C_s) - floor(f * C_(s-1)) are held out (C_s: documents of the
 first s shards, f: data.val_fraction), so exactly floor(f * D) documents of the source are,
 spread over its shards in proportion, and the split is fixed by the manifest and f alone.
-A shard of one document (a flat token file without end-of-sequence tokens, as nanoGPT's
-`train.bin` read with `data.tokenizer=none`) is split by token range instead: its last
-floor(f * T) tokens are held out.
+A source of one document in all (a flat token file without end-of-sequence tokens, as
+nanoGPT's `train.bin` read with `data.tokenizer=none`, or a single text file) is split by
+token range instead: its last floor(f * T) tokens are held out.
 
 Sequence i of a stream is its tokens [i*L, i*L + L + 1): inputs the first L, targets the
 last L; sequences cross document and shard boundaries. Shards are memory-mapped when first
@@ -78,8 +78,11 @@ class PreparedDataset:
         train: list[Region] = []
         val: list[Region] = []
         seen = 0
+        # Only a source of one document in all (a flat token file, one text file) is split by
+        # tokens: a shard of one document among others is held out whole or not at all.
+        single_document = sum(info["documents"] for info in self.shards) == 1
         for s, info in enumerate(self.shards):
-            if info["documents"] == 1 and fraction > 0:
+            if single_document and fraction > 0:
                 # One document cannot be held out in part: split the flat stream by tokens.
                 cut = info["tokens"] - int(fraction * info["tokens"])
                 train.append((s, 0, cut))

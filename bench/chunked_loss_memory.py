@@ -2,7 +2,8 @@
 
 Llama 3's vocabulary (128,256) at seq 2048 on the tiny depth (4 layers, d=128), FP32, one
 CPU process, micro-batch 1: the logits dominate the step. For each `train.loss_chunks` the
-step is measured by `trainer.observe.memcheck` (every tensor's storage at the second step's peak,
+step is measured by `pretrain.trainer.observe.memcheck` (every tensor's storage at the second
+step's peak,
 MemTracker) in a fresh process, which also reports its peak RSS; the planner's prediction
 (launcher/plan/memory.py) is printed beside it.
 
@@ -19,14 +20,14 @@ import sys
 import tempfile
 from pathlib import Path
 
-from launcher.plan.memory import memory_breakdown
-from pretrain_core.layout import resolve_degrees
-from pretrain_core.schema import RecipeConfig, dump_config
+from pretrain.core.layout import resolve_degrees
+from pretrain.core.schema import RecipeConfig, dump_config
+from pretrain.launcher.plan.memory import memory_breakdown
 
 MIB = 2**20
 CHILD = """
 import json, resource, sys
-from trainer.observe.memcheck import main
+from pretrain.trainer.observe.memcheck import main
 main(sys.argv[1], sys.argv[2])
 print(json.dumps({"rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
 """

@@ -17,12 +17,12 @@ import time
 
 COMMANDS = {
     "python -c pass": [sys.executable, "-c", "pass"],
-    "pretrain --help": [sys.executable, "-m", "launcher", "--help"],
-    "pretrain action=plan": [sys.executable, "-m", "launcher", "action=plan"],
+    "pretrain --help": [sys.executable, "-m", "pretrain", "--help"],
+    "pretrain action=plan": [sys.executable, "-m", "pretrain", "action=plan"],
     "pretrain --config-name llama3_70b action=plan plan.format=json": [
         sys.executable,
         "-m",
-        "launcher",
+        "pretrain",
         "--config-name",
         "llama3_70b",
         "action=plan",
@@ -32,7 +32,7 @@ COMMANDS = {
 
 TORCH_CHECK = (
     "import sys, runpy; sys.argv = ['pretrain', 'action=plan'];\n"
-    "try:\n    runpy.run_module('launcher', run_name='__main__')\n"
+    "try:\n    runpy.run_module('pretrain', run_name='__main__')\n"
     "except SystemExit:\n    pass\n"
     "print('torch imported' if 'torch' in sys.modules else 'torch not imported')"
 )

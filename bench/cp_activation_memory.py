@@ -2,11 +2,12 @@
 
 For cp = 1, 2, 4 (gloo processes on CPU, FP32) the real model runs its forward on this
 rank's head and tail chunks of one 8192-token sequence, with every block's attention core
-swapped for the ring (`parallel.context.apply_context_parallel`). Every tensor autograd
+swapped for the ring (`pretrain.parallel.context.apply_context_parallel`). Every tensor autograd
 saves is counted once (by storage), parameters excluded: per block (its forward only) and
 for the whole forward (embedding, blocks, final norm and the logits of the LM head). The
 largest rank's figure is reported beside cp=1's and beside the memory model's per-block
-bytes for s/cp tokens (`launcher.plan.memory.llama_block_activations`), which the plan uses.
+bytes for s/cp tokens (`pretrain.launcher.plan.memory.llama_block_activations`), which the plan
+uses.
 
 At cp=1 attention is the CPU flash kernel of SDPA, which saves q, k, v, its output and a
 log-sum-exp per head and token; the ring saves the same tensors for this rank's tokens, so
@@ -25,13 +26,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-import models
-from launcher.plan.memory import llama_block_activations
-from parallel.context import apply_context_parallel, shard_sequence
-from parallel.materialize import materialize
-from parallel.mesh import build_mesh
-from pretrain_core.layout import Degrees
-from pretrain_core.model_config import ModelConfig
+from pretrain import models
+from pretrain.core.layout import Degrees
+from pretrain.core.model_config import ModelConfig
+from pretrain.launcher.plan.memory import llama_block_activations
+from pretrain.parallel.context import apply_context_parallel, shard_sequence
+from pretrain.parallel.materialize import materialize
+from pretrain.parallel.mesh import build_mesh
 
 MODEL = ModelConfig(
     vocab_size=512, dim=256, n_layers=2, n_heads=8, n_kv_heads=4, ffn_dim=768, max_seq_len=8192

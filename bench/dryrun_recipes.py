@@ -22,12 +22,12 @@ sys.path.insert(0, str(REPO))
 
 from hydra import compose, initialize_config_dir  # noqa: E402
 
-import launcher.cli  # noqa: E402,F401  (registers the recipe schema with Hydra)
-from launcher.plan.dryrun import DryRunError, chosen_rank, comparisons, run_dry_run  # noqa: E402
-from launcher.plan.plan import make_plan  # noqa: E402
-from pretrain_core.hardware import GIB  # noqa: E402
-from pretrain_core.layout import resolve_degrees  # noqa: E402
-from pretrain_core.schema import RecipeConfig, to_recipe  # noqa: E402
+import pretrain.launcher.cli  # noqa: E402,F401  (registers the recipe schema with Hydra)
+from pretrain.core.hardware import GIB  # noqa: E402
+from pretrain.core.layout import resolve_degrees  # noqa: E402
+from pretrain.core.schema import RecipeConfig, to_recipe  # noqa: E402
+from pretrain.launcher.plan.dryrun import DryRunError, chosen_rank, comparisons, run_dry_run  # noqa: E402
+from pretrain.launcher.plan.plan import make_plan  # noqa: E402
 
 RECIPES = ("gpt2_124m", "llama3_1b", "llama3_8b", "llama3_70b", "mixtral_8x7b", "deepseek_v2_lite")
 LLAMA3_405B = [

@@ -27,10 +27,10 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
 from bench.step_overhead import plain_loop_step
-from models import build
-from models.init import init_weights
-from models.layers import Attention, FeedForward, apply_rope, causal_attention
-from pretrain_core.model_config import ModelConfig
+from pretrain.core.model_config import ModelConfig
+from pretrain.models import build
+from pretrain.models.init import init_weights
+from pretrain.models.layers import Attention, FeedForward, apply_rope, causal_attention
 
 VARIANTS = ("separate", "concat", "tp-exact")
 

@@ -25,9 +25,9 @@ ROOT = Path(__file__).resolve().parent.parent
 GIB = 1024**3
 PLAIN = """
 import json, resource, sys, torch, torch.nn.functional as F
-from models import build
-from models.init import init_weights
-from pretrain_core.schema import load_config
+from pretrain.models import build
+from pretrain.models.init import init_weights
+from pretrain.core.schema import load_config
 cfg = load_config(sys.argv[1])
 steps = int(sys.argv[2])
 model = build(cfg.model)
@@ -48,7 +48,7 @@ print(json.dumps({"rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 10
 
 def trainer_rss(run_dir: Path, steps: int, overrides: list[str]) -> float:
     """GiB: the rank's peak RSS at the last step of a one-rank `pretrain` run."""
-    cmd = [sys.executable, "-m", "launcher", "--config-name", "tiny", f"train.steps={steps}"]
+    cmd = [sys.executable, "-m", "pretrain", "--config-name", "tiny", f"train.steps={steps}"]
     cmd += ["logging.wandb=disabled", "cluster.gpus_per_node=1", f"run.dir={run_dir}"]
     result = subprocess.run([*cmd, *overrides], capture_output=True, text=True, check=False)
     if result.returncode:

@@ -27,9 +27,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PLAIN = """
 import time, torch, torch.nn.functional as F
-from models import build
-from models.init import init_weights
-from pretrain_core.model_config import ModelConfig
+from pretrain.models import build
+from pretrain.models.init import init_weights
+from pretrain.core.model_config import ModelConfig
 cfg = ModelConfig(vocab_size=4096, dim=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=384,
                   max_seq_len=512)
 model = build(cfg)
@@ -47,7 +47,7 @@ PHASE = re.compile(r"([a-z ]+) ([0-9.]+) s")
 def trainer_run(work: Path, index: str, nproc: int = 1, fork: bool = True) -> dict[str, float]:
     """The phases of one `pretrain` launch that stops after its first step (rank 0's), with
     `nproc` ranks forked from the agent or, with `fork` off, started as fresh interpreters."""
-    cmd = [sys.executable, "-m", "launcher", "--config-name", "tiny", "train.steps=1"]
+    cmd = [sys.executable, "-m", "pretrain", "--config-name", "tiny", "train.steps=1"]
     cmd += ["logging.wandb=disabled", f"cluster.gpus_per_node={nproc}"]
     cmd += [f"train.global_batch={16 * nproc}", f"run.dir={work / index}"]
     env = dict(os.environ, PRETRAIN_FORK_RANKS="1" if fork else "0")

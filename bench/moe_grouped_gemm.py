@@ -19,8 +19,8 @@ import time
 
 import torch
 
-from models.moe import MoEFeedForward
-from pretrain_core.model_config import ModelConfig
+from pretrain.core.model_config import ModelConfig
+from pretrain.models.moe import MoEFeedForward
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 

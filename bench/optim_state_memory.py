@@ -16,15 +16,15 @@ from pathlib import Path
 import torch
 from hydra import compose, initialize_config_dir
 
-import launcher.cli  # noqa: F401  (registers the recipe schema with Hydra)
-from launcher.plan.memory import memory_breakdown
-from models import build
-from models.init import init_weights
-from pretrain_core.layout import resolve_degrees
-from pretrain_core.optim_states import STATE_DTYPES
-from pretrain_core.schema import RecipeConfig, to_recipe
-from trainer.optim.optimizers import build_optimizer
-from trainer.optim.states import StoredStateOptimizer
+import pretrain.launcher.cli  # noqa: F401  (registers the recipe schema with Hydra)
+from pretrain.core.layout import resolve_degrees
+from pretrain.core.optim_states import STATE_DTYPES
+from pretrain.core.schema import RecipeConfig, to_recipe
+from pretrain.launcher.plan.memory import memory_breakdown
+from pretrain.models import build
+from pretrain.models.init import init_weights
+from pretrain.trainer.optim.optimizers import build_optimizer
+from pretrain.trainer.optim.states import StoredStateOptimizer
 
 RECIPES = str(Path(__file__).resolve().parent.parent / "recipes")
 

@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 from hydra import compose, initialize_config_dir
 
-import launcher.cli  # noqa: F401  (registers the recipe schema with Hydra)
-from pretrain_core.schema import RecipeConfig, to_recipe
+import pretrain.launcher.cli  # noqa: F401  (registers the recipe schema with Hydra)
+from pretrain.core.schema import RecipeConfig, to_recipe
 from tests.pipedream_oracle import pipedream_curve, synchronous_curve
 
 RECIPES = str(Path(__file__).resolve().parent.parent / "recipes")

@@ -1,6 +1,7 @@
 """Pipeline bubble and saved activations, measured: PP=2 under GPipe and 1F1B on CPU.
 
-Two gloo ranks run the repo's schedule builder (`parallel.pipeline.stages.build_schedule`) over a
+Two gloo ranks run the repo's schedule builder (`pretrain.parallel.pipeline.stages.build_schedule`)
+over a
 stack of MLP blocks split into two stages, for m = 2, 4 and 8 micro-batches of fixed size.
 Per stage it measures:
 
@@ -37,11 +38,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import schedules
 
-from launcher.plan.schedule_sim import bubble_fraction, pipedream_bubble, simulate
-from parallel.pipeline.pipedream import P2PTransport, PipeDream, Version, copy_weights
-from parallel.pipeline.stages import build_schedule
-from pretrain_core.schema import ParallelConfig
-from pretrain_core.stages import rank_stages
+from pretrain.core.schema import ParallelConfig
+from pretrain.core.stages import rank_stages
+from pretrain.launcher.plan.schedule_sim import bubble_fraction, pipedream_bubble, simulate
+from pretrain.parallel.pipeline.pipedream import P2PTransport, PipeDream, Version, copy_weights
+from pretrain.parallel.pipeline.stages import build_schedule
 
 DIM, HIDDEN, BLOCKS_PER_STAGE, ROWS = 512, 2048, 2, 64
 CPU = torch.device("cpu")

@@ -24,9 +24,9 @@ from pathlib import Path
 
 import numpy as np
 
-from pretrain_core.schema import RecipeConfig
-from pretrain_data.prepare import prepare_data
-from pretrain_data.tokenizer import train_bpe
+from pretrain.core.schema import RecipeConfig
+from pretrain.dataprep.prepare import prepare_data
+from pretrain.dataprep.tokenizer import train_bpe
 
 WORDS = [
     "the",

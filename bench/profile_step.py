@@ -11,13 +11,13 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from bench.step_overhead import load_recipe
-from parallel.mesh import build_mesh
-from pretrain_core.layout import resolve_degrees
-from trainer.build import build_train_state
-from trainer.data.loader import one_process_loader
-from trainer.dist import init_distributed
-from trainer.step.context import StepContext
-from trainer.step.local import train_step
+from pretrain.core.layout import resolve_degrees
+from pretrain.parallel.mesh import build_mesh
+from pretrain.trainer.build import build_train_state
+from pretrain.trainer.data.loader import one_process_loader
+from pretrain.trainer.dist import init_distributed
+from pretrain.trainer.step.context import StepContext
+from pretrain.trainer.step.local import train_step
 
 
 def main() -> None:

@@ -17,7 +17,7 @@ import tracemalloc
 
 import numpy as np
 
-from trainer.data.sampler import MixtureSampler
+from pretrain.trainer.data.sampler import MixtureSampler
 
 PERMUTATION_MEASURED_AT = 10**7
 

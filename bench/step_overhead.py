@@ -22,19 +22,19 @@ import torch
 import torch.nn.functional as F
 from hydra import compose, initialize_config_dir
 
-import launcher.cli  # noqa: F401  (registers the recipe schema with Hydra)
-from models import build
-from models.init import init_weights
-from parallel.mesh import build_mesh
-from pretrain_core.layout import resolve_degrees
-from pretrain_core.schema import RecipeConfig, to_recipe
-from trainer.build import build_train_state
-from trainer.data.loader import RunData, open_datasets, packed_data, train_loader
-from trainer.data.prefetch import PrefetchingLoader
-from trainer.dist import init_distributed
-from trainer.step.context import StepContext
-from trainer.step.local import train_step
-from trainer.step.phases import OFF, StepPhases
+import pretrain.launcher.cli  # noqa: F401  (registers the recipe schema with Hydra)
+from pretrain.core.layout import resolve_degrees
+from pretrain.core.schema import RecipeConfig, to_recipe
+from pretrain.models import build
+from pretrain.models.init import init_weights
+from pretrain.parallel.mesh import build_mesh
+from pretrain.trainer.build import build_train_state
+from pretrain.trainer.data.loader import RunData, open_datasets, packed_data, train_loader
+from pretrain.trainer.data.prefetch import PrefetchingLoader
+from pretrain.trainer.dist import init_distributed
+from pretrain.trainer.step.context import StepContext
+from pretrain.trainer.step.local import train_step
+from pretrain.trainer.step.phases import OFF, StepPhases
 
 RECIPES = str(Path(__file__).resolve().parent.parent / "recipes")
 

@@ -35,13 +35,13 @@ import torch.multiprocessing as mp
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor
 
-import models
-from parallel.materialize import materialize
-from parallel.mesh import build_mesh
-from parallel.tensor import apply_tensor_parallel
-from pretrain_core.layout import Degrees
-from pretrain_core.model_config import ModelConfig
-from pretrain_core.schema import ParallelConfig
+from pretrain import models
+from pretrain.core.layout import Degrees
+from pretrain.core.model_config import ModelConfig
+from pretrain.core.schema import ParallelConfig
+from pretrain.parallel.materialize import materialize
+from pretrain.parallel.mesh import build_mesh
+from pretrain.parallel.tensor import apply_tensor_parallel
 
 MODEL = ModelConfig(
     vocab_size=512, dim=256, n_layers=2, n_heads=8, n_kv_heads=4, ffn_dim=768, max_seq_len=512

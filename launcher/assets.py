@@ -1,35 +1,29 @@
-"""Where the shipped recipes and sbatch templates are: the source tree's `recipes/` and
-`slurm/` when the launcher runs from a checkout (editable install, PYTHONPATH), else the
-same files installed beside the code as the packages `pretrain_recipes` and
-`pretrain_slurm` (pyproject.toml maps the two directories to them in the wheel).
+"""Where the shipped recipes and sbatch templates are: `recipes/` and `slurm/` beside the
+`launcher` package this module was imported from, which is the checkout's top level (or its
+`pretrain/` links) in a source tree and the `pretrain` package folder in an installed wheel
+(pyproject.toml maps both directories into it).
 
-The checkout wins so that a worktree run with PYTHONPATH reads its own recipes, not those of
-another editable install on the same Python.
+The files beside the running code win, so a worktree run with PYTHONPATH reads its own
+recipes, not those of another install on the same Python.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import re
 from pathlib import Path
 from string import Template
 
-_SOURCE_ROOT = Path(__file__).resolve().parent.parent
-_PACKAGES = {"recipes": "pretrain_recipes", "slurm": "pretrain_slurm"}
+_PACKAGE_ROOT = Path(__file__).resolve().parent.parent
 
 
 def shipped_dir(name: str) -> Path:
     """The directory of shipped files `name` ("recipes" or "slurm")."""
-    in_checkout = _SOURCE_ROOT / name
-    if (_SOURCE_ROOT / "pyproject.toml").is_file() and in_checkout.is_dir():
-        return in_checkout
-    spec = importlib.util.find_spec(_PACKAGES[name])
-    if spec is None or not spec.submodule_search_locations:
+    found = _PACKAGE_ROOT / name
+    if not found.is_dir():
         raise FileNotFoundError(
-            f"the shipped {name} are missing: neither {in_checkout} nor the package "
-            f"{_PACKAGES[name]} exists; reinstall pretrain"
+            f"the shipped {name} are missing: {found} does not exist; reinstall pretrain"
         )
-    return Path(next(iter(spec.submodule_search_locations)))
+    return found
 
 
 SHIPPED_RECIPES = shipped_dir("recipes")

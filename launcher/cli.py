@@ -25,8 +25,13 @@ from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from launcher.assets import SHIPPED_RECIPES
-from launcher.compose.command_line import (
+from pretrain.core.inputs.boundary import run_command
+from pretrain.core.problems import RecipeError
+from pretrain.core.run.rundir import PREEMPTED_MARKER
+from pretrain.core.run.wandb_credentials import wandb_project
+from pretrain.core.schema import RecipeConfig, dump_config, schema_node, to_recipe
+from pretrain.launcher.assets import SHIPPED_RECIPES
+from pretrain.launcher.compose.command_line import (
     checked_command_line,
     flags_first,
     hydra_errors_as_problems,
@@ -34,9 +39,9 @@ from launcher.compose.command_line import (
     sweep_scratch,
     with_user_recipes,
 )
-from launcher.compose.sweep_settings import CONFIRM_FLAG
-from launcher.help import render_help
-from launcher.job.sweep import (
+from pretrain.launcher.compose.sweep_settings import CONFIRM_FLAG
+from pretrain.launcher.help import render_help
+from pretrain.launcher.job.sweep import (
     OUTCOMES,
     SWEPT_KEYS,
     Failed,
@@ -47,11 +52,6 @@ from launcher.job.sweep import (
     summary,
     swept_keys,
 )
-from pretrain_core.inputs.boundary import run_command
-from pretrain_core.problems import RecipeError
-from pretrain_core.run.rundir import PREEMPTED_MARKER
-from pretrain_core.run.wandb_credentials import wandb_project
-from pretrain_core.schema import RecipeConfig, dump_config, schema_node, to_recipe
 
 RECIPES_DIR = str(SHIPPED_RECIPES)
 DEFAULT_RECIPE = "tiny"
@@ -84,11 +84,11 @@ def execute(cfg: RecipeConfig, launched: dict | None = None) -> float | None:
     """Validate, plan and carry out `cfg.action` for one composed recipe; the final
     validation (or training) loss of a local run, None for the other actions. `launched`
     (the recipe's name and the command line's overrides) goes to RUN_DIR/overrides.yaml."""
-    from launcher.compose.from_hf import adopted_lines
-    from launcher.compose.nanogpt_split import nanogpt_val_lines
-    from launcher.plan.plan import make_plan, plan_to_dict
-    from launcher.plan.render import render_plan, render_summary
-    from launcher.validate.short_run import fit_schedule_to_run
+    from pretrain.launcher.compose.from_hf import adopted_lines
+    from pretrain.launcher.compose.nanogpt_split import nanogpt_val_lines
+    from pretrain.launcher.plan.plan import make_plan, plan_to_dict
+    from pretrain.launcher.plan.render import render_plan, render_summary
+    from pretrain.launcher.validate.short_run import fit_schedule_to_run
 
     overrides = (launched or {}).get("overrides", [])
     try:
@@ -100,7 +100,7 @@ def execute(cfg: RecipeConfig, launched: dict | None = None) -> float | None:
         print(f"warning: {warning}", file=sys.stderr)
     if cfg.action == "suggest":
         # The search chooses the layout: only problems that no layout fixes are refused.
-        from launcher.plan.suggest import report
+        from pretrain.launcher.plan.suggest import report
 
         try:
             print(report(cfg))
@@ -124,7 +124,7 @@ def execute(cfg: RecipeConfig, launched: dict | None = None) -> float | None:
             _draw_pipeline_chart(cfg, plan)
         return None
     if cfg.action == "dryrun":
-        from launcher.plan.dryrun import dry_run_action
+        from pretrain.launcher.plan.dryrun import dry_run_action
 
         _fail_on(dry_run_action(cfg, plan))
         return None
@@ -133,7 +133,7 @@ def execute(cfg: RecipeConfig, launched: dict | None = None) -> float | None:
     elif cfg.plan.before_run == "summary":
         print(render_summary(plan))
     if cfg.plan.dryrun and cfg.action == "run" and cfg.cluster.backend == "slurm":
-        from launcher.plan.dryrun import refusal
+        from pretrain.launcher.plan.dryrun import refusal
 
         _fail_on(refusal(cfg, plan))
     return _write_and_start(cfg, plan_to_dict(plan), launched)
@@ -147,7 +147,7 @@ def _fail_on(problem: str | None) -> None:
 def _draw_pipeline_chart(cfg: RecipeConfig, plan: Any) -> None:
     """plan.chart=png: the simulated schedule of `plan` (launcher/plan/plan.py's Plan) as
     pipeline.png here, said on stderr, so that a JSON plan on stdout stays one object."""
-    from launcher.plan.chart_png import draw_chart
+    from pretrain.launcher.plan.chart_png import draw_chart
 
     if plan.pipeline is None:
         _fail(f"plan.chart=png: recipe '{cfg.name}' has parallel.pp=1 and no pipeline to "
@@ -158,10 +158,10 @@ def _draw_pipeline_chart(cfg: RecipeConfig, plan: Any) -> None:
 
 def _validate_for_action(cfg: RecipeConfig) -> None:
     """Every check the action needs, before anything is written; exits on a problem."""
-    from launcher.plan.memory_fit import check_fits
-    from launcher.validate.data import unprepared_problems
-    from launcher.validate.layout import check_runnable
-    from launcher.validate.recipe import validate
+    from pretrain.launcher.plan.memory_fit import check_fits
+    from pretrain.launcher.validate.data import unprepared_problems
+    from pretrain.launcher.validate.layout import check_runnable
+    from pretrain.launcher.validate.recipe import validate
 
     try:
         launch = cfg.action == "run"
@@ -186,15 +186,20 @@ def _validate_for_action(cfg: RecipeConfig) -> None:
 def _write_and_start(cfg: RecipeConfig, plan: dict, launched: dict | None) -> float | None:
     """Claim and write the run dir, then run locally or submit (action run or script); the
     final loss of a local run."""
-    from launcher.job.backends import (
+    from pretrain.launcher.job.backends import (
         LaunchError,
         claimed_run_dir,
         never_starts,
         run_local,
         submit_slurm,
     )
-    from launcher.job.failure_summary import failure_message
-    from launcher.job.run_dir import JobError, check_run_dir, finished_message, write_run_dir
+    from pretrain.launcher.job.failure_summary import failure_message
+    from pretrain.launcher.job.run_dir import (
+        JobError,
+        check_run_dir,
+        finished_message,
+        write_run_dir,
+    )
 
     config_yaml = dump_config(cfg)
     try:
@@ -238,13 +243,13 @@ def _write_and_start(cfg: RecipeConfig, plan: dict, launched: dict | None) -> fl
 
 def _prepare(cfg: RecipeConfig) -> None:
     """Validate the data fields (and, locally, the files), then prepare or submit."""
-    from launcher.job.backends import LaunchError
-    from launcher.job.prepare import run_prepare_here, submit_prepare, write_prepare_files
-    from launcher.job.run_dir import JobError
-    from launcher.validate.data import prepare_problems
-    from launcher.validate.recipe import validate
-    from pretrain_core.problems import RecipeError
-    from pretrain_core.run.run_lock import RunDirInUse, check_free
+    from pretrain.core.problems import RecipeError
+    from pretrain.core.run.run_lock import RunDirInUse, check_free
+    from pretrain.launcher.job.backends import LaunchError
+    from pretrain.launcher.job.prepare import run_prepare_here, submit_prepare, write_prepare_files
+    from pretrain.launcher.job.run_dir import JobError
+    from pretrain.launcher.validate.data import prepare_problems
+    from pretrain.launcher.validate.recipe import validate
 
     try:
         validate(cfg)
@@ -340,15 +345,17 @@ def run_subcommand(name: str, argv: list[str]) -> int:
     if name == "export":
         # The exporter is the trainer's (it loads the checkpoint with torch), and the
         # launcher imports no trainer code: the process becomes the exporter instead.
-        os.execv(sys.executable, [sys.executable, "-m", "trainer.checkpoint.export", *argv])
+        os.execv(
+            sys.executable, [sys.executable, "-m", "pretrain.trainer.checkpoint.export", *argv]
+        )
     if name == "status":
-        from launcher.job.status import main as status
+        from pretrain.launcher.job.status import main as status
 
         return status(argv)
     if name == "report":
-        from launcher.report import main as command
+        from pretrain.launcher.report import main as command
     else:
-        from launcher.dashboard import main as command
+        from pretrain.launcher.dashboard import main as command
     command(argv)
     return 0
 

@@ -98,7 +98,7 @@ def workspace(entity: str, project: str, name: str) -> Any:
 
 def main(argv: list[str] | None = None) -> None:
     """Console entry point of `pretrain-dashboard`, inside the error boundary."""
-    from pretrain_core.inputs.boundary import run_command
+    from pretrain.core.inputs.boundary import run_command
 
     run_command("pretrain-dashboard", lambda: _main(argv))
 
@@ -119,7 +119,7 @@ def _main(argv: list[str] | None) -> None:
         return
     if not args.project:
         parser.error("--project is needed to create the workspace (or --print the spec)")
-    from pretrain_core.run.wandb_credentials import api_key_configured
+    from pretrain.core.run.wandb_credentials import api_key_configured
 
     if not api_key_configured(os.environ):
         why = "no W&B credentials (WANDB_API_KEY or a netrc entry)"

@@ -23,7 +23,7 @@ if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
 
 import importlib  # noqa: E402
 
-from pretrain_core.inputs.boundary import run_command  # noqa: E402
+from pretrain.core.inputs.boundary import run_command  # noqa: E402
 
 
 def _main_of(module: str, function: str = "main") -> None:
@@ -32,19 +32,19 @@ def _main_of(module: str, function: str = "main") -> None:
 
 def pretrain() -> None:
     """`pretrain` (and `pretrain status`)."""
-    run_command("pretrain", lambda: _main_of("launcher.cli"))
+    run_command("pretrain", lambda: _main_of("pretrain.launcher.cli"))
 
 
 def report() -> None:
     """`pretrain-report`."""
-    run_command("pretrain-report", lambda: _main_of("launcher.report"))
+    run_command("pretrain-report", lambda: _main_of("pretrain.launcher.report"))
 
 
 def dashboard() -> None:
     """`pretrain-dashboard`."""
-    run_command("pretrain-dashboard", lambda: _main_of("launcher.dashboard"))
+    run_command("pretrain-dashboard", lambda: _main_of("pretrain.launcher.dashboard"))
 
 
 def export() -> None:
     """`pretrain-export`."""
-    run_command("pretrain-export", lambda: _main_of("trainer.checkpoint.export", "entry"))
+    run_command("pretrain-export", lambda: _main_of("pretrain.trainer.checkpoint.export", "entry"))

@@ -7,10 +7,10 @@ from __future__ import annotations
 import textwrap
 from pathlib import Path
 
-from launcher.compose.command_line import recipe_names
-from launcher.compose.recipe_files import group_options
-from pretrain_core.field_docs import field_docs
-from pretrain_core.schema import RecipeConfig
+from pretrain.core.field_docs import field_docs
+from pretrain.core.schema import RecipeConfig
+from pretrain.launcher.compose.command_line import recipe_names
+from pretrain.launcher.compose.recipe_files import group_options
 
 ACTIONS = {
     "run": "plan, write the run dir, then train here (torchrun) or submit (sbatch); default",

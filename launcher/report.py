@@ -28,8 +28,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from launcher.dashboard import SECTIONS
-from pretrain_core.inputs.reading import (
+from pretrain.core.inputs.reading import (
     ReadError,
     integer,
     json_objects,
@@ -37,8 +36,9 @@ from pretrain_core.inputs.reading import (
     read_bytes,
     read_json,
 )
-from pretrain_core.run.metric_names import flat_name
-from pretrain_core.run.rundir import METRICS_FILE, PLAN_FILE
+from pretrain.core.run.metric_names import flat_name
+from pretrain.core.run.rundir import METRICS_FILE, PLAN_FILE
+from pretrain.launcher.dashboard import SECTIONS
 
 PNG_DATA_KEY = "pretrain-report"
 """The PNG text chunk that holds the drawn panels' data."""
@@ -315,7 +315,7 @@ def _load(run_dir: Path) -> Metrics:
 
 def main(argv: list[str] | None = None) -> None:
     """Console entry point of `pretrain-report`, inside the error boundary."""
-    from pretrain_core.inputs.boundary import run_command
+    from pretrain.core.inputs.boundary import run_command
 
     run_command("pretrain-report", lambda: _main(argv))
 

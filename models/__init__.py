@@ -4,13 +4,13 @@ Importing this package is cheap: the torch modules load only when `build` is cal
 so the launcher can use the pure helpers (`config`, `flops`) on a login node.
 """
 
-from pretrain_core.model_config import ModelConfig
+from pretrain.core.model_config import ModelConfig
 
 __all__ = ["ModelConfig", "build"]
 
 
 def build(cfg: ModelConfig):
     """Build the model described by `cfg` on the meta device (no memory, no init)."""
-    from models.llama import build_on_meta
+    from pretrain.models.llama import build_on_meta
 
     return build_on_meta(cfg)

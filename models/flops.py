@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pretrain_core.model_config import ModelConfig
+from pretrain.core.model_config import ModelConfig
 
 
 @dataclass(frozen=True)

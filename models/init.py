@@ -14,8 +14,8 @@ import math
 
 import torch
 
-from models.llama import Transformer
-from pretrain_core.model_config import ModelConfig
+from pretrain.core.model_config import ModelConfig
+from pretrain.models.llama import Transformer
 
 _NORM_SUFFIXES = (
     "attention_norm.weight",

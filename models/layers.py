@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
-from models.rope import apply_rope
-from pretrain_core.model_config import ModelConfig
+from pretrain.core.model_config import ModelConfig
+from pretrain.models.rope import apply_rope
 
 
 class RMSNorm(nn.Module):

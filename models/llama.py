@@ -19,7 +19,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from models.layers import (
+from pretrain.core.model_config import ModelConfig
+from pretrain.models.layers import (
     Attention,
     AttentionMask,
     FeedForward,
@@ -27,10 +28,9 @@ from models.layers import (
     document_mask,
     window_mask,
 )
-from models.mla import MultiHeadLatentAttention
-from models.moe import MoEFeedForward, moe_modules
-from models.rope import rope_tables
-from pretrain_core.model_config import ModelConfig
+from pretrain.models.mla import MultiHeadLatentAttention
+from pretrain.models.moe import MoEFeedForward, moe_modules
+from pretrain.models.rope import rope_tables
 
 
 class TransformerBlock(nn.Module):

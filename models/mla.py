@@ -25,8 +25,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.flex_attention import BlockMask
 
-from models.layers import AttentionMask, RMSNorm, apply_rope, compiled_flex_attention
-from pretrain_core.model_config import ModelConfig
+from pretrain.core.model_config import ModelConfig
+from pretrain.models.layers import AttentionMask, RMSNorm, apply_rope, compiled_flex_attention
 
 
 class MultiHeadLatentAttention(nn.Module):
@@ -60,7 +60,7 @@ class MultiHeadLatentAttention(nn.Module):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: AttentionMask = None
     ) -> torch.Tensor:
         """Causal attention, or block-causal over packed documents under `mask` (as
-        `models.layers.document_mask` builds it)."""
+        `pretrain.models.layers.document_mask` builds it)."""
         b, s, _ = x.shape
         q = self._queries(x).view(b, s, -1, self.nope + self.rope)
         q_nope, q_rope = q.split([self.nope, self.rope], dim=-1)

@@ -40,8 +40,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.layers import FeedForward
-from pretrain_core.model_config import ModelConfig
+from pretrain.core.model_config import ModelConfig
+from pretrain.models.layers import FeedForward
 
 
 def _local(weight: torch.Tensor) -> torch.Tensor:

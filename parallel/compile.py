@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pretrain_core.schema import CompileConfig
+from pretrain.core.schema import CompileConfig
 
 
 class CompileError(RuntimeError):

@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from parallel.mesh import JobMesh
+from pretrain.parallel.mesh import JobMesh
 
 
 def chunk_order(cp: int, rank: int) -> tuple[int, int]:

@@ -33,12 +33,12 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard
 from torch.nn.parallel import DistributedDataParallel
 
-from parallel.expert import expert_parameter_names, expert_parameters, expert_replicas
-from parallel.mesh import JobMesh
-from parallel.offload import offload_policy
-from parallel.precision import compute_dtype
-from pretrain_core.layout import Degrees
-from pretrain_core.schema import ParallelConfig, PrecisionConfig
+from pretrain.core.layout import Degrees
+from pretrain.core.schema import ParallelConfig, PrecisionConfig
+from pretrain.parallel.expert import expert_parameter_names, expert_parameters, expert_replicas
+from pretrain.parallel.mesh import JobMesh
+from pretrain.parallel.offload import offload_policy
+from pretrain.parallel.precision import compute_dtype
 
 REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 _GATHERED_ONCE: weakref.WeakSet[nn.Module] = weakref.WeakSet()

@@ -1,7 +1,7 @@
 """Expert parallelism: the routed experts sharded over an EP group carved from data parallelism.
 
 The EP group: the flattened data-parallel index (dp_replicate x dp_shard) splits into
-(dp / ep, ep), ep inner, exactly as `pretrain_core.layout.rank_groups` lists the "ep" groups. A
+(dp / ep, ep), ep inner, exactly as `pretrain.core.layout.rank_groups` lists the "ep" groups. A
 second DeviceMesh (pp, edp, ep, tp) over the same ranks names both halves: `ep` (the ranks
 that share one set of tokens' experts) and `edp` (the ranks that hold the same experts).
 
@@ -42,10 +42,10 @@ from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from models.moe import Grouped, GroupedExperts, MoEFeedForward, moe_modules, router_losses
-from parallel.mesh import JobMesh
-from pretrain_core.model_config import ModelConfig
-from pretrain_core.schema import ParallelConfig
+from pretrain.core.model_config import ModelConfig
+from pretrain.core.schema import ParallelConfig
+from pretrain.models.moe import Grouped, GroupedExperts, MoEFeedForward, moe_modules, router_losses
+from pretrain.parallel.mesh import JobMesh
 
 SLOT_HEADROOM = 1.25
 """Dropless slots hold the largest load seen times this."""

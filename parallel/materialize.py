@@ -1,6 +1,6 @@
 """Materialize a meta-device model and give it the same weights under every layout.
 
-Every parameter's full value comes from `models.init.initial_value(name, seed)`; a sharded
+Every parameter's full value comes from `pretrain.models.init.initial_value(name, seed)`; a sharded
 (DTensor) parameter keeps only its own slice of it, so DP, ZeRO and TP runs all start from
 the weights of the single-device run. Vocabulary rows that tensor parallelism adds for
 padding are zeros after the real ones, which keep their unpadded values.
@@ -12,9 +12,9 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from models.init import initial_value
-from parallel.tensor import VOCAB_PARAMS
-from pretrain_core.model_config import ModelConfig
+from pretrain.core.model_config import ModelConfig
+from pretrain.models.init import initial_value
+from pretrain.parallel.tensor import VOCAB_PARAMS
 
 
 @torch.no_grad()

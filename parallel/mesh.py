@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from pretrain_core.layout import MESH_DIMS, Degrees
+from pretrain.core.layout import MESH_DIMS, Degrees
 
 EXPERT_MESH_DIMS = ("ep_pp", "edp", "ep", "ep_tp")
 

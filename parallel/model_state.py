@@ -9,7 +9,12 @@ from typing import Any
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
-from parallel.pipeline.tied_embedding import EMBEDDING, HEAD, reads_copy_from_embedding, renamed
+from pretrain.parallel.pipeline.tied_embedding import (
+    EMBEDDING,
+    HEAD,
+    reads_copy_from_embedding,
+    renamed,
+)
 
 
 class ModelState:

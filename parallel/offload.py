@@ -14,7 +14,7 @@ from __future__ import annotations
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy
 
-from pretrain_core.schema import ParallelConfig
+from pretrain.core.schema import ParallelConfig
 
 
 def offload_policy(parallel: ParallelConfig, device_type: str) -> OffloadPolicy:

@@ -25,8 +25,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from pretrain_core.precision import BACKEND_INSTALL, BACKEND_MODULES, FP8_MULTIPLE
-from pretrain_core.schema import PrecisionConfig
+from pretrain.core.precision import BACKEND_INSTALL, BACKEND_MODULES, FP8_MULTIPLE
+from pretrain.core.schema import PrecisionConfig
 
 COMPUTE_DTYPES = {
     "fp32": None,

@@ -18,8 +18,8 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
-from pretrain_core.recompute import recomputed_blocks
-from pretrain_core.schema import RecomputeConfig
+from pretrain.core.recompute import recomputed_blocks
+from pretrain.core.schema import RecomputeConfig
 
 # Matmul outputs are expensive to recompute and small next to the attention core and the
 # elementwise activations, which selective recompute throws away (Korthikanti et al. 2022).

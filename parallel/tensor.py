@@ -54,10 +54,10 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from models.mla import MultiHeadLatentAttention
-from models.moe import MoEFeedForward
-from parallel.mesh import JobMesh
-from pretrain_core.schema import ParallelConfig
+from pretrain.core.schema import ParallelConfig
+from pretrain.models.mla import MultiHeadLatentAttention
+from pretrain.models.moe import MoEFeedForward
+from pretrain.parallel.mesh import JobMesh
 
 VOCAB_PARAMS = ("tok_embeddings.weight", "output.weight")
 """Parameters whose first dim is the (possibly padded) vocabulary."""

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from launcher.plan.memory_fit import check_fits
-from launcher.validate.recipe import validate
-from pretrain_core.model_config import ModelConfig
-from pretrain_core.problems import Problem, RecipeError
-from pretrain_core.schema import RecipeConfig
+from pretrain.core.model_config import ModelConfig
+from pretrain.core.problems import Problem, RecipeError
+from pretrain.core.schema import RecipeConfig
+from pretrain.launcher.plan.memory_fit import check_fits
+from pretrain.launcher.validate.recipe import validate
 
 REPO = Path(__file__).resolve().parent.parent
 # Published model shapes (parameter counts equal the Hugging Face checkpoints for Llama 3;
@@ -69,8 +69,8 @@ def compose_recipe(name: str, overrides: list[str]) -> RecipeConfig:
     """A shipped recipe composed by Hydra with command-line overrides, as the CLI does."""
     from hydra import compose, initialize_config_dir
 
-    import launcher.cli  # noqa: F401  (registers the recipe schema with Hydra)
-    from pretrain_core.schema import to_recipe
+    import pretrain.launcher.cli  # noqa: F401  (registers the recipe schema with Hydra)
+    from pretrain.core.schema import to_recipe
 
     with initialize_config_dir(config_dir=str(REPO / "recipes"), version_base=None):
         return to_recipe(compose(config_name=name, overrides=overrides))
@@ -99,11 +99,11 @@ def problems(cfg: RecipeConfig, for_launch: bool = False) -> list[Problem]:
 def pretrain(
     *args: str, cwd: Path, timeout: float = 120, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess:
-    """Run the `pretrain` CLI (as `python -P -m launcher`: as the console script, without
+    """Run the `pretrain` CLI (as `python -P -m pretrain`: as the console script, without
     `cwd` on the import path) in `cwd` and capture its output; `env` adds variables to this
     process's environment."""
     return subprocess.run(
-        [sys.executable, "-P", "-m", "launcher", *args],
+        [sys.executable, "-P", "-m", "pretrain", *args],
         cwd=cwd,
         capture_output=True,
         text=True,
@@ -168,7 +168,7 @@ def generated_documents(count: int, seed: int = 0, words: tuple[int, int] = (5, 
 
 def write_tokenizer(path: Path, texts: list[str], vocab_size: int = 320) -> Path:
     """A byte-level BPE trained on `texts` (as the trainer trains one), saved at `path`."""
-    from pretrain_data.tokenizer import train_bpe
+    from pretrain.dataprep.tokenizer import train_bpe
 
     path.parent.mkdir(parents=True, exist_ok=True)
     train_bpe([texts], vocab_size).save(str(path))
@@ -179,7 +179,7 @@ def encode_documents(tokenizer_path: Path, docs: list[str]) -> list[int]:
     """What a prepared dataset holds for `docs`: each document's ids, then EOS."""
     from tokenizers import Tokenizer
 
-    from pretrain_data.tokenizer import EOS_TOKEN
+    from pretrain.dataprep.tokenizer import EOS_TOKEN
 
     tokenizer = Tokenizer.from_file(str(tokenizer_path))
     eos = tokenizer.token_to_id(EOS_TOKEN)
@@ -257,7 +257,7 @@ def pretrain_in_process(*args: str, cwd: Path) -> tuple[int, str, str]:
     """Run the `pretrain` CLI's main() in this process, as `pretrain ARGS` typed in `cwd`:
     (exit code, stdout, stderr). Much faster than a subprocess; any exception other than
     the CLI's own exit propagates (a traceback the user would see)."""
-    from launcher import cli
+    from pretrain.launcher import cli
 
     out, err = io.StringIO(), io.StringIO()
     argv, old_cwd = sys.argv, os.getcwd()

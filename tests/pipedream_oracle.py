@@ -4,7 +4,8 @@ two curves of the convergence comparison (tests, `bench/pipedream_convergence.py
 
 The stages are split, initialized and fed as the trainer does (same weights, data order,
 optimizer groups, LR schedule, clipping); the 2BW engines of all stages run in one process
-(`parallel.pipeline.pipedream.run_local`), and one optimizer over every stage's newest version
+(`pretrain.parallel.pipeline.pipedream.run_local`), and one optimizer over every stage's newest
+version
 applies each step's gradient one step late. Only fp32 layouts without tp, cp or dp
 replicas are simulated (what a reference needs).
 """
@@ -13,25 +14,25 @@ from __future__ import annotations
 
 import torch
 
-import models
-from parallel.materialize import materialize
-from parallel.pipeline.pipedream import (
+from pretrain import models
+from pretrain.core.layout import Degrees, grad_accum_steps
+from pretrain.core.schema import RecipeConfig
+from pretrain.parallel.materialize import materialize
+from pretrain.parallel.pipeline.pipedream import (
     LocalTransport,
     PipeDream,
     Version,
     local_step,
     move_optimizer,
 )
-from parallel.pipeline.stages import StageView, split_stage
-from parallel.precision import LossScaler
-from pretrain_core.layout import Degrees, grad_accum_steps
-from pretrain_core.schema import RecipeConfig
-from trainer.data.loader import DataLoader, one_process_loader
-from trainer.optim.lr_schedule import build_lr_scheduler
-from trainer.optim.optimizers import build_optimizer
-from trainer.step.context import StepContext
-from trainer.step.local import apply_gradients, train_step
-from trainer.step.state import TrainState, lm_loss
+from pretrain.parallel.pipeline.stages import StageView, split_stage
+from pretrain.parallel.precision import LossScaler
+from pretrain.trainer.data.loader import DataLoader, one_process_loader
+from pretrain.trainer.optim.lr_schedule import build_lr_scheduler
+from pretrain.trainer.optim.optimizers import build_optimizer
+from pretrain.trainer.step.context import StepContext
+from pretrain.trainer.step.local import apply_gradients, train_step
+from pretrain.trainer.step.state import TrainState, lm_loss
 
 Curve = list[tuple[float, float]]
 """(loss, grad norm) per step; the norm is NaN in a step that applied no update."""

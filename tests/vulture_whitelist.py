@@ -11,10 +11,10 @@ _ = object()
 
 # Read by the standard library, torch or a library, by name.
 _.idpattern  # string.Template's placeholder pattern (launcher/assets.py)
-_.find_class  # pickle.Unpickler's hook (pretrain_data/token_formats.py)
-_.pre_tokenizer  # tokenizers.Tokenizer's settings (pretrain_data/tokenizer.py)
+_.find_class  # pickle.Unpickler's hook (dataprep/token_formats.py)
+_.pre_tokenizer  # tokenizers.Tokenizer's settings (dataprep/tokenizer.py)
 _.decoder
-_.__spec__  # cleared before the workers fork (pretrain_data/workers.py)
+_.__spec__  # cleared before the workers fork (dataprep/workers.py)
 _.exc_info  # logging.LogRecord's traceback, dropped by the agent's filter (trainer/agent.py)
 _.exc_text
 _._CHECKPOINT_PROCESS  # DCP's background process, released to join it (trainer/checkpoint)

@@ -1,4 +1,4 @@
-"""Entry point of every rank: `python -m trainer RUN_DIR/config.yaml` (under torchrun), or
+"""Entry point of every rank: `python -m pretrain.trainer RUN_DIR/config.yaml` (under torchrun), or
 this file run in a process forked from the agent (`trainer/agent.py`, on CPU).
 
 The rank first ties its life to torchrun's (torchrun starts it in a session of its own, so
@@ -15,11 +15,11 @@ import time
 # Before any heavy import: the start of this rank's process (trainer/observe/startup.py).
 os.environ.setdefault("PRETRAIN_RANK_T0", str(time.time()))
 
-from pretrain_core.run.lifeline import die_with_parent
+from pretrain.core.run.lifeline import die_with_parent
 
 if __name__ == "__main__":
     if len(sys.argv) != 2:
-        sys.exit("usage: python -m trainer RUN_DIR/config.yaml")
+        sys.exit("usage: python -m pretrain.trainer RUN_DIR/config.yaml")
     die_with_parent()
     forked = multiprocessing.parent_process() is not None
     if forked:
@@ -29,15 +29,15 @@ if __name__ == "__main__":
         for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
             signal.signal(sig, signal.SIG_DFL)
         sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
-    from trainer.faults.failure_report import reported_failures
-    from trainer.train import main
+    from pretrain.trainer.faults.failure_report import reported_failures
+    from pretrain.trainer.train import main
 
     with reported_failures(sys.argv[1]):
         main(sys.argv[1])
     if forked:
         sys.stdout.flush()
         sys.stderr.flush()
-        from trainer.faults.step_guard import received_stop_signal
+        from pretrain.trainer.faults.step_guard import received_stop_signal
 
         stopped_by = received_stop_signal()
         if stopped_by == signal.SIGTERM:

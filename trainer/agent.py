@@ -1,4 +1,5 @@
-"""The per-node agent: `python3 -m trainer.agent TORCHRUN_ARGS... -m trainer CONFIG`.
+"""The per-node agent: `python3 -m pretrain.trainer.agent TORCHRUN_ARGS... -m pretrain.trainer
+CONFIG`.
 
 It is torchrun, with two differences that matter for stopping and restarting a job:
 
@@ -28,8 +29,8 @@ import os
 import sys
 from pathlib import Path
 
-from pretrain_core.run.rundir import PREEMPTED_MARKER
-from pretrain_core.schema import load_config
+from pretrain.core.run.rundir import PREEMPTED_MARKER
+from pretrain.core.schema import load_config
 
 
 def stopped_after_saving(argv: list[str]) -> bool:
@@ -37,7 +38,7 @@ def stopped_after_saving(argv: list[str]) -> bool:
     return bool(argv) and (Path(argv[-1]).parent / PREEMPTED_MARKER).is_file()
 
 
-TRAINER_MODULE = ["-m", "trainer"]
+TRAINER_MODULE = ["-m", "pretrain.trainer"]
 FORK_ENV = "PRETRAIN_FORK_RANKS"
 """Set to 0 to start CPU ranks as fresh interpreters, as on CUDA."""
 
@@ -62,17 +63,17 @@ class ForkedExitWithoutTraceback(logging.Filter):
 
 
 def forked_ranks(argv: list[str]) -> list[str]:
-    """`argv` (ending in `-m trainer CONFIG`) with the ranks forked from this process when
+    """`argv` (ending in `-m pretrain.trainer CONFIG`) with the ranks forked from this process when
     the job runs on CPU, after importing what every rank imports; `argv` itself otherwise."""
     if os.environ.get(FORK_ENV, "1") == "0":
         return argv
     if argv[-3:-1] != TRAINER_MODULE or load_config(argv[-1]).cluster.device != "cpu":
         return argv
-    import trainer.faults.failure_report
-    import trainer.train
+    import pretrain.trainer.faults.failure_report
+    import pretrain.trainer.train
 
     logging.getLogger(ELASTIC_PROCESS_LOGGER).addFilter(ForkedExitWithoutTraceback())
-    main_file = Path(trainer.__file__).with_name("__main__.py")
+    main_file = Path(pretrain.trainer.__file__).with_name("__main__.py")
     return [*argv[:-3], "--start-method", "fork", "--run-path", str(main_file), argv[-1]]
 
 

@@ -11,25 +11,30 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-import models
-from parallel.compile import apply_compile, compile_loss
-from parallel.context import apply_context_parallel, context_split
-from parallel.data_parallel import apply_ddp, apply_fsdp, build_zero1_optimizer, uses_fsdp
-from parallel.expert import apply_expert_parallel
-from parallel.materialize import materialize
-from parallel.mesh import JobMesh
-from parallel.offload import optimizer_device_type
-from parallel.pipeline.stages import StageView, split_stage, stage_indices
-from parallel.pipeline.tied_embedding import mark_head_copy
-from parallel.precision import LossScaler, apply_precision
-from parallel.recompute import apply_recompute
-from parallel.tensor import apply_tensor_parallel
-from pretrain_core.schedules import SCHEDULES
-from pretrain_core.schema import RecipeConfig
-from trainer.optim.lr_schedule import build_lr_scheduler
-from trainer.optim.optimizers import build_optimizer, optimizer_spec, param_groups, scaled_lr
-from trainer.step.chunked_loss import ChunkedLMLoss
-from trainer.step.state import TrainState, lm_loss
+from pretrain import models
+from pretrain.core.schedules import SCHEDULES
+from pretrain.core.schema import RecipeConfig
+from pretrain.parallel.compile import apply_compile, compile_loss
+from pretrain.parallel.context import apply_context_parallel, context_split
+from pretrain.parallel.data_parallel import apply_ddp, apply_fsdp, build_zero1_optimizer, uses_fsdp
+from pretrain.parallel.expert import apply_expert_parallel
+from pretrain.parallel.materialize import materialize
+from pretrain.parallel.mesh import JobMesh
+from pretrain.parallel.offload import optimizer_device_type
+from pretrain.parallel.pipeline.stages import StageView, split_stage, stage_indices
+from pretrain.parallel.pipeline.tied_embedding import mark_head_copy
+from pretrain.parallel.precision import LossScaler, apply_precision
+from pretrain.parallel.recompute import apply_recompute
+from pretrain.parallel.tensor import apply_tensor_parallel
+from pretrain.trainer.optim.lr_schedule import build_lr_scheduler
+from pretrain.trainer.optim.optimizers import (
+    build_optimizer,
+    optimizer_spec,
+    param_groups,
+    scaled_lr,
+)
+from pretrain.trainer.step.chunked_loss import ChunkedLMLoss
+from pretrain.trainer.step.state import TrainState, lm_loss
 
 
 def parallelize(plain: nn.Module, cfg: RecipeConfig, mesh: JobMesh) -> None:

@@ -9,7 +9,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from pretrain_core.schema import ClusterConfig
+from pretrain.core.schema import ClusterConfig
 
 
 @dataclass(frozen=True)

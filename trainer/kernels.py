@@ -12,13 +12,13 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from models.moe import grouped_mm_supported
-from parallel.offload import offloaded_modules
-from pretrain_core.model_config import ModelConfig
+from pretrain.core.model_config import ModelConfig
+from pretrain.models.moe import grouped_mm_supported
+from pretrain.parallel.offload import offloaded_modules
 
 if TYPE_CHECKING:
-    from pretrain_core.schema import RecipeConfig
-    from trainer.step.state import TrainState
+    from pretrain.core.schema import RecipeConfig
+    from pretrain.trainer.step.state import TrainState
 
 # The aten op SDPA dispatches to, by backend.
 SDPA_BACKENDS = {

@@ -3,7 +3,8 @@
     [trainer] resumed from the checkpoint of step 40          (rank 0, the default)
     [trainer rank 3] step 12: non-finite loss; skipped        (logging.all_ranks=true)
 
-Metrics lines go through `trainer.observe.loggers.MetricsLogger`; this is for everything else the
+Metrics lines go through `pretrain.trainer.observe.loggers.MetricsLogger`; this is for everything
+else the
 ranks have to say. Messages go to stdout, which torchrun and SLURM collect.
 """
 

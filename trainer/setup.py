@@ -1,6 +1,6 @@
 """Everything a rank builds before its first step, in one place, so the loop only steps.
 
-Mesh, model and optimizer (`trainer.build`), the weights of init.from_hf, the step of the
+Mesh, model and optimizer (`pretrain.trainer.build`), the weights of init.from_hf, the step of the
 layout (plain or pipelined), the data (prepared datasets, the training loader and the
 evaluator over the validation split), the checkpointer (restored from the newest
 checkpoint), the fault guard and injector, the metrics window and the metrics sinks.
@@ -13,17 +13,17 @@ from pathlib import Path
 
 import torch
 
-from models.flops import count_params, flops_per_token
-from parallel.mesh import JobMesh, build_mesh
-from pretrain_core.layout import Degrees, grad_accum_steps, resolve_degrees
-from pretrain_core.precision import peak_dtype
-from pretrain_core.recompute import recomputed_blocks
-from pretrain_core.schema import RecipeConfig
-from trainer.build import build_train_state
-from trainer.checkpoint.checkpointer import Checkpointer
-from trainer.checkpoint.hf_import import load_hf_weights
-from trainer.checkpoint.run_state import run_states
-from trainer.data.loader import (
+from pretrain.core.layout import Degrees, grad_accum_steps, resolve_degrees
+from pretrain.core.precision import peak_dtype
+from pretrain.core.recompute import recomputed_blocks
+from pretrain.core.schema import RecipeConfig
+from pretrain.models.flops import count_params, flops_per_token
+from pretrain.parallel.mesh import JobMesh, build_mesh
+from pretrain.trainer.build import build_train_state
+from pretrain.trainer.checkpoint.checkpointer import Checkpointer
+from pretrain.trainer.checkpoint.hf_import import load_hf_weights
+from pretrain.trainer.checkpoint.run_state import run_states
+from pretrain.trainer.data.loader import (
     DataLoader,
     RunData,
     open_datasets,
@@ -32,23 +32,23 @@ from trainer.data.loader import (
     train_loader,
     val_loader,
 )
-from trainer.data.prefetch import PrefetchingLoader
-from trainer.dist import RankInfo
-from trainer.faults.injection import FaultInjector
-from trainer.faults.step_guard import StepGuard, clear_preempted
-from trainer.kernels import kernels_line
-from trainer.log import get_logger, setup_logging
-from trainer.observe.loggers import MetricsLogger
-from trainer.observe.metrics import PeakFlops, ThroughputMeter, resolve_peak_flops
-from trainer.observe.metrics_window import MetricsWindow
-from trainer.observe.run_identity import run_identity
-from trainer.observe.startup import CLOCK
-from trainer.step.context import StepContext
-from trainer.step.evaluate import Evaluator
-from trainer.step.local import LocalStep
-from trainer.step.phases import StepPhases
-from trainer.step.pipeline import pipeline_step
-from trainer.step.state import Stepper, TrainState
+from pretrain.trainer.data.prefetch import PrefetchingLoader
+from pretrain.trainer.dist import RankInfo
+from pretrain.trainer.faults.injection import FaultInjector
+from pretrain.trainer.faults.step_guard import StepGuard, clear_preempted
+from pretrain.trainer.kernels import kernels_line
+from pretrain.trainer.log import get_logger, setup_logging
+from pretrain.trainer.observe.loggers import MetricsLogger
+from pretrain.trainer.observe.metrics import PeakFlops, ThroughputMeter, resolve_peak_flops
+from pretrain.trainer.observe.metrics_window import MetricsWindow
+from pretrain.trainer.observe.run_identity import run_identity
+from pretrain.trainer.observe.startup import CLOCK
+from pretrain.trainer.step.context import StepContext
+from pretrain.trainer.step.evaluate import Evaluator
+from pretrain.trainer.step.local import LocalStep
+from pretrain.trainer.step.phases import StepPhases
+from pretrain.trainer.step.pipeline import pipeline_step
+from pretrain.trainer.step.state import Stepper, TrainState
 
 
 @dataclass

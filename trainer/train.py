@@ -1,6 +1,6 @@
 """The per-rank training program: set up from the frozen config, then step and log.
 
-Everything is built before the loop (`trainer.setup`); the loop only calls components: the
+Everything is built before the loop (`pretrain.trainer.setup`); the loop only calls components: the
 step of the layout (timed by the metrics window), the fault guard and injector, the
 checkpointer (which decides when a save is due), the evaluator (the validation loss when
 due, untimed), the metrics window (timing and the metrics dict), the metrics sinks and the
@@ -14,16 +14,20 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from pretrain_core.run import run_lock
-from pretrain_core.run.checkpoint_files import find_checkpoint
-from pretrain_core.run.rundir import CHECKPOINTS_DIR
-from pretrain_core.schema import RecipeConfig, load_config
-from trainer.dist import RankInfo, init_distributed
-from trainer.faults.step_guard import install_stop_handlers, mark_preempted, stop_signal_name
-from trainer.faults.watchdog import Watchdog, enable_flight_recorder
-from trainer.log import get_logger
-from trainer.observe.startup import CLOCK
-from trainer.setup import Run, setup
+from pretrain.core.run import run_lock
+from pretrain.core.run.checkpoint_files import find_checkpoint
+from pretrain.core.run.rundir import CHECKPOINTS_DIR
+from pretrain.core.schema import RecipeConfig, load_config
+from pretrain.trainer.dist import RankInfo, init_distributed
+from pretrain.trainer.faults.step_guard import (
+    install_stop_handlers,
+    mark_preempted,
+    stop_signal_name,
+)
+from pretrain.trainer.faults.watchdog import Watchdog, enable_flight_recorder
+from pretrain.trainer.log import get_logger
+from pretrain.trainer.observe.startup import CLOCK
+from pretrain.trainer.setup import Run, setup
 
 
 def train(run: Run, watchdog: Watchdog) -> None:

@@ -30,20 +30,20 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
-from launcher.plan.plan import make_plan  # noqa: E402
-from launcher.validate.recipe import validate  # noqa: E402
-from models.flops import flops_per_token  # noqa: E402
-from parallel.mesh import build_mesh  # noqa: E402
-from pretrain_core.hardware import match_device_name  # noqa: E402
-from pretrain_core.layout import resolve_degrees  # noqa: E402
-from pretrain_core.precision import BACKEND_INSTALL, peak_dtype  # noqa: E402
-from pretrain_core.schema import HardwareConfig, RecipeConfig, to_recipe  # noqa: E402
-from trainer.build import build_train_state  # noqa: E402
-from trainer.dist import init_distributed  # noqa: E402
-from trainer.kernels import optimizer_path, sdpa_backend  # noqa: E402
-from trainer.observe.metrics import resolve_peak_flops  # noqa: E402
-from trainer.step.context import StepContext  # noqa: E402
-from trainer.step.local import train_step  # noqa: E402
+from pretrain.core.hardware import match_device_name  # noqa: E402
+from pretrain.core.layout import resolve_degrees  # noqa: E402
+from pretrain.core.precision import BACKEND_INSTALL, peak_dtype  # noqa: E402
+from pretrain.core.schema import HardwareConfig, RecipeConfig, to_recipe  # noqa: E402
+from pretrain.launcher.plan.plan import make_plan  # noqa: E402
+from pretrain.launcher.validate.recipe import validate  # noqa: E402
+from pretrain.models.flops import flops_per_token  # noqa: E402
+from pretrain.parallel.mesh import build_mesh  # noqa: E402
+from pretrain.trainer.build import build_train_state  # noqa: E402
+from pretrain.trainer.dist import init_distributed  # noqa: E402
+from pretrain.trainer.kernels import optimizer_path, sdpa_backend  # noqa: E402
+from pretrain.trainer.observe.metrics import resolve_peak_flops  # noqa: E402
+from pretrain.trainer.step.context import StepContext  # noqa: E402
+from pretrain.trainer.step.local import train_step  # noqa: E402
 
 PRECISIONS = {"bf16": ("bf16", None), "fp8-torchao": ("fp8", "torchao"), "fp8-te": ("fp8", "te")}
 RECOMPUTE = ("none", "selective", "full")

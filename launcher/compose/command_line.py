@@ -23,8 +23,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from launcher.assets import SHIPPED_RECIPES
-from launcher.compose.recipe_files import (
+from pretrain.core.inputs.reading import env_value
+from pretrain.core.problems import Problem, RecipeError, or_list
+from pretrain.launcher.assets import SHIPPED_RECIPES
+from pretrain.launcher.compose.recipe_files import (
     HYDRA_SETTINGS_FILE,
     MAX_FILES,
     check,
@@ -41,21 +43,19 @@ from launcher.compose.recipe_files import (
     unknown_option,
     yaml_files,
 )
-from launcher.compose.recipe_keys import (
+from pretrain.launcher.compose.recipe_keys import (
     key_exists,
     leaf_types,
     sections,
     unknown_key,
     value_problem,
 )
-from launcher.compose.sweep_settings import (
+from pretrain.launcher.compose.sweep_settings import (
     is_sweeper_setting,
     points_problem,
     sweeper_problems,
     values_count,
 )
-from pretrain_core.inputs.reading import env_value
-from pretrain_core.problems import Problem, RecipeError, or_list
 
 RECIPES_ENV = "PRETRAIN_RECIPES"
 """A directory of the user's own recipes, searched like --config-dir (which wins if given)."""

@@ -15,11 +15,11 @@ import os
 from pathlib import Path
 from typing import Any
 
-from pretrain_core.hf_llama import model_fields, same_scaling, same_value
-from pretrain_core.inputs.reading import ReadError, mapping, read_json
-from pretrain_core.model_config import ModelConfig
-from pretrain_core.problems import Problem, RecipeError
-from pretrain_core.schema import RecipeConfig
+from pretrain.core.hf_llama import model_fields, same_scaling, same_value
+from pretrain.core.inputs.reading import ReadError, mapping, read_json
+from pretrain.core.model_config import ModelConfig
+from pretrain.core.problems import Problem, RecipeError
+from pretrain.core.schema import RecipeConfig
 
 TOKENIZER_FILE = "tokenizer.json"
 

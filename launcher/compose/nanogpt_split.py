@@ -11,8 +11,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from pretrain_core.schema import RecipeConfig
-from pretrain_data.sources import resolve_format, single_source
+from pretrain.core.schema import RecipeConfig
+from pretrain.dataprep.sources import resolve_format, single_source
 
 TRAIN_FILE, VAL_FILE = "train.bin", "val.bin"
 

@@ -19,13 +19,13 @@ from typing import Any
 
 import yaml
 
-from launcher.compose.recipe_keys import key_exists, leaf_types, unknown_key, value_problem
-from pretrain_core.inputs.reading import (
+from pretrain.core.inputs.reading import (
     ReadError,
     read_bytes,
     yaml_shape_problem,
 )
-from pretrain_core.problems import Problem, or_list
+from pretrain.core.problems import Problem, or_list
+from pretrain.launcher.compose.recipe_keys import key_exists, leaf_types, unknown_key, value_problem
 
 MAX_BYTES = 1 << 20
 """A recipe larger than 1 MiB is not a recipe (the shipped ones are under 2 KiB)."""

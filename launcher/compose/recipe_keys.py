@@ -13,8 +13,8 @@ import functools
 import typing
 from typing import Any
 
-from pretrain_core.problems import Problem, or_list
-from pretrain_core.schema import RecipeConfig
+from pretrain.core.problems import Problem, or_list
+from pretrain.core.schema import RecipeConfig
 
 
 @functools.cache
@@ -87,7 +87,7 @@ def did_you_mean(path: str) -> str:
         section = section.rpartition(".")[0]
     fields = [f.name for f in dataclasses.fields(sections()[section])]
     where = f"{section} has" if section else "a recipe has"
-    return f"{where} {', '.join(fields)} (see pretrain_core/schema.py)"
+    return f"{where} {', '.join(fields)} (see core/schema.py)"
 
 
 def unknown_key(path: str, value: Any) -> Problem:

@@ -14,8 +14,8 @@ import importlib.util
 import math
 from typing import Any
 
-from launcher.compose.recipe_files import unknown_option
-from pretrain_core.problems import Problem
+from pretrain.core.problems import Problem
+from pretrain.launcher.compose.recipe_files import unknown_option
 
 SWEEPERS = ("basic", "optuna")
 """`hydra/sweeper=NAME`: Hydra's own, or Optuna's (`pip install hydra-optuna-sweeper`)."""

@@ -1,7 +1,8 @@
 """Start a written run dir: torchrun in the foreground (local) or sbatch (SLURM).
 
 A local run owns its run dir (the lock, `claimed_run_dir`) and its processes: torchrun (or,
-for a single rank, the rank itself: `launcher.job.run_dir.local_command`) dies with the launcher (a
+for a single rank, the rank itself: `pretrain.launcher.job.run_dir.local_command`) dies with the
+launcher (a
 parent-death signal, and every rank asks for the same from its parent), Ctrl-C, SIGTERM
 and a closed terminal are forwarded to it, and its stderr is kept in
 RUN_DIR/logs/torchrun.log. Once a rank has reported a failure (or the run is being
@@ -24,13 +25,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
-from launcher.job.failure_summary import clear_failures, has_failures
-from launcher.job.run_dir import JobFiles, job_env, local_command
-from pretrain_core.run import run_lock
-from pretrain_core.run.lifeline import child_dies_with_us
-from pretrain_core.run.run_lock import SLURM_FINAL_STATES
-from pretrain_core.run.rundir import LAUNCH_LOG, LOGS_DIR, SLURM_JOB_FILE
-from pretrain_core.schema import RecipeConfig
+from pretrain.core.run import run_lock
+from pretrain.core.run.lifeline import child_dies_with_us
+from pretrain.core.run.run_lock import SLURM_FINAL_STATES
+from pretrain.core.run.rundir import LAUNCH_LOG, LOGS_DIR, SLURM_JOB_FILE
+from pretrain.core.schema import RecipeConfig
+from pretrain.launcher.job.failure_summary import clear_failures, has_failures
+from pretrain.launcher.job.run_dir import JobFiles, job_env, local_command
 
 KILL_MARGIN_S = 10.0
 """How long past `cluster.signal_seconds` a stopped local run may take before it is killed:

@@ -11,8 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from pretrain_core.inputs.reading import ReadError, number, read_json
-from pretrain_core.run.rundir import FAILURE_RECORD_GLOB, LAUNCH_LOG, LOGS_DIR
+from pretrain.core.inputs.reading import ReadError, number, read_json
+from pretrain.core.run.rundir import FAILURE_RECORD_GLOB, LAUNCH_LOG, LOGS_DIR
 
 SECONDARY = frozenset({"peer", "stopped"})
 """Kinds of failure that follow another rank's (a lost connection, a forwarded signal)."""

@@ -1,7 +1,7 @@
 """`action=prepare`: tokenize the recipe's data here, or submit it as a CPU-only SLURM job.
 
 The resolved recipe is written to RUN_DIR/prepare.yaml (the training job's config.yaml is
-left alone) and `python -m pretrain_data.prepare` runs on it: in the foreground for a local
+left alone) and `python -m pretrain.dataprep.prepare` runs on it: in the foreground for a local
 cluster, as RUN_DIR/prepare.sbatch (one task, `data.workers` CPUs or cluster.cpus_per_task,
 no GPUs, cluster.cpu_partition) for SLURM. Preparation is resumable, so a stopped job
 resubmitted continues where it was.
@@ -16,15 +16,20 @@ import sys
 import threading
 from pathlib import Path
 
-from launcher.assets import PREPARE_TEMPLATE as TEMPLATE
-from launcher.assets import ScriptTemplate
-from launcher.job.backends import (
+from pretrain.core.inputs.reading import read_text
+from pretrain.core.run import run_lock
+from pretrain.core.run.lifeline import child_dies_with_us
+from pretrain.core.run.rundir import LOGS_DIR, PREPARE_CONFIG, PREPARE_SCRIPT
+from pretrain.core.schema import RecipeConfig, dump_config
+from pretrain.launcher.assets import PREPARE_TEMPLATE as TEMPLATE
+from pretrain.launcher.assets import ScriptTemplate
+from pretrain.launcher.job.backends import (
     LaunchError,
     SubmittedJob,
     submit_slurm,
     wait_forwarding_signals,
 )
-from launcher.job.run_dir import (
+from pretrain.launcher.job.run_dir import (
     JobError,
     JobFiles,
     _directive,
@@ -32,11 +37,6 @@ from launcher.job.run_dir import (
     _write_atomic,
     job_python,
 )
-from pretrain_core.inputs.reading import read_text
-from pretrain_core.run import run_lock
-from pretrain_core.run.lifeline import child_dies_with_us
-from pretrain_core.run.rundir import LOGS_DIR, PREPARE_CONFIG, PREPARE_SCRIPT
-from pretrain_core.schema import RecipeConfig, dump_config
 
 
 def render_prepare_sbatch(cfg: RecipeConfig, run_dir: Path, config_path: Path) -> str:
@@ -106,7 +106,7 @@ def run_prepare_here(files: JobFiles) -> tuple[int, str | None]:
         raise LaunchError(str(err)) from None
     try:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "pretrain_data.prepare", str(files.config_path)],
+            [sys.executable, "-m", "pretrain.dataprep.prepare", str(files.config_path)],
             # As the ranks do: the working directory's folders never stand in for ours.
             env={**os.environ, "PYTHONSAFEPATH": "1"},
             start_new_session=True,

@@ -21,10 +21,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from launcher.assets import SBATCH_TEMPLATE, ScriptTemplate, template_placeholders
-from launcher.validate.resume import frozen_changes
-from pretrain_core.inputs.reading import ReadError, read_text
-from pretrain_core.run.rundir import (
+from pretrain.core.inputs.reading import ReadError, read_text
+from pretrain.core.run.rundir import (
     CONFIG_FILE,
     LOCAL_SCRIPT,
     LOGS_DIR,
@@ -33,7 +31,9 @@ from pretrain_core.run.rundir import (
     PREEMPTED_MARKER,
     SLURM_SCRIPT,
 )
-from pretrain_core.schema import RecipeConfig
+from pretrain.core.schema import RecipeConfig
+from pretrain.launcher.assets import SBATCH_TEMPLATE, ScriptTemplate, template_placeholders
+from pretrain.launcher.validate.resume import frozen_changes
 
 RDZV_ENDPOINT = "$MASTER_ADDR:$MASTER_PORT"
 """torchrun argument the job script expands to the first node's address and the port."""
@@ -45,7 +45,7 @@ JOB_PORT = "$((10000 + SLURM_JOB_ID % 20000))"
 as a client (torchrun's agent does when it cannot bind) and lose it when that job ends."""
 _SHELL_REFS = {RDZV_ENDPOINT, RDZV_ID}
 
-AGENT = ["-m", "trainer.agent"]
+AGENT = ["-m", "pretrain.trainer.agent"]
 """The per-node agent, run by `job_python`: torchrun, except that a stop signal after which
 the ranks saved is a clean exit (see trainer/agent.py)."""
 
@@ -88,7 +88,7 @@ def torchrun_args(cfg: RecipeConfig, config_path: Path) -> list[str]:
     if c.max_restarts:
         per_node += ["--max-restarts", str(c.max_restarts)]
     per_node += ["--shutdown-timeout", str(c.signal_seconds)]
-    program = ["-m", "trainer", str(config_path)]
+    program = ["-m", "pretrain.trainer", str(config_path)]
     if c.nodes == 1:
         return [job_python(cfg), *AGENT, "--standalone", *per_node, *program]
     return [
@@ -117,7 +117,7 @@ def local_command(cfg: RecipeConfig, config_path: Path) -> list[str]:
     """
     c = cfg.cluster
     if c.nodes == 1 and c.gpus_per_node == 1 and not c.max_restarts:
-        return [job_python(cfg), "-m", "trainer", str(config_path)]
+        return [job_python(cfg), "-m", "pretrain.trainer", str(config_path)]
     return torchrun_args(cfg, config_path)
 
 
@@ -125,7 +125,8 @@ def job_env(cfg: RecipeConfig) -> dict[str, str]:
     """The variables every rank gets on top of the launcher's environment."""
     env = {
         "OMP_NUM_THREADS": str(cfg.cluster.omp_num_threads),
-        # `python -m trainer` would put the job's working directory first on sys.path, where
+        # `python -m pretrain.trainer` would put the job's working directory first on sys.path,
+        # where
         # a user's own models/ or trainer/ folder would stand in for ours (Python >= 3.11).
         "PYTHONSAFEPATH": "1",
     }
@@ -360,8 +361,8 @@ def check_run_dir(cfg: RecipeConfig, run_dir: Path, config_yaml: str) -> None:
 def finished_message(cfg: RecipeConfig, run_dir: Path) -> str | None:
     """What to tell a user who starts a run its run dir already finished (its newest
     complete checkpoint is at train.steps or beyond), None when there is training left."""
-    from pretrain_core.run.checkpoint_files import complete_checkpoints
-    from pretrain_core.run.rundir import CHECKPOINTS_DIR
+    from pretrain.core.run.checkpoint_files import complete_checkpoints
+    from pretrain.core.run.rundir import CHECKPOINTS_DIR
 
     done = complete_checkpoints(Path(run_dir) / CHECKPOINTS_DIR)
     if not done or done[-1][0] < cfg.train.steps:

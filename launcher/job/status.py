@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from pretrain_core.inputs.reading import (
+from pretrain.core.inputs.reading import (
     ReadError,
     integer,
     json_objects,
@@ -22,9 +22,9 @@ from pretrain_core.inputs.reading import (
     read_yaml,
     text,
 )
-from pretrain_core.run.checkpoint_files import complete_checkpoints
-from pretrain_core.run.durations import eta_seconds, format_duration
-from pretrain_core.run.rundir import (
+from pretrain.core.run.checkpoint_files import complete_checkpoints
+from pretrain.core.run.durations import eta_seconds, format_duration
+from pretrain.core.run.rundir import (
     CHECKPOINTS_DIR,
     CONFIG_FILE,
     METRICS_FILE,
@@ -56,7 +56,7 @@ def _last_rows(run_dir: Path) -> tuple[dict[str, Any], dict[str, Any]]:
 
 def slurm_state(run_dir: Path) -> str:
     """`JOB_ID STATE (Reason=...)` of the run dir's last SLURM job, or why it is unknown."""
-    from launcher.job.backends import LaunchError, show_job
+    from pretrain.launcher.job.backends import LaunchError, show_job
 
     path = run_dir / SLURM_JOB_FILE
     if not path.is_file():
@@ -74,7 +74,7 @@ def slurm_state(run_dir: Path) -> str:
 
 def run_status(run_dir: Path) -> dict[str, str]:
     """The status fields of one run dir, as text."""
-    from pretrain_core.run.run_lock import holder_alive, read_holder
+    from pretrain.core.run.run_lock import holder_alive, read_holder
 
     config_path = run_dir / CONFIG_FILE
     expected = "the run's config.yaml (a mapping of the recipe's fields)"

@@ -20,8 +20,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from pretrain_core.inputs.reading import json_objects
-from pretrain_core.run.rundir import METRICS_FILE
+from pretrain.core.inputs.reading import json_objects
+from pretrain.core.run.rundir import METRICS_FILE
 
 
 class Stopped(SystemExit):

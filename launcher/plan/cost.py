@@ -15,10 +15,11 @@ the layout search alike.
   dtype (with SP, a reduce-scatter and an all-gather each: the same bytes); a fully
   recomputed block repeats the forward's. A ring moves 2(t-1)/t of the message per rank,
   in 2(t-1) steps of one latency each.
-- ep_r: expert parallelism's all-to-alls (`launcher.plan.ep_comm`): dispatch and combine,
+- ep_r: expert parallelism's all-to-alls (`pretrain.launcher.plan.ep_comm`): dispatch and combine,
   forward and backward, again under full recompute, not overlapped, over the link the ep
   group spans, one latency each.
-- cp_r: context parallelism's K/V ring (`launcher.plan.cp_comm`: every layer's hops, over the
+- cp_r: context parallelism's K/V ring (`pretrain.launcher.plan.cp_comm`: every layer's hops, over
+the
   link the ring crosses), hidden up to CP_OVERLAP of the attention-score compute it
   overlaps; the rest is exposed. Under cp, every rank computes and sends 1/cp of each
   sequence's tokens, and gradients are reduced over dp x cp.
@@ -33,7 +34,8 @@ the layout search alike.
   that value, an upper bound. The V schedules (zbv, dualpipev) and 2bw have no closed
   form: their simulated idle share (F = B = W; 2bw's over a segment between two drains,
   `schedule_sim.bubble_fraction`) of the slowest rank's time.
-- dp: the data-parallel traffic of the trainer's bookkeeping (`launcher.plan.memory` states it),
+- dp: the data-parallel traffic of the trainer's bookkeeping (`pretrain.launcher.plan.memory`
+states it),
   FP32 gradients and parameter all-gathers in the compute dtype:
   ZeRO-0/1 all-reduce the gradients over dp (ZeRO-1 then all-gathers the updated FP32
   parameters over dp_shard after the step: exposed); ZeRO-2/3 reduce-scatter them over
@@ -46,7 +48,7 @@ the layout search alike.
 
 A group's collectives run at the GPU's intra-node bandwidth when the whole group sits in one
 node (mesh dims outer to inner: pp, dp_replicate, dp_shard, tp), else at its inter-node
-bandwidth (`pretrain_core.hardware.LINKS`, or the recipe's `hardware.*` figures), both at
+bandwidth (`pretrain.core.hardware.LINKS`, or the recipe's `hardware.*` figures), both at
 LINK_EFFICIENCY; each step of a collective and each send costs that link's latency (the
 data-parallel traffic's latencies are left in its overlap). Embedding and loss terms are
 left out.
@@ -56,20 +58,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from launcher.plan.cp_comm import cp_communication
-from launcher.plan.ep_comm import all_to_alls, ep_communication
-from launcher.plan.memory import rank_layers, stage_experts, stage_params
-from launcher.plan.schedule_sim import SIMULATED, bubble_fraction
-from models.flops import block_flops_per_token, count_params, flops_per_token
-from pretrain_core import hardware
-from pretrain_core.hardware import Links
-from pretrain_core.layout import Degrees, world_size
-from pretrain_core.pipedream import segment_steps
-from pretrain_core.precision import COMPUTE_BYTES
-from pretrain_core.recompute import is_recomputed, recomputed_blocks
-from pretrain_core.schedules import SCHEDULES
-from pretrain_core.schema import RecipeConfig
-from pretrain_core.stages import head_rank, placement
+from pretrain.core import hardware
+from pretrain.core.hardware import Links
+from pretrain.core.layout import Degrees, world_size
+from pretrain.core.pipedream import segment_steps
+from pretrain.core.precision import COMPUTE_BYTES
+from pretrain.core.recompute import is_recomputed, recomputed_blocks
+from pretrain.core.schedules import SCHEDULES
+from pretrain.core.schema import RecipeConfig
+from pretrain.core.stages import head_rank, placement
+from pretrain.launcher.plan.cp_comm import cp_communication
+from pretrain.launcher.plan.ep_comm import all_to_alls, ep_communication
+from pretrain.launcher.plan.memory import rank_layers, stage_experts, stage_params
+from pretrain.launcher.plan.schedule_sim import SIMULATED, bubble_fraction
+from pretrain.models.flops import block_flops_per_token, count_params, flops_per_token
 
 COMPUTE_EFFICIENCY = 0.6
 """Share of the dense peak that a training step's kernels reach while computing."""
@@ -269,7 +271,7 @@ def step_cost(
 
 def _all_to_all(cfg: RecipeConfig, degrees: Degrees, links: Links) -> list[float]:
     """Per pipeline rank and micro-batch, the seconds of its MoE layers' expert all-to-alls
-    (`launcher.plan.ep_comm`; not overlapped: the experts wait for their rows)."""
+    (`pretrain.launcher.plan.ep_comm`; not overlapped: the experts wait for their rows)."""
     comm = ep_communication(cfg, degrees)
     if comm is None:
         return [0.0] * degrees.pp

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pretrain_core.layout import Degrees
-from pretrain_core.precision import COMPUTE_BYTES
-from pretrain_core.schema import RecipeConfig
+from pretrain.core.layout import Degrees
+from pretrain.core.precision import COMPUTE_BYTES
+from pretrain.core.schema import RecipeConfig
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """action=dryrun: one rank of the job through the trainer's real build and one real step,
-under fake collectives and fake tensors (`python -m trainer.dryrun`, a child process: the
+under fake collectives and fake tensors (`python -m pretrain.trainer.dryrun`, a child process: the
 launcher imports no torch), set beside the plan's own figures.
 
 The plan's peak counts an allowance the dry run cannot see (CUDA context, NCCL, allocator
@@ -15,14 +15,16 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from launcher.plan.memory import memory_breakdown
-from launcher.plan.plan import Plan, plan_to_dict
-from pretrain_core.hardware import GIB
-from pretrain_core.layout import grad_accum_steps, resolve_degrees
-from pretrain_core.schema import RecipeConfig, dump_config
+import pretrain
+from pretrain.core.hardware import GIB
+from pretrain.core.layout import grad_accum_steps, resolve_degrees
+from pretrain.core.schema import RecipeConfig, dump_config
+from pretrain.launcher.plan.memory import memory_breakdown
+from pretrain.launcher.plan.plan import Plan, plan_to_dict
 
-INSTALL_ROOT = Path(__file__).resolve().parents[2]
-"""The directory holding the `launcher` package this module was imported from, and `trainer`."""
+INSTALL_ROOT = Path(pretrain.__file__).resolve().parent.parent
+"""The directory holding the `pretrain` package this module was imported from (a checkout's
+top level, or site-packages)."""
 TIMEOUT_S = 900.0
 """A dry run of the largest layouts takes minutes; one that takes longer is a hang."""
 
@@ -72,7 +74,7 @@ def run_dry_run(cfg: RecipeConfig, rank: int) -> dict:
         # Started in the directory this launcher was imported from: the trainer comes from
         # the same install (or checkout), never from the user's cwd.
         done = subprocess.run(
-            [sys.executable, "-m", "trainer.dryrun", str(rank)], cwd=INSTALL_ROOT,
+            [sys.executable, "-m", "pretrain.trainer.dryrun", str(rank)], cwd=INSTALL_ROOT,
             input=dump_config(cfg), capture_output=True, text=True, timeout=TIMEOUT_S,
         )  # fmt: skip
     except subprocess.TimeoutExpired:

@@ -16,11 +16,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from launcher.plan.memory import dispatch_padding
-from pretrain_core.layout import Degrees
-from pretrain_core.precision import COMPUTE_BYTES
-from pretrain_core.recompute import is_recomputed
-from pretrain_core.schema import RecipeConfig
+from pretrain.core.layout import Degrees
+from pretrain.core.precision import COMPUTE_BYTES
+from pretrain.core.recompute import is_recomputed
+from pretrain.core.schema import RecipeConfig
+from pretrain.launcher.plan.memory import dispatch_padding
 
 
 @dataclass(frozen=True)

@@ -50,23 +50,23 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from launcher.plan.schedule_sim import held_in_flight, simulate
-from models.flops import ParamCount, count_params
-from pretrain_core.hardware import GIB
-from pretrain_core.layout import Degrees
-from pretrain_core.model_config import ModelConfig
-from pretrain_core.optim_states import state_bytes
-from pretrain_core.precision import COMPUTE_BYTES
-from pretrain_core.recompute import recomputed_blocks
-from pretrain_core.schedules import SCHEDULES, V
-from pretrain_core.schema import OptimConfig, RecipeConfig
-from pretrain_core.stages import (
+from pretrain.core.hardware import GIB
+from pretrain.core.layout import Degrees
+from pretrain.core.model_config import ModelConfig
+from pretrain.core.optim_states import state_bytes
+from pretrain.core.precision import COMPUTE_BYTES
+from pretrain.core.recompute import recomputed_blocks
+from pretrain.core.schedules import SCHEDULES, V
+from pretrain.core.schema import OptimConfig, RecipeConfig
+from pretrain.core.stages import (
     head_rank,
     placement,
     rank_layer_count,
     rank_layer_counts,
     rank_layer_indices,
 )
+from pretrain.launcher.plan.schedule_sim import held_in_flight, simulate
+from pretrain.models.flops import ParamCount, count_params
 
 RING_QUERY_TILE = 256
 """Query rows the ring attention computes at once (parallel/context.py's QUERY_TILE)."""

@@ -1,7 +1,8 @@
 """Refuse a recipe whose predicted peak memory per rank exceeds the device's, with fixes.
 
 Asked after `validate` (a recipe must be sound before its memory means anything). The
-prediction is `launcher.plan.memory`'s breakdown; each suggestion is a one-field change of the
+prediction is `pretrain.launcher.plan.memory`'s breakdown; each suggestion is a one-field change of
+the
 recipe that the same model predicts to fit, so the user gets options that work.
 """
 
@@ -10,13 +11,13 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable
 
-from launcher.plan.memory import MemoryBreakdown, peak_breakdown
-from launcher.validate.recipe import validate
-from pretrain_core import hardware
-from pretrain_core.hardware import GIB
-from pretrain_core.layout import grad_accum_steps, resolve_degrees
-from pretrain_core.problems import Problem, RecipeError, or_list
-from pretrain_core.schema import RecipeConfig
+from pretrain.core import hardware
+from pretrain.core.hardware import GIB
+from pretrain.core.layout import grad_accum_steps, resolve_degrees
+from pretrain.core.problems import Problem, RecipeError, or_list
+from pretrain.core.schema import RecipeConfig
+from pretrain.launcher.plan.memory import MemoryBreakdown, peak_breakdown
+from pretrain.launcher.validate.recipe import validate
 
 
 def device_memory_gib(cfg: RecipeConfig) -> float | None:

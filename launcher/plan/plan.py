@@ -1,8 +1,9 @@
 """The plan: pure arithmetic on a valid recipe, before anything runs.
 
 Layout and rank groups, parameter counts per rank, FLOPs per token (the same `models.flops`
-functions the trainer's MFU uses), pipeline bubble, memory per rank (`launcher.plan.memory`) and
-the step time and MFU of the cost model the layout search ranks by (`launcher.plan.cost`).
+functions the trainer's MFU uses), pipeline bubble, memory per rank
+(`pretrain.launcher.plan.memory`) and
+the step time and MFU of the cost model the layout search ranks by (`pretrain.launcher.plan.cost`).
 Every assumption behind a number is listed in `Plan.assumptions`.
 """
 
@@ -12,9 +13,18 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from launcher.plan import cost, schedule_sim
-from launcher.plan.cp_comm import CPComm, cp_communication
-from launcher.plan.memory import (
+from pretrain.core import hardware
+from pretrain.core.hardware import GIB
+from pretrain.core.layout import Degrees, grad_accum_steps, rank_groups, resolve_degrees
+from pretrain.core.optim_states import state_bytes
+from pretrain.core.pipedream import segment_steps
+from pretrain.core.precision import peak_dtype
+from pretrain.core.recompute import recomputed_blocks
+from pretrain.core.schedules import SCHEDULES, V
+from pretrain.core.schema import OptimConfig, RecipeConfig
+from pretrain.launcher.plan import cost, schedule_sim
+from pretrain.launcher.plan.cp_comm import CPComm, cp_communication
+from pretrain.launcher.plan.memory import (
     MemoryBreakdown,
     peak_breakdown,
     stage_params,
@@ -22,17 +32,8 @@ from launcher.plan.memory import (
     textbook_activations,
     textbook_model_states,
 )
-from launcher.plan.tp_comm import TPComm, tp_communication
-from models.flops import count_params, flops_per_token
-from pretrain_core import hardware
-from pretrain_core.hardware import GIB
-from pretrain_core.layout import Degrees, grad_accum_steps, rank_groups, resolve_degrees
-from pretrain_core.optim_states import state_bytes
-from pretrain_core.pipedream import segment_steps
-from pretrain_core.precision import peak_dtype
-from pretrain_core.recompute import recomputed_blocks
-from pretrain_core.schedules import SCHEDULES, V
-from pretrain_core.schema import OptimConfig, RecipeConfig
+from pretrain.launcher.plan.tp_comm import TPComm, tp_communication
+from pretrain.models.flops import count_params, flops_per_token
 
 LONG_CONTEXT = 16384
 """Sequences from this length on are long: context parallelism is among the fixes the plan
@@ -89,7 +90,8 @@ class Plan:
     gpu_memory_gib: float | None
     peak_tflops: float | None
     step_time_s: float | None
-    """The cost model's step time (`launcher.plan.cost`); None without a GPU peak and links."""
+    """The cost model's step time (`pretrain.launcher.plan.cost`); None without a GPU peak and
+    links."""
     tokens_per_s: float | None
     mfu: float | None = None
     """Model FLOPs utilisation at `step_time_s`."""
@@ -214,7 +216,8 @@ def model_states(
     params: int, dtype: str, optim: OptimConfig, zero: int, dp_shard: int
 ) -> ModelStates:
     """The ZeRO paper's bytes of params, grads and optimizer states on one rank holding
-    `params` parameters (`launcher.plan.memory.textbook_model_states`), sharded over dp_shard;
+    `params` parameters (`pretrain.launcher.plan.memory.textbook_model_states`), sharded over
+    dp_shard;
     the moments take `optim.state_dtype`'s bytes (Muon: its one state of the weight
     matrices, which dominate)."""
     moments = state_tensors(optim)[0]

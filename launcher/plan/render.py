@@ -5,15 +5,15 @@ from __future__ import annotations
 import io
 from typing import TYPE_CHECKING, Any
 
-from launcher.plan.plan import Plan
-from pretrain_core.hardware import GIB
-from pretrain_core.schedules import SCHEDULES
+from pretrain.core.hardware import GIB
+from pretrain.core.schedules import SCHEDULES
+from pretrain.launcher.plan.plan import Plan
 
 if TYPE_CHECKING:
     from rich.console import Console, JustifyMethod
     from rich.table import Table
 
-    from launcher.plan.memory import MemoryBreakdown
+    from pretrain.launcher.plan.memory import MemoryBreakdown
 
 WIDTH = 100
 MEMBERS_SHOWN = 8

@@ -23,7 +23,7 @@ runs:
   (chunk a is stage r, chunk b stage 2p-1-r), in torch's own op order
   (`launcher/plan/schedule_v.py`), W ops where torch places them.
 - 2bw (PipeDream-2BW): 1F1B over several steps with no flush between them, in the order
-  the trainer runs (`pretrain_core/pipedream.py`); micro-batches are numbered on across
+  the trainer runs (`core/pipedream.py`); micro-batches are numbered on across
   steps, so step j's are jm ... jm+m-1. A step's first forward runs on the update of two
   steps before, which needs every rank's gradient of that step (the global norm for
   clipping, agreed without blocking as soon as a rank's gradient is complete): so it also
@@ -40,10 +40,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from launcher.plan.schedule_v import TORCH_ORDERS
-from pretrain_core import pipedream
-from pretrain_core.schedules import PIPEDREAM, SCHEDULES
-from pretrain_core.stages import placement, rank_stages
+from pretrain.core import pipedream
+from pretrain.core.schedules import PIPEDREAM, SCHEDULES
+from pretrain.core.stages import placement, rank_stages
+from pretrain.launcher.plan.schedule_v import TORCH_ORDERS
 
 SIMULATED = tuple(name for name, traits in SCHEDULES.items() if traits.simulated)
 """Schedules whose micro-batches in flight are read off their simulated order."""

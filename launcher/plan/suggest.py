@@ -1,5 +1,5 @@
 """Layout search (`action=suggest`): every layout of the recipe's model on its cluster that the
-memory model predicts to fit, ranked by the cost model's step time (`launcher.plan.cost`).
+memory model predicts to fit, ranked by the cost model's step time (`pretrain.launcher.plan.cost`).
 
 The recipe gives the model, the cluster shape (cluster.nodes x cluster.gpus_per_node of
 cluster.gpu_type), precision, optimizer and train.global_batch / seq_len; its own parallel
@@ -33,19 +33,25 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from launcher.plan.cost import StepCost, assumptions, predicted_mfu, recipe_links, step_cost
-from launcher.plan.memory import MemoryBreakdown, peak_breakdown, state_floor
-from launcher.plan.memory_fit import device_memory_gib
-from launcher.plan.plan import LONG_CONTEXT
-from launcher.validate.layout import check_runnable
-from launcher.validate.recipe import validate
-from pretrain_core import hardware
-from pretrain_core.hardware import GIB, Links
-from pretrain_core.layout import Degrees
-from pretrain_core.problems import Problem, RecipeError, divisors
-from pretrain_core.schedules import default_schedule
-from pretrain_core.schema import RecipeConfig
-from pretrain_core.stages import balanced_split
+from pretrain.core import hardware
+from pretrain.core.hardware import GIB, Links
+from pretrain.core.layout import Degrees
+from pretrain.core.problems import Problem, RecipeError, divisors
+from pretrain.core.schedules import default_schedule
+from pretrain.core.schema import RecipeConfig
+from pretrain.core.stages import balanced_split
+from pretrain.launcher.plan.cost import (
+    StepCost,
+    assumptions,
+    predicted_mfu,
+    recipe_links,
+    step_cost,
+)
+from pretrain.launcher.plan.memory import MemoryBreakdown, peak_breakdown, state_floor
+from pretrain.launcher.plan.memory_fit import device_memory_gib
+from pretrain.launcher.plan.plan import LONG_CONTEXT
+from pretrain.launcher.validate.layout import check_runnable
+from pretrain.launcher.validate.recipe import validate
 
 RECOMPUTE_POLICIES = ("none", "selective", "full")
 HEADROOM = 0.05

@@ -3,8 +3,8 @@ rotary scaling (`model.rope_scaling`); no torch here."""
 
 from __future__ import annotations
 
-from pretrain_core.problems import Checks
-from pretrain_core.schema import RecipeConfig
+from pretrain.core.problems import Checks
+from pretrain.core.schema import RecipeConfig
 
 MLA_FIELDS = ("mla_q_rank", "mla_kv_rank", "mla_rope_dim", "mla_nope_dim", "mla_v_dim")
 ROPE_SCALING_KEYS = {

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from math import lcm
 
-from pretrain_core.problems import Checks, Problem, nearby_multiples, or_list
-from pretrain_core.schedules import SCHEDULES, V
-from pretrain_core.schema import RecipeConfig
+from pretrain.core.problems import Checks, Problem, nearby_multiples, or_list
+from pretrain.core.schedules import SCHEDULES, V
+from pretrain.core.schema import RecipeConfig
 
 
 def check_context(c: Checks, cfg: RecipeConfig) -> None:

@@ -13,11 +13,11 @@ import math
 import os
 from pathlib import Path
 
-from pretrain_core.hf_llama import checkpoint_problems
-from pretrain_core.problems import Checks, Problem
-from pretrain_core.schema import DATA_FORMATS, RecipeConfig
-from pretrain_data.checks import check_data_on_disk, source_fields, unprepared
-from pretrain_data.sources import SourceError, resolved_sources, source_label
+from pretrain.core.hf_llama import checkpoint_problems
+from pretrain.core.problems import Checks, Problem
+from pretrain.core.schema import DATA_FORMATS, RecipeConfig
+from pretrain.dataprep.checks import check_data_on_disk, source_fields, unprepared
+from pretrain.dataprep.sources import SourceError, resolved_sources, source_label
 
 PREPARE_FIX = (
     "prepare it first: the same command with action=prepare (on SLURM a CPU-only job; "

@@ -15,8 +15,8 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from pretrain_core.problems import Checks, or_list
-from pretrain_core.schema import RecipeConfig
+from pretrain.core.problems import Checks, or_list
+from pretrain.core.schema import RecipeConfig
 
 SECRET_NAME = re.compile(
     r"(^|_)(KEY|TOKEN)$|SECRET|PASSW(OR)?D|CREDENTIAL|^WANDB_API_KEY$|^HF_TOKEN$", re.I

@@ -13,10 +13,10 @@ import re
 import shutil
 import subprocess
 
-from launcher.assets import SBATCH_TEMPLATE, template_placeholders
-from pretrain_core.inputs.reading import ReadError, read_text
-from pretrain_core.problems import Checks
-from pretrain_core.schema import RecipeConfig
+from pretrain.core.inputs.reading import ReadError, read_text
+from pretrain.core.problems import Checks
+from pretrain.core.schema import RecipeConfig
+from pretrain.launcher.assets import SBATCH_TEMPLATE, template_placeholders
 
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 _DIRECTIVE = re.compile(r"--[a-z][a-z0-9-]*(=.*)?")

@@ -6,9 +6,8 @@ from __future__ import annotations
 import math
 import re
 
-from launcher.validate.context import check_context, check_schedule, runnable_problems
-from pretrain_core.layout import grad_accum_steps, resolve_degrees, world_size
-from pretrain_core.problems import (
+from pretrain.core.layout import grad_accum_steps, resolve_degrees, world_size
+from pretrain.core.problems import (
     Checks,
     Problem,
     RecipeError,
@@ -16,9 +15,10 @@ from pretrain_core.problems import (
     nearby_multiples,
     or_list,
 )
-from pretrain_core.schedules import SCHEDULES, V
-from pretrain_core.schema import PP_SCHEDULES, ParallelConfig, RecipeConfig
-from pretrain_core.stages import balanced_split
+from pretrain.core.schedules import SCHEDULES, V
+from pretrain.core.schema import PP_SCHEDULES, ParallelConfig, RecipeConfig
+from pretrain.core.stages import balanced_split
+from pretrain.launcher.validate.context import check_context, check_schedule, runnable_problems
 
 MULTI_CHUNK = tuple(name for name, t in SCHEDULES.items() if t.multi_stage)
 """Schedules that run several chunks per rank."""

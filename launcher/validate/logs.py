@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import re
 
-from pretrain_core.problems import Checks, install_fix, installed
-from pretrain_core.schema import RecipeConfig
+from pretrain.core.problems import Checks, install_fix, installed
+from pretrain.core.schema import RecipeConfig
 
 MAX_WANDB_TEXT = 128
 """W&B keeps group and job_type names up to 128 characters."""

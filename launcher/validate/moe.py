@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from pretrain_core.problems import Checks, divisors, or_list
-from pretrain_core.schema import RecipeConfig
+from pretrain.core.problems import Checks, divisors, or_list
+from pretrain.core.schema import RecipeConfig
 
 
 def moe_layers_problem(policy: str, n_layers: int) -> str | None:

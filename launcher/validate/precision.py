@@ -7,13 +7,13 @@ is shown to work here on a GPU, without tensor parallelism. FP16 needs a sane lo
 Whether the FP8 backend is installed is checked only for `cluster.backend=local`, where the
 launcher and the ranks share this Python. A SLURM login node often lacks the GPU stack that the
 compute nodes have, so there the check happens on the ranks, which fail at start with the same
-message (`parallel.precision.require_backend`).
+message (`pretrain.parallel.precision.require_backend`).
 """
 
 from __future__ import annotations
 
-from pretrain_core import hardware
-from pretrain_core.precision import (
+from pretrain.core import hardware
+from pretrain.core.precision import (
     BACKEND_INSTALL,
     BACKEND_MODULES,
     FP8_MIN_CAPABILITY,
@@ -22,8 +22,8 @@ from pretrain_core.precision import (
     MXFP8_MIN_CAPABILITY,
     backend_installed,
 )
-from pretrain_core.problems import Checks, or_list
-from pretrain_core.schema import PrecisionConfig, RecipeConfig
+from pretrain.core.problems import Checks, or_list
+from pretrain.core.schema import PrecisionConfig, RecipeConfig
 
 
 def check_precision(c: Checks, cfg: RecipeConfig) -> None:

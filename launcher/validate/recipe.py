@@ -15,17 +15,22 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
-from launcher.validate.attention import check_attention
-from launcher.validate.data import check_data
-from launcher.validate.env import check_env, check_local_device
-from launcher.validate.job import check_job
-from launcher.validate.layout import SAFE_NAME, check_cluster, check_parallel, check_runnable
-from launcher.validate.logs import check_logging
-from launcher.validate.moe import check_moe
-from launcher.validate.precision import check_precision
-from launcher.validate.rundir import check_run_dir
-from pretrain_core.problems import Checks, divisors, nearby_multiples, or_list
-from pretrain_core.schema import RecipeConfig, choice_fields, field_value
+from pretrain.core.problems import Checks, divisors, nearby_multiples, or_list
+from pretrain.core.schema import RecipeConfig, choice_fields, field_value
+from pretrain.launcher.validate.attention import check_attention
+from pretrain.launcher.validate.data import check_data
+from pretrain.launcher.validate.env import check_env, check_local_device
+from pretrain.launcher.validate.job import check_job
+from pretrain.launcher.validate.layout import (
+    SAFE_NAME,
+    check_cluster,
+    check_parallel,
+    check_runnable,
+)
+from pretrain.launcher.validate.logs import check_logging
+from pretrain.launcher.validate.moe import check_moe
+from pretrain.launcher.validate.precision import check_precision
+from pretrain.launcher.validate.rundir import check_run_dir
 
 MAX_SEED = 2**32 - 1
 """Seeds are 32-bit (numpy's limit)."""

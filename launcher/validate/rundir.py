@@ -11,8 +11,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from pretrain_core.problems import Checks
-from pretrain_core.run.rundir import (
+from pretrain.core.problems import Checks
+from pretrain.core.run.rundir import (
     CHECKPOINTS_DIR,
     CONFIG_FILE,
     LAUNCH_LOG,
@@ -23,7 +23,7 @@ from pretrain_core.run.rundir import (
     PLAN_FILE,
     SLURM_SCRIPT,
 )
-from pretrain_core.schema import RecipeConfig
+from pretrain.core.schema import RecipeConfig
 
 RUN_DIR_NAMES = frozenset(
     {CHECKPOINTS_DIR, CONFIG_FILE, LAUNCH_LOG, LOCAL_SCRIPT, LOCK_FILE, LOGS_DIR, METRICS_FILE,

@@ -8,7 +8,7 @@ values to config.yaml, so the ranks train exactly what the warning says.
 
 from __future__ import annotations
 
-from pretrain_core.schema import RecipeConfig
+from pretrain.core.schema import RecipeConfig
 
 
 def fit_schedule_to_run(cfg: RecipeConfig) -> list[str]:

@@ -22,7 +22,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from models.moe import moe_modules, router_losses
+from pretrain.models.moe import moe_modules, router_losses
 
 
 class AttachLoss(torch.autograd.Function):

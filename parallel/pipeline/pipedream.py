@@ -2,7 +2,7 @@
 versions per stage (Narayanan et al., "Memory-Efficient Pipeline-Parallel DNN Training",
 ICML 2021).
 
-Order: `pretrain_core/pipedream.py` (shared with the planner's chart). Each rank keeps
+Order: `core/pipedream.py` (shared with the planner's chart). Each rank keeps
 p-1-r forwards ahead of its backwards across steps, so the last backwards of a step run in
 the next one, between its forwards; only the pipeline's start and a checkpoint (which
 drains it) leave a bubble.
@@ -35,7 +35,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from pretrain_core import pipedream
+from pretrain.core import pipedream
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 """Activation dtypes a header can name, by index."""

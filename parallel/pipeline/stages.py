@@ -1,6 +1,6 @@
 """Pipeline parallelism: split the plain model into this rank's stages, and run a schedule.
 
-Splitting is ours (`pretrain_core/stages.py` says which layers each stage holds): a stage is the
+Splitting is ours (`core/stages.py` says which layers each stage holds): a stage is the
 plain `Transformer` with the other layers deleted, the embedding kept only on the first
 stage and the final norm and LM head only on the last, so parameter names stay those of the
 full model and checkpoints and initialization do not depend on the split. With vpp > 1 a
@@ -19,9 +19,9 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from pretrain_core.schedules import SCHEDULES
-from pretrain_core.schema import ParallelConfig
-from pretrain_core.stages import placement, rank_stages, stage_layers
+from pretrain.core.schedules import SCHEDULES
+from pretrain.core.schema import ParallelConfig
+from pretrain.core.stages import placement, rank_stages, stage_layers
 
 
 def schedule_classes() -> dict[str, type]:

@@ -19,9 +19,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from pretrain_core.layout import Degrees, rank_groups
-from pretrain_core.schema import RecipeConfig
-from pretrain_core.stages import placement, rank_stages
+from pretrain.core.layout import Degrees, rank_groups
+from pretrain.core.schema import RecipeConfig
+from pretrain.core.stages import placement, rank_stages
 
 HEAD_COPY = "embedding_copy"
 """Attribute set on a stage's LM head that is a copy of an embedding held elsewhere."""

@@ -94,7 +94,7 @@ def launch(
     cmd = [
         sys.executable,
         "-m",
-        "launcher",
+        "pretrain",
         "--config-name",
         recipe,
         *base,

@@ -19,13 +19,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from parallel.mesh import build_mesh
-from pretrain_core.hf_llama import hf_name
-from pretrain_core.layout import resolve_degrees
-from pretrain_core.schema import RecipeConfig, load_config
-from trainer.build import build_train_state
-from trainer.checkpoint.hf_import import load_hf_weights
-from trainer.dist import init_distributed
+from pretrain.core.hf_llama import hf_name
+from pretrain.core.layout import resolve_degrees
+from pretrain.core.schema import RecipeConfig, load_config
+from pretrain.parallel.mesh import build_mesh
+from pretrain.trainer.build import build_train_state
+from pretrain.trainer.checkpoint.hf_import import load_hf_weights
+from pretrain.trainer.dist import init_distributed
 
 TOKENS = torch.tensor([[5, 17, 300, 42, 7, 7, 120, 3], [1, 2, 3, 4, 5, 6, 7, 8]])
 

@@ -23,9 +23,9 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
+from pretrain.trainer.checkpoint.export import export, load_model
+from pretrain.trainer.step.state import lm_loss
 from tests.distributed.harness import BASE_OVERRIDES, FP32_TOLERANCE, read_curve
-from trainer.checkpoint.export import export, load_model
-from trainer.step.state import lm_loss
 
 pytestmark = pytest.mark.distributed
 
@@ -41,7 +41,7 @@ def launch(
     cmd = [
         sys.executable,
         "-m",
-        "launcher",
+        "pretrain",
         "--config-name",
         "tiny",
         *BASE_OVERRIDES,

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from pretrain.trainer.checkpoint.export import load_model
 from tests.distributed.harness import (
     FP32_TOLERANCE,
     assert_same_curve,
@@ -28,7 +29,6 @@ from tests.distributed.harness import (
     read_curve,
     run_pretrain,
 )
-from trainer.checkpoint.export import load_model
 
 pytestmark = pytest.mark.distributed
 

@@ -16,10 +16,10 @@ from typing import Any
 import pytest
 import torch
 
+from pretrain.trainer.checkpoint.export import export, load_model
 from tests.distributed.harness import BASE_OVERRIDES, launch, read_curve, run_pretrain
 from tests.distributed.hf_logits import TOKENS, loss_of
 from tests.helpers import pretrain
-from trainer.checkpoint.export import export, load_model
 
 transformers = pytest.importorskip("transformers")
 

@@ -1,8 +1,10 @@
 """The planner's peak memory per rank against a measured training step of the tiny model.
 
-Each layout trains through `python -m trainer.observe.memcheck` under torchrun (the trainer's own
+Each layout trains through `python -m pretrain.trainer.observe.memcheck` under torchrun (the
+trainer's own
 build and step, tracked by MemTracker; under pipeline parallelism each rank runs its stage's
-part of the schedule); the prediction comes from launcher.plan.memory for the measuring rank's
+part of the schedule); the prediction comes from pretrain.launcher.plan.memory for the measuring
+rank's
 pipeline stage. The total must be within 10%; the error per category is printed in a table
 (pytest -s, and in the failure message). Measured on the 2-core CPU machine, torch 2.13
 (model minus measured, over measured; "other" is activations, transients and logits):
@@ -39,10 +41,10 @@ import sys
 
 import pytest
 
-from launcher.plan.memory import memory_breakdown
-from launcher.plan.memory_fit import predict
-from pretrain_core.layout import grad_accum_steps, resolve_degrees
-from pretrain_core.schema import RecipeConfig, dump_config
+from pretrain.core.layout import grad_accum_steps, resolve_degrees
+from pretrain.core.schema import RecipeConfig, dump_config
+from pretrain.launcher.plan.memory import memory_breakdown
+from pretrain.launcher.plan.memory_fit import predict
 
 pytestmark = pytest.mark.distributed
 
@@ -116,7 +118,7 @@ def test_predicted_peak_is_within_10_percent_of_the_measured_step(tmp_path, labe
     config, out = tmp_path / "config.yaml", tmp_path / "memory.json"
     config.write_text(dump_config(cfg))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-    cmd += ["-m", "trainer.observe.memcheck", str(config), str(out)]
+    cmd += ["-m", "pretrain.trainer.observe.memcheck", str(config), str(out)]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -24,7 +24,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from pretrain_core.schema import load_config
+from pretrain.core.schema import load_config
 from tests.distributed.harness import (
     FP32_TOLERANCE,
     launch,

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pretrain_data.sources import MANIFEST
+from pretrain.dataprep.sources import MANIFEST
 from tests.distributed.harness import BASE_OVERRIDES, launch, read_curve, run_pretrain
 from tests.helpers import encode_documents, generated_documents, pretrain, write_jsonl
 

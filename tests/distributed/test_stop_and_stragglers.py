@@ -28,7 +28,7 @@ SLOW_RANK, SLOW_S = 1, 0.5
 def test_sigterm_saves_and_exits_0_and_the_slow_rank_is_named(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     command = [
-        sys.executable, "-m", "launcher", "--config-name", "tiny", *BASE_OVERRIDES,
+        sys.executable, "-m", "pretrain", "--config-name", "tiny", *BASE_OVERRIDES,
         "train.steps=1000", "logging.log_every=2", "checkpoint.every=0",
         "cluster.gpus_per_node=2", f"run.dir={run_dir}",
     ]  # fmt: skip

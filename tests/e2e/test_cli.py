@@ -138,7 +138,7 @@ def test_multirun_writes_one_run_dir_per_point(tmp_path: Path) -> None:
 def test_default_recipe_trains_end_to_end_on_two_ranks(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     # The user's own folders named like ours, where the job runs, stand in for nothing.
-    for name in ("models", "parallel", "trainer", "pretrain_core", "pretrain_data"):
+    for name in ("pretrain", "models", "parallel", "trainer", "launcher", "core", "dataprep"):
         (tmp_path / name).mkdir()
         (tmp_path / name / "__init__.py").write_text(f"raise ImportError('the user {name}')\n")
     # The recipe's own evaluation: every 100 steps and at the end, so at step 30.
@@ -222,7 +222,7 @@ def test_a_run_prints_the_plan_in_a_few_lines_unless_asked_for_all_or_none(tmp_p
 
 
 def test_status_report_export_and_dashboard_are_commands_of_pretrain(tmp_path: Path) -> None:
-    from launcher.dashboard import spec
+    from pretrain.launcher.dashboard import spec
     from tests.helpers import pretrain_in_process
 
     run_dir = tmp_path / "run"

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from launcher.dashboard import SECTIONS, STEP, workspace
+from pretrain.launcher.dashboard import SECTIONS, STEP, workspace
 from tests.distributed.harness import BASE_OVERRIDES
 from tests.helpers import pretrain, wandb_records
 
@@ -49,7 +49,7 @@ def test_the_workspace_is_built_offline_with_a_section_per_topic() -> None:
 def test_the_spec_prints_without_credentials(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k != "WANDB_API_KEY"}
     env["NETRC"] = str(tmp_path / "netrc")
-    command = [sys.executable, "-m", "launcher.dashboard"]
+    command = [sys.executable, "-m", "pretrain.launcher.dashboard"]
     printed = subprocess.run([*command, "--print"], capture_output=True, text=True, env=env)
     assert json.loads(printed.stdout).keys() == SECTIONS.keys()
     refused = subprocess.run([*command, "--project", "p"], capture_output=True, text=True,
@@ -84,7 +84,7 @@ def test_every_plotted_key_is_logged_by_a_real_moe_run(tmp_path: Path) -> None:
 def test_creating_the_workspace_online() -> None:
     if not os.environ.get("WANDB_API_KEY"):
         pytest.skip("no WANDB_API_KEY: creating a W&B workspace needs an account online")
-    result = subprocess.run([sys.executable, "-m", "launcher.dashboard", "--project",
+    result = subprocess.run([sys.executable, "-m", "pretrain.launcher.dashboard", "--project",
                              os.environ.get("WANDB_PROJECT", "pretrain-dashboard-test")],
                             capture_output=True, text=True, timeout=300)  # fmt: skip
     assert result.returncode == 0, result.stderr

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from pretrain_data.tokenizer import load_tokenizer
+from pretrain.dataprep.tokenizer import load_tokenizer
+from pretrain.trainer.checkpoint.export import load_model
 from tests.distributed.harness import run_pretrain
-from trainer.checkpoint.export import load_model
 
 transformers = pytest.importorskip("transformers")
 
@@ -25,7 +25,7 @@ TEXT = "def main() -> int:\n    return sum(range(10))\n"
 
 def export_cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "trainer.checkpoint.export", *map(str, args)],
+        [sys.executable, "-m", "pretrain.trainer.checkpoint.export", *map(str, args)],
         capture_output=True,
         text=True,
         timeout=120,

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from pretrain_core.precision import backend_installed
+from pretrain.core.precision import backend_installed
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench" / "gpu"))
 import check

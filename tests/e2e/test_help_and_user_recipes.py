@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from pretrain_core.field_docs import field_docs
-from pretrain_core.schema import RecipeConfig
+from pretrain.core.field_docs import field_docs
+from pretrain.core.schema import RecipeConfig
 from tests.helpers import RECIPES, pretrain
 
 pytestmark = pytest.mark.e2e

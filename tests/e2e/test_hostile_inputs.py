@@ -25,9 +25,9 @@ from typing import Any
 
 import pytest
 
-from launcher import cli as pretrain_cli
-from pretrain_core.run.rundir import LOCK_FILE
-from pretrain_core.schema import to_recipe
+from pretrain.core.run.rundir import LOCK_FILE
+from pretrain.core.schema import to_recipe
+from pretrain.launcher import cli as pretrain_cli
 from tests.helpers import pretrain, pretrain_in_process, tree
 
 pytestmark = pytest.mark.e2e
@@ -375,8 +375,8 @@ def environment(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     def launched(*args: object, **kwargs: object) -> None:
         raise AssertionError("a hostile case reached the launch")
 
-    monkeypatch.setattr("launcher.job.backends.run_local", launched)
-    monkeypatch.setattr("launcher.job.backends.submit_slurm", launched)
+    monkeypatch.setattr("pretrain.launcher.job.backends.run_local", launched)
+    monkeypatch.setattr("pretrain.launcher.job.backends.submit_slurm", launched)
 
 
 def skip_if_not_applicable(case: Case) -> None:
@@ -572,7 +572,7 @@ def run_tool(command: str, run_dir: Path, cwd: Path) -> tuple[int, str, str]:
         "export": ["pretrain-export", str(run_dir), str(cwd.parent / "exported")],
     }[command]
     entry = {"status": "pretrain", "report": "report", "export": "export"}[command]
-    from launcher import entry as entries
+    from pretrain.launcher import entry as entries
 
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
@@ -626,7 +626,7 @@ def test_an_unexpected_error_is_one_line_with_the_traceback_saved(root: Path) ->
     )
     import sys
 
-    command = [sys.executable, "-c", "from launcher.entry import report; report()"]
+    command = [sys.executable, "-c", "from pretrain.launcher.entry import report; report()"]
     result = subprocess.run(
         [*command, str(run_dir)], capture_output=True, text=True, timeout=60, env=env
     )
@@ -648,7 +648,7 @@ def test_ctrl_c_is_one_line_and_exit_130(root: Path, delay_s: float) -> None:
     import sys
 
     process = subprocess.Popen(
-        [sys.executable, "-m", "launcher", "-m", "seed=range(0,40)", "action=plan"],
+        [sys.executable, "-m", "pretrain", "-m", "seed=range(0,40)", "action=plan"],
         cwd=root / "work",
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -681,7 +681,7 @@ def test_sigterm_to_the_launcher_stops_the_preparation_it_started(root: Path) ->
     import signal
     import sys
 
-    from pretrain_data.sources import MANIFEST
+    from pretrain.dataprep.sources import MANIFEST
     from tests.helpers import generated_documents, live_processes, wait_until_gone, write_jsonl
 
     work = root / "prepare_stop"
@@ -690,7 +690,7 @@ def test_sigterm_to_the_launcher_stops_the_preparation_it_started(root: Path) ->
         write_jsonl(work / "corpus" / f"s{i:02d}.jsonl", docs[400 * i : 400 * (i + 1)])
     run_dir = work / "run"
     process = subprocess.Popen(
-        [sys.executable, "-m", "launcher", "action=prepare", f"run.dir={run_dir}",
+        [sys.executable, "-m", "pretrain", "action=prepare", f"run.dir={run_dir}",
          f"data.source={work / 'corpus'}", f"data.cache_dir={work / 'cache'}",
          "data.workers=2", "model.vocab_size=512", "data.val_fraction=0", "eval.every=0"],
         cwd=work, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

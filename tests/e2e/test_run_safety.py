@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from pretrain_core.run.rundir import LOCK_FILE, PREEMPTED_MARKER
-from pretrain_core.schema import load_config
+from pretrain.core.run.rundir import LOCK_FILE, PREEMPTED_MARKER
+from pretrain.core.schema import load_config
 from tests.distributed.harness import BASE_OVERRIDES
 from tests.helpers import live_processes, pretrain, wait_until_gone
 
@@ -40,7 +40,7 @@ def args(run_dir: Path, *overrides: str, ranks: int = 1) -> list[str]:
 def start(run_dir: Path, *overrides: str, ranks: int = 1) -> subprocess.Popen:
     """A launcher in the background, returned once its ranks have logged a step."""
     launcher = subprocess.Popen(
-        [sys.executable, "-m", "launcher", *args(run_dir, *overrides, ranks=ranks)],
+        [sys.executable, "-m", "pretrain", *args(run_dir, *overrides, ranks=ranks)],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
         env=dict(os.environ, OMP_NUM_THREADS="1"),
     )  # fmt: skip
@@ -193,7 +193,7 @@ def test_no_secret_reaches_any_file_of_a_finished_run_and_modes_honour_the_umask
     literal = "\\${oc.env:HF_TOKEN}"
     env = {**os.environ, **SECRETS, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
     result = subprocess.run(
-        [sys.executable, "-m", "launcher", *args(run_dir, "logging.wandb=offline",
+        [sys.executable, "-m", "pretrain", *args(run_dir, "logging.wandb=offline",
          f"+cluster.env.PRETRAIN_LITERAL='{literal}'")],
         capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path,
         preexec_fn=lambda: os.umask(0o077),

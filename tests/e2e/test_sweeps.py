@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from launcher.job.sweep import MAX_POINT_NAME, final_loss, point_dir_name
+from pretrain.launcher.job.sweep import MAX_POINT_NAME, final_loss, point_dir_name
 from tests.distributed.harness import BASE_OVERRIDES, read_curve
 from tests.helpers import pretrain
 

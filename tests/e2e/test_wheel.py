@@ -22,8 +22,8 @@ from tests.helpers import REPO
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
-SOURCES = ("pyproject.toml", "README.md", "LICENSE", "launcher", "models", "parallel",
-           "pretrain_core", "pretrain_data", "trainer", "recipes", "slurm")  # fmt: skip
+SOURCES = ("pyproject.toml", "README.md", "LICENSE", "pretrain", "launcher", "models", "parallel",
+           "core", "dataprep", "trainer", "recipes", "slurm")  # fmt: skip
 """What the wheel is built from (copied, so the build leaves nothing in the checkout)."""
 
 
@@ -58,7 +58,33 @@ def venv_bin(tmp_path_factory: pytest.TempPathFactory) -> Path:
     pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q"]
     subprocess.run([*pip, TORCH], check=True, env=_clean_env(), cwd=tmp)
     subprocess.run([*pip, str(wheel)], check=True, env=_clean_env(), cwd=tmp)
+    subprocess.run([*pip, str(_shadowing_wheel(tmp))], check=True, env=_clean_env(), cwd=tmp)
     return venv / "bin"
+
+
+SHADOWED = ("models", "trainer", "parallel", "launcher", "core")
+"""Top-level names a user's project or another distribution may well use."""
+
+
+def _shadow(root: Path) -> None:
+    """Packages named as our sub-packages under `root`, each failing loudly when imported."""
+    for name in SHADOWED:
+        (root / name).mkdir(parents=True)
+        (root / name / "__init__.py").write_text(f"raise ImportError('the user\\'s own {name}')\n")
+
+
+def _shadowing_wheel(tmp: Path) -> Path:
+    """A wheel of another distribution whose top-level packages are named like ours."""
+    source = tmp / "shadowing"
+    _shadow(source)
+    (source / "pyproject.toml").write_text(
+        '[project]\nname = "user-models"\nversion = "1.0"\n'
+        f"[tool.setuptools]\npackages = {list(SHADOWED)}\n"
+    )
+    out = tmp / "shadowing-wheel"
+    pip_wheel = ["wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out), "."]
+    subprocess.run([sys.executable, "-m", "pip", *pip_wheel], cwd=source, check=True)
+    return next(out.glob("user_models-*.whl"))
 
 
 def test_an_installed_wheel_plans_scripts_and_trains_from_another_directory(
@@ -67,6 +93,9 @@ def test_an_installed_wheel_plans_scripts_and_trains_from_another_directory(
     bin_dir = venv_bin
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
+    # The user's own folders in the working directory, and another installed distribution
+    # (in the venv), named like our sub-packages: neither may stand in for ours.
+    _shadow(elsewhere)
     # Not activated: no venv on PATH, no PYTHONPATH pointing back at the checkout.
     env = _clean_env()
     env.update(PATH="/usr/bin:/bin", OMP_NUM_THREADS="1")
@@ -78,12 +107,22 @@ def test_an_installed_wheel_plans_scripts_and_trains_from_another_directory(
                               timeout=300)  # fmt: skip
 
     # The project, its recipes and torch all come from the venv.
-    imports = "import torch, launcher.assets as a; print(torch.__file__); print(a.SHIPPED_RECIPES)"
+    imports = (
+        "import torch, pretrain.launcher.assets as a; print(torch.__file__); "
+        "print(a.SHIPPED_RECIPES)"
+    )
     where = subprocess.run(
         [str(bin_dir / "python"), "-c", imports],
         cwd=elsewhere, env=env, capture_output=True, text=True, check=True,
     ).stdout.split()  # fmt: skip
     assert len(where) == 2 and all(Path(w).is_relative_to(bin_dir.parent) for w in where), where
+    top_level = (
+        "from importlib.metadata import distribution as d; "
+        "print(d('pretrain').read_text('top_level.txt'))"
+    )
+    names = subprocess.run([str(bin_dir / "python"), "-c", top_level], cwd=elsewhere, env=env,
+                           capture_output=True, text=True, check=True).stdout.split()  # fmt: skip
+    assert names == ["pretrain"]  # the only top-level name the wheel installs
 
     plan = pretrain("--config-name", "llama3_8b", "action=plan")
     assert plan.returncode == 0, plan.stderr

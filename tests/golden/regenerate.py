@@ -15,7 +15,7 @@ import sysconfig
 import tempfile
 from pathlib import Path
 
-from pretrain_data.sources import stdlib_files
+from pretrain.dataprep.sources import stdlib_files
 from tests.golden.cases import CASES, CORPUS, run_case, write_golden
 
 CORPUS_FILES, CORPUS_FILE_BYTES = 300, 16_000

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from launcher.job.backends import wait_for_slurm_job
-from launcher.job.prepare import submit_prepare, write_prepare_files
-from pretrain_core.schema import RecipeConfig
-from pretrain_data.checks import unprepared
+from pretrain.core.schema import RecipeConfig
+from pretrain.dataprep.checks import unprepared
+from pretrain.launcher.job.backends import wait_for_slurm_job
+from pretrain.launcher.job.prepare import submit_prepare, write_prepare_files
 from tests.distributed.harness import BASE_OVERRIDES
 
 REPO = Path(__file__).resolve().parents[2]
@@ -109,7 +109,7 @@ def harness_data(tmp_path_factory: pytest.TempPathFactory) -> None:
     run_dir = tmp_path_factory.mktemp("harness_prepare") / "run"
     result = subprocess.run(
         [
-            sys.executable, "-m", "launcher", "--config-name", "tiny", *BASE_OVERRIDES,
+            sys.executable, "-m", "pretrain", "--config-name", "tiny", *BASE_OVERRIDES,
             "action=prepare", f"run.dir={run_dir}",
         ],
         capture_output=True, text=True, timeout=JOB_TIMEOUT_S,
@@ -139,7 +139,7 @@ def submit(run_dir: Path, overrides: list[str], cwd: Path) -> str:
     """Submit the harness model with `overrides` through the `pretrain` CLI; the job id."""
     result = subprocess.run(
         [
-            sys.executable, "-m", "launcher", "--config-name", "tiny", *BASE_OVERRIDES,
+            sys.executable, "-m", "pretrain", "--config-name", "tiny", *BASE_OVERRIDES,
             *SLURM_CPU, f"run.dir={run_dir}", *overrides,
         ],
         cwd=cwd, capture_output=True, text=True, timeout=120,

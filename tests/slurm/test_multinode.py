@@ -27,8 +27,9 @@ from pathlib import Path
 
 import pytest
 
-from launcher.job.backends import wait_for_slurm_job
-from pretrain_core.run.rundir import SLURM_JOB_FILE
+from pretrain.core.run.rundir import SLURM_JOB_FILE
+from pretrain.launcher.job.backends import wait_for_slurm_job
+from pretrain.trainer.observe.loggers import node_wandb_dir
 from tests.distributed.harness import (
     FP32_TOLERANCE,
     Curve,
@@ -37,7 +38,6 @@ from tests.distributed.harness import (
 )
 from tests.helpers import finished_wandb_records
 from tests.slurm.conftest import JOB_TIMEOUT_S, submit
-from trainer.observe.loggers import node_wandb_dir
 
 pytestmark = pytest.mark.slurm
 

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from launcher.job.backends import LaunchError, submit_slurm, wait_for_slurm_job
-from launcher.job.run_dir import JobFiles, write_run_dir
-from pretrain_core.schema import dump_config, load_config
+from pretrain.core.schema import dump_config, load_config
+from pretrain.launcher.job.backends import LaunchError, submit_slurm, wait_for_slurm_job
+from pretrain.launcher.job.run_dir import JobFiles, write_run_dir
 from tests.slurm.conftest import JOB_TIMEOUT_S, REPO, cpu_recipe
 
 pytestmark = pytest.mark.slurm
@@ -77,7 +77,7 @@ def _pretrain(args: list[str], cwd: Path) -> str:
     ):
         pytest.skip("launcher/cli.py or trainer/__main__.py does not exist yet")
     pretrain = shutil.which("pretrain")
-    command = [pretrain] if pretrain else [sys.executable, "-m", "launcher"]
+    command = [pretrain] if pretrain else [sys.executable, "-m", "pretrain"]
     result = subprocess.run(
         [*command, *args],
         cwd=cwd, capture_output=True, text=True, timeout=120,
@@ -141,7 +141,7 @@ def test_a_job_no_node_can_take_is_reported_at_submission(
     asks = [a for a in SLURM_TINY if not a.startswith("cluster.cpus_per_task=")]
     result = subprocess.run(
         [
-            sys.executable, "-m", "launcher", *asks, "cluster.cpus_per_task=64",
+            sys.executable, "-m", "pretrain", *asks, "cluster.cpus_per_task=64",
             "train.steps=1", f"run.dir={tmp_path / 'run'}",
         ],
         cwd=tmp_path, capture_output=True, text=True, timeout=120,

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from launcher.validate.recipe import validate
-from models.flops import flops_per_token
-from pretrain_core.model_config import ModelConfig
-from pretrain_core.problems import RecipeError
-from pretrain_core.schema import RecipeConfig
+from pretrain.core.model_config import ModelConfig
+from pretrain.core.problems import RecipeError
+from pretrain.core.schema import RecipeConfig
+from pretrain.launcher.validate.recipe import validate
+from pretrain.models.flops import flops_per_token
 
 
 def problems_of(**model: object) -> dict[str, str]:

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from pretrain_core.inputs.boundary import TRACEBACK_DIR, run_command
-from pretrain_core.inputs.reading import ReadError
-from pretrain_core.problems import Problem, RecipeError
+from pretrain.core.inputs.boundary import TRACEBACK_DIR, run_command
+from pretrain.core.inputs.reading import ReadError
+from pretrain.core.problems import Problem, RecipeError
 
 
 class OwnError(Exception):

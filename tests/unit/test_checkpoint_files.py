@@ -8,17 +8,17 @@ from pathlib import Path
 import pytest
 import torch
 
-import models
-from pretrain_core.schema import RecipeConfig, dump_config
-from trainer.checkpoint.checkpointer import (
+from pretrain import models
+from pretrain.core.schema import RecipeConfig, dump_config
+from pretrain.trainer.checkpoint.checkpointer import (
     DCP_METADATA,
     META,
     complete_checkpoints,
     find_checkpoint,
     step_dir,
 )
-from trainer.checkpoint.export import ExportError, export, hf_name, hf_tensors
-from trainer.faults.step_guard import slowest_rank, stragglers
+from pretrain.trainer.checkpoint.export import ExportError, export, hf_name, hf_tensors
+from pretrain.trainer.faults.step_guard import slowest_rank, stragglers
 
 
 def make_checkpoint(root: Path, step: int, *, meta: bool = True, suffix: str = "") -> Path:

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import torch
 
-from trainer.checkpoint.checkpointer import DCP_METADATA, META
-from trainer.checkpoint.integrity import (
+from pretrain.trainer.checkpoint.checkpointer import DCP_METADATA, META
+from pretrain.trainer.checkpoint.integrity import (
     MANIFEST,
     checksum_problems,
     checksums,

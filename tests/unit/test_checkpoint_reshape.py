@@ -10,8 +10,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from trainer.checkpoint.vocab_resize import load_resizing_vocab
-from trainer.optim.lr_schedule import spread_over_groups
+from pretrain.trainer.checkpoint.vocab_resize import load_resizing_vocab
+from pretrain.trainer.optim.lr_schedule import spread_over_groups
 
 DIM = 4
 

@@ -9,8 +9,8 @@ from typing import Any
 
 import torch
 
-from pretrain_core.schema import CheckpointConfig
-from trainer.checkpoint.checkpointer import Checkpointer, States
+from pretrain.core.schema import CheckpointConfig
+from pretrain.trainer.checkpoint.checkpointer import Checkpointer, States
 
 
 class Tensors:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from launcher.validate.recipe import validate
-from pretrain_core.problems import RecipeError
-from pretrain_core.schema import RecipeConfig
+from pretrain.core.problems import RecipeError
+from pretrain.core.schema import RecipeConfig
+from pretrain.launcher.validate.recipe import validate
 
 
 @pytest.mark.parametrize(

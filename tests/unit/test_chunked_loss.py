@@ -9,13 +9,13 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from launcher.plan.memory_fit import predict
-from models.init import init_weights
-from models.llama import Transformer, build_on_meta
-from pretrain_core.model_config import ModelConfig
+from pretrain.core.model_config import ModelConfig
+from pretrain.launcher.plan.memory_fit import predict
+from pretrain.models.init import init_weights
+from pretrain.models.llama import Transformer, build_on_meta
+from pretrain.trainer.step.chunked_loss import ChunkedLMLoss
+from pretrain.trainer.step.state import lm_loss
 from tests.helpers import configure, problems
-from trainer.step.chunked_loss import ChunkedLMLoss
-from trainer.step.state import lm_loss
 
 TINY = ModelConfig(
     vocab_size=512, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, max_seq_len=64

@@ -9,7 +9,7 @@ import ast
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-PRODUCT = ("pretrain_core", "pretrain_data", "launcher", "models", "parallel", "trainer")
+PRODUCT = ("core", "dataprep", "launcher", "models", "parallel", "trainer")
 ROOTS = (*PRODUCT, "bench", "tests")
 MAX_LINES = 80
 MAX_MODULES = 15
@@ -80,10 +80,10 @@ STEP_HOOKS = ("vocab_parallel_loss(", "forward_context(", "document_ids(", ".sha
 def test_every_stepper_takes_the_one_step_context_and_only_it_applies_the_hooks() -> None:
     import inspect
 
-    from trainer.step.context import StepContext
-    from trainer.step.local import LocalStep
-    from trainer.step.pipedream import PipeDreamStep
-    from trainer.step.pipeline import PipelineStep
+    from pretrain.trainer.step.context import StepContext
+    from pretrain.trainer.step.local import LocalStep
+    from pretrain.trainer.step.pipedream import PipeDreamStep
+    from pretrain.trainer.step.pipeline import PipelineStep
 
     for stepper in (LocalStep, PipelineStep, PipeDreamStep):
         parameters = list(inspect.signature(stepper).parameters.values())

@@ -6,13 +6,13 @@ import pytest
 import torch
 from torch._dynamo import register_backend
 
-import models
-from parallel.compile import CompileError, GuardedCompile, apply_compile, compile_loss
-from parallel.materialize import materialize
-from parallel.recompute import apply_recompute
-from pretrain_core.model_config import ModelConfig
-from pretrain_core.schema import CompileConfig, RecomputeConfig
-from trainer.step.state import lm_loss
+from pretrain import models
+from pretrain.core.model_config import ModelConfig
+from pretrain.core.schema import CompileConfig, RecomputeConfig
+from pretrain.parallel.compile import CompileError, GuardedCompile, apply_compile, compile_loss
+from pretrain.parallel.materialize import materialize
+from pretrain.parallel.recompute import apply_recompute
+from pretrain.trainer.step.state import lm_loss
 
 MODEL = ModelConfig(
     vocab_size=128, dim=32, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=32

@@ -10,16 +10,16 @@ import pytest
 from hydra.errors import ConfigCompositionException, MissingConfigException
 from omegaconf.errors import ValidationError
 
-from launcher.compose.command_line import (
+from pretrain.core.inputs.reading import YAML_MAX_ALIASES as MAX_ALIASES
+from pretrain.core.problems import RecipeError
+from pretrain.launcher.compose.command_line import (
     QUIET_HYDRA,
     checked_command_line,
     flags_first,
     translate,
 )
-from launcher.compose.recipe_files import load, package_of
-from launcher.compose.recipe_keys import did_you_mean, value_problem
-from pretrain_core.inputs.reading import YAML_MAX_ALIASES as MAX_ALIASES
-from pretrain_core.problems import RecipeError
+from pretrain.launcher.compose.recipe_files import load, package_of
+from pretrain.launcher.compose.recipe_keys import did_you_mean, value_problem
 
 
 def problems_of(*argv: str) -> list[str]:
@@ -43,7 +43,7 @@ def test_every_bad_override_is_reported_at_once() -> None:
         "foo=1: no such key in the recipe schema; a recipe has name, action, seed, model, "
         "parallel, precision, recompute, compile, optim, schedule, train, data, eval, init, "
         "cluster, hardware, logging, checkpoint, faults, run, plan, suggest, dryrun "
-        "(see pretrain_core/schema.py)",
+        "(see core/schema.py)",
     ]
 
 

@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from launcher.validate.recipe import check_runnable, validate
-from parallel.context import (
+from pretrain.core.layout import resolve_degrees
+from pretrain.launcher.validate.recipe import check_runnable, validate
+from pretrain.parallel.context import (
     HeadTailPositions,
     _block_backward,
     _block_forward,
@@ -15,7 +16,6 @@ from parallel.context import (
     chunk_order,
     shard_sequence,
 )
-from pretrain_core.layout import resolve_degrees
 from tests.helpers import configure, problems
 
 

@@ -7,13 +7,13 @@ import dataclasses
 
 import pytest
 
-from launcher.plan.cost import LINK_EFFICIENCY, recipe_links, step_cost
-from launcher.plan.suggest import layouts, render_search, search, three_terms
-from models.flops import count_params
-from pretrain_core import hardware
-from pretrain_core.layout import Degrees
-from pretrain_core.model_config import ModelConfig
-from pretrain_core.schema import RecipeConfig
+from pretrain.core import hardware
+from pretrain.core.layout import Degrees
+from pretrain.core.model_config import ModelConfig
+from pretrain.core.schema import RecipeConfig
+from pretrain.launcher.plan.cost import LINK_EFFICIENCY, recipe_links, step_cost
+from pretrain.launcher.plan.suggest import layouts, render_search, search, three_terms
+from pretrain.models.flops import count_params
 from tests.helpers import LLAMA3_8B
 
 PEAK = 989.5

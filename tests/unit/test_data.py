@@ -12,21 +12,27 @@ import pytest
 import torch
 from tokenizers import Tokenizer, models
 
-from pretrain_core.schema import DataConfig, SourceConfig
-from pretrain_data.corpus import source_documents
-from pretrain_data.prepare import prepare_data
-from pretrain_data.sources import single_source, stdlib_files
-from pretrain_data.tokenizer import EOS_TOKEN, eos_id, load_tokenizer
+from pretrain.core.schema import DataConfig, SourceConfig
+from pretrain.dataprep.corpus import source_documents
+from pretrain.dataprep.prepare import prepare_data
+from pretrain.dataprep.sources import single_source, stdlib_files
+from pretrain.dataprep.tokenizer import EOS_TOKEN, eos_id, load_tokenizer
+from pretrain.trainer.data import dataset as dataset_module
+from pretrain.trainer.data.dataset import PackedSequences, PreparedDataset, TokenStream
+from pretrain.trainer.data.loader import (
+    DataLoader,
+    open_datasets,
+    packed_data,
+    train_loader,
+    val_loader,
+)
+from pretrain.trainer.data.sampler import MixtureSampler
 from tests.helpers import (
     data_recipe,
     encode_documents,
     generated_documents,
     write_jsonl,
 )
-from trainer.data import dataset as dataset_module
-from trainer.data.dataset import PackedSequences, PreparedDataset, TokenStream
-from trainer.data.loader import DataLoader, open_datasets, packed_data, train_loader, val_loader
-from trainer.data.sampler import MixtureSampler
 
 SMALL_VOCAB = 512
 DOCS = generated_documents(200, seed=5)

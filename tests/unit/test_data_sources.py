@@ -12,9 +12,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pretrain_data.corpus import plan_units
-from pretrain_data.prepare import prepare_data
-from pretrain_data.sources import resolve_format, single_source
+from pretrain.dataprep.corpus import plan_units
+from pretrain.dataprep.prepare import prepare_data
+from pretrain.dataprep.sources import resolve_format, single_source
+from pretrain.trainer.data.dataset import PreparedDataset, TokenStream
 from tests.helpers import (
     data_recipe,
     encode_documents,
@@ -22,7 +23,6 @@ from tests.helpers import (
     write_jsonl,
     write_megatron,
 )
-from trainer.data.dataset import PreparedDataset, TokenStream
 
 DOCS = generated_documents(40, seed=1)
 

@@ -11,11 +11,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from launcher.validate.data import unprepared_problems
-from launcher.validate.recipe import validate
-from pretrain_core.problems import RecipeError
-from pretrain_core.schema import SourceConfig
-from pretrain_data.prepare import prepare_data
+from pretrain.core.problems import RecipeError
+from pretrain.core.schema import SourceConfig
+from pretrain.dataprep.prepare import prepare_data
+from pretrain.launcher.validate.data import unprepared_problems
+from pretrain.launcher.validate.recipe import validate
 from tests.helpers import (
     configure,
     data_recipe,
@@ -215,7 +215,7 @@ def test_a_hugging_face_checkpoint_of_another_shape_is_refused_naming_the_tensor
 ) -> None:
     from safetensors.numpy import save_file
 
-    from pretrain_core.hf_llama import config_json, expected_shapes, hf_name
+    from pretrain.core.hf_llama import config_json, expected_shapes, hf_name
 
     cfg = configure({})
     tensors = {hf_name(n): np.zeros(s, np.float32) for n, s in expected_shapes(cfg.model).items()}

@@ -7,11 +7,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-import models
-from models.init import init_weights
-from models.layers import document_mask
-from pretrain_core.model_config import ModelConfig
-from trainer.step.context import document_ids
+from pretrain import models
+from pretrain.core.model_config import ModelConfig
+from pretrain.models.init import init_weights
+from pretrain.models.layers import document_mask
+from pretrain.trainer.step.context import document_ids
 
 EOS = 0
 MODEL = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64,

@@ -7,10 +7,16 @@ import json
 
 import pytest
 
-from launcher.plan.dryrun import DryRunError, comparisons, fullest_rank, refusal, run_dry_run
-from launcher.plan.plan import make_plan
-from pretrain_core.model_config import ModelConfig
-from pretrain_core.schema import RecipeConfig
+from pretrain.core.model_config import ModelConfig
+from pretrain.core.schema import RecipeConfig
+from pretrain.launcher.plan.dryrun import (
+    DryRunError,
+    comparisons,
+    fullest_rank,
+    refusal,
+    run_dry_run,
+)
+from pretrain.launcher.plan.plan import make_plan
 from tests.helpers import compose_recipe, pretrain
 
 TOLERANCE = 0.10

@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from launcher.job.failure_summary import failure_message, has_failures, read_failures
-from pretrain_core.run.run_lock import LockHolder, RunDirInUse
-from pretrain_core.run.rundir import PLAN_FILE
-from trainer.checkpoint.integrity import DiskSpaceError, NoUsableCheckpoint
-from trainer.faults.failure_report import classify, record
-from trainer.faults.step_guard import TooManyBadSteps
+from pretrain.core.run.run_lock import LockHolder, RunDirInUse
+from pretrain.core.run.rundir import PLAN_FILE
+from pretrain.launcher.job.failure_summary import failure_message, has_failures, read_failures
+from pretrain.trainer.checkpoint.integrity import DiskSpaceError, NoUsableCheckpoint
+from pretrain.trainer.faults.failure_report import classify, record
+from pretrain.trainer.faults.step_guard import TooManyBadSteps
 
 
 def raised(exc: BaseException, *, chained_from: BaseException | None = None) -> BaseException:

@@ -9,10 +9,10 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
-from models.flops import count_params, flops_per_token
-from models.init import init_weights
-from models.llama import build_on_meta
-from pretrain_core.model_config import ModelConfig
+from pretrain.core.model_config import ModelConfig
+from pretrain.models.flops import count_params, flops_per_token
+from pretrain.models.init import init_weights
+from pretrain.models.llama import build_on_meta
 
 SEQ_LEN, BATCH = 32, 2
 
@@ -113,7 +113,7 @@ def test_param_count_matches_published_llama3_size(cfg: ModelConfig, published: 
 def test_one_input_mlps_compute_what_their_papers_define() -> None:
     """GeLU (Hendrycks and Gimpel 2016, tanh form as in GPT-2) and squared ReLU (So et al.
     2021, "Primer", section 4): w2 applied to the activation of w1 x, no gate."""
-    from models.layers import FeedForward
+    from pretrain.models.layers import FeedForward
 
     x = torch.randn(3, 16)
     for kind, act in (

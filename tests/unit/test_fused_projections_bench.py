@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from bench.fused_projections import VARIANTS, build_variant
-from pretrain_core.model_config import ModelConfig
+from pretrain.core.model_config import ModelConfig
 
 
 def config(kv_heads: int) -> ModelConfig:

@@ -13,13 +13,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from launcher.compose.command_line import checked_command_line
-from launcher.compose.recipe_keys import leaf_types
-from launcher.job.status import run_status
-from launcher.report import load_metrics
-from pretrain_core.inputs.reading import ReadError
-from pretrain_core.problems import RecipeError
-from pretrain_core.schema import load_config
+from pretrain.core.inputs.reading import ReadError
+from pretrain.core.problems import RecipeError
+from pretrain.core.schema import load_config
+from pretrain.launcher.compose.command_line import checked_command_line
+from pretrain.launcher.compose.recipe_keys import leaf_types
+from pretrain.launcher.job.status import run_status
+from pretrain.launcher.report import load_metrics
 from tests.helpers import tree
 
 FUZZ = settings(

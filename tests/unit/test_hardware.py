@@ -2,7 +2,7 @@
 
 import pytest
 
-from pretrain_core.hardware import (
+from pretrain.core.hardware import (
     GPUS,
     gpu_spec,
     links,

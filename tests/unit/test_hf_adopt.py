@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from launcher.compose.from_hf import adopt_hf_model, adopted_lines
-from pretrain_core.problems import RecipeError
-from pretrain_core.schema import RecipeConfig
-from pretrain_data.tokenizer import train_bpe
+from pretrain.core.problems import RecipeError
+from pretrain.core.schema import RecipeConfig
+from pretrain.dataprep.tokenizer import train_bpe
+from pretrain.launcher.compose.from_hf import adopt_hf_model, adopted_lines
 
 transformers = pytest.importorskip("transformers")
 

@@ -12,12 +12,12 @@ from typing import Any
 import pytest
 import torch
 
-import models
-from pretrain_core.hf_llama import config_mismatches, model_fields
-from pretrain_core.model_config import ModelConfig
-from pretrain_core.schema import RecipeConfig
-from trainer.checkpoint.export import hf_config, hf_tensors
-from trainer.checkpoint.hf_import import load_hf_weights
+from pretrain import models
+from pretrain.core.hf_llama import config_mismatches, model_fields
+from pretrain.core.model_config import ModelConfig
+from pretrain.core.schema import RecipeConfig
+from pretrain.trainer.checkpoint.export import hf_config, hf_tensors
+from pretrain.trainer.checkpoint.hf_import import load_hf_weights
 
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-import models
-from models.init import init_weights
-from pretrain_core.model_config import ModelConfig
-from trainer.checkpoint.hf_import import load_hf_weights
+from pretrain import models
+from pretrain.core.model_config import ModelConfig
+from pretrain.models.init import init_weights
+from pretrain.trainer.checkpoint.hf_import import load_hf_weights
 
 transformers = pytest.importorskip("transformers")
 
@@ -63,7 +63,7 @@ def test_a_checkpoint_of_another_shape_is_refused_naming_the_tensor(tmp_path: Pa
 
 def test_a_one_input_mlp_is_refused_against_a_llama_checkpoint() -> None:
     """LlamaForCausalLM's MLP is SwiGLU (gate, up, down): a GeLU model cannot load it."""
-    from pretrain_core.hf_llama import config_json, config_mismatches
+    from pretrain.core.hf_llama import config_json, config_mismatches
 
     llama = ModelConfig(vocab_size=64, dim=32, n_layers=1, n_heads=2, ffn_dim=64)
     gelu = ModelConfig(vocab_size=64, dim=32, n_layers=1, n_heads=2, ffn_dim=64, mlp="gelu")

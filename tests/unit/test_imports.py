@@ -1,10 +1,11 @@
-"""Imports point one way and never in a circle.
+"""Imports point one way and never in a circle, and always under the one name `pretrain`.
 
-`launcher -> pretrain_core, models`; `trainer -> parallel -> models -> pretrain_core`. The
-core and the launcher import no torch (the core is what a login node and the ranks share;
-the launcher must start in well under a second). Every import counts, including those
-inside functions and under TYPE_CHECKING: a function-level import that patches a cycle is
-still a cycle.
+`launcher -> core, dataprep, models`; `trainer -> parallel -> models -> core`;
+`trainer -> dataprep -> core`. The core, data preparation and the launcher import no torch
+(the core is what a login node and the ranks share; the launcher must start in well under a
+second). Every import counts, including those inside functions and under TYPE_CHECKING: a
+function-level import that patches a cycle is still a cycle. A sub-package imported by its
+bare folder name (`import models`) is refused too: that name is the user's, not ours.
 """
 
 from __future__ import annotations
@@ -15,26 +16,34 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-PACKAGES = ("pretrain_core", "pretrain_data", "models", "parallel", "trainer", "launcher")
+NAMESPACE = "pretrain"
+PACKAGES = ("core", "dataprep", "models", "parallel", "trainer", "launcher")
+"""The sub-packages of `pretrain`, each a folder at the repository's top level."""
 MAY_IMPORT = {
-    "pretrain_core": set(),
-    "pretrain_data": {"pretrain_core"},
-    "models": {"pretrain_core"},
-    "parallel": {"models", "pretrain_core"},
-    "trainer": {"parallel", "models", "pretrain_data", "pretrain_core"},
-    "launcher": {"pretrain_core", "pretrain_data", "models"},
+    "core": set(),
+    "dataprep": {"core"},
+    "models": {"core"},
+    "parallel": {"models", "core"},
+    "trainer": {"parallel", "models", "dataprep", "core"},
+    "launcher": {"core", "dataprep", "models"},
 }
-"""The repo's packages each package may import (besides itself)."""
-TORCH_FREE = ("pretrain_core", "pretrain_data", "launcher")
+"""The sub-packages each sub-package may import (besides itself)."""
+TORCH_FREE = ("core", "dataprep", "launcher")
 LAUNCHER_STAGES = ("compose", "validate", "plan", "job")
 """The launcher's stages, in the order a command runs them: a stage imports earlier stages
 and the launcher's shared leaf modules (`launcher.assets`), never a later stage or the CLI."""
-LAUNCHER_LEAVES = ("launcher.assets",)
+LAUNCHER_LEAVES = ("pretrain.launcher.assets",)
 
 
 def module_name(root: Path, path: Path) -> str:
+    """`root/trainer/step/local.py` -> `pretrain.trainer.step.local`."""
     parts = list(path.relative_to(root).with_suffix("").parts)
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+    return ".".join([NAMESPACE, *(parts[:-1] if parts[-1] == "__init__" else parts)])
+
+
+def sub_package(module: str) -> str:
+    """`pretrain.trainer.step.local` -> `trainer`."""
+    return module.split(".")[1]
 
 
 def imported_names(path: Path) -> list[str]:
@@ -49,23 +58,31 @@ def imported_names(path: Path) -> list[str]:
     return names
 
 
-def import_graph(root: Path) -> tuple[dict[str, set[str]], dict[str, set[str]]]:
-    """(module -> the repo's modules it imports, module -> third-party top-level names)."""
+def import_graph(
+    root: Path,
+) -> tuple[dict[str, set[str]], dict[str, set[str]], dict[str, set[str]]]:
+    """(module -> the repo's modules it imports, module -> third-party top-level names,
+    module -> our sub-packages it imports by their bare folder name)."""
     files = {module_name(root, p): p for pkg in PACKAGES for p in (root / pkg).rglob("*.py")}
     internal: dict[str, set[str]] = {}
     external: dict[str, set[str]] = {}
+    bare: dict[str, set[str]] = {}
     for module, path in files.items():
-        internal[module], external[module] = set(), set()
+        internal[module], external[module], bare[module] = set(), set(), set()
         for name in imported_names(path):
-            if name.split(".")[0] not in PACKAGES:
-                external[module].add(name.split(".")[0])
+            top = name.split(".")[0]
+            if top in PACKAGES:
+                bare[module].add(top)
+                continue
+            if top != NAMESPACE:
+                external[module].add(top)
                 continue
             # `from a.b import c`: a.b.c when c is a module, else a.b (or its nearest parent).
-            while name not in files and "." in name:
+            while name not in files and name.count(".") > 1:
                 name = name.rsplit(".", 1)[0]
-            if name != module:
+            if name != module and name in files:
                 internal[module].add(name)
-    return internal, external
+    return internal, external, bare
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -105,16 +122,20 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def violations(root: Path) -> list[str]:
     """Every broken import rule of the tree under `root`, one line each."""
-    internal, external = import_graph(root)
+    internal, external, bare = import_graph(root)
     problems = []
     for module, targets in sorted(internal.items()):
-        package = module.split(".")[0]
+        package = sub_package(module)
         for target in sorted(targets):
-            other = target.split(".")[0]
+            other = sub_package(target)
             if other != package and other not in MAY_IMPORT[package]:
                 problems.append(f"{module} imports {target}: {package} may not import {other}")
         if package in TORCH_FREE and "torch" in external[module]:
             problems.append(f"{module} imports torch: {package} must stay torch-free")
+        problems += [
+            f"{module} imports {name}: import it as {NAMESPACE}.{name}"
+            for name in sorted(bare[module])
+        ]
     problems += _stage_violations(internal)
     problems += [f"import cycle: {' <-> '.join(group)}" for group in cycles(internal)]
     return problems
@@ -123,8 +144,8 @@ def violations(root: Path) -> list[str]:
 def _stage(module: str) -> int | None:
     """The index of the launcher stage `module` belongs to; None outside the stages."""
     parts = module.split(".")
-    if parts[0] == "launcher" and len(parts) > 1 and parts[1] in LAUNCHER_STAGES:
-        return LAUNCHER_STAGES.index(parts[1])
+    if parts[1] == "launcher" and len(parts) > 2 and parts[2] in LAUNCHER_STAGES:
+        return LAUNCHER_STAGES.index(parts[2])
     return None
 
 
@@ -135,7 +156,7 @@ def _stage_violations(internal: dict[str, set[str]]) -> list[str]:
         if stage is None:
             continue
         for target in sorted(targets):
-            if not target.startswith("launcher") or target in LAUNCHER_LEAVES:
+            if sub_package(target) != "launcher" or target in LAUNCHER_LEAVES:
                 continue
             other = _stage(target)
             if other is None or other > stage:
@@ -164,49 +185,58 @@ def _tree(root: Path, files: dict[str, str]) -> Path:
     ("files", "expected"),
     [
         (
-            {"trainer/loop.py": "from launcher.cli import main\n"},
-            "trainer.loop imports launcher: trainer may not import launcher",
-        ),
-        (
-            {"parallel/tp.py": "def f():\n    import trainer.loop\n", "trainer/loop.py": ""},
-            "parallel.tp imports trainer.loop: parallel may not import trainer",
-        ),
-        (
-            {"pretrain_core/schema.py": "import torch\n"},
-            "pretrain_core.schema imports torch: pretrain_core must stay torch-free",
-        ),
-        (
-            {"pretrain_core/schema.py": "from models.llama import X\n", "models/llama.py": ""},
-            "pretrain_core.schema imports models.llama: pretrain_core may not import models",
+            {"trainer/loop.py": "from pretrain.launcher.cli import main\n"},
+            "pretrain.trainer.loop imports pretrain.launcher: trainer may not import launcher",
         ),
         (
             {
-                "models/llama.py": "from models.moe import MoE\n",
-                "models/moe.py": "def f():\n    from models.llama import FeedForward\n",
+                "parallel/tp.py": "def f():\n    import pretrain.trainer.loop\n",
+                "trainer/loop.py": "",
             },
-            "import cycle: models.llama <-> models.moe",
+            "pretrain.parallel.tp imports pretrain.trainer.loop: parallel may not import trainer",
+        ),
+        (
+            {"core/schema.py": "import torch\n"},
+            "pretrain.core.schema imports torch: core must stay torch-free",
+        ),
+        (
+            {"core/schema.py": "from pretrain.models.llama import X\n", "models/llama.py": ""},
+            "pretrain.core.schema imports pretrain.models.llama: core may not import models",
+        ),
+        (
+            {
+                "models/llama.py": "from pretrain.models.moe import MoE\n",
+                "models/moe.py": "def f():\n    from pretrain.models.llama import FeedForward\n",
+            },
+            "import cycle: pretrain.models.llama <-> pretrain.models.moe",
         ),
         (
             {
                 "launcher/validate/__init__.py": "",
-                "launcher/validate/job.py": "from launcher.job.run_dir import render\n",
+                "launcher/validate/job.py": "from pretrain.launcher.job.run_dir import render\n",
                 "launcher/job/__init__.py": "",
                 "launcher/job/run_dir.py": "",
             },
-            "launcher.validate.job imports launcher.job.run_dir: a launcher stage may not import "
-            "the later stage job",
+            "pretrain.launcher.validate.job imports pretrain.launcher.job.run_dir: "
+            "a launcher stage may not import the later stage job",
         ),
         (
             {
                 "launcher/plan/__init__.py": "",
-                "launcher/plan/cost.py": "import launcher.cli\n",
+                "launcher/plan/cost.py": "import pretrain.launcher.cli\n",
                 "launcher/cli.py": "",
             },
-            "launcher.plan.cost imports launcher.cli: a launcher stage may not import the CLI",
+            "pretrain.launcher.plan.cost imports pretrain.launcher.cli: "
+            "a launcher stage may not import the CLI",
         ),
         (
-            {"pretrain_data/prepare.py": "from trainer.loop import x\n", "trainer/loop.py": ""},
-            "pretrain_data.prepare imports trainer.loop: pretrain_data may not import trainer",
+            {"dataprep/prepare.py": "from pretrain.trainer.loop import x\n", "trainer/loop.py": ""},
+            "pretrain.dataprep.prepare imports pretrain.trainer.loop: "
+            "dataprep may not import trainer",
+        ),
+        (
+            {"trainer/build.py": "import models\n"},
+            "pretrain.trainer.build imports models: import it as pretrain.models",
         ),
     ],
     ids=[
@@ -218,6 +248,7 @@ def _tree(root: Path, files: dict[str, str]) -> Path:
         "later-stage",
         "stage-to-cli",
         "data-to-trainer",
+        "bare-folder-name",
     ],
 )
 def test_a_bad_import_is_reported(tmp_path: Path, files: dict[str, str], expected: str) -> None:

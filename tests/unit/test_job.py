@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from launcher.job.run_dir import (
+from pretrain.core.schema import RecipeConfig
+from pretrain.launcher.job.run_dir import (
     AGENT,
     RDZV_ENDPOINT,
     RDZV_ID,
@@ -22,7 +23,6 @@ from launcher.job.run_dir import (
     torchrun_args,
     write_run_dir,
 )
-from pretrain_core.schema import RecipeConfig
 from tests.helpers import wait_until_gone
 
 # Each tries to create the marker file if any shell ever evaluates it instead of quoting it.
@@ -65,9 +65,9 @@ def test_one_node_runs_a_standalone_torchrun_through_the_agent() -> None:
     cfg.cluster.gpus_per_node = 2
     args = torchrun_args(cfg, Path("/runs/a/config.yaml"))
     assert args == [
-        sys.executable, "-m", "trainer.agent", "--standalone", "--nproc-per-node", "2",
+        sys.executable, "-m", "pretrain.trainer.agent", "--standalone", "--nproc-per-node", "2",
         "--shutdown-timeout", str(cfg.cluster.signal_seconds),
-        "-m", "trainer", "/runs/a/config.yaml",
+        "-m", "pretrain.trainer", "/runs/a/config.yaml",
     ]  # fmt: skip
 
 
@@ -79,7 +79,7 @@ def test_two_nodes_meet_in_a_c10d_rendezvous_keyed_by_the_job_id() -> None:
         "--shutdown-timeout", str(cfg.cluster.signal_seconds),
         "--rdzv-backend", "c10d", "--rdzv-endpoint", "$MASTER_ADDR:$MASTER_PORT",
         "--rdzv-id", "$SLURM_JOB_ID",
-        "-m", "trainer", "/runs/a/config.yaml",
+        "-m", "pretrain.trainer", "/runs/a/config.yaml",
     ]  # fmt: skip
     assert (RDZV_ENDPOINT, RDZV_ID) == ("$MASTER_ADDR:$MASTER_PORT", "$SLURM_JOB_ID")
 
@@ -134,7 +134,7 @@ def test_the_job_ends_with_srun_of_the_agent_in_a_task_that_ignores_sigusr1(
     assert srun[3] == "-c"
     trap, exec_agent = srun[4].split("; ", 1)
     assert trap == 'trap "" USR1'
-    assert exec_agent.startswith(f"exec {shlex.quote(sys.executable)} -m trainer.agent ")
+    assert exec_agent.startswith(f"exec {shlex.quote(sys.executable)} -m pretrain.trainer.agent ")
     node = {**os.environ, "SLURM_JOB_ID": "77", "MASTER_ADDR": "10.0.0.7", "MASTER_PORT": "29500"}
     expected = torchrun_args(cfg, config)
     expected[expected.index(RDZV_ENDPOINT)] = "10.0.0.7:29500"
@@ -268,9 +268,9 @@ def test_local_backend_refuses_more_than_one_node(tmp_path: Path) -> None:
 LAUNCHER = """
 import sys
 from pathlib import Path
-from launcher.job.backends import run_local
-from launcher.job.run_dir import write_run_dir
-from pretrain_core.schema import RecipeConfig, dump_config
+from pretrain.launcher.job.backends import run_local
+from pretrain.launcher.job.run_dir import write_run_dir
+from pretrain.core.schema import RecipeConfig, dump_config
 
 cfg = RecipeConfig()
 cfg.cluster.device, cfg.cluster.gpu_type, cfg.cluster.gpus_per_node = "cpu", "cpu", 2
@@ -354,7 +354,7 @@ def test_one_rank_that_is_never_restarted_runs_without_the_agent(tmp_path: Path)
     cfg = RecipeConfig()
     cfg.cluster.gpus_per_node = 1
     config = tmp_path / "config.yaml"
-    assert local_command(cfg, config) == [sys.executable, "-m", "trainer", str(config)]
+    assert local_command(cfg, config) == [sys.executable, "-m", "pretrain.trainer", str(config)]
     cfg.cluster.max_restarts = 2  # torchrun restarts the group: the agent stays
     assert local_command(cfg, config) == torchrun_args(cfg, config)
     cfg.cluster.max_restarts, cfg.cluster.gpus_per_node = 0, 2

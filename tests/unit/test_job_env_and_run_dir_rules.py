@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from launcher.validate.env import HIDDEN, check_env, check_local_device
-from launcher.validate.rundir import check_run_dir
-from launcher.validate.short_run import fit_schedule_to_run
-from pretrain_core.problems import Checks, Problem
-from pretrain_core.schema import RecipeConfig
+from pretrain.core.problems import Checks, Problem
+from pretrain.core.schema import RecipeConfig
+from pretrain.launcher.validate.env import HIDDEN, check_env, check_local_device
+from pretrain.launcher.validate.rundir import check_run_dir
+from pretrain.launcher.validate.short_run import fit_schedule_to_run
 
 
 def env_problems(cfg: RecipeConfig, environ: dict[str, str] | None = None) -> list[Problem]:

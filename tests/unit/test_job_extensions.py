@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from launcher.assets import SBATCH_TEMPLATE
-from launcher.job.run_dir import render_sbatch
-from launcher.validate.recipe import validate
-from pretrain_core.schema import RecipeConfig
+from pretrain.core.schema import RecipeConfig
+from pretrain.launcher.assets import SBATCH_TEMPLATE
+from pretrain.launcher.job.run_dir import render_sbatch
+from pretrain.launcher.validate.recipe import validate
 from tests.helpers import configure, problems
 
 
@@ -55,7 +55,7 @@ def test_extra_directives_setup_lines_and_a_container_are_rendered_quoted(tmp_pa
     node_script = words[-1]
     assert node_script.splitlines()[:2] == ['trap "" USR1; module load cuda/12.4',
                                             "source '/opt/my env/bin/activate'"]  # fmt: skip
-    assert node_script.splitlines()[2].startswith("exec python3 -m trainer.agent ")
+    assert node_script.splitlines()[2].startswith("exec python3 -m pretrain.trainer.agent ")
 
 
 def test_a_users_sbatch_template_is_rendered_instead_of_the_shipped_one(tmp_path: Path) -> None:

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from launcher.job import backends
+from pretrain.launcher.job import backends
 
 
 def started_job(script: str) -> subprocess.Popen:

@@ -9,11 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from pretrain_core.layout import resolve_degrees
-from pretrain_core.run.durations import format_duration
-from pretrain_core.schema import LoggingConfig, RecipeConfig
-from tests.helpers import finished_wandb_records
-from trainer.observe.loggers import (
+from pretrain.core.layout import resolve_degrees
+from pretrain.core.run.durations import format_duration
+from pretrain.core.schema import LoggingConfig, RecipeConfig
+from pretrain.trainer.observe.loggers import (
     WANDB_ID_FILE,
     MetricsLogger,
     console_line,
@@ -22,7 +21,8 @@ from trainer.observe.loggers import (
     truncate_partial_line,
     wandb_key,
 )
-from trainer.observe.run_identity import RunIdentity, run_identity
+from pretrain.trainer.observe.run_identity import RunIdentity, run_identity
+from tests.helpers import finished_wandb_records
 
 METRICS = {
     "loss": 3.25,

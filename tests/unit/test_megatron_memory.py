@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import pytest
 
-from launcher.plan.memory import in_flight, llama_block_activations, memory_breakdown
-from launcher.validate.recipe import validate
-from pretrain_core.layout import grad_accum_steps, resolve_degrees
-from pretrain_core.schema import RecipeConfig
+from pretrain.core.layout import grad_accum_steps, resolve_degrees
+from pretrain.core.schema import RecipeConfig
+from pretrain.launcher.plan.memory import in_flight, llama_block_activations, memory_breakdown
+from pretrain.launcher.validate.recipe import validate
 from tests import megatron_memory as megatron
 from tests.helpers import GPT3_175B, LLAMA3_8B, LLAMA3_70B
 from tests.megatron_memory import MegatronLayout

@@ -6,18 +6,18 @@ from pathlib import Path
 
 import pytest
 
-from launcher.plan.memory import (
+from pretrain.core.layout import resolve_degrees
+from pretrain.core.model_config import ModelConfig
+from pretrain.core.problems import RecipeError
+from pretrain.core.schema import RecipeConfig
+from pretrain.launcher.plan.memory import (
     korthikanti_layer_activations,
     memory_breakdown,
     textbook_model_states,
 )
-from launcher.plan.memory_fit import predict
-from launcher.validate.recipe import validate
-from models.flops import count_params
-from pretrain_core.layout import resolve_degrees
-from pretrain_core.model_config import ModelConfig
-from pretrain_core.problems import RecipeError
-from pretrain_core.schema import RecipeConfig
+from pretrain.launcher.plan.memory_fit import predict
+from pretrain.launcher.validate.recipe import validate
+from pretrain.models.flops import count_params
 from tests.helpers import validate_and_fit
 
 LLAMA2_7B_SHAPE = ModelConfig(
@@ -120,7 +120,7 @@ def test_cpu_ranks_have_no_memory_limit():
 )
 def test_every_shipped_recipe_plans_a_breakdown_that_fits_its_preset(name):
     out = subprocess.run(
-        [sys.executable, "-m", "launcher", "--config-name", name, "action=plan"],
+        [sys.executable, "-m", "pretrain", "--config-name", name, "action=plan"],
         capture_output=True,
         text=True,
         cwd=REPO,

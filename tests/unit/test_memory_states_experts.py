@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from launcher.plan.memory import memory_breakdown, tp_replicated
-from models.flops import count_params
-from pretrain_core.layout import resolve_degrees
-from pretrain_core.optim_states import state_bytes
+from pretrain.core.layout import resolve_degrees
+from pretrain.core.optim_states import state_bytes
+from pretrain.launcher.plan.memory import memory_breakdown, tp_replicated
+from pretrain.models.flops import count_params
 from tests.helpers import configure
 
 MOE = {"model.moe_experts": 8, "model.moe_ffn_dim": 512, "model.moe_top_k": 2}

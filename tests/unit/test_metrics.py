@@ -7,10 +7,10 @@ import time
 import pytest
 import torch
 
-from models.flops import flops_per_token
-from pretrain_core.model_config import ModelConfig
-from pretrain_core.schema import HardwareConfig
-from trainer.observe.metrics import (
+from pretrain.core.model_config import ModelConfig
+from pretrain.core.schema import HardwareConfig
+from pretrain.models.flops import flops_per_token
+from pretrain.trainer.observe.metrics import (
     GIB,
     PeakFlops,
     ThroughputMeter,
@@ -88,7 +88,7 @@ def test_cpu_peak_is_measured_quickly_and_positive() -> None:
 
 
 def test_known_gpu_name_gives_the_table_peak_for_the_dtype() -> None:
-    hardware = pytest.importorskip("pretrain_core.hardware")
+    hardware = pytest.importorskip("pretrain.core.hardware")
     name = "NVIDIA H100 80GB HBM3"
     key = hardware.match_device_name(name)
     assert key is not None
@@ -97,7 +97,7 @@ def test_known_gpu_name_gives_the_table_peak_for_the_dtype() -> None:
 
 
 def test_unknown_gpu_gives_no_peak_and_says_how_to_set_one() -> None:
-    pytest.importorskip("pretrain_core.hardware")
+    pytest.importorskip("pretrain.core.hardware")
     peak = table_peak_flops("Acme Tensor Blaster 9000", "bf16")
     assert peak == PeakFlops(
         None, "unknown device Acme Tensor Blaster 9000; set hardware.peak_tflops"
@@ -105,7 +105,7 @@ def test_unknown_gpu_gives_no_peak_and_says_how_to_set_one() -> None:
 
 
 def test_known_gpu_without_the_dtype_gives_no_peak() -> None:
-    hardware = pytest.importorskip("pretrain_core.hardware")
+    hardware = pytest.importorskip("pretrain.core.hardware")
     name = "Tesla V100-SXM2-32GB"
     key = hardware.match_device_name(name)
     if key is None or "bf16" in hardware.gpu_spec(key).peak_tflops:

@@ -6,14 +6,14 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-import models
-from models.flops import count_params, flops_per_token
-from models.init import init_weights
-from models.mla import MultiHeadLatentAttention
-from pretrain_core.model_config import ModelConfig
-from pretrain_core.schema import RecipeConfig
+from pretrain import models
+from pretrain.core.model_config import ModelConfig
+from pretrain.core.schema import RecipeConfig
+from pretrain.models.flops import count_params, flops_per_token
+from pretrain.models.init import init_weights
+from pretrain.models.mla import MultiHeadLatentAttention
+from pretrain.trainer.checkpoint.export import refuse_unexportable
 from tests.helpers import REPO
-from trainer.checkpoint.export import refuse_unexportable
 
 SMALL = dict(vocab_size=64, dim=64, n_heads=4, ffn_dim=96, n_layers=2, attention="mla")
 

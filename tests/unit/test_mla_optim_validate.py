@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from launcher.validate.recipe import validate
+from pretrain.launcher.validate.recipe import validate
 from tests.helpers import configure, problems
 
 MLA = {"model.attention": "mla", "model.n_kv_heads": 0}

@@ -9,11 +9,11 @@ import pytest
 import torch
 from torch import nn
 
-from models import build
-from models.init import init_std, init_weights, initial_value
-from models.layers import Attention, RMSNorm
-from models.llama import Transformer, build_on_meta
-from pretrain_core.model_config import ModelConfig
+from pretrain.core.model_config import ModelConfig
+from pretrain.models import build
+from pretrain.models.init import init_std, init_weights, initial_value
+from pretrain.models.layers import Attention, RMSNorm
+from pretrain.models.llama import Transformer, build_on_meta
 
 # The tiny recipe's shape (recipes/model/tiny.yaml): 4 query heads share 2 KV heads.
 TINY = ModelConfig(

@@ -9,10 +9,12 @@ import pytest
 import torch
 from torch import nn
 
-import models
-from models.flops import count_params, flops_per_token
-from models.init import init_weights
-from models.moe import (
+from pretrain import models
+from pretrain.core.model_config import MOE_BALANCES, ModelConfig
+from pretrain.core.schema import RecomputeConfig
+from pretrain.models.flops import count_params, flops_per_token
+from pretrain.models.init import init_weights
+from pretrain.models.moe import (
     Grouped,
     GroupedExperts,
     MoEFeedForward,
@@ -21,10 +23,8 @@ from models.moe import (
     moe_modules,
     router_losses,
 )
-from parallel.expert import SlotBound, finish_routing_step
-from parallel.recompute import apply_recompute
-from pretrain_core.model_config import MOE_BALANCES, ModelConfig
-from pretrain_core.schema import RecomputeConfig
+from pretrain.parallel.expert import SlotBound, finish_routing_step
+from pretrain.parallel.recompute import apply_recompute
 
 N, K, H = 4, 2, 8
 
@@ -315,7 +315,7 @@ def test_slotted_dispatch_matches_the_local_experts_rerunning_past_an_overflow(
 ) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
-    from parallel.expert import AllToAllDispatch, settle_slot_bounds
+    from pretrain.parallel.expert import AllToAllDispatch, settle_slot_bounds
 
     cfg = moe_config(**HARNESS_MOE, moe_capacity_factor=capacity_factor)
     local, slotted = models.build(cfg), models.build(cfg)

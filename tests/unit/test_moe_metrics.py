@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import torch
 
-import models
-from models.init import init_weights
-from pretrain_core.model_config import ModelConfig
-from trainer.observe.loggers import console_line, wandb_key
-from trainer.observe.moe_metrics import expert_load_metrics
+from pretrain import models
+from pretrain.core.model_config import ModelConfig
+from pretrain.models.init import init_weights
+from pretrain.trainer.observe.loggers import console_line, wandb_key
+from pretrain.trainer.observe.moe_metrics import expert_load_metrics
 
 
 def test_tokens_per_expert_average_to_tokens_times_k_over_n_and_reset_after_reading() -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from launcher.validate.recipe import validate
+from pretrain.launcher.validate.recipe import validate
 from tests.helpers import configure, problems
 
 MOE = {"model.moe_experts": 8, "model.moe_top_k": 2, "cluster.gpus_per_node": 4}

@@ -5,12 +5,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-import models
-from models.init import init_weights
-from pretrain_core.model_config import ModelConfig
-from pretrain_core.schema import OptimConfig
-from trainer.optim.muon import Muon, orthogonalize
-from trainer.optim.optimizers import build_optimizer
+from pretrain import models
+from pretrain.core.model_config import ModelConfig
+from pretrain.core.schema import OptimConfig
+from pretrain.models.init import init_weights
+from pretrain.trainer.optim.muon import Muon, orthogonalize
+from pretrain.trainer.optim.optimizers import build_optimizer
 
 
 def test_with_bf16_newton_schulz_the_update_is_torch_optim_muons() -> None:

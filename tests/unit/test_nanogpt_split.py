@@ -8,12 +8,12 @@ from pathlib import Path
 
 import numpy as np
 
-from launcher.compose.nanogpt_split import nanogpt_val_lines
-from pretrain_core.problems import Checks
-from pretrain_data.checks import check_data_on_disk
-from pretrain_data.prepare import prepare_data
+from pretrain.core.problems import Checks
+from pretrain.dataprep.checks import check_data_on_disk
+from pretrain.dataprep.prepare import prepare_data
+from pretrain.launcher.compose.nanogpt_split import nanogpt_val_lines
+from pretrain.trainer.data.dataset import PreparedDataset, TokenStream
 from tests.helpers import data_recipe
-from trainer.data.dataset import PreparedDataset, TokenStream
 
 
 def token_file(path: Path, count: int, seed: int = 0) -> np.ndarray:

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from launcher.plan.memory_fit import predict
-from models.flops import count_params
+from pretrain.launcher.plan.memory_fit import predict
+from pretrain.models.flops import count_params
 from tests.helpers import configure, problems
 
 

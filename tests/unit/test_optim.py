@@ -8,8 +8,14 @@ import pytest
 import torch
 from torch import nn
 
-from pretrain_core.schema import OptimConfig
-from trainer.optim.optimizers import Lion, build_optimizer, optimizer_spec, param_groups, scaled_lr
+from pretrain.core.schema import OptimConfig
+from pretrain.trainer.optim.optimizers import (
+    Lion,
+    build_optimizer,
+    optimizer_spec,
+    param_groups,
+    scaled_lr,
+)
 
 
 class TinyLM(nn.Module):
@@ -168,8 +174,8 @@ def test_groups_never_mix_dtensors_and_plain_tensors_so_foreach_steps_work(
 
 
 def test_every_optimizer_the_schema_allows_has_a_factory() -> None:
-    from pretrain_core.schema import OPTIMIZERS, OptimConfig
-    from trainer.optim.optimizers import optimizer_spec
+    from pretrain.core.schema import OPTIMIZERS, OptimConfig
+    from pretrain.trainer.optim.optimizers import optimizer_spec
 
     for name in OPTIMIZERS:
         optimizer_class, _ = optimizer_spec(OptimConfig(name=name), torch.device("cpu"))

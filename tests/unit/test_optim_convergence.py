@@ -12,15 +12,15 @@ import os
 import pytest
 import torch
 
-import models
-from models.init import init_weights
-from parallel.clip import clip_grad_norm_
-from pretrain_core.model_config import ModelConfig
-from pretrain_core.schema import OptimConfig, RecipeConfig, ScheduleConfig
-from trainer.data.loader import one_process_loader
-from trainer.optim.lr_schedule import build_lr_scheduler
-from trainer.optim.optimizers import build_optimizer
-from trainer.step.state import lm_loss
+from pretrain import models
+from pretrain.core.model_config import ModelConfig
+from pretrain.core.schema import OptimConfig, RecipeConfig, ScheduleConfig
+from pretrain.models.init import init_weights
+from pretrain.parallel.clip import clip_grad_norm_
+from pretrain.trainer.data.loader import one_process_loader
+from pretrain.trainer.optim.lr_schedule import build_lr_scheduler
+from pretrain.trainer.optim.optimizers import build_optimizer
+from pretrain.trainer.step.state import lm_loss
 
 STEPS, BATCH, SEQ_LEN = 40, 8, 64
 MODEL = ModelConfig(vocab_size=512, dim=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=192)

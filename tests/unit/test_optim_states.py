@@ -6,9 +6,9 @@ import pytest
 import torch
 from torch import nn
 
-from pretrain_core.optim_states import STATE_BLOCK, STATE_DTYPES, state_bytes
-from trainer.optim.optimizers import Lion
-from trainer.optim.states import AdamW, StoredState
+from pretrain.core.optim_states import STATE_BLOCK, STATE_DTYPES, state_bytes
+from pretrain.trainer.optim.optimizers import Lion
+from pretrain.trainer.optim.states import AdamW, StoredState
 
 ROUNDING = {"bf16": 4e-3, "int8": 0.02, "int4": 0.15}
 """Largest error of a stored value, relative to its block's absolute maximum."""

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from launcher.validate.recipe import validate
-from pretrain_core.problems import RecipeError, install_fix, installed
+from pretrain.core.problems import RecipeError, install_fix, installed
+from pretrain.launcher.validate.recipe import validate
+from pretrain.trainer.observe.loggers import resolve_wandb_mode
 from tests.helpers import configure
-from trainer.observe.loggers import resolve_wandb_mode
 
 
 def missing(monkeypatch: pytest.MonkeyPatch, *modules: str) -> None:

@@ -18,9 +18,15 @@ import pytest
 import torch
 from torch import nn
 
-from launcher.plan.schedule_sim import bubble_fraction, pipedream_bubble, simulate
-from parallel.pipeline.pipedream import LocalTransport, PipeDream, Version, local_drain, local_step
-from pretrain_core import pipedream
+from pretrain.core import pipedream
+from pretrain.launcher.plan.schedule_sim import bubble_fraction, pipedream_bubble, simulate
+from pretrain.parallel.pipeline.pipedream import (
+    LocalTransport,
+    PipeDream,
+    Version,
+    local_drain,
+    local_step,
+)
 
 LR, M = 0.1, 2
 INIT = (0.5, 1.5)

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import torch
 
-import models
-from models.init import init_weights
-from models.moe import moe_modules, router_losses
-from parallel.pipeline.moe import attach_router_losses
-from pretrain_core.model_config import ModelConfig
+from pretrain import models
+from pretrain.core.model_config import ModelConfig
+from pretrain.models.init import init_weights
+from pretrain.models.moe import moe_modules, router_losses
+from pretrain.parallel.pipeline.moe import attach_router_losses
 
 CFG = ModelConfig(
     vocab_size=64,

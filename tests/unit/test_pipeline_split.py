@@ -6,11 +6,13 @@ import dataclasses
 
 import torch
 
-import models
-from parallel.materialize import materialize
-from parallel.model_state import ModelState
-from parallel.pipeline.stages import StageView, split_stage
-from parallel.pipeline.tied_embedding import (
+from pretrain import models
+from pretrain.core.model_config import ModelConfig
+from pretrain.core.schema import ParallelConfig, RecomputeConfig
+from pretrain.parallel.materialize import materialize
+from pretrain.parallel.model_state import ModelState
+from pretrain.parallel.pipeline.stages import StageView, split_stage
+from pretrain.parallel.pipeline.tied_embedding import (
     EMBEDDING,
     HEAD,
     head_copies,
@@ -18,10 +20,8 @@ from parallel.pipeline.tied_embedding import (
     reads_copy_from_embedding,
     renamed,
 )
-from parallel.recompute import apply_recompute
-from pretrain_core.model_config import ModelConfig
-from pretrain_core.schema import ParallelConfig, RecomputeConfig
-from trainer.optim.optimizers import param_groups
+from pretrain.parallel.recompute import apply_recompute
+from pretrain.trainer.optim.optimizers import param_groups
 
 CFG = ModelConfig(vocab_size=64, dim=32, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=64)
 

@@ -2,11 +2,11 @@
 
 import pytest
 
-from launcher.plan.memory import memory_breakdown, stage_params
-from launcher.validate.recipe import check_runnable, validate
-from models.flops import count_params
-from pretrain_core.layout import grad_accum_steps, resolve_degrees
-from pretrain_core.stages import rank_stages, stage_layers
+from pretrain.core.layout import grad_accum_steps, resolve_degrees
+from pretrain.core.stages import rank_stages, stage_layers
+from pretrain.launcher.plan.memory import memory_breakdown, stage_params
+from pretrain.launcher.validate.recipe import check_runnable, validate
+from pretrain.models.flops import count_params
 from tests.helpers import configure, problems
 
 

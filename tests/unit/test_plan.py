@@ -9,18 +9,18 @@ from itertools import product
 
 import pytest
 
-from launcher.plan.cost import predicted_mfu, step_cost
-from launcher.plan.plan import GROUPS_SHOWN, make_plan, plan_to_dict
-from launcher.plan.render import render_plan
-from launcher.plan.schedule_sim import bubble_fraction
-from launcher.validate.recipe import validate
-from models.flops import count_params, flops_per_token
-from pretrain_core import hardware
-from pretrain_core.hardware import GIB, gpu_spec
-from pretrain_core.layout import Degrees, grad_accum_steps, rank_groups, resolve_degrees
-from pretrain_core.model_config import ModelConfig
-from pretrain_core.problems import RecipeError
-from pretrain_core.schema import RecipeConfig
+from pretrain.core import hardware
+from pretrain.core.hardware import GIB, gpu_spec
+from pretrain.core.layout import Degrees, grad_accum_steps, rank_groups, resolve_degrees
+from pretrain.core.model_config import ModelConfig
+from pretrain.core.problems import RecipeError
+from pretrain.core.schema import RecipeConfig
+from pretrain.launcher.plan.cost import predicted_mfu, step_cost
+from pretrain.launcher.plan.plan import GROUPS_SHOWN, make_plan, plan_to_dict
+from pretrain.launcher.plan.render import render_plan
+from pretrain.launcher.plan.schedule_sim import bubble_fraction
+from pretrain.launcher.validate.recipe import validate
+from pretrain.models.flops import count_params, flops_per_token
 from tests.helpers import LLAMA3_8B, LLAMA3_70B
 
 LLAMA2_7B_SHAPE = ModelConfig(
@@ -241,8 +241,8 @@ def test_rendered_table_shows_every_section():
 
 def test_planning_and_validation_do_not_import_torch():
     code = (
-        "import sys, launcher.plan.plan, launcher.validate.recipe, launcher.plan.render,"
-        " pretrain_core.hardware;"
+        "import sys, pretrain.launcher.plan.plan, pretrain.launcher.validate.recipe,"
+        " pretrain.launcher.plan.render, pretrain.core.hardware;"
         "print('torch' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from launcher.plan.cp_comm import cp_communication
-from launcher.plan.memory import head_in_flight, memory_breakdown, stage_params
-from launcher.plan.plan import LONG_CONTEXT, make_plan
-from launcher.plan.suggest import search
-from models.flops import count_params
-from pretrain_core.layout import resolve_degrees
+from pretrain.core.layout import resolve_degrees
+from pretrain.launcher.plan.cp_comm import cp_communication
+from pretrain.launcher.plan.memory import head_in_flight, memory_breakdown, stage_params
+from pretrain.launcher.plan.plan import LONG_CONTEXT, make_plan
+from pretrain.launcher.plan.suggest import search
+from pretrain.models.flops import count_params
 from tests.helpers import configure
 
 LONG = {"train.seq_len": 8192, "model.max_seq_len": 8192, "train.micro_batch": 1}
@@ -128,7 +128,7 @@ def test_short_sequences_are_searched_without_cp() -> None:
 
 
 def test_the_rendered_plan_shows_the_ring_and_2bws_two_steps() -> None:
-    from launcher.plan.render import render_plan
+    from pretrain.launcher.plan.render import render_plan
 
     cp = render_plan(make_plan(configure({**LONG, "parallel.cp": 2, "parallel.zero": 3})))
     assert "CP ring per layer per step (one rank)" in cp

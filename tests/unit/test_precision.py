@@ -10,18 +10,18 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-import models
-from parallel.materialize import materialize
-from parallel.precision import LossScaler, apply_precision
-from pretrain_core.layout import Degrees
-from pretrain_core.model_config import ModelConfig
-from pretrain_core.schema import PrecisionConfig, RecipeConfig
-from trainer.faults.step_guard import StepGuard
-from trainer.optim.lr_schedule import build_lr_scheduler
-from trainer.optim.optimizers import build_optimizer
-from trainer.step.context import StepContext
-from trainer.step.local import train_step
-from trainer.step.state import TrainState
+from pretrain import models
+from pretrain.core.layout import Degrees
+from pretrain.core.model_config import ModelConfig
+from pretrain.core.schema import PrecisionConfig, RecipeConfig
+from pretrain.parallel.materialize import materialize
+from pretrain.parallel.precision import LossScaler, apply_precision
+from pretrain.trainer.faults.step_guard import StepGuard
+from pretrain.trainer.optim.lr_schedule import build_lr_scheduler
+from pretrain.trainer.optim.optimizers import build_optimizer
+from pretrain.trainer.step.context import StepContext
+from pretrain.trainer.step.local import train_step
+from pretrain.trainer.step.state import TrainState
 
 ONE_RANK = Degrees(pp=1, dp_replicate=1, dp_shard=1, tp=1, ep=1, world=1)
 BLOCK_LINEARS = (
@@ -159,9 +159,9 @@ def test_gradients_are_unscaled_before_the_norm_is_clipped(one_rank_group):
 
 
 def test_an_fp8_run_names_the_fp8_peak_in_every_sink():
-    from pretrain_core.hardware import gpu_spec
-    from trainer.observe.loggers import console_line, wandb_key
-    from trainer.observe.metrics import ThroughputMeter, table_peak_flops
+    from pretrain.core.hardware import gpu_spec
+    from pretrain.trainer.observe.loggers import console_line, wandb_key
+    from pretrain.trainer.observe.metrics import ThroughputMeter, table_peak_flops
 
     peak = table_peak_flops("NVIDIA H100 80GB HBM3", "fp8")
     assert (peak.tflops, peak.dtype) == (gpu_spec("h100_sxm").peak_tflops["fp8"], "fp8")

@@ -2,9 +2,9 @@
 
 import pytest
 
-from launcher.plan.plan import make_plan
-from launcher.validate.recipe import validate
-from pretrain_core.precision import backend_installed, peak_dtype
+from pretrain.core.precision import backend_installed, peak_dtype
+from pretrain.launcher.plan.plan import make_plan
+from pretrain.launcher.validate.recipe import validate
 from tests.helpers import configure, problems
 
 FP8_GPU = {"precision.dtype": "fp8", "cluster.backend": "slurm"}

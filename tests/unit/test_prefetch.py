@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 import torch
 
+from pretrain.trainer.data.dataset import PackedSequences, TokenStream
+from pretrain.trainer.data.loader import DataLoader, open_datasets
+from pretrain.trainer.data.prefetch import PrefetchingLoader
+from pretrain.trainer.data.sampler import MixtureSampler
 from tests.helpers import data_recipe
-from trainer.data.dataset import PackedSequences, TokenStream
-from trainer.data.loader import DataLoader, open_datasets
-from trainer.data.prefetch import PrefetchingLoader
-from trainer.data.sampler import MixtureSampler
 
 SEQ_LEN = 8
 

@@ -10,18 +10,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pretrain_data.corpus import plan_units
-from pretrain_data.prepare import prepare_data
-from pretrain_data.progress import Progress
-from pretrain_data.shards import UnitJob, tokenize_unit
-from pretrain_data.sources import MANIFEST, single_source
+from pretrain.dataprep.corpus import plan_units
+from pretrain.dataprep.prepare import prepare_data
+from pretrain.dataprep.progress import Progress
+from pretrain.dataprep.shards import UnitJob, tokenize_unit
+from pretrain.dataprep.sources import MANIFEST, single_source
+from pretrain.trainer.data.dataset import PreparedDataset, TokenStream
 from tests.helpers import (
     data_recipe,
     encode_documents,
     generated_documents,
     write_jsonl,
 )
-from trainer.data.dataset import PreparedDataset, TokenStream
 
 DOCS = generated_documents(600, seed=3)
 

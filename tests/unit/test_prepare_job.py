@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from launcher.job.prepare import render_prepare_sbatch, write_prepare_files
-from launcher.job.run_dir import JobError
-from pretrain_core.run.rundir import PREPARE_CONFIG, PREPARE_SCRIPT
-from pretrain_core.schema import RecipeConfig, load_config
-from trainer.data.loader import DataNotPrepared, open_datasets
+from pretrain.core.run.rundir import PREPARE_CONFIG, PREPARE_SCRIPT
+from pretrain.core.schema import RecipeConfig, load_config
+from pretrain.launcher.job.prepare import render_prepare_sbatch, write_prepare_files
+from pretrain.launcher.job.run_dir import JobError
+from pretrain.trainer.data.loader import DataNotPrepared, open_datasets
 
 
 def slurm_recipe(tmp_path: Path) -> RecipeConfig:
@@ -34,7 +34,7 @@ def test_the_prepare_job_asks_for_cpus_on_the_cpu_partition_and_no_gpus(tmp_path
     assert not [line for line in lines if "gpu" in line.lower() and "partition" not in line]
     assert '#SBATCH --job-name="big-prepare"' in lines
     config = shlex.quote(str(tmp_path / "prepare.yaml"))
-    assert f"{shlex.quote(sys.executable)} -m pretrain_data.prepare {config}" in script
+    assert f"{shlex.quote(sys.executable)} -m pretrain.dataprep.prepare {config}" in script
     cfg.cluster.cpu_partition, cfg.data.workers = "", 0
     script = render_prepare_sbatch(cfg, tmp_path, tmp_path / "prepare.yaml")
     assert '#SBATCH --partition="gpu"' in script

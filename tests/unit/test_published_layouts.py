@@ -27,12 +27,12 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from launcher.plan.memory_fit import device_memory_gib, predict
-from launcher.plan.suggest import HEADROOM, Layout, Suggestion, judge, layouts, search
-from models.flops import flops_per_token
-from pretrain_core import hardware
-from pretrain_core.model_config import ModelConfig
-from pretrain_core.schema import RecipeConfig
+from pretrain.core import hardware
+from pretrain.core.model_config import ModelConfig
+from pretrain.core.schema import RecipeConfig
+from pretrain.launcher.plan.memory_fit import device_memory_gib, predict
+from pretrain.launcher.plan.suggest import HEADROOM, Layout, Suggestion, judge, layouts, search
+from pretrain.models.flops import flops_per_token
 from tests.helpers import GPT3_175B, LLAMA3_70B, LLAMA3_405B, MEGATRON_1T, validate_and_fit
 
 

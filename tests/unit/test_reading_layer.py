@@ -1,4 +1,4 @@
-"""Every file the launcher and the core read goes through pretrain_core/inputs/reading.py:
+"""Every file the launcher and the core read goes through core/inputs/reading.py:
 a walk of the code finds any other `open(`, `.read_text(`, `.read_bytes(`, `.open(`,
 `json.load`, `yaml.load`-family or `OmegaConf.load` call, outside a short allow-list whose
 every entry says why. Then the layer itself, on what a careless or hostile file holds."""
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from pretrain_core.inputs.reading import (
+from pretrain.core.inputs.reading import (
     MissingFile,
     ReadError,
     env_value,
@@ -25,15 +25,15 @@ from pretrain_core.inputs.reading import (
 )
 
 REPO = Path(__file__).resolve().parents[2]
-WALKED = ("launcher", "pretrain_core")
-LAYER = "pretrain_core/inputs/reading.py"
+WALKED = ("launcher", "core")
+LAYER = "core/inputs/reading.py"
 ALLOWED = {
     "launcher/compose/recipe_files.py": "constructs a recipe file's YAML once the core's "
     "yaml_shape_problem passed it, reporting Problems rather than one ReadError",
     "launcher/job/backends.py": "opens the launch log to append to (a writer)",
-    "pretrain_core/hf_llama.py": "the Hugging Face import checks (their reader is the "
+    "core/hf_llama.py": "the Hugging Face import checks (their reader is the "
     "import's own: a bounded safetensors header)",
-    "pretrain_core/run/run_lock.py": "reads /proc/PID/stat, which the kernel writes",
+    "core/run/run_lock.py": "reads /proc/PID/stat, which the kernel writes",
 }
 """Files that may read on their own, and why."""
 _YAML_LOADS = {"load", "safe_load", "full_load", "unsafe_load", "load_all", "safe_load_all"}
@@ -67,7 +67,7 @@ def test_every_reader_goes_through_the_reading_layer() -> None:
             if relative == LAYER or relative in ALLOWED:
                 continue
             bypasses += [f"{relative}:{read}" for read in direct_reads(path)]
-    assert not bypasses, "read through pretrain_core/inputs/reading.py:\n" + "\n".join(bypasses)
+    assert not bypasses, "read through core/inputs/reading.py:\n" + "\n".join(bypasses)
     for relative in ALLOWED:  # an entry whose file reads nothing itself is stale
         assert direct_reads(REPO / relative), f"{relative} no longer needs its allowance"
 

@@ -1,5 +1,5 @@
 """Recipes restate nothing: every value in a file under recipes/ changes what a recipe
-composes to, against the schema's defaults (pretrain_core/schema.py, model_config.py) and,
+composes to, against the schema's defaults (core/schema.py, model_config.py) and,
 in a recipe file, against the group files its defaults list composes before it."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from dataclasses import fields, is_dataclass
 from pathlib import Path
 from typing import Any
 
-from launcher.compose.recipe_files import HYDRA_SETTINGS_FILE, load, package_of, yaml_files
-from pretrain_core.schema import RecipeConfig
+from pretrain.core.schema import RecipeConfig
+from pretrain.launcher.compose.recipe_files import HYDRA_SETTINGS_FILE, load, package_of, yaml_files
 from tests.helpers import REPO
 
 MODEL_SHAPE = ("vocab_size", "dim", "n_layers", "n_heads", "ffn_dim", "max_seq_len")

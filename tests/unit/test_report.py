@@ -10,8 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from launcher.dashboard import SECTIONS
-from launcher.report import figure, load_metrics, read_png_data, run_dirs, smooth
+from pretrain.launcher.dashboard import SECTIONS
+from pretrain.launcher.report import figure, load_metrics, read_png_data, run_dirs, smooth
 
 REPO = Path(__file__).resolve().parents[2]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -56,7 +56,7 @@ def test_pretrain_report_writes_a_png_into_the_run_dir_and_prints_its_path(tmp_p
     write_run(run_dir)
     (run_dir / "plan.json").write_text(json.dumps({"mfu": 0.4, "tokens_per_s": 41_000.0}))
     result = subprocess.run(
-        [sys.executable, "-m", "launcher.report", str(run_dir)],
+        [sys.executable, "-m", "pretrain.launcher.report", str(run_dir)],
         capture_output=True,
         text=True,
         timeout=120,
@@ -95,7 +95,7 @@ def test_smoothing_is_a_debiased_moving_average_that_keeps_gaps() -> None:
 
 def test_a_dir_without_metrics_is_refused_with_a_message(tmp_path):
     result = subprocess.run(
-        [sys.executable, "-m", "launcher.report", str(tmp_path)],
+        [sys.executable, "-m", "pretrain.launcher.report", str(tmp_path)],
         capture_output=True,
         text=True,
         timeout=60,
@@ -118,7 +118,7 @@ def test_several_runs_or_a_sweep_dir_are_overlaid_one_line_per_run(tmp_path):
     labels = [line.get_label() for line in axes["train loss"].get_lines()]
     assert [label for label in labels if not label.startswith("_")] == ["lr=1e-3", "lr=3e-3"]
     result = subprocess.run(
-        [sys.executable, "-m", "launcher.report", str(tmp_path / "sweep")],
+        [sys.executable, "-m", "pretrain.launcher.report", str(tmp_path / "sweep")],
         capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHONPATH=str(REPO)),
     )  # fmt: skip
     assert result.returncode == 0, result.stderr

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from launcher.job.run_dir import JobError, write_run_dir
-from launcher.validate.resume import changed_fields, frozen_changes
-from pretrain_core.schema import RecipeConfig, dump_config
+from pretrain.core.schema import RecipeConfig, dump_config
+from pretrain.launcher.job.run_dir import JobError, write_run_dir
+from pretrain.launcher.validate.resume import changed_fields, frozen_changes
 
 
 def _yaml(**changes: object) -> str:

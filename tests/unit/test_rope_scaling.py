@@ -11,14 +11,14 @@ from typing import Any
 import pytest
 import torch
 
-import models
-from launcher.validate.recipe import validate
-from models.rope import inverse_frequencies
-from pretrain_core.hf_llama import config_mismatches, model_fields
-from pretrain_core.model_config import ModelConfig
-from pretrain_core.problems import RecipeError
-from pretrain_core.schema import RecipeConfig
-from trainer.checkpoint.hf_import import load_hf_weights
+from pretrain import models
+from pretrain.core.hf_llama import config_mismatches, model_fields
+from pretrain.core.model_config import ModelConfig
+from pretrain.core.problems import RecipeError
+from pretrain.core.schema import RecipeConfig
+from pretrain.launcher.validate.recipe import validate
+from pretrain.models.rope import inverse_frequencies
+from pretrain.trainer.checkpoint.hf_import import load_hf_weights
 
 transformers = pytest.importorskip("transformers")
 rope_utils = pytest.importorskip("transformers.modeling_rope_utils")
@@ -120,8 +120,8 @@ def test_a_scaling_the_model_cannot_compute_is_refused_by_field(
 def test_import_then_export_of_a_scaled_llama_is_bit_exact_and_reloads(tmp_path: Path) -> None:
     from safetensors.torch import load_file, save_file
 
-    from pretrain_core.hf_llama import config_json
-    from trainer.checkpoint.export import hf_tensors
+    from pretrain.core.hf_llama import config_json
+    from pretrain.trainer.checkpoint.export import hf_tensors
 
     torch.manual_seed(0)
     hf = transformers.LlamaForCausalLM(hf_llama_config(SCALINGS["llama3"])).eval()

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from launcher.job.run_dir import JobError, render_sbatch, write_run_dir
-from pretrain_core.run.rundir import PLAN_FILE
-from pretrain_core.schema import RecipeConfig, dump_config, load_config
+from pretrain.core.run.rundir import PLAN_FILE
+from pretrain.core.schema import RecipeConfig, dump_config, load_config
+from pretrain.launcher.job.run_dir import JobError, render_sbatch, write_run_dir
 
 
 def local_recipe(run_dir: Path) -> RecipeConfig:

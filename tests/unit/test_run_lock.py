@@ -12,9 +12,9 @@ import sys
 
 import pytest
 
-from pretrain_core.run import run_lock
-from pretrain_core.run.run_lock import LockHolder, RunDirInUse, acquire, check_free, held, release
-from pretrain_core.run.rundir import LOCK_FILE
+from pretrain.core.run import run_lock
+from pretrain.core.run.run_lock import LockHolder, RunDirInUse, acquire, check_free, held, release
+from pretrain.core.run.rundir import LOCK_FILE
 
 
 def dead_pid() -> int:

@@ -8,7 +8,7 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from trainer.data.sampler import FeistelPermutation, MixtureSampler
+from pretrain.trainer.data.sampler import FeistelPermutation, MixtureSampler
 
 LAYOUTS = [(1, 16), (1, 4), (2, 8), (2, 4), (4, 1), (4, 2), (8, 2), (16, 1)]
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from pretrain_core.schema import OptimConfig, ScheduleConfig
-from trainer.optim.lr_schedule import build_lr_scheduler, lr_factor
+from pretrain.core.schema import OptimConfig, ScheduleConfig
+from pretrain.trainer.optim.lr_schedule import build_lr_scheduler, lr_factor
 
 MIN = 0.1
 

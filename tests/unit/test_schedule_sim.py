@@ -6,8 +6,8 @@ import itertools
 
 import pytest
 
-from launcher.plan.memory import in_flight
-from launcher.plan.schedule_sim import IDLE, bubble_fraction, program, simulate, summary
+from pretrain.launcher.plan.memory import in_flight
+from pretrain.launcher.plan.schedule_sim import IDLE, bubble_fraction, program, simulate, summary
 
 P, M = 4, 8
 

@@ -1,4 +1,4 @@
-"""Each pipeline schedule's traits are written once, in `pretrain_core/schedules.py`.
+"""Each pipeline schedule's traits are written once, in `core/schedules.py`.
 
 The schema's allowed values, torch's classes and the simulator's orders come from the
 table, and no product module names a schedule: a decision that reads
@@ -14,16 +14,16 @@ from pathlib import Path
 
 import torch.distributed.pipelining.schedules as torch_schedules
 
-from launcher.plan.schedule_v import TORCH_ORDERS
-from pretrain_core.choices import CHOICES
-from pretrain_core.field_docs import attribute_docs
-from pretrain_core.schedules import LOOP, SCHEDULES, ScheduleTraits, V
-from pretrain_core.schema import PP_SCHEDULES, ParallelConfig
+from pretrain.core.choices import CHOICES
+from pretrain.core.field_docs import attribute_docs
+from pretrain.core.schedules import LOOP, SCHEDULES, ScheduleTraits, V
+from pretrain.core.schema import PP_SCHEDULES, ParallelConfig
+from pretrain.launcher.plan.schedule_v import TORCH_ORDERS
 
 REPO = Path(__file__).resolve().parents[2]
-PRODUCT = ("launcher", "trainer", "parallel", "models", "pretrain_core", "pretrain_data")
+PRODUCT = ("launcher", "trainer", "parallel", "models", "core", "dataprep")
 """The packages that ship (tests and docs may name schedules freely)."""
-TABLE = Path("pretrain_core/schedules.py")
+TABLE = Path("core/schedules.py")
 
 
 def schedule_literals(root: Path) -> list[str]:

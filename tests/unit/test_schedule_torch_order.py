@@ -20,11 +20,11 @@ import pytest
 import torch
 from torch.distributed.pipelining.schedules import _ComputationType
 
-from launcher.plan.memory import in_flight
-from launcher.plan.schedule_sim import SCHEDULES, SIMULATED, program
-from launcher.validate.recipe import validate
-from parallel.pipeline.stages import MULTI_STAGE, schedule_classes
-from pretrain_core.problems import RecipeError
+from pretrain.core.problems import RecipeError
+from pretrain.launcher.plan.memory import in_flight
+from pretrain.launcher.plan.schedule_sim import SCHEDULES, SIMULATED, program
+from pretrain.launcher.validate.recipe import validate
+from pretrain.parallel.pipeline.stages import MULTI_STAGE, schedule_classes
 from tests.helpers import configure
 
 KINDS = {

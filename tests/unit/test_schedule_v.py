@@ -19,9 +19,9 @@ from torch.distributed.pipelining.schedules import (
     _ComputationType,
 )
 
-from launcher.plan.schedule_sim import program, simulate
-from launcher.plan.schedule_v import dualpipev_order, zbv_order
-from pretrain_core.stages import rank_layer_count, rank_stages
+from pretrain.core.stages import rank_layer_count, rank_stages
+from pretrain.launcher.plan.schedule_sim import program, simulate
+from pretrain.launcher.plan.schedule_v import dualpipev_order, zbv_order
 
 KIND = {
     _ComputationType.FORWARD: "F",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from launcher.validate.recipe import validate
+from pretrain.launcher.validate.recipe import validate
 from tests.helpers import base, configure, problems
 
 CASES = [

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from trainer.observe.startup import LAUNCH_ENV, RANK_ENV, SPAWN_ENV, StartupClock
+from pretrain.trainer.observe.startup import LAUNCH_ENV, RANK_ENV, SPAWN_ENV, StartupClock
 
 
 def test_phases_run_from_the_launchers_stamp_to_the_first_step(monkeypatch) -> None:

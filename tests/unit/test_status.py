@@ -8,8 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from pretrain_core.run.checkpoint_files import DCP_METADATA, META, step_dir
-from pretrain_core.schema import RecipeConfig, dump_config
+from pretrain.core.run.checkpoint_files import DCP_METADATA, META, step_dir
+from pretrain.core.schema import RecipeConfig, dump_config
 
 
 def make_run(run_dir: Path, steps_done: int, total: int = 10, job: str = "") -> Path:
@@ -33,7 +33,7 @@ def make_run(run_dir: Path, steps_done: int, total: int = 10, job: str = "") -> 
 
 def status(*paths: Path) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "SLURM_CONF"}  # no controller
-    return subprocess.run([sys.executable, "-m", "launcher", "status", *map(str, paths)],
+    return subprocess.run([sys.executable, "-m", "pretrain", "status", *map(str, paths)],
                           capture_output=True, text=True, env=env, timeout=60)  # fmt: skip
 
 

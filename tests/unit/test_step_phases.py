@@ -7,8 +7,8 @@ import time
 import pytest
 import torch
 
-from trainer.observe.loggers import wandb_key
-from trainer.step.phases import OFF, StepPhases
+from pretrain.trainer.observe.loggers import wandb_key
+from pretrain.trainer.step.phases import OFF, StepPhases
 
 
 def _busy(seconds: float) -> None:

@@ -7,16 +7,16 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from launcher.plan.cost import COMPUTE_EFFICIENCY, step_cost
-from launcher.plan.memory_fit import predict
-from launcher.plan.suggest import Layout, degrees_of, search
-from launcher.validate.recipe import validate
-from models.flops import flops_per_token
-from pretrain_core import hardware
-from pretrain_core.layout import rank_groups, resolve_degrees
-from pretrain_core.model_config import ModelConfig
-from pretrain_core.problems import RecipeError
-from pretrain_core.schema import RecipeConfig
+from pretrain.core import hardware
+from pretrain.core.layout import rank_groups, resolve_degrees
+from pretrain.core.model_config import ModelConfig
+from pretrain.core.problems import RecipeError
+from pretrain.core.schema import RecipeConfig
+from pretrain.launcher.plan.cost import COMPUTE_EFFICIENCY, step_cost
+from pretrain.launcher.plan.memory_fit import predict
+from pretrain.launcher.plan.suggest import Layout, degrees_of, search
+from pretrain.launcher.validate.recipe import validate
+from pretrain.models.flops import flops_per_token
 from tests.helpers import validate_and_fit
 
 REPO = Path(__file__).resolve().parents[2]

@@ -2,7 +2,7 @@
 
 import pytest
 
-from launcher.validate.recipe import check_runnable, validate
+from pretrain.launcher.validate.recipe import check_runnable, validate
 from tests.helpers import configure, problems
 
 

@@ -2,9 +2,9 @@
 
 import pytest
 
-from launcher.validate.layout import check_runnable
-from launcher.validate.recipe import validate
-from pretrain_core.problems import RecipeError
+from pretrain.core.problems import RecipeError
+from pretrain.launcher.validate.layout import check_runnable
+from pretrain.launcher.validate.recipe import validate
 from tests.helpers import base, configure, problems
 
 
@@ -247,7 +247,7 @@ def test_pipelined_mixture_of_experts_with_expert_parallelism_is_runnable():
 def test_divisors_come_from_factors_and_long_lists_are_cut() -> None:
     """Never n steps: a prime near 10**9 or 10**30 is factored at once, and a message lists
     at most MAX_LISTED of them."""
-    from pretrain_core.problems import MAX_LISTED, divisors, or_list
+    from pretrain.core.problems import MAX_LISTED, divisors, or_list
 
     for n in range(1, 2000):
         assert divisors(n) == [d for d in range(1, n + 1) if n % d == 0]

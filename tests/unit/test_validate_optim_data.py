@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from launcher.validate.recipe import validate
-from pretrain_core.problems import RecipeError
+from pretrain.core.problems import RecipeError
+from pretrain.launcher.validate.recipe import validate
 from tests.helpers import configure
 
 

@@ -4,11 +4,11 @@ import pytest
 import torch
 from torch import nn
 
-import models
-from models.init import initial_value
-from parallel.materialize import materialize
-from parallel.tensor import padded_vocab
-from pretrain_core.model_config import ModelConfig
+from pretrain import models
+from pretrain.core.model_config import ModelConfig
+from pretrain.models.init import initial_value
+from pretrain.parallel.materialize import materialize
+from pretrain.parallel.tensor import padded_vocab
 
 
 @pytest.mark.parametrize(("vocab", "tp", "expected"), [(512, 4, 512), (510, 4, 512), (509, 2, 510)])

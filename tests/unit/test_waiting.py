@@ -13,13 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from pretrain_data.cache_lock import note_path
-from pretrain_data.prepare import dataset_lock
-from pretrain_data.progress import PLAIN_EVERY_ENV
-from pretrain_data.sources import dataset_places
-from pretrain_data.waiting import Wait
+from pretrain.dataprep.cache_lock import note_path
+from pretrain.dataprep.prepare import dataset_lock
+from pretrain.dataprep.progress import PLAIN_EVERY_ENV
+from pretrain.dataprep.sources import dataset_places
+from pretrain.dataprep.waiting import Wait
+from pretrain.trainer.data.loader import open_datasets
 from tests.helpers import data_recipe, generated_documents, write_jsonl, write_tokenizer
-from trainer.data.loader import open_datasets
 
 ELAPSED = r"[\d.]+s elapsed"
 ETA = r"ETA [\d.]+s"
@@ -66,9 +66,9 @@ def test_on_a_terminal_the_line_is_redrawn_in_place(capsys: pytest.CaptureFixtur
 HOLDER = """
 import sys, time
 from tests.helpers import data_recipe
-from pretrain_data.cache_lock import held
-from pretrain_data.prepare import dataset_lock, prepare_data
-from pretrain_data.sources import dataset_places
+from pretrain.dataprep.cache_lock import held
+from pretrain.dataprep.prepare import dataset_lock, prepare_data
+from pretrain.dataprep.sources import dataset_places
 source, cache, tokenizer = sys.argv[1:4]
 cfg = data_recipe(source, cache, tokenizer)
 [place] = dataset_places(cfg.data, cfg.model.vocab_size)

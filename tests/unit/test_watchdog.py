@@ -3,7 +3,7 @@ furthest collective issued on it never arrived."""
 
 from __future__ import annotations
 
-from trainer.faults.watchdog import missing_ranks
+from pretrain.trainer.faults.watchdog import missing_ranks
 
 
 def record(rank: int, step: int, world: int, dp: int | None = None, reason: str = "") -> dict:

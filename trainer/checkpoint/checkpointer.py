@@ -34,19 +34,19 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from torch.distributed.checkpoint.stateful import Stateful
 
-from pretrain_core.run.checkpoint_files import (
+from pretrain.core.run.checkpoint_files import (
     DCP_METADATA,
     META,
     complete_checkpoints,
     find_checkpoint,
     step_dir,
 )
-from pretrain_core.run.rundir import CHECKPOINTS_DIR
-from pretrain_core.schema import CheckpointConfig
-from trainer.checkpoint import integrity
-from trainer.checkpoint.vocab_resize import load_resizing_vocab
-from trainer.faults.injection import FaultInjector
-from trainer.log import get_logger
+from pretrain.core.run.rundir import CHECKPOINTS_DIR
+from pretrain.core.schema import CheckpointConfig
+from pretrain.trainer.checkpoint import integrity
+from pretrain.trainer.checkpoint.vocab_resize import load_resizing_vocab
+from pretrain.trainer.faults.injection import FaultInjector
+from pretrain.trainer.log import get_logger
 
 __all__ = [
     "DCP_METADATA", "META", "Checkpointer", "States", "complete_checkpoints", "find_checkpoint",

@@ -34,15 +34,15 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 from torch import nn
 
-import models
-from pretrain_core.hf_llama import config_json, hf_name
-from pretrain_core.model_config import ModelConfig
-from pretrain_core.run.rundir import CHECKPOINTS_DIR, CONFIG_FILE
-from pretrain_core.schema import RecipeConfig, load_config
-from pretrain_data.tokenizer import eos_id, load_tokenizer
-from trainer.checkpoint.checkpointer import DCP_METADATA, META, find_checkpoint
-from trainer.checkpoint.integrity import checksum_problems, size_problems
-from trainer.checkpoint.vocab_resize import load_resizing_vocab
+from pretrain import models
+from pretrain.core.hf_llama import config_json, hf_name
+from pretrain.core.model_config import ModelConfig
+from pretrain.core.run.rundir import CHECKPOINTS_DIR, CONFIG_FILE
+from pretrain.core.schema import RecipeConfig, load_config
+from pretrain.dataprep.tokenizer import eos_id, load_tokenizer
+from pretrain.trainer.checkpoint.checkpointer import DCP_METADATA, META, find_checkpoint
+from pretrain.trainer.checkpoint.integrity import checksum_problems, size_problems
+from pretrain.trainer.checkpoint.vocab_resize import load_resizing_vocab
 
 _EXPERT_WEIGHTS = ("w1", "w2", "w3")
 """Stacked [experts, ...] weights under feed_forward.experts; Mixtral names them alike."""
@@ -274,7 +274,7 @@ def main(argv: list[str] | None = None) -> None:
 def entry() -> None:
     """Console entry point of `pretrain-export`: `main` inside the error boundary (a user
     error exits 2, Ctrl-C 130, a bug 1 with its traceback saved, never shown)."""
-    from pretrain_core.inputs.boundary import run_command
+    from pretrain.core.inputs.boundary import run_command
 
     run_command("pretrain-export", main, (ExportError,))
 

@@ -2,7 +2,7 @@
 Mixtral), under any layout.
 
 After the model is materialized (`parallel/materialize.py`), every parameter this rank holds
-is overwritten with the checkpoint's tensor of the same name (`pretrain_core/hf_llama.py`
+is overwritten with the checkpoint's tensor of the same name (`core/hf_llama.py`
 maps the names), cast to the parameter's dtype; a sharded (DTensor) parameter keeps only
 its own slice, so TP, PP, FSDP and their mixes all start from the same weights. Tensors are
 read one at a time from the safetensors files (memory-mapped), never the whole model at
@@ -19,8 +19,8 @@ from safetensors import safe_open
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from pretrain_core.hf_llama import checkpoint_problems, hf_name, hf_names, safetensors_files
-from pretrain_core.model_config import ModelConfig
+from pretrain.core.hf_llama import checkpoint_problems, hf_name, hf_names, safetensors_files
+from pretrain.core.model_config import ModelConfig
 
 
 def _fit_rows(full: torch.Tensor, shape: torch.Size) -> torch.Tensor:

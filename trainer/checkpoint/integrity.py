@@ -24,10 +24,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from pretrain_core.hardware import GIB
-from pretrain_data.progress import human
-from pretrain_data.waiting import Wait
-from trainer.log import get_logger
+from pretrain.core.hardware import GIB
+from pretrain.dataprep.progress import human
+from pretrain.dataprep.waiting import Wait
+from pretrain.trainer.log import get_logger
 
 MANIFEST = "manifest.json"
 CORRUPT_SUFFIX = ".corrupt"

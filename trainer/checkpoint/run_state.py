@@ -16,14 +16,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from parallel.model_state import ModelState, StashState
-from trainer.checkpoint.checkpointer import States
-from trainer.data.loader import DataLoader
-from trainer.data.prefetch import PrefetchingLoader
-from trainer.observe.loggers import WandbRunId
-from trainer.optim.checkpoint_state import OptimizerState
-from trainer.optim.lr_schedule import ScheduleState
-from trainer.step.state import TrainState
+from pretrain.parallel.model_state import ModelState, StashState
+from pretrain.trainer.checkpoint.checkpointer import States
+from pretrain.trainer.data.loader import DataLoader
+from pretrain.trainer.data.prefetch import PrefetchingLoader
+from pretrain.trainer.observe.loggers import WandbRunId
+from pretrain.trainer.optim.checkpoint_state import OptimizerState
+from pretrain.trainer.optim.lr_schedule import ScheduleState
+from pretrain.trainer.step.state import TrainState
 
 
 class RngState:

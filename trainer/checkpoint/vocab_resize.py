@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from parallel.tensor import VOCAB_PARAMS
+from pretrain.parallel.tensor import VOCAB_PARAMS
 
 
 def _is_vocab_key(key: str) -> bool:

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from pretrain_data.sources import MANIFEST
+from pretrain.dataprep.sources import MANIFEST
 
 OPEN_SHARDS = 64
 

@@ -1,8 +1,8 @@
 """The data a run trains and validates on: prepared datasets, their streams, the loaders.
 
-Every source the recipe names is a prepared dataset (`pretrain_data/prepare.py`). A local run
+Every source the recipe names is a prepared dataset (`dataprep/prepare.py`). A local run
 prepares a missing one first (rank 0, with `data.workers` processes, while the other ranks
-wait for its manifest, showing the wait: `pretrain_data/waiting.py`); a SLURM run refuses and
+wait for its manifest, showing the wait: `dataprep/waiting.py`); a SLURM run refuses and
 names the command that prepares it, so GPU nodes never tokenize. The loaders serve each
 data-parallel rank its share of every global batch (`trainer/data/sampler.py`), the same under
 any layout, and resume from a small state.
@@ -18,19 +18,19 @@ from typing import Any
 import numpy as np
 import torch
 
-from pretrain_core.schema import RecipeConfig
-from pretrain_data.cache_lock import holder_detail, holder_fraction
-from pretrain_data.prepare import dataset_lock, prepare_data
-from pretrain_data.sources import (
+from pretrain.core.schema import RecipeConfig
+from pretrain.dataprep.cache_lock import holder_detail, holder_fraction
+from pretrain.dataprep.prepare import dataset_lock, prepare_data
+from pretrain.dataprep.sources import (
     DatasetPlace,
     dataset_places,
     read_manifest,
     resolved_sources,
     source_label,
 )
-from pretrain_data.waiting import Wait
-from trainer.data.dataset import PackedSequences, PreparedDataset, TokenStream
-from trainer.data.sampler import MixtureSampler
+from pretrain.dataprep.waiting import Wait
+from pretrain.trainer.data.dataset import PackedSequences, PreparedDataset, TokenStream
+from pretrain.trainer.data.sampler import MixtureSampler
 
 Batches = list[tuple[torch.Tensor, torch.Tensor]]
 

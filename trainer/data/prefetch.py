@@ -16,7 +16,7 @@ import threading
 
 import torch
 
-from trainer.data.loader import DataLoader
+from pretrain.trainer.data.loader import DataLoader
 
 Batches = list[tuple[torch.Tensor, torch.Tensor]]
 

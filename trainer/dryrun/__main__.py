@@ -1,18 +1,18 @@
-"""`python -m trainer.dryrun RANK < config.yaml`: dry-run rank RANK of the resolved recipe
+"""`python -m pretrain.trainer.dryrun RANK < config.yaml`: dry-run rank RANK of the resolved recipe
 read from stdin (nothing is read from or written to disk) and print one JSON object; a
 layout that fails to build or step prints {"rank", "error"} and exits 1."""
 
 import json
 import sys
 
-from pretrain_core.schema import to_recipe
+from pretrain.core.schema import to_recipe
 
 if __name__ == "__main__":
     if len(sys.argv) != 2:
-        sys.exit("usage: python -m trainer.dryrun RANK < config.yaml")
+        sys.exit("usage: python -m pretrain.trainer.dryrun RANK < config.yaml")
     from omegaconf import OmegaConf
 
-    from trainer.dryrun.run import DryRunFailure, dry_run
+    from pretrain.trainer.dryrun.run import DryRunFailure, dry_run
 
     rank = int(sys.argv[1])
     cfg = to_recipe(OmegaConf.create(sys.stdin.read()))

@@ -30,8 +30,8 @@ from torch.distributed.tensor._sharding_prop import ShardingPropagator
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import _disable_current_modes
 
-import models
-import trainer.step.local
+import pretrain.trainer.step.local
+from pretrain import models
 
 
 def _outside_modes(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -71,7 +71,7 @@ def fake_world(rank: int, world_size: int) -> Iterator[None]:
         (DeviceMesh, "__init__", _on_real_tensors),
         (ShardingPropagator, "_propagate_tensor_meta_non_cached", _outside_modes),
         (models, "build", _on_real_tensors),
-        (trainer.step.local, "settle_slot_bounds", _slots_as_sized),
+        (pretrain.trainer.step.local, "settle_slot_bounds", _slots_as_sized),
     ]
     originals = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
     for owner, name, wrap in patches:

@@ -1,4 +1,5 @@
-"""One rank of a job, dry: the trainer's real build (`trainer.build.build_train_state`, every
+"""One rank of a job, dry: the trainer's real build (`pretrain.trainer.build.build_train_state`,
+every
 `parallel.apply_*`) and one real optimizer step (every micro-batch through the layout's
 stepper, backward, clipping, the optimizer's update) in a fake world (`trainer/dryrun/fake.py`),
 with torch's memory tracker and a collective counter watching.
@@ -16,19 +17,19 @@ from typing import Any
 
 import torch
 
-from parallel.data_parallel import uses_fsdp
-from parallel.mesh import JobMesh, build_mesh
-from pretrain_core.layout import Degrees, grad_accum_steps, resolve_degrees
-from pretrain_core.schema import RecipeConfig
-from trainer.build import build_train_state
-from trainer.dryrun.collectives import CollectiveCounter
-from trainer.dryrun.fake import FakeStepGuard, fake_tensors, fake_world
-from trainer.dryrun.tracker import StepMemTracker
-from trainer.step.context import StepContext
-from trainer.step.local import LocalStep
-from trainer.step.phases import StepPhases
-from trainer.step.pipeline import pipeline_step
-from trainer.step.state import MicroBatches, Stepper
+from pretrain.core.layout import Degrees, grad_accum_steps, resolve_degrees
+from pretrain.core.schema import RecipeConfig
+from pretrain.parallel.data_parallel import uses_fsdp
+from pretrain.parallel.mesh import JobMesh, build_mesh
+from pretrain.trainer.build import build_train_state
+from pretrain.trainer.dryrun.collectives import CollectiveCounter
+from pretrain.trainer.dryrun.fake import FakeStepGuard, fake_tensors, fake_world
+from pretrain.trainer.dryrun.tracker import StepMemTracker
+from pretrain.trainer.step.context import StepContext
+from pretrain.trainer.step.local import LocalStep
+from pretrain.trainer.step.phases import StepPhases
+from pretrain.trainer.step.pipeline import pipeline_step
+from pretrain.trainer.step.state import MicroBatches, Stepper
 
 GIB = 2**30
 

@@ -23,16 +23,16 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from pretrain_core.hardware import GIB
-from pretrain_core.run.run_lock import RunDirInUse
-from pretrain_core.run.rundir import LOGS_DIR, PLAN_FILE, failure_record, rank_log
-from trainer.checkpoint.integrity import DiskSpaceError, NoUsableCheckpoint
-from trainer.faults.step_guard import TooManyBadSteps
+from pretrain.core.hardware import GIB
+from pretrain.core.run.run_lock import RunDirInUse
+from pretrain.core.run.rundir import LOGS_DIR, PLAN_FILE, failure_record, rank_log
+from pretrain.trainer.checkpoint.integrity import DiskSpaceError, NoUsableCheckpoint
+from pretrain.trainer.faults.step_guard import TooManyBadSteps
 
 DATA_MODULES = (
     "trainer/data/loader.py",
-    "pretrain_data/corpus.py",
-    "pretrain_data/tokenizer.py",
+    "dataprep/corpus.py",
+    "dataprep/tokenizer.py",
     "trainer/data/prefetch.py",
     "/datasets/",
     "/huggingface_hub/",

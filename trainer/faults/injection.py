@@ -15,7 +15,7 @@
   that step, as an allocation that does not fit would.
 
 PRETRAIN_FAULT_PREPARE_STOP=N stops a data preparation as SIGTERM would once N units are
-done; `pretrain_data/prepare.py` reads it, since preparation runs without torch.
+done; `dataprep/prepare.py` reads it, since preparation runs without torch.
 
 Nothing is injected when none of them is set, which is every real run.
 """
@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from trainer.log import get_logger
+from pretrain.trainer.log import get_logger
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 

@@ -13,8 +13,8 @@ from types import FrameType
 import torch
 import torch.distributed as dist
 
-from pretrain_core.run.rundir import PREEMPTED_MARKER
-from trainer.log import get_logger
+from pretrain.core.run.rundir import PREEMPTED_MARKER
+from pretrain.trainer.log import get_logger
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 """What SLURM sends before the time limit (SIGUSR1, see the sbatch template) and what clusters

@@ -32,8 +32,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from pretrain_core.run.rundir import HANGS_DIR
-from trainer.log import get_logger
+from pretrain.core.run.rundir import HANGS_DIR
+from pretrain.trainer.log import get_logger
 
 _COMMUNICATION_ERRORS = ("Timed out", "timed out", "Connection closed", "Connection reset")
 """What gloo's and NCCL's errors say when a peer never came or went away."""

@@ -23,15 +23,15 @@ from typing import Any
 from rich.console import Console
 from rich.markup import escape
 
-from pretrain_core.problems import install_fix, installed
-from pretrain_core.run.durations import eta_seconds, format_duration
-from pretrain_core.run.metric_names import WANDB_KEYS, wandb_key
-from pretrain_core.run.rundir import METRICS_FILE, TENSORBOARD_DIR, WANDB_ID_FILE
-from pretrain_core.run.wandb_credentials import api_key_configured as wandb_api_key_configured
-from pretrain_core.run.wandb_credentials import wandb_project
-from pretrain_core.schema import LoggingConfig
-from trainer.observe.run_identity import RunIdentity
-from trainer.observe.run_summary import RunSummary
+from pretrain.core.problems import install_fix, installed
+from pretrain.core.run.durations import eta_seconds, format_duration
+from pretrain.core.run.metric_names import WANDB_KEYS, wandb_key
+from pretrain.core.run.rundir import METRICS_FILE, TENSORBOARD_DIR, WANDB_ID_FILE
+from pretrain.core.run.wandb_credentials import api_key_configured as wandb_api_key_configured
+from pretrain.core.run.wandb_credentials import wandb_project
+from pretrain.core.schema import LoggingConfig
+from pretrain.trainer.observe.run_identity import RunIdentity
+from pretrain.trainer.observe.run_summary import RunSummary
 
 WANDB_STEP = "train/step"
 WANDB_MODES = ("auto", "online", "offline", "disabled")

@@ -1,6 +1,6 @@
 """Measure one training step's peak memory per rank, by category, to check the planner.
 
-    torchrun ... -m trainer.observe.memcheck RUN_DIR/config.yaml OUT.json
+    torchrun ... -m pretrain.trainer.observe.memcheck RUN_DIR/config.yaml OUT.json
 
 Builds the rank's model and optimizer exactly as the trainer does (`build_train_state`),
 runs one step on random tokens so the optimizer states exist, then tracks the second step
@@ -24,14 +24,14 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-from parallel.mesh import build_mesh
-from pretrain_core.layout import grad_accum_steps, resolve_degrees
-from pretrain_core.schema import RecipeConfig, load_config
-from trainer.build import build_train_state
-from trainer.dist import init_distributed
-from trainer.step.context import StepContext
-from trainer.step.local import train_step
-from trainer.step.pipeline import pipeline_step
+from pretrain.core.layout import grad_accum_steps, resolve_degrees
+from pretrain.core.schema import RecipeConfig, load_config
+from pretrain.parallel.mesh import build_mesh
+from pretrain.trainer.build import build_train_state
+from pretrain.trainer.dist import init_distributed
+from pretrain.trainer.step.context import StepContext
+from pretrain.trainer.step.local import train_step
+from pretrain.trainer.step.pipeline import pipeline_step
 
 
 class _StepTracker(MemTracker):
@@ -168,7 +168,7 @@ def main(config_path: str, out_path: str) -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) != 3:
-        sys.exit("usage: python -m trainer.observe.memcheck RUN_DIR/config.yaml OUT.json")
+        sys.exit("usage: python -m pretrain.trainer.observe.memcheck RUN_DIR/config.yaml OUT.json")
     main(sys.argv[1], sys.argv[2])
     # As in trainer/__main__.py: skip interpreter teardown once the process group is gone.
     sys.stdout.flush()

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pretrain_core.hardware import GIB
-from pretrain_core.schema import HardwareConfig
+from pretrain.core.hardware import GIB
+from pretrain.core.schema import HardwareConfig
 
 
 @dataclass(frozen=True)
@@ -37,7 +37,7 @@ class PeakFlops:
 
 def table_peak_flops(device_name: str, dtype: str) -> PeakFlops:
     """Peak of a CUDA device from the GPU table, looked up by its reported name and the dtype."""
-    from pretrain_core.hardware import gpu_spec, match_device_name
+    from pretrain.core.hardware import gpu_spec, match_device_name
 
     key = match_device_name(device_name)
     if key is None:

@@ -29,11 +29,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from trainer.faults.step_guard import StepGuard, gather_compute, stragglers
-from trainer.log import get_logger
-from trainer.observe.metrics import ThroughputMeter, peak_memory_gib
-from trainer.observe.moe_metrics import expert_load_metrics
-from trainer.step.state import MicroBatches, Stepper, StepResult, TrainState
+from pretrain.trainer.faults.step_guard import StepGuard, gather_compute, stragglers
+from pretrain.trainer.log import get_logger
+from pretrain.trainer.observe.metrics import ThroughputMeter, peak_memory_gib
+from pretrain.trainer.observe.moe_metrics import expert_load_metrics
+from pretrain.trainer.step.state import MicroBatches, Stepper, StepResult, TrainState
 
 T = TypeVar("T")
 P = ParamSpec("P")

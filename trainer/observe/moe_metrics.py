@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from models.moe import moe_modules
+from pretrain.models.moe import moe_modules
 
 
 def expert_load_metrics(

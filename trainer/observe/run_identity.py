@@ -9,9 +9,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pretrain_core.layout import Degrees
-from pretrain_core.run.rundir import PLAN_FILE
-from pretrain_core.schema import RecipeConfig
+from pretrain.core.layout import Degrees
+from pretrain.core.run.rundir import PLAN_FILE
+from pretrain.core.schema import RecipeConfig
 
 PREDICTED = ("memory_gib", "step_time_s", "tokens_per_s", "mfu", "bubble_fraction",
              "params_total", "flops_per_token_train")  # fmt: skip

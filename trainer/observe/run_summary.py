@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pretrain_core.run.durations import format_duration
+from pretrain.core.run.durations import format_duration
 
 
 def _number(value: Any) -> float | None:

@@ -18,9 +18,14 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from parallel.data_parallel import is_zero1_optimizer
-from parallel.pipeline.tied_embedding import EMBEDDING, HEAD, reads_copy_from_embedding, renamed
-from trainer.optim.states import StoredStateOptimizer
+from pretrain.parallel.data_parallel import is_zero1_optimizer
+from pretrain.parallel.pipeline.tied_embedding import (
+    EMBEDDING,
+    HEAD,
+    reads_copy_from_embedding,
+    renamed,
+)
+from pretrain.trainer.optim.states import StoredStateOptimizer
 
 
 def _names(plain: nn.Module) -> dict[int, str]:

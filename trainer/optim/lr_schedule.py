@@ -21,8 +21,8 @@ from typing import Any
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR, LRScheduler
 
-from pretrain_core.schema import LR_SCHEDULES as SCHEDULES
-from pretrain_core.schema import OptimConfig, ScheduleConfig
+from pretrain.core.schema import LR_SCHEDULES as SCHEDULES
+from pretrain.core.schema import OptimConfig, ScheduleConfig
 
 
 def _progress(step: int, start: int, length: int) -> float:

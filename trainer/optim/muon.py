@@ -29,7 +29,7 @@ from typing import Any, ClassVar
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from trainer.optim.states import StoredStateOptimizer, adamw_update, local_grad
+from pretrain.trainer.optim.states import StoredStateOptimizer, adamw_update, local_grad
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 """The quintic Newton-Schulz coefficients of Keller Jordan's Muon (and torch.optim.Muon)."""

@@ -17,11 +17,11 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from parallel.pipeline.tied_embedding import head_copies
-from pretrain_core.problems import or_list
-from pretrain_core.schema import LR_SCALINGS, OPTIMIZERS, OptimConfig
-from trainer.optim.muon import Muon
-from trainer.optim.states import AdamW, StoredStateOptimizer, local_grad
+from pretrain.core.problems import or_list
+from pretrain.core.schema import LR_SCALINGS, OPTIMIZERS, OptimConfig
+from pretrain.parallel.pipeline.tied_embedding import head_copies
+from pretrain.trainer.optim.muon import Muon
+from pretrain.trainer.optim.states import AdamW, StoredStateOptimizer, local_grad
 
 
 def _mesh_of(param: torch.Tensor) -> Any:

@@ -35,7 +35,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-from pretrain_core.optim_states import STATE_BLOCK, STATE_DTYPES
+from pretrain.core.optim_states import STATE_BLOCK, STATE_DTYPES
 
 
 def dynamic_map(signed: bool, exponent_bits: int, total_bits: int) -> list[float]:

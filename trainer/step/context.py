@@ -16,16 +16,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from parallel.data_parallel import uses_fsdp
-from parallel.mesh import JobMesh
-from parallel.pipeline.moe import attach_router_losses
-from parallel.pipeline.stages import in_context
-from parallel.precision import forward_context
-from parallel.tensor import vocab_parallel_loss
-from pretrain_core.layout import Degrees, grad_accum_steps
-from pretrain_core.schema import RecipeConfig
-from trainer.faults.step_guard import StepGuard
-from trainer.step.state import MicroBatches, TrainState
+from pretrain.core.layout import Degrees, grad_accum_steps
+from pretrain.core.schema import RecipeConfig
+from pretrain.parallel.data_parallel import uses_fsdp
+from pretrain.parallel.mesh import JobMesh
+from pretrain.parallel.pipeline.moe import attach_router_losses
+from pretrain.parallel.pipeline.stages import in_context
+from pretrain.parallel.precision import forward_context
+from pretrain.parallel.tensor import vocab_parallel_loss
+from pretrain.trainer.faults.step_guard import StepGuard
+from pretrain.trainer.step.state import MicroBatches, TrainState
 
 
 def document_ids(inputs: torch.Tensor, eos: int) -> torch.Tensor:

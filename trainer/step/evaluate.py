@@ -16,9 +16,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from models.moe import moe_modules
-from trainer.data.loader import DataLoader
-from trainer.step.state import Stepper
+from pretrain.models.moe import moe_modules
+from pretrain.trainer.data.loader import DataLoader
+from pretrain.trainer.step.state import Stepper
 
 
 class Evaluator:

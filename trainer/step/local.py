@@ -21,9 +21,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from parallel.clip import clip_grad_norm_
-from parallel.data_parallel import gradient_sync
-from parallel.expert import (
+from pretrain.core.schema import RecipeConfig
+from pretrain.parallel.clip import clip_grad_norm_
+from pretrain.parallel.data_parallel import gradient_sync
+from pretrain.parallel.expert import (
     add_router_losses,
     drop_routing_step,
     dropless_dispatch,
@@ -31,13 +32,12 @@ from parallel.expert import (
     reduce_expert_grads,
     settle_slot_bounds,
 )
-from parallel.pipeline.tied_embedding import head_copies
-from parallel.precision import after_optimizer_step
-from parallel.tensor import local_value
-from pretrain_core.schema import RecipeConfig
-from trainer.faults.step_guard import StepGuard
-from trainer.step.context import StepContext
-from trainer.step.state import MicroBatches, StepResult, TrainState
+from pretrain.parallel.pipeline.tied_embedding import head_copies
+from pretrain.parallel.precision import after_optimizer_step
+from pretrain.parallel.tensor import local_value
+from pretrain.trainer.faults.step_guard import StepGuard
+from pretrain.trainer.step.context import StepContext
+from pretrain.trainer.step.state import MicroBatches, StepResult, TrainState
 
 SLOT_RETRIES = 3
 """Runs of one step a dropless dispatch may take to size its slots (one rerun suffices: the

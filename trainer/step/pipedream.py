@@ -31,15 +31,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from models.moe import moe_modules
-from parallel.clip import clip_to_norm, grad_norm
-from parallel.expert import reduce_expert_grads
-from parallel.pipeline.pipedream import P2PTransport, PipeDream, Version, move_optimizer
-from parallel.pipeline.stages import StageView
-from parallel.tensor import local_value
-from trainer.step.context import StepContext
-from trainer.step.local import step_optimizer
-from trainer.step.state import MicroBatches, StepResult
+from pretrain.models.moe import moe_modules
+from pretrain.parallel.clip import clip_to_norm, grad_norm
+from pretrain.parallel.expert import reduce_expert_grads
+from pretrain.parallel.pipeline.pipedream import P2PTransport, PipeDream, Version, move_optimizer
+from pretrain.parallel.pipeline.stages import StageView
+from pretrain.parallel.tensor import local_value
+from pretrain.trainer.step.context import StepContext
+from pretrain.trainer.step.local import step_optimizer
+from pretrain.trainer.step.state import MicroBatches, StepResult
 
 
 class PipeDreamStep:

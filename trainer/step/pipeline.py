@@ -23,15 +23,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from parallel.expert import reduce_expert_grads
-from parallel.pipeline.stages import build_schedule, stage_indices
-from parallel.pipeline.tied_embedding import embedding_group, reduce_tied_grads
-from parallel.tensor import local_value
-from pretrain_core.schedules import SCHEDULES
-from trainer.step.context import StepContext
-from trainer.step.local import SLOT_RETRIES, apply_gradients, run_again_for_slots
-from trainer.step.pipedream import PipeDreamStep
-from trainer.step.state import MicroBatches, StepResult
+from pretrain.core.schedules import SCHEDULES
+from pretrain.parallel.expert import reduce_expert_grads
+from pretrain.parallel.pipeline.stages import build_schedule, stage_indices
+from pretrain.parallel.pipeline.tied_embedding import embedding_group, reduce_tied_grads
+from pretrain.parallel.tensor import local_value
+from pretrain.trainer.step.context import StepContext
+from pretrain.trainer.step.local import SLOT_RETRIES, apply_gradients, run_again_for_slots
+from pretrain.trainer.step.pipedream import PipeDreamStep
+from pretrain.trainer.step.state import MicroBatches, StepResult
 
 
 def pipeline_step(ctx: StepContext) -> PipelineStep | PipeDreamStep:

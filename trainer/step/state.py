@@ -12,9 +12,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from parallel.context import ContextSplit
-from parallel.precision import LossScaler
-from trainer.step.phases import OFF, StepPhases
+from pretrain.parallel.context import ContextSplit
+from pretrain.parallel.precision import LossScaler
+from pretrain.trainer.step.phases import OFF, StepPhases
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -13,15 +13,14 @@ Two parsers read what is rendered here, and each gets its own quoting:
 from __future__ import annotations
 
 import json
-import os
 import re
 import shlex
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from pretrain.core.inputs.reading import ReadError, read_text
+from pretrain.core.run.atomic import write_text_atomic
 from pretrain.core.run.rundir import (
     CONFIG_FILE,
     LOCAL_SCRIPT,
@@ -252,12 +251,6 @@ def render_local(cfg: RecipeConfig, config_path: Path) -> str:
     )
 
 
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
 def _text_or_none(path: Path) -> str | None:
     """A file's text, None where it is not a readable text file (it is then replaced)."""
     try:
@@ -267,24 +260,11 @@ def _text_or_none(path: Path) -> str | None:
 
 
 def _write_atomic(path: Path, text: str, mode: int) -> None:
-    """Write `text` to `path` so that readers see the old file or the new, never half of one.
-
-    `mode` is what the file may be at most: the user's umask takes away from it, as it does
-    for any file a program creates. A file that already holds `text` is left untouched.
-    """
+    """Write `text` to `path` so that readers see the old file or the new, never half of one
+    (see core/run/atomic.py); a file that already holds `text` is left untouched."""
     if path.is_file() and _text_or_none(path) == text:
         return
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, mode & ~_umask())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_text_atomic(path, text, mode)
 
 
 def write_run_dir(

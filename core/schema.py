@@ -599,6 +599,11 @@ def load_config(path: str) -> RecipeConfig:
     if problem is not None:
         raise ReadError(path, problem, expected, fix)
     try:
+        # OmegaConf asserts (an AssertionError) on a file that holds one scalar: refused here.
+        top = yaml.compose(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+        if isinstance(top, yaml.ScalarNode):
+            found = f"holds the single value {top.value!r:.60}, not a mapping of fields"
+            raise ReadError(path, found, expected, fix)
         node = OmegaConf.create(text)  # OmegaConf's own YAML rules, as OmegaConf.load
         if not isinstance(node, DictConfig):
             raise ReadError(path, "holds a list, not a mapping of fields", expected, fix)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from pretrain.core.inputs.reading import ReadError
 from pretrain.core.run.rundir import PLAN_FILE
 from pretrain.core.schema import RecipeConfig, dump_config, load_config
 from pretrain.launcher.job.run_dir import JobError, render_sbatch, write_run_dir
@@ -81,3 +82,11 @@ def test_the_written_config_reads_back_to_the_same_recipe(tmp_path: Path, text: 
     path = tmp_path / "config.yaml"
     path.write_text(dump_config(cfg))
     assert load_config(str(path)) == cfg
+
+
+@pytest.mark.parametrize("text", ["0", "tiny", "true"])
+def test_a_config_of_one_value_is_a_read_error_naming_it(tmp_path: Path, text: str) -> None:
+    path = tmp_path / "config.yaml"
+    path.write_text(text + "\n")
+    with pytest.raises(ReadError, match=f"holds the single value '{text}', not a mapping"):
+        load_config(str(path))

@@ -335,9 +335,9 @@ def _help_filter(argv: list[str]) -> str:
     return rest[0] if rest and "=" not in rest[0] and not rest[0].startswith("-") else ""
 
 
-SUBCOMMANDS = ("status", "report", "export", "dashboard")
-"""`pretrain COMMAND ...`: the commands besides the recipe's actions; each is also installed
-as `pretrain-COMMAND`, and takes the same arguments either way."""
+SUBCOMMANDS = ("status", "diff", "report", "export", "dashboard")
+"""`pretrain COMMAND ...`: the commands besides the recipe's actions; report, export and
+dashboard are also installed as `pretrain-COMMAND`, and take the same arguments either way."""
 
 
 def run_subcommand(name: str, argv: list[str]) -> int:
@@ -352,6 +352,10 @@ def run_subcommand(name: str, argv: list[str]) -> int:
         from pretrain.launcher.job.status import main as status
 
         return status(argv)
+    if name == "diff":
+        from pretrain.launcher.job.diff import main as diff
+
+        return diff(argv)
     if name == "report":
         from pretrain.launcher.report import main as command
     else:

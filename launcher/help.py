@@ -33,8 +33,9 @@ usage: pretrain [--config-name RECIPE] [--config-dir DIR] [KEY=VALUE | GROUP=OPT
   --cfg job          print the composed recipe and exit
   --config-dir DIR   your own recipes (also PRETRAIN_RECIPES=DIR); see docs/recipes-and-cli.md
 
-commands (each also installed as pretrain-COMMAND):
+commands (report, export and dashboard also installed as pretrain-COMMAND):
   pretrain status RUN_DIR...          where a run or a sweep stands
+  pretrain diff RUN_A RUN_B           what differs: config, code, packages, plan, curves
   pretrain report RUN_DIR...          the dashboard's panels as a PNG, without W&B
   pretrain export RUN_DIR OUT_DIR     a checkpoint as a Hugging Face folder
   pretrain dashboard --project P      a saved W&B workspace of those panels"""

@@ -12,7 +12,13 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from tests.distributed.harness import REORDERED, Curve, grad_norm_tolerance, run_pretrain
+from tests.distributed.harness import (
+    REORDERED,
+    Curve,
+    grad_norm_tolerance,
+    read_curve,
+    run_pretrain,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 SLOW_DIRS = (REPO / "tests" / "distributed", REPO / "tests" / "slurm")
@@ -64,22 +70,36 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 @pytest.fixture(scope="session")
-def harness_reference(tmp_path_factory: pytest.TempPathFactory) -> Curve:
+def harness_reference_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The run dir of the harness model trained by one process."""
+    run_dir = tmp_path_factory.mktemp("reference") / "run"
+    run_pretrain(run_dir, [], nproc=1)
+    return run_dir
+
+
+@pytest.fixture(scope="session")
+def harness_reference(harness_reference_dir: Path) -> Curve:
     """The harness model trained by one process: the curve every FP32 layout must match."""
-    return run_pretrain(tmp_path_factory.mktemp("reference") / "run", [], nproc=1)
+    return read_curve(harness_reference_dir / "metrics.jsonl")
+
+
+@pytest.fixture(scope="session")
+def reordered_reference_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The run dir of the one-process reference trained again with its sums reordered
+    (REORDERED in tests/distributed/harness.py)."""
+    run_dir = tmp_path_factory.mktemp("reordered_reference") / "run"
+    run_pretrain(run_dir, list(REORDERED), nproc=1)
+    return run_dir
 
 
 @pytest.fixture(scope="session", name="grad_norm_tolerance")
-def derived_grad_norm_tolerance(
-    tmp_path_factory: pytest.TempPathFactory, harness_reference: Curve
-) -> float:
+def derived_grad_norm_tolerance(harness_reference: Curve, reordered_reference_dir: Path) -> float:
     """The bound on every FP32 layout's gradient norm after step 1, derived from how far the
     harness reference itself moves when its sums are reordered (`grad_norm_tolerance` in
     tests/distributed/harness.py): one more one-process run per session. The harness model's
     spread stands for its variants too (experts, MLA, document masks: the same size, steps
     and kernels)."""
-    run_dir = tmp_path_factory.mktemp("reordered_reference") / "run"
-    reordered = run_pretrain(run_dir, list(REORDERED), nproc=1)
+    reordered = read_curve(reordered_reference_dir / "metrics.jsonl")
     bound = grad_norm_tolerance(harness_reference, reordered)
     print(f"gradient-norm bound after step 1: {bound:.2e} (derived from the reordered reference)")
     return bound

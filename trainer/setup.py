@@ -8,14 +8,17 @@ checkpoint), the fault guard and injector, the metrics window and the metrics si
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
+from pretrain.core.inputs.reading import ReadError
 from pretrain.core.layout import Degrees, grad_accum_steps, resolve_degrees
 from pretrain.core.precision import peak_dtype
 from pretrain.core.recompute import recomputed_blocks
+from pretrain.core.run.ledger import append_record, job_record
 from pretrain.core.schema import RecipeConfig
 from pretrain.models.flops import count_params, flops_per_token
 from pretrain.parallel.mesh import JobMesh, build_mesh
@@ -71,6 +74,15 @@ class Run:
     """Steps already done (restored from a checkpoint); 0 for a fresh run."""
 
 
+def _record_job(run_dir: Path, world_size: int, start: int) -> None:
+    """Append this job's record to the run's ledger; a ledger that cannot be written is
+    warned about, not a reason to stop training."""
+    try:
+        append_record(run_dir, job_record(os.environ, world_size, start))
+    except (OSError, ReadError) as err:
+        get_logger().warning("run dir %s: the ledger was not updated: %s", run_dir, err)
+
+
 def setup(cfg: RecipeConfig, rank: RankInfo) -> Run:
     """Build this rank's run of `cfg` and restore its newest checkpoint."""
     setup_logging(rank.rank, cfg.logging.all_ranks)
@@ -110,6 +122,8 @@ def setup(cfg: RecipeConfig, rank: RankInfo) -> Run:
         run_dir, cfg.checkpoint, states, rank=rank.rank, world_size=rank.world_size, faults=faults
     )
     start = checkpointer.restore()
+    if rank.is_main:
+        _record_job(run_dir, rank.world_size, start)
     CLOCK.mark("loaders and checkpoint")
     if start:
         get_logger().info("resumed from the checkpoint of step %d", start)

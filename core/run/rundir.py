@@ -43,6 +43,9 @@ LOCK_FILE = "run.lock"
 PLAN_FILE = "plan.json"
 """The launcher's plan of the run (`plan_to_dict`); a rank that runs out of memory quotes
 its predicted peak beside the measured one."""
+LEDGER_FILE = "ledger.jsonl"
+"""One JSON record per launch and per job: code version, package versions, hosts
+(core/run/ledger.py); `pretrain diff` reads it."""
 LAUNCH_LOG = "torchrun.log"
 """Under LOGS_DIR: everything torchrun and the ranks wrote to stderr in a local run."""
 

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from pretrain.core.inputs.reading import ReadError, read_text
 from pretrain.core.run.atomic import write_text_atomic
+from pretrain.core.run.ledger import append_record, launch_record
 from pretrain.core.run.rundir import (
     CONFIG_FILE,
     LOCAL_SCRIPT,
@@ -277,11 +278,13 @@ def write_run_dir(
     """Create the run dir with its frozen config.yaml, job script (run.sh or job.sbatch),
     the plan (plan.json) and how it was launched (overrides.yaml: `launched`, the recipe's
     name and the command line's overrides), leaving files that already hold the same text
-    untouched.
+    untouched. A launch (`launched` given) appends its record to the ledger
+    (core/run/ledger.py).
 
     A run dir belongs to one config: if it already holds a config.yaml that differs in what
     is trained (see launcher/validate/resume.py), nothing is written and a JobError says so. A
-    change of layout or length replaces it, the old one kept as config.N.yaml. A file system error
+    change of layout or length replaces it, the old one kept as config.N.yaml (and its
+    overrides and plan as overrides.N.yaml and plan.N.json). A file system error
     (no space, no permission) is a JobError of one line.
     """
     try:
@@ -374,6 +377,9 @@ def _write_run_dir(
         if (run_dir / OVERRIDES_FILE).is_file():
             old_overrides = read_text(run_dir / OVERRIDES_FILE, "the run's overrides.yaml")
             _write_atomic(run_dir / f"overrides.{n}.yaml", old_overrides, 0o644)
+        if (run_dir / PLAN_FILE).is_file():
+            old_plan = read_text(run_dir / PLAN_FILE, "the run's plan.json", 64 << 20)
+            _write_atomic(run_dir / f"plan.{n}.json", old_plan, 0o644)
     _write_atomic(files.config_path, config_yaml, 0o644)
     _write_atomic(files.script_path, rendered.script, 0o755)
     if launched is not None:
@@ -381,4 +387,7 @@ def _write_run_dir(
         _write_atomic(run_dir / OVERRIDES_FILE, text, 0o644)  # JSON is YAML
     if plan is not None:
         _write_atomic(run_dir / PLAN_FILE, json.dumps(plan, indent=1) + "\n", 0o644)
+    if launched is not None:
+        # Last, once the files it speaks of are in place.
+        append_record(run_dir, launch_record(cfg.action, cfg.cluster.backend))
     return files

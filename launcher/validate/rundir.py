@@ -16,6 +16,7 @@ from pretrain.core.run.rundir import (
     CHECKPOINTS_DIR,
     CONFIG_FILE,
     LAUNCH_LOG,
+    LEDGER_FILE,
     LOCAL_SCRIPT,
     LOCK_FILE,
     LOGS_DIR,
@@ -26,8 +27,8 @@ from pretrain.core.run.rundir import (
 from pretrain.core.schema import RecipeConfig
 
 RUN_DIR_NAMES = frozenset(
-    {CHECKPOINTS_DIR, CONFIG_FILE, LAUNCH_LOG, LOCAL_SCRIPT, LOCK_FILE, LOGS_DIR, METRICS_FILE,
-     PLAN_FILE, SLURM_SCRIPT}
+    {CHECKPOINTS_DIR, CONFIG_FILE, LAUNCH_LOG, LEDGER_FILE, LOCAL_SCRIPT, LOCK_FILE, LOGS_DIR,
+     METRICS_FILE, PLAN_FILE, SLURM_SCRIPT}
 )  # fmt: skip
 """Entries that only a run dir holds: a folder holding nothing else may become one."""
 _FIX = "pick another run.dir, e.g. runs/NAME"

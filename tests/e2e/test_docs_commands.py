@@ -25,6 +25,7 @@ READ_ONLY = ("--help", "-h", "--cfg", "action=plan", "action=suggest", "action=s
 SKIPPED = {
     "--config-dir": "the user's own recipe folder",
     "status": "needs a run dir (tests/unit/test_status.py)",
+    "diff": "needs two run dirs (tests/unit/test_diff.py)",
     "report": "needs a run dir (tests/unit/test_report.py)",
     "export": "needs a checkpoint (tests/e2e/test_export.py)",
     "dashboard": "needs W&B credentials (tests/e2e/test_dashboard.py)",

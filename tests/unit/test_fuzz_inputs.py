@@ -18,6 +18,8 @@ from pretrain.core.problems import RecipeError
 from pretrain.core.schema import load_config
 from pretrain.launcher.compose.command_line import checked_command_line
 from pretrain.launcher.compose.recipe_keys import leaf_types
+from pretrain.launcher.job.diff import compare, render
+from pretrain.launcher.job.run_record import read_run
 from pretrain.launcher.job.status import run_status
 from pretrain.launcher.report import load_metrics
 from tests.helpers import tree
@@ -134,7 +136,11 @@ def test_a_run_dirs_files_are_refused_or_read(
     metrics_bytes = metrics if isinstance(metrics, bytes) else metrics.encode()
     (run_dir / "metrics.jsonl").write_bytes(metrics_bytes)
     before = tree(run_dir)
-    for read in (run_status, lambda d: load_metrics(d / "metrics.jsonl")):
+    for read in (
+        run_status,
+        lambda d: load_metrics(d / "metrics.jsonl"),
+        lambda d: render(compare(read_run(d), read_run(d))),
+    ):
         try:
             read(run_dir)
         except (RecipeError, ReadError) as error:

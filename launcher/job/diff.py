@@ -134,6 +134,8 @@ def compare(a: RunRecord, b: RunRecord, rtol: float = DEFAULT_RTOL) -> dict[str,
                          "ledger): its code, environment and hosts are unknown")  # fmt: skip
         if run.plan is None:
             notes.append(f"{side} has no plan.json: the plans are not compared")
+        if run.overrides is None:
+            notes.append(f"{side} has no overrides.yaml: the command lines are not compared")
         if run.losses is None:
             notes.append(f"{side} has no metrics.jsonl: the curves are not compared")
     if a.ledger is not None and b.ledger is not None:
@@ -184,10 +186,7 @@ def render(diff: dict[str, Any]) -> str:
     """The text of `pretrain diff`: `-` lines are A's, `+` lines B's."""
     lines = [f"A: {diff['a']}", f"B: {diff['b']}"]
     lines += _section(f"config ({', '.join(IDENTITY_FIELDS)} aside)", diff["config"], "")
-    for side in ("a", "b"):
-        given = diff["overrides"][side]
-        shown = "(no overrides.yaml)" if given is None else " ".join(given) or "(none)"
-        lines.append(f"  overrides {side.upper()}: {shown}")
+    lines += _overrides_lines(diff["overrides"]["a"], diff["overrides"]["b"])
     if "code" in diff:
         code = diff["code"]
         lines.append(
@@ -212,6 +211,16 @@ def render(diff: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _overrides_lines(a: list[str] | None, b: list[str] | None) -> list[str]:
+    """The command lines' overrides that only one run was launched with."""
+    if a is None or b is None:
+        return []  # said in a note
+    only_a, only_b = [o for o in a if o not in b], [o for o in b if o not in a]
+    if not only_a and not only_b:
+        return ["overrides: the same"]
+    return ["overrides: launched with", f"  - {' '.join(only_a)}", f"  + {' '.join(only_b)}"]
+
+
 def _curves_line(c: dict[str, Any]) -> str:
     within = f"loss within {c['rtol']:g} relative"
     if not c["common_steps"]:
@@ -225,7 +234,7 @@ def _curves_line(c: dict[str, Any]) -> str:
         rel = f", relative difference {abs(a - b) / max(abs(a), abs(b)):.2g}"
     return (
         f"curves: part at step {c['parting_step']}: loss {shown[0]} (A) vs {shown[1]} (B)"
-        f"{rel}, beyond {c['rtol']:g}"
+        f"{rel}, more than --rtol {c['rtol']:g} (of {c['common_steps']} steps both logged)"
     )
 
 

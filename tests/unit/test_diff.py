@@ -64,6 +64,11 @@ def test_diff_names_the_one_override_and_the_one_package_that_differ(
     at = lines.index("environment: 1 differs")
     assert lines[at + 1 : at + 3] == [f"  - torch={torch_a}", "  + torch=2.12.0"]
     assert "plan: the same" in lines
+    at = lines.index("overrides: launched with")
+    assert lines[at + 1 : at + 3] == [
+        f"  - run.dir={a} optim.lr=1e-3",
+        f"  + run.dir={b} optim.lr=3e-3",
+    ]
 
 
 def test_the_curves_part_at_the_first_common_step_beyond_the_tolerance(tmp_path: Path) -> None:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from pretrain.core.inputs.reading import ReadError, read_text
 from pretrain.core.run.atomic import write_text_atomic
-from pretrain.core.run.ledger import append_record, launch_record
+from pretrain.core.run.ledger import append_record, launch_record, read_ledger
 from pretrain.core.run.rundir import (
     CONFIG_FILE,
     LOCAL_SCRIPT,
@@ -322,6 +322,7 @@ def _render_run_dir(cfg: RecipeConfig, run_dir: Path, config_yaml: str) -> _Rend
     else:
         script = render_sbatch(cfg, run_dir, config_path)
     old_yaml = read_text(config_path, "the run's config.yaml") if config_path.exists() else None
+    read_ledger(run_dir)  # one the launch could not append to is refused before any write
     if old_yaml is not None and old_yaml != config_yaml:
         frozen = frozen_changes(old_yaml, config_yaml)
         if frozen:

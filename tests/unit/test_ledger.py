@@ -6,12 +6,14 @@ from __future__ import annotations
 import errno
 import json
 import os
+import socket
 import subprocess
 from importlib.metadata import version
 from pathlib import Path
 
 import pytest
 
+from pretrain.core.inputs.reading import ReadError
 from pretrain.core.run import ledger
 from pretrain.core.run.ledger import append_record, job_record, read_ledger
 from pretrain.core.run.rundir import LEDGER_FILE, PLAN_FILE
@@ -45,6 +47,17 @@ def test_each_launch_appends_a_record_and_a_resume_keeps_the_first(tmp_path: Pat
     assert json.loads((tmp_path / "run" / PLAN_FILE).read_text()) == {"memory_gib": 2.0}
 
 
+def test_a_ledger_that_cannot_be_appended_to_is_refused_before_anything_is_written(
+    tmp_path: Path,
+) -> None:
+    cfg = RecipeConfig()
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / LEDGER_FILE).write_bytes(b"\xff\xfe")
+    with pytest.raises(ReadError, match=f"{tmp_path / 'run' / LEDGER_FILE}: not UTF-8 text"):
+        write_run_dir(cfg, tmp_path / "run", dump_config(cfg), None, {"overrides": []})
+    assert [p.name for p in (tmp_path / "run").iterdir()] == [LEDGER_FILE]
+
+
 def test_writing_the_run_dir_without_a_launch_leaves_no_ledger(tmp_path: Path) -> None:
     cfg = RecipeConfig()
     write_run_dir(cfg, tmp_path / "run", dump_config(cfg))
@@ -55,9 +68,10 @@ def test_a_slurm_job_records_its_node_list_and_a_local_one_this_host(tmp_path: P
     slurm = job_record({"SLURM_JOB_NODELIST": "gpu[01-04]", "SLURM_JOB_ID": "77"}, 32, 500)
     assert slurm["hosts"] == ["gpu[01-04]"] and slurm["slurm_job_id"] == "77"
     assert slurm["kind"] == "job" and slurm["world_size"] == 32 and slurm["start_step"] == 500
-    assert job_record({}, 2, 0)["hosts"] == [os.uname().nodename]
+    assert job_record({}, 2, 0)["hosts"] == [socket.gethostname()]
 
 
+@pytest.mark.skipif(not (CHECKOUT / ".git").exists(), reason="not run from a git checkout")
 def test_the_code_version_is_this_checkouts_commit_and_dirty_flag() -> None:
     assert ledger.code_version() == {
         "git_commit": _git("rev-parse", "HEAD"),

@@ -129,6 +129,10 @@ def compare(a: RunRecord, b: RunRecord, rtol: float = DEFAULT_RTOL) -> dict[str,
     out["overrides"] = {"a": a.overrides, "b": b.overrides}
     out["recipes"] = {"a": a.recipe, "b": b.recipe}
     for side, run in (("A", a), ("B", b)):
+        versions = list(dict.fromkeys(code_of(r) for r in run.ledger or []))
+        if len(versions) > 1:
+            notes.append(f"{side} ran under {len(versions)} code versions, in this order: "
+                         f"{'; '.join(versions)}")  # fmt: skip
         if run.ledger is None:
             notes.append(f"{side} has no ledger.jsonl (a run dir from a version before the "
                          "ledger): its code, environment and hosts are unknown")  # fmt: skip
@@ -139,9 +143,9 @@ def compare(a: RunRecord, b: RunRecord, rtol: float = DEFAULT_RTOL) -> dict[str,
         if run.losses is None:
             notes.append(f"{side} has no metrics.jsonl: the curves are not compared")
     if a.ledger is not None and b.ledger is not None:
-        # The environment a job saw is what trained; before a job, the launcher's.
+        # The code and environment a job saw are what trained; before a job, the launcher's.
         env_a, env_b = (_first(r, "job") or _first(r) for r in (a.ledger, b.ledger))
-        out["code"] = {"a": code_of(_first(a.ledger)), "b": code_of(_first(b.ledger))}
+        out["code"] = {"a": code_of(env_a), "b": code_of(env_b)}
         out["environment"] = changed(_packages(env_a), _packages(env_b))
         out["packages"] = {"a": _packages(env_a), "b": _packages(env_b)}
         out["hosts"] = {"a": hosts_of(a.ledger), "b": hosts_of(b.ledger)}

@@ -101,6 +101,25 @@ def test_diff_says_where_two_runs_curves_part(two_runs: tuple[Path, Path], tmp_p
     assert curves["parting_step"] is None and curves["common_steps"] == 3
 
 
+def test_the_code_is_the_first_jobs_and_a_change_of_code_on_a_resume_is_noted(
+    two_runs: tuple[Path, Path], tmp_path: Path
+) -> None:
+    a, b = (Path(shutil.copytree(run, tmp_path / run.name)) for run in two_runs)
+    launch = (read_ledger(b) or ([{}], 0))[0][0]
+    for commit in ("1" * 40, "2" * 40):  # the job, then its resume under another commit
+        job = {"kind": "job", "code": {"git_commit": commit, "dirty": False}, "hosts": ["n1"]}
+        append_record(b, {**job, "packages": launch["packages"]})
+    code, out, err = diff(a, b, "--format", "json", cwd=tmp_path)
+    assert code == 0, err
+    found = json.loads(out)
+    assert found["code"]["b"] == "git 111111111111" and found["hosts"]["b"] == ["n1"]
+    assert (
+        f"B ran under 3 code versions, in this order: {found['code']['a']}; git 111111111111; "
+        "git 222222222222"
+    ) in found["notes"]
+    assert not any(note.startswith("A ran under") for note in found["notes"])
+
+
 def test_a_run_dir_from_before_the_ledger_is_said_so_and_its_config_still_compared(
     two_runs: tuple[Path, Path], tmp_path: Path
 ) -> None:

@@ -23,6 +23,8 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
+from pretrain.core.run.ledger import read_ledger
+from pretrain.core.run.rundir import LEDGER_FILE
 from pretrain.trainer.checkpoint.export import export, load_model
 from pretrain.trainer.step.state import lm_loss
 from tests.distributed.harness import BASE_OVERRIDES, FP32_TOLERANCE, read_curve
@@ -116,6 +118,13 @@ def test_zero3_dp2_checkpoint_resumes_on_one_rank(workdir, uninterrupted, crashe
     after = train(resumed, ["parallel.zero=3"], nproc=1)
     assert max_relative(after, uninterrupted) <= FP32_TOLERANCE
     assert (resumed / "config.1.yaml").exists()  # the config it was first trained under
+    assert (resumed / "plan.1.json").exists()  # and its plan
+    # The ledger keeps the crashed run's records as they were and appends the resume's.
+    assert (resumed / LEDGER_FILE).read_text().startswith((crashed_zero3 / LEDGER_FILE).read_text())
+    records, skipped = read_ledger(resumed) or ([], -1)
+    assert skipped == 0 and [r["kind"] for r in records] == ["launch", "job", "launch", "job"]
+    jobs = [(r["world_size"], r["start_step"]) for r in records if r["kind"] == "job"]
+    assert jobs == [(2, 0), (1, 4)]
 
 
 @pytest.mark.parametrize(

@@ -87,7 +87,8 @@ def code_of(record: dict) -> str:
 def hosts_of(records: list[dict]) -> list[str]:
     """Every host a job of the run ran on, in order; a local launch's host when no job
     started yet."""
-    hosts = [h for r in records if r.get("kind") == "job" for h in r.get("hosts") or []]
+    jobs = [r.get("hosts") for r in records if r.get("kind") == "job"]
+    hosts = [h for listed in jobs if isinstance(listed, list) for h in listed]
     if not hosts:
         launch = _first(records, "launch")
         if launch.get("backend") == "local" and isinstance(launch.get("host"), str):

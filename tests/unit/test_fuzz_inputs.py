@@ -134,7 +134,8 @@ def test_a_run_dirs_files_are_refused_or_read(
     run_dir = tmp_path_factory.mktemp("run")
     (run_dir / "config.yaml").write_bytes(config)
     metrics_bytes = metrics if isinstance(metrics, bytes) else metrics.encode()
-    (run_dir / "metrics.jsonl").write_bytes(metrics_bytes)
+    for name in ("metrics.jsonl", "ledger.jsonl", "plan.json"):  # JSON lines, or not
+        (run_dir / name).write_bytes(metrics_bytes)
     before = tree(run_dir)
     for read in (
         run_status,

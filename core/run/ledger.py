@@ -56,9 +56,8 @@ def code_version() -> dict[str, Any]:
     package."""
     # An installed package may sit inside someone else's repository (a venv in a project):
     # only a checkout whose root is the package's own counts.
-    top = _git("rev-parse", "--show-toplevel")
-    commit = _git("rev-parse", "HEAD")
-    if top is not None and commit and Path(top).resolve() == _CHECKOUT:
+    top, _, commit = (_git("rev-parse", "--show-toplevel", "HEAD") or "").partition("\n")
+    if commit and Path(top).resolve() == _CHECKOUT:
         changes = _git("status", "--porcelain", "--untracked-files=no")
         return {"git_commit": commit, "dirty": bool(changes)}
     try:

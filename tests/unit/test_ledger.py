@@ -83,6 +83,9 @@ def test_a_package_inside_another_repository_reports_its_installed_version(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    identity = ["-c", "user.name=t", "-c", "user.email=t@example.com"]
+    subprocess.run(["git", "-C", str(tmp_path), *identity, "commit", "-q", "--allow-empty",
+                    "-m", "a project with a venv inside"], check=True)  # fmt: skip
     (tmp_path / "venv" / "site-packages").mkdir(parents=True)
     monkeypatch.setattr(ledger, "_CHECKOUT", tmp_path / "venv" / "site-packages")
     assert ledger.code_version() == {"version": version("pretrain")}

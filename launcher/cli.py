@@ -410,6 +410,6 @@ def _main() -> None:
     except RecipeError as err:
         _fail(f"The command line or a recipe is not valid:\n{err}")
     if OUTCOMES:
-        print(summary(OUTCOMES), file=sys.stderr)
+        print(summary(OUTCOMES, sys.stderr), file=sys.stderr)
         if not all(o.ok for o in OUTCOMES):
             raise SystemExit(1)

@@ -19,6 +19,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TextIO
 
 from pretrain.core.inputs.reading import json_objects
 from pretrain.core.run.rundir import METRICS_FILE
@@ -136,13 +137,16 @@ def _record(outcome: Outcome, worst: float) -> float:
     return worst if value is None or math.isnan(value) else value
 
 
-def summary(outcomes: list[Outcome]) -> str:
-    """One line per point: number, ok/FAILED, final loss, overrides (and why it failed)."""
+def summary(outcomes: list[Outcome], stream: TextIO | None = None) -> str:
+    """A heading with the counts, then a table of one row per point (number, ok/FAILED,
+    final loss, overrides, why it failed), rendered for `stream` (launcher/tables.py)."""
+    from pretrain.launcher.tables import new_table, render
+
     failed = sum(not o.ok for o in outcomes)
-    lines = [f"sweep: {len(outcomes)} points, {len(outcomes) - failed} ok, {failed} failed"]
+    table = new_table(("#", "right"), "status", ("loss", "right"), "overrides", "why")
     for o in outcomes:
-        value = "" if o.value is None else f"loss {o.value:.4f}"
-        status = "ok" if o.ok else "FAILED"
-        why = f" - {o.message.splitlines()[0]}" if o.message else ""
-        lines.append(f"  #{o.number:<3} {status:<6} {value:<12} {o.overrides}{why}")
-    return "\n".join(lines)
+        value = "" if o.value is None else f"{o.value:.4f}"
+        why = o.message.splitlines()[0] if o.message else ""
+        table.add_row(f"#{o.number}", "ok" if o.ok else "FAILED", value, o.overrides, why)
+    heading = f"sweep: {len(outcomes)} points, {len(outcomes) - failed} ok, {failed} failed"
+    return render(table, stream, heading)

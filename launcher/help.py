@@ -26,14 +26,18 @@ USAGE = """\
 pretrain: compose a recipe (Hydra), validate it, plan it, then act.
 
 usage: pretrain [--config-name RECIPE] [--config-dir DIR] [KEY=VALUE | GROUP=OPTION |
-                +cluster.env.NAME=VALUE | ~KEY ...] [-m] [--cfg job] [--help [SECTION]]
+                +cluster.env.NAME=VALUE | ~KEY ...] [-m] [--cfg job] [-q | -v]
+                [--help [SECTION]]
 
   -m                 a sweep: KEY=a,b,c gives one run dir per point (runs/RECIPE/POINT);
                      hydra/sweeper=optuna searches KEY=interval(lo,hi) (docs/sweeps.md)
   --cfg job          print the composed recipe and exit
   --config-dir DIR   your own recipes (also PRETRAIN_RECIPES=DIR); see docs/recipes-and-cli.md
+  -q, --quiet        warnings and errors only (no plan before a job, no run dir lines)
+  -v, --verbose      debug lines too: the overrides, the commands the launcher runs
+                     (stdout holds only what was asked for: a JSON plan, the script path)
 
-commands (each also installed as pretrain-COMMAND):
+commands (report, export and dashboard also installed as pretrain-COMMAND):
   pretrain status RUN_DIR...          where a run or a sweep stands
   pretrain report RUN_DIR...          the dashboard's panels as a PNG, without W&B
   pretrain export RUN_DIR OUT_DIR     a checkpoint as a Hugging Face folder

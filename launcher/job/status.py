@@ -8,7 +8,6 @@ who holds the lock, and the SLURM job's state with its pending reason. For a swe
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -31,6 +30,9 @@ from pretrain.core.run.rundir import (
     PREEMPTED_MARKER,
     SLURM_JOB_FILE,
 )
+from pretrain.launcher.output import get_logger
+
+LOG = get_logger(__name__)
 
 
 def _last_rows(run_dir: Path) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -141,14 +143,17 @@ def render_status(path: Path, stream: TextIO | None = None) -> str:
 
 def main(argv: list[str]) -> int:
     """`pretrain status RUN_DIR [RUN_DIR ...]`: print each one's status; 2 for a bad path."""
+    from pretrain.launcher.output import set_verbosity
+
+    argv = set_verbosity(argv)
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: pretrain status RUN_DIR [RUN_DIR ...]  (a run dir or a sweep dir)")
+        print("usage: pretrain status [-q | -v] RUN_DIR [RUN_DIR ...]  (a run dir or a sweep dir)")
         return 0 if argv else 2
     code = 0
     for raw in argv:
         try:
             print(render_status(Path(raw)))
         except (OSError, ValueError) as err:
-            print(f"pretrain status {raw}: {err}", file=sys.stderr)
+            LOG.error(f"pretrain status {raw}: {err}")
             code = 2
     return code

@@ -15,7 +15,6 @@ from __future__ import annotations
 import hashlib
 import math
 import re
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +22,9 @@ from typing import TextIO
 
 from pretrain.core.inputs.reading import json_objects
 from pretrain.core.run.rundir import METRICS_FILE
+from pretrain.launcher.output import get_logger
+
+LOG = get_logger(__name__)
 
 
 class Stopped(SystemExit):
@@ -122,7 +124,7 @@ def run_point(
         ok = stop.code in (0, None)
         return _record(Outcome(number, overrides, ok, None, f"exit code {stop.code}"), worst)
     except Exception as err:  # any failure of one point, a bug included, spares the rest
-        print(f"sweep point #{number} ({overrides}): {type(err).__name__}: {err}", file=sys.stderr)
+        LOG.error(f"sweep point #{number} ({overrides}): {type(err).__name__}: {err}")
         why = str(err).splitlines()[0] if str(err) else type(err).__name__
         return _record(Outcome(number, overrides, False, None, why), worst)
     return _record(Outcome(number, overrides, True, value, ""), worst)
@@ -132,7 +134,7 @@ def _record(outcome: Outcome, worst: float) -> float:
     OUTCOMES.append(outcome)
     if not outcome.ok:
         where = f"#{outcome.number} ({outcome.overrides})"
-        print(f"sweep point {where} failed; the sweep goes on", file=sys.stderr)
+        LOG.warning(f"sweep point {where} failed; the sweep goes on")
     value = outcome.value
     return worst if value is None or math.isnan(value) else value
 

@@ -58,6 +58,7 @@ from pretrain.launcher.output import (
     VERBOSE_FLAGS,
     get_logger,
     info_stream,
+    levels_of_one_command,
     set_verbosity,
 )
 
@@ -403,11 +404,12 @@ def main() -> None:
     # `pretrain -q status RUN` and `pretrain status -q RUN` alike: the command's own main
     # reads the flag.
     words = [a for a in sys.argv[1:] if a not in QUIET_FLAGS + VERBOSE_FLAGS]
-    if words[:1] and words[0] in SUBCOMMANDS:
-        name, rest = words[0], list(sys.argv[1:])
-        rest.remove(name)
-        run_command(f"pretrain {name}", lambda: run_subcommand(name, rest))
-    run_command("pretrain", _main)
+    with levels_of_one_command():
+        if words[:1] and words[0] in SUBCOMMANDS:
+            name, rest = words[0], list(sys.argv[1:])
+            rest.remove(name)
+            run_command(f"pretrain {name}", lambda: run_subcommand(name, rest))
+        run_command("pretrain", _main)
 
 
 def _main() -> None:

@@ -16,7 +16,7 @@ import sys
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from pretrain.launcher.output import get_logger, set_verbosity
+from pretrain.launcher.output import get_logger, levels_of_one_command, set_verbosity
 
 LOG = get_logger(__name__)
 
@@ -104,7 +104,8 @@ def main(argv: list[str] | None = None) -> None:
     """Console entry point of `pretrain-dashboard`, inside the error boundary."""
     from pretrain.core.inputs.boundary import run_command
 
-    run_command("pretrain-dashboard", lambda: _main(argv))
+    with levels_of_one_command():
+        run_command("pretrain-dashboard", lambda: _main(argv))
 
 
 def _main(argv: list[str] | None) -> None:

@@ -17,8 +17,10 @@ A user error still ends in the entry point's one error boundary (core/inputs/bou
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
+from collections.abc import Iterator
 from typing import TextIO
 
 from pretrain.core.problems import Problem, RecipeError
@@ -83,6 +85,16 @@ def set_verbosity(argv: list[str]) -> list[str]:
     level = logging.WARNING if quiet else logging.DEBUG if verbose else logging.INFO
     _launcher_logger().setLevel(level)
     return [a for a in argv if a not in QUIET_FLAGS + VERBOSE_FLAGS]
+
+
+@contextlib.contextmanager
+def levels_of_one_command() -> Iterator[None]:
+    """Puts the default level (info) back when the command inside ends: -q or -v belongs to
+    that command, not to a later one run in the same process."""
+    try:
+        yield
+    finally:
+        _launcher_logger().setLevel(logging.INFO)
 
 
 def info_stream() -> TextIO:

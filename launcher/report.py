@@ -39,7 +39,7 @@ from pretrain.core.inputs.reading import (
 from pretrain.core.run.metric_names import flat_name
 from pretrain.core.run.rundir import METRICS_FILE, PLAN_FILE
 from pretrain.launcher.dashboard import SECTIONS
-from pretrain.launcher.output import get_logger, set_verbosity
+from pretrain.launcher.output import get_logger, levels_of_one_command, set_verbosity
 
 LOG = get_logger(__name__)
 
@@ -319,7 +319,8 @@ def main(argv: list[str] | None = None) -> None:
     """Console entry point of `pretrain-report`, inside the error boundary."""
     from pretrain.core.inputs.boundary import run_command
 
-    run_command("pretrain-report", lambda: _main(argv))
+    with levels_of_one_command():
+        run_command("pretrain-report", lambda: _main(argv))
 
 
 def _main(argv: list[str] | None) -> None:

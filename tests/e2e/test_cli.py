@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import sys
 from pathlib import Path
 
@@ -228,6 +229,7 @@ def test_a_run_prints_the_plan_in_a_few_lines_unless_asked_for_all_or_none(tmp_p
 
 
 def test_quiet_prints_only_warnings_and_what_was_asked_for(tmp_path: Path) -> None:
+    from pretrain.launcher.output import LOGGER_NAME
     from tests.helpers import pretrain_in_process
 
     run_dir = tmp_path / "run"
@@ -248,6 +250,9 @@ def test_quiet_prints_only_warnings_and_what_was_asked_for(tmp_path: Path) -> No
     assert [line[:9] for line in err.splitlines()] == ["warning: "]
     code, out, err = pretrain_in_process("-q", "status", str(run_dir), cwd=tmp_path)
     assert code == 0 and out.startswith(f"{run_dir}\n") and err == ""
+    # -q was that command's: code that runs the launcher's steps in this process afterwards
+    # (cli.execute) says what it does again.
+    assert logging.getLogger(LOGGER_NAME).level == logging.INFO
 
 
 def test_verbose_adds_debug_lines_on_stderr_and_keeps_stdout_parseable(tmp_path: Path) -> None:

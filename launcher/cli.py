@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shlex
 import signal
 import sys
 from pathlib import Path
@@ -52,6 +53,16 @@ from pretrain.launcher.job.sweep import (
     summary,
     swept_keys,
 )
+from pretrain.launcher.output import (
+    QUIET_FLAGS,
+    VERBOSE_FLAGS,
+    get_logger,
+    info_stream,
+    levels_of_one_command,
+    set_verbosity,
+)
+
+LOG = get_logger(__name__)
 
 RECIPES_DIR = str(SHIPPED_RECIPES)
 DEFAULT_RECIPE = "tiny"
@@ -76,7 +87,7 @@ def _run_dir(cfg: RecipeConfig) -> Path:
 
 
 def _fail(message: str, code: int = 2) -> None:
-    print(message, file=sys.stderr)
+    LOG.error(message)
     raise Failed(code, message)
 
 
@@ -93,11 +104,11 @@ def execute(cfg: RecipeConfig, launched: dict | None = None) -> float | None:
     overrides = (launched or {}).get("overrides", [])
     try:
         for line in [*adopted_lines(cfg, overrides), *nanogpt_val_lines(cfg, overrides)]:
-            print(line)
+            LOG.info(line)
     except RecipeError as err:
         _fail(f"Recipe '{cfg.name}' is not valid:\n{err}")
     for warning in fit_schedule_to_run(cfg):
-        print(f"warning: {warning}", file=sys.stderr)
+        LOG.warning(warning)
     if cfg.action == "suggest":
         # The search chooses the layout: only problems that no layout fixes are refused.
         from pretrain.launcher.plan.suggest import report
@@ -128,10 +139,13 @@ def execute(cfg: RecipeConfig, launched: dict | None = None) -> float | None:
 
         _fail_on(dry_run_action(cfg, plan))
         return None
+    # The plan before a job is said, not produced: -q hides it, never its warnings.
     if cfg.plan.before_run == "full":
-        print(render_plan(plan))
+        LOG.info(render_plan(plan, with_warnings=False))
     elif cfg.plan.before_run == "summary":
-        print(render_summary(plan))
+        LOG.info(render_summary(plan))
+    for warning in plan.warnings:
+        LOG.warning(warning)
     if cfg.plan.dryrun and cfg.action == "run" and cfg.cluster.backend == "slurm":
         from pretrain.launcher.plan.dryrun import refusal
 
@@ -153,7 +167,7 @@ def _draw_pipeline_chart(cfg: RecipeConfig, plan: Any) -> None:
         _fail(f"plan.chart=png: recipe '{cfg.name}' has parallel.pp=1 and no pipeline to "
               "chart; set parallel.pp > 1, or drop plan.chart")  # fmt: skip
     out = draw_chart(plan.pipeline, Path("pipeline.png"), cfg.name)
-    print(f"pipeline chart: {out.resolve()}", file=sys.stderr)
+    LOG.info(f"pipeline chart: {out.resolve()}")
 
 
 def _validate_for_action(cfg: RecipeConfig) -> None:
@@ -180,7 +194,7 @@ def _validate_for_action(cfg: RecipeConfig) -> None:
     if cfg.action == "script":
         # A script may be written for a layout this trainer cannot run yet; say so loudly.
         for problem in check_runnable(cfg):
-            print(f"warning: {problem}", file=sys.stderr)
+            LOG.warning(problem)
 
 
 def _write_and_start(cfg: RecipeConfig, plan: dict, launched: dict | None) -> float | None:
@@ -206,15 +220,17 @@ def _write_and_start(cfg: RecipeConfig, plan: dict, launched: dict | None) -> fl
         check_run_dir(cfg, Path(cfg.run.dir), config_yaml)  # refuse before anything is written
         finished = finished_message(cfg, Path(cfg.run.dir)) if cfg.action == "run" else None
         if finished:
-            print(finished)
+            LOG.warning(finished)
             return final_loss(Path(cfg.run.dir))
         with claimed_run_dir(cfg) as lock_token:
             files = write_run_dir(cfg, Path(cfg.run.dir), config_yaml, plan, launched)
-            print(f"run dir:    {files.run_dir}")
-            print(f"config:     {files.config_path}")
-            print(f"job script: {files.script_path}")
+            LOG.info(f"run dir:    {files.run_dir}")
+            LOG.info(f"config:     {files.config_path}")
             if cfg.action == "script":
+                # The script's path alone on stdout: `sbatch $(pretrain -q action=script)`.
+                print(files.script_path)
                 return None
+            LOG.info(f"job script: {files.script_path}")
             if cfg.cluster.backend == "slurm":
                 job = submit_slurm(files)
                 print(f"submitted SLURM job {job.job_id}; log: {job.log_path}")
@@ -230,7 +246,7 @@ def _write_and_start(cfg: RecipeConfig, plan: dict, launched: dict | None) -> fl
         _fail(str(err))
     if ended.stopped_by:
         resume = "run the same command again to resume"
-        print(f"stopped by {ended.stopped_by}; {resume}", file=sys.stderr)
+        LOG.warning(f"stopped by {ended.stopped_by}; {resume}")
         # Ranks that saved and left the preempted marker stopped as asked (as a requeued
         # SLURM job does): exit 0. A stop before that is not finished: exit as a shell
         # reports a signal, 128 + its number. Either way a sweep stops here.
@@ -265,7 +281,7 @@ def _prepare(cfg: RecipeConfig) -> None:
         _fail(str(err))
     except RunDirInUse as err:
         _fail(f"run.dir: {err}")
-    print(f"config:     {files.config_path}")
+    LOG.info(f"config:     {files.config_path}")
     if cfg.cluster.backend == "slurm":
         try:
             job = submit_prepare(files)
@@ -278,8 +294,8 @@ def _prepare(cfg: RecipeConfig) -> None:
     except LaunchError as err:
         _fail(f"run.dir: {err}")
     if stopped_by:
-        print(f"stopped by {stopped_by}; finished units are kept, run the same command again "
-              "to resume", file=sys.stderr)  # fmt: skip
+        LOG.warning(f"stopped by {stopped_by}; finished units are kept, run the same command "
+                    "again to resume")  # fmt: skip
         raise Stopped(128 + signal.Signals[stopped_by].value)
     if code != 0:
         _fail(f"preparation exited with code {code}; see the output above", code)
@@ -293,6 +309,7 @@ def _hydra_main(node: DictConfig) -> float | None:
     hydra_cfg = HydraConfig.get()
     overrides = list(hydra_cfg.overrides.task)
     launched = {"recipe": hydra_cfg.job.config_name, "overrides": overrides}
+    LOG.debug(f"recipe {launched['recipe']}, overrides: {shlex.join(overrides) or '(none)'}")
     if hydra_cfg.mode is None or hydra_cfg.mode.name != "MULTIRUN":
         return execute(cfg, launched)
     if "optuna" in str(hydra_cfg.sweeper.get("_target_", "")):
@@ -388,10 +405,15 @@ def main() -> None:
     if "--version" in sys.argv[1:]:
         print(version_line())
         return
-    if sys.argv[1:2] and sys.argv[1] in SUBCOMMANDS:
-        name = sys.argv[1]
-        run_command(f"pretrain {name}", lambda: run_subcommand(name, sys.argv[2:]))
-    run_command("pretrain", _main)
+    # `pretrain -q status RUN` and `pretrain status -q RUN` alike: the command's own main
+    # reads the flag.
+    words = [a for a in sys.argv[1:] if a not in QUIET_FLAGS + VERBOSE_FLAGS]
+    with levels_of_one_command():
+        if words[:1] and words[0] in SUBCOMMANDS:
+            name, rest = words[0], list(sys.argv[1:])
+            rest.remove(name)
+            run_command(f"pretrain {name}", lambda: run_subcommand(name, rest))
+        run_command("pretrain", _main)
 
 
 def _main() -> None:
@@ -399,12 +421,14 @@ def _main() -> None:
     errors are reported like the validator's."""
     confirmed = CONFIRM_FLAG in sys.argv[1:]  # a large sweep's go-ahead; not Hydra's flag
     try:
-        argv = with_user_recipes(flags_first([a for a in sys.argv[1:] if a != CONFIRM_FLAG]))
+        ours = set_verbosity([a for a in sys.argv[1:] if a != CONFIRM_FLAG])
+        argv = with_user_recipes(flags_first(ours))
         if _wants_help(argv):
             print(render_help(search_dirs(argv), _help_filter(argv)))
             return
         with sweep_scratch(argv, DEFAULT_RECIPE) as scratch:
             sys.argv[1:] = checked_command_line(argv, DEFAULT_RECIPE, confirmed) + scratch
+            LOG.debug(f"Hydra's command line: {shlex.join(sys.argv[1:])}")
             # One command, one sweep: nothing of an earlier main() in this process counts.
             OUTCOMES.clear()
             SWEPT_KEYS.clear()
@@ -414,6 +438,6 @@ def _main() -> None:
     except RecipeError as err:
         _fail(f"The command line or a recipe is not valid:\n{err}")
     if OUTCOMES:
-        print(summary(OUTCOMES), file=sys.stderr)
+        LOG.info(summary(OUTCOMES, info_stream()))
         if not all(o.ok for o in OUTCOMES):
             raise SystemExit(1)

@@ -16,6 +16,10 @@ import sys
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from pretrain.launcher.output import get_logger, levels_of_one_command, set_verbosity
+
+LOG = get_logger(__name__)
+
 STEP = "train/step"
 """The x-axis of every line panel: the trainer's step metric."""
 
@@ -100,7 +104,8 @@ def main(argv: list[str] | None = None) -> None:
     """Console entry point of `pretrain-dashboard`, inside the error boundary."""
     from pretrain.core.inputs.boundary import run_command
 
-    run_command("pretrain-dashboard", lambda: _main(argv))
+    with levels_of_one_command():
+        run_command("pretrain-dashboard", lambda: _main(argv))
 
 
 def _main(argv: list[str] | None) -> None:
@@ -113,7 +118,7 @@ def _main(argv: list[str] | None) -> None:
     parser.add_argument("--entity", default="", help="W&B entity (default: your API key's)")
     parser.add_argument("--name", default="pretrain", help="name of the saved workspace view")
     parser.add_argument("--print", action="store_true", help="print the spec; create nothing")
-    args = parser.parse_args(argv)
+    args = parser.parse_args(set_verbosity(sys.argv[1:] if argv is None else argv))
     if args.print:
         print(json.dumps(spec(), indent=1))
         return
@@ -123,8 +128,8 @@ def _main(argv: list[str] | None) -> None:
 
     if not api_key_configured(os.environ):
         why = "no W&B credentials (WANDB_API_KEY or a netrc entry)"
-        print(f"pretrain-dashboard: {why}: `wandb login`, then run it again; --print shows "
-              "the panels", file=sys.stderr)  # fmt: skip
+        LOG.error(f"pretrain-dashboard: {why}: `wandb login`, then run it again; --print "
+                  "shows the panels")  # fmt: skip
         raise SystemExit(2)
     import wandb
 

@@ -5,6 +5,7 @@ hand). `pretrain --help SECTION` lists only the fields whose path starts with SE
 from __future__ import annotations
 
 import textwrap
+from collections.abc import Iterable
 from pathlib import Path
 
 from pretrain.core.field_docs import field_docs
@@ -26,12 +27,16 @@ USAGE = """\
 pretrain: compose a recipe (Hydra), validate it, plan it, then act.
 
 usage: pretrain [--config-name RECIPE] [--config-dir DIR] [KEY=VALUE | GROUP=OPTION |
-                +cluster.env.NAME=VALUE | ~KEY ...] [-m] [--cfg job] [--help [SECTION]]
+                +cluster.env.NAME=VALUE | ~KEY ...] [-m] [--cfg job] [-q | -v]
+                [--help [SECTION]]
 
   -m                 a sweep: KEY=a,b,c gives one run dir per point (runs/RECIPE/POINT);
                      hydra/sweeper=optuna searches KEY=interval(lo,hi) (docs/sweeps.md)
   --cfg job          print the composed recipe and exit
   --config-dir DIR   your own recipes (also PRETRAIN_RECIPES=DIR); see docs/recipes-and-cli.md
+  -q, --quiet        warnings and errors only (no plan before a job, no run dir lines)
+  -v, --verbose      debug lines too: the overrides, the commands the launcher runs
+                     (stdout holds only what was asked for: a JSON plan, the script path)
 
 commands (report, export and dashboard also installed as pretrain-COMMAND):
   pretrain status RUN_DIR...          where a run or a sweep stands
@@ -45,21 +50,26 @@ def _wrap(text: str, indent: int) -> list[str]:
     return textwrap.wrap(text, 96, initial_indent=" " * indent, subsequent_indent=" " * indent)
 
 
+def _listing(rows: Iterable[tuple[str, str]]) -> str:
+    """Two columns, indented two blanks (launcher/tables.py: the terminal's width there)."""
+    from pretrain.launcher.tables import new_table, render
+
+    table = new_table("name", "what", header=False)
+    for name, what in rows:
+        table.add_row(name, what)
+    return textwrap.indent(render(table), "  ")
+
+
 def render_help(dirs: list[Path], section: str = "") -> str:
     """The help text for a search path of recipe directories; `section` narrows the fields."""
     lines = [USAGE, ""]
     if not section:
         lines.append("recipes (--config-name RECIPE; default tiny):")
         lines += _wrap(", ".join(recipe_names(dirs)), 2)
-        lines += ["", "actions (action=NAME):"]
-        lines += [f"  {name:<9} {doc}" for name, doc in ACTIONS.items()]
-        lines += ["", "config groups (GROUP=OPTION):"]
-        for group in sorted(
-            {d.name for directory in dirs for d in directory.iterdir() if d.is_dir()}
-        ):
-            options = group_options(group, dirs)
-            if options:
-                lines.append(f"  {group:<10} {', '.join(options)}")
+        lines += ["", "actions (action=NAME):", _listing(ACTIONS.items())]
+        groups = sorted({d.name for directory in dirs for d in directory.iterdir() if d.is_dir()})
+        options = [(group, ", ".join(group_options(group, dirs))) for group in groups]
+        lines += ["", "config groups (GROUP=OPTION):", _listing(o for o in options if o[1])]
         lines.append("")
     shown = [f for f in field_docs(RecipeConfig) if f.path.startswith(section)]
     if not shown:

@@ -39,6 +39,9 @@ from pretrain.core.inputs.reading import (
 from pretrain.core.run.metric_names import flat_name
 from pretrain.core.run.rundir import METRICS_FILE, PLAN_FILE
 from pretrain.launcher.dashboard import SECTIONS
+from pretrain.launcher.output import get_logger, levels_of_one_command, set_verbosity
+
+LOG = get_logger(__name__)
 
 PNG_DATA_KEY = "pretrain-report"
 """The PNG text chunk that holds the drawn panels' data."""
@@ -300,16 +303,15 @@ def run_dirs(paths: list[Path]) -> list[Path]:
 def _load(run_dir: Path) -> Metrics:
     source = run_dir / METRICS_FILE
     if not source.exists():
-        print(f"pretrain-report: no {source}; give a run dir the trainer logged to",
-              file=sys.stderr)  # fmt: skip
+        LOG.error(f"pretrain-report: no {source}; give a run dir the trainer logged to")
         raise SystemExit(2)
     metrics = load_metrics(source)
     if not metrics.records:
-        print(f"pretrain-report: {source} holds no logged step yet", file=sys.stderr)
+        LOG.error(f"pretrain-report: {source} holds no logged step yet")
         raise SystemExit(2)
     if metrics.skipped_lines:
-        print(f"pretrain-report: {source}: skipped {metrics.skipped_lines} unreadable line(s)",
-              file=sys.stderr)  # fmt: skip
+        LOG.warning(f"pretrain-report: {source}: skipped {metrics.skipped_lines} unreadable "
+                    "line(s)")  # fmt: skip
     return metrics
 
 
@@ -317,7 +319,8 @@ def main(argv: list[str] | None = None) -> None:
     """Console entry point of `pretrain-report`, inside the error boundary."""
     from pretrain.core.inputs.boundary import run_command
 
-    run_command("pretrain-report", lambda: _main(argv))
+    with levels_of_one_command():
+        run_command("pretrain-report", lambda: _main(argv))
 
 
 def _main(argv: list[str] | None) -> None:
@@ -329,7 +332,7 @@ def _main(argv: list[str] | None) -> None:
     )
     parser.add_argument("run_dir", type=Path, nargs="+", help="run dirs, or a sweep dir")
     parser.add_argument("--out", type=Path, help="PNG path (default: see above)")
-    args = parser.parse_args(argv)
+    args = parser.parse_args(set_verbosity(sys.argv[1:] if argv is None else argv))
     dirs = run_dirs(args.run_dir)
     runs = [(d.name, _load(d)) for d in dirs]
     plan: dict[str, Any] = {}

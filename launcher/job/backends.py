@@ -15,6 +15,7 @@ import contextlib
 import importlib.util
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -32,6 +33,9 @@ from pretrain.core.run.rundir import LAUNCH_LOG, LOGS_DIR, SLURM_JOB_FILE
 from pretrain.core.schema import RecipeConfig
 from pretrain.launcher.job.failure_summary import clear_failures, has_failures
 from pretrain.launcher.job.run_dir import JobFiles, job_env, local_command
+from pretrain.launcher.output import get_logger
+
+LOG = get_logger(__name__)
 
 KILL_MARGIN_S = 10.0
 """How long past `cluster.signal_seconds` a stopped local run may take before it is killed:
@@ -88,7 +92,7 @@ def claimed_run_dir(cfg: RecipeConfig) -> Iterator[str | None]:
     except OSError as err:
         raise LaunchError(f"cannot write the run dir {run_dir}: {err.strerror or err}") from None
     if note:
-        print(f"run dir {run_dir}: {note}", file=sys.stderr)
+        LOG.warning(f"run dir {run_dir}: {note}")
     try:
         yield holder.token
     except BaseException:
@@ -157,6 +161,7 @@ def run_local(files: JobFiles, cfg: RecipeConfig, lock_token: str | None = None)
     stopped: list[str] = []
     with (logs / LAUNCH_LOG).open("ab") as log:
         log.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(args)}\n".encode())
+        LOG.debug(f"running: {shlex.join(args)}")
         proc = subprocess.Popen(
             args, env=env, start_new_session=True, stderr=subprocess.PIPE,
             preexec_fn=child_dies_with_us(),
@@ -206,6 +211,7 @@ def wait_forwarding_signals(
 def submit_slurm(files: JobFiles) -> SubmittedJob:
     """Submit the run dir's job.sbatch with sbatch; the job starts in the current directory."""
     command = ["sbatch", "--parsable", str(files.script_path)]
+    LOG.debug(f"running: {shlex.join(command)}")
     try:
         result = subprocess.run(
             command, capture_output=True, text=True, timeout=_SUBMIT_TIMEOUT_S, check=False

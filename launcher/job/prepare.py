@@ -37,6 +37,9 @@ from pretrain.launcher.job.run_dir import (
     _write_atomic,
     job_python,
 )
+from pretrain.launcher.output import get_logger
+
+LOG = get_logger(__name__)
 
 
 def render_prepare_sbatch(cfg: RecipeConfig, run_dir: Path, config_path: Path) -> str:
@@ -105,8 +108,10 @@ def run_prepare_here(files: JobFiles) -> tuple[int, str | None]:
     except run_lock.RunDirInUse as err:
         raise LaunchError(str(err)) from None
     try:
+        command = [sys.executable, "-m", "pretrain.dataprep.prepare", str(files.config_path)]
+        LOG.debug(f"running: {shlex.join(command)}")
         proc = subprocess.Popen(
-            [sys.executable, "-m", "pretrain.dataprep.prepare", str(files.config_path)],
+            command,
             # As the ranks do: the working directory's folders never stand in for ours.
             env={**os.environ, "PYTHONSAFEPATH": "1"},
             start_new_session=True,

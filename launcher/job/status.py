@@ -8,9 +8,8 @@ who holds the lock, and the SLURM job's state with its pending reason. For a swe
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from pretrain.core.inputs.reading import (
     ReadError,
@@ -31,6 +30,9 @@ from pretrain.core.run.rundir import (
     PREEMPTED_MARKER,
     SLURM_JOB_FILE,
 )
+from pretrain.launcher.output import get_logger
+
+LOG = get_logger(__name__)
 
 
 def _last_rows(run_dir: Path) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -114,37 +116,44 @@ def _number(value: Any, spec: str) -> str:
     return "-" if finite is None else format(finite, spec)
 
 
-def render_status(path: Path) -> str:
-    """The status of a run dir, or one row per point of a sweep dir."""
+def render_status(path: Path, stream: TextIO | None = None) -> str:
+    """The status of a run dir (a two-column table of its fields), or one row per point of
+    a sweep dir, rendered for `stream` (launcher/tables.py)."""
+    from pretrain.launcher.tables import new_table, render
+
     if (path / CONFIG_FILE).exists():
-        status = run_status(path)
-        width = max(map(len, status))
-        return "\n".join([str(path), *(f"  {k:<{width}}  {v}" for k, v in status.items())])
+        table = new_table("field", "value", header=False)
+        for key, value in run_status(path).items():
+            table.add_row(key, value)
+        return render(table, stream, heading=str(path))
     points = sorted(p for p in path.iterdir() if (p / CONFIG_FILE).is_file())
     if not points:
         raise FileNotFoundError(f"{path} holds no {CONFIG_FILE}, nor run dirs that do")
     columns = ["step", "loss", "val loss", "ETA", "checkpoint", "slurm"]
-    rows = [[p.name, *(run_status(p)[c] for c in columns)] for p in points]
-    header = ["point", *columns]
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    lines = [f"{path}: {len(points)} points"]
-    lines += [
-        "  " + "  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip()
-        for r in [header, *rows]
-    ]
-    return "\n".join(lines)
+    right = {"step", "loss", "val loss"}
+    table = new_table(
+        "point",
+        *((c, "right" if c in right else "left") for c in columns),
+    )
+    for point in points:
+        status = run_status(point)
+        table.add_row(point.name, *(status[c] for c in columns))
+    return render(table, stream, heading=f"{path}: {len(points)} points")
 
 
 def main(argv: list[str]) -> int:
     """`pretrain status RUN_DIR [RUN_DIR ...]`: print each one's status; 2 for a bad path."""
+    from pretrain.launcher.output import set_verbosity
+
+    argv = set_verbosity(argv)
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: pretrain status RUN_DIR [RUN_DIR ...]  (a run dir or a sweep dir)")
+        print("usage: pretrain status [-q | -v] RUN_DIR [RUN_DIR ...]  (a run dir or a sweep dir)")
         return 0 if argv else 2
     code = 0
     for raw in argv:
         try:
             print(render_status(Path(raw)))
         except (OSError, ValueError) as err:
-            print(f"pretrain status {raw}: {err}", file=sys.stderr)
+            LOG.error(f"pretrain status {raw}: {err}")
             code = 2
     return code

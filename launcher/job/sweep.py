@@ -15,13 +15,16 @@ from __future__ import annotations
 import hashlib
 import math
 import re
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TextIO
 
 from pretrain.core.inputs.reading import json_objects
 from pretrain.core.run.rundir import METRICS_FILE
+from pretrain.launcher.output import get_logger
+
+LOG = get_logger(__name__)
 
 
 class Stopped(SystemExit):
@@ -121,7 +124,7 @@ def run_point(
         ok = stop.code in (0, None)
         return _record(Outcome(number, overrides, ok, None, f"exit code {stop.code}"), worst)
     except Exception as err:  # any failure of one point, a bug included, spares the rest
-        print(f"sweep point #{number} ({overrides}): {type(err).__name__}: {err}", file=sys.stderr)
+        LOG.error(f"sweep point #{number} ({overrides}): {type(err).__name__}: {err}")
         why = str(err).splitlines()[0] if str(err) else type(err).__name__
         return _record(Outcome(number, overrides, False, None, why), worst)
     return _record(Outcome(number, overrides, True, value, ""), worst)
@@ -131,18 +134,21 @@ def _record(outcome: Outcome, worst: float) -> float:
     OUTCOMES.append(outcome)
     if not outcome.ok:
         where = f"#{outcome.number} ({outcome.overrides})"
-        print(f"sweep point {where} failed; the sweep goes on", file=sys.stderr)
+        LOG.warning(f"sweep point {where} failed; the sweep goes on")
     value = outcome.value
     return worst if value is None or math.isnan(value) else value
 
 
-def summary(outcomes: list[Outcome]) -> str:
-    """One line per point: number, ok/FAILED, final loss, overrides (and why it failed)."""
+def summary(outcomes: list[Outcome], stream: TextIO | None = None) -> str:
+    """A heading with the counts, then a table of one row per point (number, ok/FAILED,
+    final loss, overrides, why it failed), rendered for `stream` (launcher/tables.py)."""
+    from pretrain.launcher.tables import new_table, render
+
     failed = sum(not o.ok for o in outcomes)
-    lines = [f"sweep: {len(outcomes)} points, {len(outcomes) - failed} ok, {failed} failed"]
+    table = new_table(("#", "right"), "status", ("loss", "right"), "overrides", "why")
     for o in outcomes:
-        value = "" if o.value is None else f"loss {o.value:.4f}"
-        status = "ok" if o.ok else "FAILED"
-        why = f" - {o.message.splitlines()[0]}" if o.message else ""
-        lines.append(f"  #{o.number:<3} {status:<6} {value:<12} {o.overrides}{why}")
-    return "\n".join(lines)
+        value = "" if o.value is None else f"{o.value:.4f}"
+        why = o.message.splitlines()[0] if o.message else ""
+        table.add_row(f"#{o.number}", "ok" if o.ok else "FAILED", value, o.overrides, why)
+    heading = f"sweep: {len(outcomes)} points, {len(outcomes) - failed} ok, {failed} failed"
+    return render(table, stream, heading)

@@ -20,8 +20,9 @@ MEMBERS_SHOWN = 8
 """Ranks listed per group before the list is abbreviated."""
 
 
-def render_plan(plan: Plan) -> str:
-    """A multi-section plain-text table of the plan, WIDTH columns wide."""
+def render_plan(plan: Plan, with_warnings: bool = True) -> str:
+    """A multi-section plain-text table of the plan, WIDTH columns wide; its warnings last
+    unless `with_warnings` is false (a run logs them as warnings of their own)."""
     # rich costs ~20 ms to import: only `action=plan` with the table format pays it.
     from rich.console import Console
 
@@ -59,7 +60,7 @@ def render_plan(plan: Plan) -> str:
         console.print(_breakdown_table(plan, plan.memory))
     console.print(_zero_paper_table(plan))
     _section(console, "Fit and speed", _fit_rows(plan))
-    for line in plan.warnings:
+    for line in plan.warnings if with_warnings else []:
         console.print(f"warning: {line}")
     for line in plan.assumptions:
         console.print(f"assumed: {line}")
@@ -253,7 +254,8 @@ def _maybe(value: float | None, fmt: str) -> str:
 
 def render_summary(plan: Plan) -> str:
     """The plan in a few lines, as a run prints it before its job (plan.before_run=summary):
-    layout, size, memory and speed, and every warning; action=plan prints the whole."""
+    layout, size, memory and speed; action=plan prints the whole. The plan's warnings are
+    not in it: a run logs them as warnings, which -q does not hide."""
     d = plan.degrees
     split = " ".join(
         f"{name}={size}"
@@ -273,6 +275,5 @@ def render_summary(plan: Plan) -> str:
         f"{_maybe(plan.step_time_s, '{:.3g} s')} | MFU {_maybe(plan.mfu, '{:.1%}')} | "
         f"tokens/s {_maybe(plan.tokens_per_s, '{:,.0f}')}",
     ]
-    lines += [f"warning: {line}" for line in plan.warnings]
     lines.append("  (the whole plan: action=plan, or plan.before_run=full)")
     return "\n".join(lines)

@@ -32,6 +32,7 @@ import itertools
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TextIO
 
 from pretrain.core import hardware
 from pretrain.core.hardware import GIB, Links
@@ -518,44 +519,58 @@ def search_to_dict(cfg: RecipeConfig, result: Search) -> dict:
     }
 
 
-def render_search(cfg: RecipeConfig, result: Search) -> str:
-    """The suggestions as a text table, each with its why and the overrides to use it."""
+def render_search(cfg: RecipeConfig, result: Search, stream: TextIO | None = None) -> str:
+    """The suggestions as a table rendered for `stream` (launcher/tables.py), then each
+    one's step time in three terms, its why and the overrides to use it."""
+    from pretrain.launcher.tables import new_table, render
+
     k, t = cfg.cluster, cfg.train
-    lines = [
+    heading = (
         f"Layouts for {cfg.name} on {k.nodes} x {k.gpus_per_node} {k.gpu_type} "
         f"({result.device_gib:g} GiB), global batch {t.global_batch} x {t.seq_len} tokens, "
-        f"{cfg.precision.dtype}",
+        f"{cfg.precision.dtype}\n"
         f"{result.fitting} of {result.enumerated} layouts fit with {HEADROOM:.0%} headroom; the "
-        "fastest by estimated step time (launcher/plan/cost.py):",
-        "",
-        f"{'#':>2} {'tp':>3} {'sp':>3} {'pp':>3} {'vpp':>3} {'dp (rep x shard)':>16} "
-        f"{'zero':>4} {'recompute':>9} {'mb':>3} {'step s':>8} {'tok/s':>9} {'MFU':>5} "
-        f"{'peak GiB':>8}",
-    ]
+        "fastest by estimated step time (launcher/plan/cost.py):"
+    )
+    numbers = ("#", "tp", "sp", "pp", "vpp", "dp (rep x shard)", "zero")
+    table = new_table(
+        *((c, "right") for c in numbers),
+        "recompute",
+        *((c, "right") for c in ("mb", "step s", "tok/s", "MFU", "peak GiB")),
+    )
     for i, s in enumerate(result.suggestions, 1):
         lay = s.layout
-        dp = f"{lay.dp_replicate * lay.dp_shard} ({lay.dp_replicate} x {lay.dp_shard})"
-        lines.append(
-            f"{i:>2} {lay.tp:>3} {'on' if lay.sp else '-':>3} {lay.pp:>3} {lay.vpp:>3} {dp:>16} "
-            f"{lay.zero:>4} {lay.recompute:>9} {lay.micro_batch:>3} {s.cost.total:>8.2f} "
-            f"{s.tokens_per_s:>9,.0f} {s.mfu:>5.0%} {s.memory.total_gib:>8.1f}"
-        )
-        terms = three_terms(s.cost)
-        lines.append(
-            f"   step: compute {terms['compute']:.2f} s + exposed communication "
-            f"{terms['exposed communication']:.2f} s + bubble {terms['bubble']:.2f} s"
-            + (f"; tp {lay.tp} cp {lay.cp} ep {lay.ep}" if lay.cp > 1 or lay.ep > 1 else "")
-        )
-        lines.append(f"   why: {s.why()}")
-        if lay.pp_layers:
-            lines.append(f"   stages: {split_text(lay.pp_layers)} layers (parallel.pp_layers)")
-        if s.long_context:
-            lines.append(f"   long context: {s.long_context}")
-        lines.append(f"   use: {' '.join(lay.overrides())}")
-        if not s.runnable:
-            lines.append("   (this trainer version can only plan this layout: action=plan)")
+        table.add_row(
+            str(i), str(lay.tp), "on" if lay.sp else "-", str(lay.pp), str(lay.vpp),
+            f"{lay.dp_replicate * lay.dp_shard} ({lay.dp_replicate} x {lay.dp_shard})",
+            str(lay.zero), lay.recompute, str(lay.micro_batch), f"{s.cost.total:.2f}",
+            f"{s.tokens_per_s:,.0f}", f"{s.mfu:.0%}", f"{s.memory.total_gib:.1f}",
+        )  # fmt: skip
+    lines = [render(table, stream, heading)]
+    for i, s in enumerate(result.suggestions, 1):
+        lines += ["", f"#{i}", *_details(s)]
     lines += ["", "cost model:"] + [f"  - {line}" for line in result.assumptions]
     return "\n".join(lines)
+
+
+def _details(s: Suggestion) -> list[str]:
+    """What a table row cannot hold: the step in three terms, why, the split, how to use."""
+    lay = s.layout
+    terms = three_terms(s.cost)
+    lines = [
+        f"   step: compute {terms['compute']:.2f} s + exposed communication "
+        f"{terms['exposed communication']:.2f} s + bubble {terms['bubble']:.2f} s"
+        + (f"; tp {lay.tp} cp {lay.cp} ep {lay.ep}" if lay.cp > 1 or lay.ep > 1 else ""),
+        f"   why: {s.why()}",
+    ]
+    if lay.pp_layers:
+        lines.append(f"   stages: {split_text(lay.pp_layers)} layers (parallel.pp_layers)")
+    if s.long_context:
+        lines.append(f"   long context: {s.long_context}")
+    lines.append(f"   use: {' '.join(lay.overrides())}")
+    if not s.runnable:
+        lines.append("   (this trainer version can only plan this layout: action=plan)")
+    return lines
 
 
 def three_terms(cost: StepCost) -> dict[str, float]:

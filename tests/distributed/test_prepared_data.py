@@ -124,6 +124,6 @@ def test_a_nanogpt_folder_trains_with_the_validation_loss_of_its_val_bin(workdir
     ]  # fmt: skip
     result = launch(run_dir, overrides, 1, base=base)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert f"data.val_source={folder / 'val.bin'} (nanoGPT's val.bin" in result.stdout
+    assert f"data.val_source={folder / 'val.bin'} (nanoGPT's val.bin" in result.stderr
     curve = read_curve(run_dir / "metrics.jsonl")
     assert len(curve.val_loss) == 2 and all(np.isfinite(curve.val_loss))

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import logging
+import sys
 from pathlib import Path
 
 import pytest
@@ -146,6 +148,7 @@ def test_default_recipe_trains_end_to_end_on_two_ranks(tmp_path: Path) -> None:
         o for o in BASE_OVERRIDES if not o.startswith(("train.steps", "logging.", "eval."))
     ]
     result = pretrain(
+        "-v",  # the command it runs is said
         *overrides,
         "train.steps=30",
         "logging.log_every=10",
@@ -166,6 +169,9 @@ def test_default_recipe_trains_end_to_end_on_two_ranks(tmp_path: Path) -> None:
     assert rows[-1]["loss"] < rows[0]["loss"]
     assert "val_loss" not in rows[0] and rows[-1]["val_loss"] > 0
     assert f"val loss {rows[-1]['val_loss']:.4f}" in result.stdout
+    [ran] = [line for line in result.stderr.splitlines() if line.startswith("debug: running: ")]
+    assert ran.startswith(f"debug: running: {sys.executable} -m pretrain.trainer.agent ")
+    assert ran.endswith(f" -m pretrain.trainer {run_dir / 'config.yaml'}")
     assert read_curve(run_dir / "metrics.jsonl").loss == [r["loss"] for r in rows]
     assert (run_dir / "wandb_run_id").exists()
     assert list((run_dir / "wandb").glob("offline-run-*"))
@@ -211,7 +217,8 @@ def test_a_run_prints_the_plan_in_a_few_lines_unless_asked_for_all_or_none(tmp_p
             "action=script", f"run.dir={run_dir}", *overrides, cwd=tmp_path
         )
         assert code == 0, err
-        return out[: out.index("run dir:")].splitlines()
+        assert out == f"{run_dir / 'run.sh'}\n"  # stdout: the script's path alone
+        return err[: err.index("run dir:")].splitlines()
 
     summary = before_job()
     assert summary[0].startswith("plan: tiny on 2 ranks (dp_shard=2), 1.84M")
@@ -219,6 +226,53 @@ def test_a_run_prints_the_plan_in_a_few_lines_unless_asked_for_all_or_none(tmp_p
     full = before_job("plan.before_run=full")
     assert any("Fit and speed" in line for line in full) and len(full) > 30
     assert before_job("plan.before_run=none") == []
+
+
+def test_quiet_prints_only_warnings_and_what_was_asked_for(tmp_path: Path) -> None:
+    from pretrain.launcher.output import LOGGER_NAME
+    from tests.helpers import pretrain_in_process
+
+    run_dir = tmp_path / "run"
+    # train.steps=5 is shorter than the warm-up: a warning that -q must still show.
+    code, out, err = pretrain_in_process(
+        "-q", "action=script", f"run.dir={run_dir}", "train.steps=5", cwd=tmp_path
+    )
+    assert code == 0, err
+    assert out == f"{run_dir / 'run.sh'}\n"
+    assert err.splitlines() == [
+        "warning: schedule.warmup_steps=20 is longer than train.steps=5; warming up over all "
+        "5 steps instead"
+    ]
+    code, out, err = pretrain_in_process(
+        "action=plan", "plan.format=json", "train.steps=5", "--quiet", cwd=tmp_path
+    )
+    assert code == 0 and json.loads(out)["name"] == "tiny"
+    assert [line[:9] for line in err.splitlines()] == ["warning: "]
+    code, out, err = pretrain_in_process("-q", "status", str(run_dir), cwd=tmp_path)
+    assert code == 0 and out.startswith(f"{run_dir}\n") and err == ""
+    # -q was that command's: code that runs the launcher's steps in this process afterwards
+    # (cli.execute) says what it does again.
+    assert logging.getLogger(LOGGER_NAME).level == logging.INFO
+
+
+def test_verbose_adds_debug_lines_on_stderr_and_keeps_stdout_parseable(tmp_path: Path) -> None:
+    from tests.helpers import pretrain_in_process
+
+    code, out, err = pretrain_in_process(
+        "-v", "action=plan", "plan.format=json", "model.n_layers=3", cwd=tmp_path
+    )
+    assert code == 0, err
+    assert json.loads(out)["name"] == "tiny"
+    debug = [line for line in err.splitlines() if line.startswith("debug: ")]
+    assert debug[0].startswith("debug: Hydra's command line: action=plan plan.format=json ")
+    assert "hydra/job_logging=none" in debug[0]  # what the launcher adds, said
+    assert (
+        debug[1] == "debug: recipe tiny, overrides: action=plan plan.format=json model.n_layers=3"
+    )
+    code, _, err = pretrain_in_process("-q", "-v", "action=plan", cwd=tmp_path)
+    assert code == 2
+    assert "verbosity='-q -v': -q shows warnings only and -v adds debug lines" in err
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_status_report_export_and_dashboard_are_commands_of_pretrain(tmp_path: Path) -> None:

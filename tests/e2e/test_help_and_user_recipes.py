@@ -31,7 +31,7 @@ def test_help_lists_recipes_actions_and_every_field_with_its_doc(tmp_path: Path)
     assert all(name in recipes for name in RECIPES)
     for action in ("run", "plan", "script", "suggest", "prepare", "dryrun"):
         assert f"\n  {action} " in out
-    assert "  precision  bf16, fp16, fp32, fp8, fp8_te" in out
+    assert re.search(r"^  precision +bf16, fp16, fp32, fp8, fp8_te$", out, flags=re.MULTILINE)
     lines = out.splitlines()
     for f in field_docs(RecipeConfig):
         [at] = [i for i, line in enumerate(lines) if line.startswith(f"  {f.path} = ")]

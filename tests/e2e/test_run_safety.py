@@ -147,8 +147,8 @@ def test_corrupt_checkpoints_are_moved_aside_and_the_previous_one_resumes(tmp_pa
     rows = (run_dir / "metrics.jsonl").read_text()
     again = pretrain(*args(run_dir, "train.steps=8", *every), cwd=tmp_path, timeout=300)
     assert again.returncode == 0, again.stderr[-3000:]
-    assert "already finished: its newest checkpoint is step 8 of train.steps=8" in again.stdout
-    assert "raise train.steps" in again.stdout
+    assert "already finished: its newest checkpoint is step 8 of train.steps=8" in again.stderr
+    assert "raise train.steps" in again.stderr
     assert (run_dir / "metrics.jsonl").read_text() == rows
 
 

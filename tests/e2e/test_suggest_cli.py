@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,13 @@ def test_suggest_prints_the_five_fastest_layouts_with_why_and_writes_nothing(tmp
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     assert lines[0].startswith("Layouts for llama3_70b on 8 x 8 h100_sxm (80 GiB)")
+    header = re.split(r"\s{2,}", lines[2].strip())
+    assert header[:3] == ["#", "tp", "sp"] and header[-4:] == ["step s", "tok/s", "MFU", "peak GiB"]
+    rows = [re.split(r"\s{2,}", line.strip()) for line in lines[4:9]]
+    assert [row[0] for row in rows] == ["1", "2", "3", "4", "5"] and lines[9] == ""
+    times = [float(row[header.index("step s")]) for row in rows]
+    assert times == sorted(times)  # the fastest first
+    assert [line for line in lines if re.fullmatch(r"#\d+", line)] == [f"#{i}" for i in range(1, 6)]
     assert sum(line.startswith("   why: compute") for line in lines) == 5
     assert sum(line.startswith("   use: parallel.tp=") for line in lines) == 5
     assert list(tmp_path.iterdir()) == []

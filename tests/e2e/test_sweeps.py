@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -25,9 +26,11 @@ def test_a_failing_point_is_reported_and_the_sweep_goes_on_then_exits_non_zero(
     assert result.stdout.count('"params_total"') == 1  # the second point planned
     summary = result.stderr[result.stderr.index("sweep: 2 points") :].splitlines()
     assert summary[0] == "sweep: 2 points, 1 ok, 1 failed"
-    assert summary[1].split()[:3] == ["#0", "FAILED", "model.n_heads=3"]
-    assert "model.dim=128: not divisible by model.n_heads=3" in summary[1]
-    assert summary[2].split() == ["#1", "ok", "model.n_heads=4"]
+    assert re.split(r"\s{2,}", summary[1].strip()) == ["#", "status", "loss", "overrides", "why"]
+    failed, ok = (re.split(r"\s{2,}", row.strip()) for row in summary[3:5])
+    assert failed[:3] == ["#0", "FAILED", "model.n_heads=3"]
+    assert failed[3].startswith("model.dim=128: not divisible by model.n_heads=3")
+    assert ok == ["#1", "ok", "model.n_heads=4"]  # a plan measures no loss
 
 
 def test_a_long_override_string_gives_a_short_stable_point_dir() -> None:

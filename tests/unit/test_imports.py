@@ -31,8 +31,12 @@ MAY_IMPORT = {
 TORCH_FREE = ("core", "dataprep", "launcher")
 LAUNCHER_STAGES = ("compose", "validate", "plan", "job")
 """The launcher's stages, in the order a command runs them: a stage imports earlier stages
-and the launcher's shared leaf modules (`launcher.assets`), never a later stage or the CLI."""
-LAUNCHER_LEAVES = ("pretrain.launcher.assets",)
+and the launcher's shared leaf modules (LAUNCHER_LEAVES), never a later stage or the CLI."""
+LAUNCHER_LEAVES = (
+    "pretrain.launcher.assets",
+    "pretrain.launcher.output",
+    "pretrain.launcher.tables",
+)
 
 
 def module_name(root: Path, path: Path) -> str:

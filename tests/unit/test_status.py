@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -31,6 +32,11 @@ def make_run(run_dir: Path, steps_done: int, total: int = 10, job: str = "") -> 
     return run_dir
 
 
+def columns(line: str) -> list[str]:
+    """The cells of a table row: columns are at least two blanks apart."""
+    return re.split(r"\s{2,}", line.strip())
+
+
 def status(*paths: Path) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "SLURM_CONF"}  # no controller
     return subprocess.run([sys.executable, "-m", "pretrain", "status", *map(str, paths)],
@@ -42,10 +48,11 @@ def test_status_of_a_run_dir_names_its_step_losses_eta_checkpoint_and_job(tmp_pa
     (run_dir / "preempted").touch()
     result = status(run_dir)
     assert result.returncode == 0, result.stderr
-    fields = dict(line.split(None, 1) if " " in line.strip() else (line.strip(), "")
-                  for line in result.stdout.splitlines()[1:])  # fmt: skip
+    lines = result.stdout.splitlines()
+    assert lines[0] == str(run_dir)
+    fields = dict(columns(line) for line in lines[1:])
     assert fields["step"] == "4/10" and fields["loss"] == "4.6000"
-    assert fields["val"] == "loss    4.7500"
+    assert fields["val loss"] == "4.7500"
     assert fields["ETA"] == "3m00s"  # 6 steps of 30 s
     assert fields["checkpoint"] == "step 4" and fields["preempted"] == "yes"
     assert fields["slurm"].startswith("4242 (unknown: ")  # no controller to ask here
@@ -56,18 +63,11 @@ def test_status_of_a_sweep_dir_has_one_row_per_point(tmp_path: Path) -> None:
     make_run(tmp_path / "sweep" / "seed=2", steps_done=3)
     lines = status(tmp_path / "sweep").stdout.splitlines()
     assert lines[0] == f"{tmp_path / 'sweep'}: 2 points"
-    assert lines[1].split() == [
-        "point",
-        "step",
-        "loss",
-        "val",
-        "loss",
-        "ETA",
-        "checkpoint",
-        "slurm",
-    ]
-    assert lines[2].split()[:5] == ["seed=1", "10/10", "4.0000", "4.7500", "done"]
-    assert lines[3].split()[:5] == ["seed=2", "3/10", "4.7000", "4.7500", "3m30s"]
+    assert columns(lines[1]) == ["point", "step", "loss", "val loss", "ETA", "checkpoint", "slurm"]
+    assert set(lines[2]) == {"-"}  # the rule under the header
+    assert columns(lines[3])[:5] == ["seed=1", "10/10", "4.0000", "4.7500", "done"]
+    assert columns(lines[4])[:5] == ["seed=2", "3/10", "4.7000", "4.7500", "3m30s"]
+    assert "\x1b[" not in lines[0] + lines[3]  # a pipe gets no colour codes
 
 
 def test_status_of_a_path_that_is_no_run_dir_says_so_and_fails(tmp_path: Path) -> None:

@@ -6,7 +6,8 @@ Commands that train run with the harness model's overrides appended (the keys a 
 sets itself are kept as written), so the sequence trains in seconds; what is checked is
 the order: the run dirs, the files each command reads from the one before, and what a
 command that finds a finished run says. Commands that need something a test machine lacks
-(W&B credentials, a search of 20 trials, a submission to SLURM) are in SKIPPED with the
+(W&B credentials, a search of 20 trials, a submission to SLURM, the user's own data, a
+full-size dry run) are in SKIPPED with the
 test that covers them.
 """
 
@@ -29,7 +30,7 @@ SKIPPED = {
     "hydra/sweeper=optuna": "a search of 20 trials (tests/e2e/test_sweeps.py)",
     "dashboard": "needs W&B credentials (tests/e2e/test_dashboard.py)",
     "cluster=slurm": "submits to SLURM (tests/slurm)",
-    "data.sources=": "the user's own a/ and b.bin (tests/unit/test_sources.py)",
+    "data.sources=": "the user's own a/ and b.bin (tests/distributed/test_prepared_data.py)",
 }
 SUBCOMMANDS = ("status", "report", "export", "diff")
 

@@ -7,8 +7,7 @@ sets itself are kept as written), so the sequence trains in seconds; what is che
 the order: the run dirs, the files each command reads from the one before, and what a
 command that finds a finished run says. Commands that need something a test machine lacks
 (W&B credentials, a search of 20 trials, a submission to SLURM, the user's own data, a
-full-size dry run) are in SKIPPED with the
-test that covers them.
+full-size dry run) are in SKIPPED with the test that covers them.
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ from typing import Any
 from pretrain.core.problems import Checks, divisors, nearby_multiples, or_list
 from pretrain.core.schema import RecipeConfig, choice_fields, field_value
 from pretrain.launcher.validate.attention import check_attention
+from pretrain.launcher.validate.bounds import check_bounds
 from pretrain.launcher.validate.data import check_data
 from pretrain.launcher.validate.env import check_env, check_local_device
 from pretrain.launcher.validate.job import check_job
@@ -55,10 +56,12 @@ def validate(
         c.add("name", cfg.name, "may hold only letters, digits, '_', '.' and '-'", f"use {safe}")
     if not 0 <= cfg.seed <= MAX_SEED:
         c.add("seed", cfg.seed, f"seeds are 32-bit: 0 to {MAX_SEED:,}", "use e.g. 1234")
-    model_ok = _check_model(c, cfg)
+    # A count over its bound would be walked or allocated by the rules below: they skip it.
+    bounded = check_bounds(c, cfg)
+    model_ok = _check_model(c, cfg) and bounded
     check_attention(c, cfg, model_ok)
-    batch_ok = _check_train(c, cfg)
-    cluster_ok = check_cluster(c, cfg)
+    batch_ok = _check_train(c, cfg) and bounded
+    cluster_ok = check_cluster(c, cfg) and bounded
     check_env(c, cfg)
     check_job(c, cfg)
     check_logging(c, cfg)

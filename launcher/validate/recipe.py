@@ -22,6 +22,7 @@ from pretrain.launcher.validate.bounds import check_bounds
 from pretrain.launcher.validate.data import check_data
 from pretrain.launcher.validate.env import check_env, check_local_device
 from pretrain.launcher.validate.job import check_job
+from pretrain.launcher.validate.job_limits import check_disk_room, check_signal_lead
 from pretrain.launcher.validate.layout import (
     SAFE_NAME,
     check_cluster,
@@ -83,6 +84,10 @@ def validate(
     if run_dir:
         check_run_dir(c, cfg)
     _check_checkpoint(c, cfg)
+    if model_ok and cluster_ok and not c.reported("cluster.signal_seconds"):
+        check_signal_lead(c, cfg)
+    if run_dir and model_ok and not c.reported("run.dir") and not c.reported("checkpoint.keep"):
+        check_disk_room(c, cfg)
     _check_speed(c, cfg)
     if for_launch:
         c.extend(check_runnable(cfg))

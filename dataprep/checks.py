@@ -265,13 +265,8 @@ def check_source(c: Checks, field: str, src: SourceConfig, cfg: RecipeConfig) ->
     elif kind == "hf_disk":
         _needs(c, field, src, "datasets", "a save_to_disk folder")
         _check_hf_disk(c, field, src)
-    elif kind == "prepared" and read_manifest(Path(os.path.expanduser(src.source))) is None:
-        c.add(
-            field,
-            src.source,
-            "no manifest.json: not a (complete) prepared dataset",
-            "prepare it again (action=prepare) or name the source it was made from",
-        )
+    elif kind == "prepared":
+        _check_prepared_folder(c, field, src)
 
 
 def _needs(c: Checks, field: str, src: SourceConfig, module: str, what: str) -> None:
@@ -329,7 +324,10 @@ def _check_token_range_split(
 
 def _check_megatron(c: Checks, field: str, src: SourceConfig) -> None:
     prefix = megatron_prefix(Path(os.path.expanduser(src.source)))
-    assert prefix is not None  # resolve_format found both files
+    if prefix is None:  # data.format=megatron given for what is not a PREFIX of two files
+        c.add(field, src.source, "no PREFIX.bin and PREFIX.idx regular files there",
+              "give a Megatron-LM PREFIX whose .bin and .idx exist")  # fmt: skip
+        return
     try:
         header = read_megatron_header(Path(f"{prefix}.idx"))
     except FormatError as exc:
@@ -397,9 +395,25 @@ def check_cache_dir(c: Checks, cfg: RecipeConfig) -> None:
         )
 
 
+def _check_prepared_folder(c: Checks, field: str, src: SourceConfig) -> None:
+    fix = "prepare it again (action=prepare) or name the source it was made from"
+    try:
+        manifest = read_manifest(Path(os.path.expanduser(src.source)))
+    except ReadError as err:
+        c.add(field, src.source, f"its manifest cannot be used: {err.found}", fix)
+        return
+    if manifest is None:
+        c.add(field, src.source, "no manifest.json: not a (complete) prepared dataset", fix)
+
+
 def check_prepared_manifest(c: Checks, field: str, place: DatasetPlace, cfg: RecipeConfig) -> None:
     """A prepared dataset fits the recipe: made with its tokenizer, ids within its vocab."""
-    manifest = read_manifest(place.folder)
+    try:
+        manifest = read_manifest(place.folder)
+    except ReadError as err:  # a cache entry cut short: preparing again replaces it
+        c.add(field, place.source.source, f"{place.folder}: {err.found}",
+              f"delete {place.folder} and prepare again (action=prepare)")  # fmt: skip
+        return
     if manifest is None:
         return
     if place.kind == "prepared":

@@ -13,6 +13,9 @@ from __future__ import annotations
 from pretrain.core.problems import Checks
 from pretrain.core.schema import RecipeConfig
 
+MAX_WORLD = 2**18
+"""Ranks in a job (cluster.nodes x cluster.gpus_per_node): the largest clusters have about
+100,000 GPUs, and the planner lists every rank's groups."""
 BOUNDS: dict[str, tuple[int, str]] = {
     "model.n_layers": (2048, "layers; the deepest published models have about 200"),
     "model.dim": (2**17, "model width; the widest published models use about 25,000"),
@@ -33,8 +36,19 @@ BOUNDS: dict[str, tuple[int, str]] = {
     "parallel.pp_microbatches": (2**16, "micro-batches per step; the schedule simulator "
                                  "walks every one of every stage"),
     "parallel.vpp": (2048, "model chunks per pipeline rank; no more than the layers"),
+    "parallel.tp": (4096, "tensor-parallel ranks; no more than the heads"),
+    "parallel.cp": (2**16, "context-parallel ranks"),
+    "parallel.pp": (2048, "pipeline stages; no more than the layers"),
+    "parallel.ep": (2**14, "expert-parallel ranks; no more than the experts"),
+    "parallel.dp_replicate": (MAX_WORLD, "data-parallel replicas; no more than the ranks"),
+    "parallel.dp_shard": (MAX_WORLD, "data-parallel shards; no more than the ranks"),
     "cluster.nodes": (2**16, "nodes; the largest clusters have a few tens of thousands"),
     "cluster.gpus_per_node": (1024, "ranks per node; a GPU node has 4 to 16"),
+    "cluster.omp_num_threads": (1024, "threads per rank; no node has more cores"),
+    "cluster.cpus_per_task": (2**16, "CPUs per node's task; no node has more"),
+    "cluster.max_restarts": (100, "restarts of the whole job; a failure that repeats would "
+                             "restart it this many times"),
+    "eval.batches": (2**20, "batches per validation; every one is run at each evaluation"),
 }  # fmt: skip
 """Field -> (largest value accepted, what the field counts and why that is generous)."""
 
@@ -49,4 +63,11 @@ def check_bounds(c: Checks, cfg: RecipeConfig) -> bool:
             c.add(path, value, f"more than {limit:,} {why}",
                   f"use a value <= {limit:,}; a typo of a digit is the usual cause")  # fmt: skip
             ok = False
+    world = cfg.cluster.nodes * cfg.cluster.gpus_per_node
+    if ok and world > MAX_WORLD:
+        c.add("cluster.nodes", cfg.cluster.nodes, f"x cluster.gpus_per_node="
+              f"{cfg.cluster.gpus_per_node} is {world:,} ranks, more than the {MAX_WORLD:,} of "
+              "the largest clusters (the planner lists every rank's groups)",
+              "use fewer nodes or ranks per node")  # fmt: skip
+        ok = False
     return ok

@@ -57,16 +57,18 @@ def save_seconds(cfg: RecipeConfig) -> float:
 
 def slurm_seconds(text: str) -> int | None:
     """An sbatch time limit in seconds ([D-]HH:MM:SS, MM, MM:SS, D-HH, D-HH:MM); None for
-    UNLIMITED or what sbatch would not take."""
+    UNLIMITED, 0 (no limit to sbatch too) or what sbatch would not take."""
     match = _TIME.match(text.strip())
     if match is None:
         return None
     days, first, second, third = (int(g) if g else None for g in match.groups())
     if days is not None:  # D-HH[:MM[:SS]]
-        return days * 86400 + (first or 0) * 3600 + (second or 0) * 60 + (third or 0)
-    if third is not None:  # HH:MM:SS
-        return (first or 0) * 3600 + (second or 0) * 60 + third
-    return (first or 0) * 60 + (second or 0)  # MM or MM:SS
+        seconds = days * 86400 + (first or 0) * 3600 + (second or 0) * 60 + (third or 0)
+    elif third is not None:  # HH:MM:SS
+        seconds = (first or 0) * 3600 + (second or 0) * 60 + third
+    else:
+        seconds = (first or 0) * 60 + (second or 0)  # MM or MM:SS
+    return seconds or None  # sbatch takes a limit of 0 as none
 
 
 def check_signal_lead(c: Checks, cfg: RecipeConfig) -> None:

@@ -18,6 +18,7 @@ from tests.helpers import base, problems
 def test_each_count_is_refused_one_past_its_bound(path: str) -> None:
     limit, _ = BOUNDS[path]
     cfg = base()
+    cfg.cluster.nodes = cfg.cluster.gpus_per_node = 1  # the world's own bound aside
     section, name = path.split(".")
     setattr(getattr(cfg, section), name, limit + 1)
     c = Checks()
@@ -36,6 +37,15 @@ def test_an_absurd_expert_count_is_refused_at_once_by_the_validator() -> None:
     fields = [p.field for p in problems(cfg)]
     assert time.monotonic() - started < 5  # 10^8 layers took half a minute to walk
     assert fields[:2] == ["model.n_layers", "model.moe_experts"]
+
+
+def test_a_world_of_more_ranks_than_any_cluster_is_refused_though_each_factor_is_within() -> None:
+    cfg = base()
+    cfg.cluster.nodes, cfg.cluster.gpus_per_node = 2**16, 1024
+    c = Checks()
+    assert not check_bounds(c, cfg)
+    [problem] = c.problems
+    assert problem.field == "cluster.nodes" and "67,108,864 ranks" in problem.reason
 
 
 def test_a_cpu_model_larger_than_this_machine_is_refused_against_its_memory() -> None:

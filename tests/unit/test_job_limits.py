@@ -54,7 +54,8 @@ def found(check: Callable[..., object], cfg: RecipeConfig, *args) -> list[Proble
 
 def test_time_limits_read_as_sbatch_reads_them() -> None:
     cases = {"30": 1800, "30:15": 1815, "04:00:00": 14400, "2-00": 172800,
-             "1-02:03": 93780, "1-00:00:01": 86401, "UNLIMITED": None, "soon": None}  # fmt: skip
+             "1-02:03": 93780, "1-00:00:01": 86401, "UNLIMITED": None, "0": None,
+             "00:00:00": None, "soon": None}  # fmt: skip
     assert {text: slurm_seconds(text) for text in cases} == cases
 
 

@@ -20,6 +20,7 @@ import struct
 from pathlib import Path
 from typing import Any
 
+from pretrain.core.inputs.reading import ReadError, mapping, read_mapping, read_span
 from pretrain.core.model_config import ModelConfig
 
 BLOCK_NAMES = {
@@ -316,8 +317,10 @@ def safetensors_files(folder: Path) -> list[Path]:
     """The weight files of a Hugging Face directory (sharded ones through the index)."""
     index = folder / INDEX_FILE
     if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map", {})
-        return sorted({folder / name for name in weight_map.values()})
+        index_map = read_mapping(index, "a safetensors index (model.safetensors.index.json)")
+        weight_map = mapping(index_map.get("weight_map"), index, "a weight_map of file names")
+        names = {name for name in weight_map.values() if isinstance(name, str)}
+        return sorted({folder / name for name in names})
     if (folder / SINGLE_FILE).is_file():
         return [folder / SINGLE_FILE]
     return sorted(folder.glob("*.safetensors"))
@@ -325,16 +328,20 @@ def safetensors_files(folder: Path) -> list[Path]:
 
 def safetensors_header(path: Path) -> dict[str, Any]:
     """The JSON header of a safetensors file: tensor name -> {dtype, shape, data_offsets}."""
-    with open(path, "rb") as f:
-        raw = f.read(8)
-        if len(raw) != 8:
-            raise ValueError(f"{path}: too short for a safetensors file")
-        (length,) = struct.unpack("<Q", raw)
-        if length > 100_000_000:
-            raise ValueError(f"{path}: a {length}-byte header; not a safetensors file")
-        header = json.loads(f.read(length))
+    expected = "a safetensors file"
+    raw = read_span(path, expected, 0, 8)
+    if len(raw) != 8:
+        raise ValueError(f"{path}: too short for a safetensors file")
+    (length,) = struct.unpack("<Q", raw)
+    if length > 100_000_000:
+        raise ValueError(f"{path}: a {length}-byte header; not a safetensors file")
+    try:
+        header = json.loads(read_span(path, expected, 8, length))
+    except (ValueError, RecursionError):
+        raise ValueError(f"{path}: its header is not JSON; not a safetensors file") from None
+    header = mapping(header, path, "a safetensors header (tensor name -> its dtype and shape)")
     header.pop("__metadata__", None)
-    return header  # type: ignore[no-any-return]
+    return header
 
 
 def tensor_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
@@ -342,7 +349,10 @@ def tensor_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
     shapes: dict[str, tuple[int, ...]] = {}
     for path in safetensors_files(folder):
         for name, info in safetensors_header(path).items():
-            shapes[name] = tuple(info["shape"])
+            shape = info.get("shape") if isinstance(info, dict) else None
+            if not isinstance(shape, list) or not all(type(n) is int for n in shape):
+                raise ValueError(f"{path}: {name} has no shape (a list of whole numbers)")
+            shapes[name] = tuple(shape)
     return shapes
 
 
@@ -351,10 +361,14 @@ def checkpoint_problems(folder: Path, m: ModelConfig) -> list[str]:
     config = folder / "config.json"
     if not config.is_file():
         return [f"no config.json in {folder}"]
-    problems = config_mismatches(json.loads(config.read_text()), m)
-    if not safetensors_files(folder):
-        return [*problems, f"no *.safetensors files in {folder}"]
     try:
+        hf = read_mapping(config, "a Hugging Face config.json")
+    except ReadError as err:
+        return [str(err)]
+    problems = config_mismatches(hf, m)
+    try:
+        if not safetensors_files(folder):
+            return [*problems, f"no *.safetensors files in {folder}"]
         shapes = tensor_shapes(folder)
     except (ValueError, KeyError, OSError) as exc:
         return [*problems, str(exc)]

@@ -387,7 +387,7 @@ class HardwareConfig:
 
     peak_tflops: float = 0.0
     """Peak dense TFLOP/s per device for the compute dtype; 0 takes it from the GPU table (or,
-    on CPU, from a short measured matmul)."""
+    on CPU, from the machine's peak, measured once and cached under data.cache_dir)."""
     intra_node_gbs: float = 0.0
     """GB/s per GPU and direction to the GPUs of its own node (NVLink) the planner costs
     collectives at; 0 takes the GPU table's (core/hardware.py LINKS)."""

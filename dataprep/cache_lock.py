@@ -10,13 +10,13 @@ its note is overwritten by the next one.
 from __future__ import annotations
 
 import contextlib
-import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from filelock import FileLock, Timeout
 
+from pretrain.core.inputs.reading import ReadError, number, read_mapping, text
 from pretrain.core.run.run_lock import LockHolder
 from pretrain.dataprep.shards import write_json_atomic
 from pretrain.dataprep.waiting import Report, Wait
@@ -32,10 +32,9 @@ def note_path(lock: Path) -> Path:
 def read_note(lock: Path) -> dict[str, Any] | None:
     """The holder's note; None when there is none (or it is being replaced)."""
     try:
-        note: dict[str, Any] = json.loads(note_path(lock).read_text())
-    except (OSError, ValueError):
+        return read_mapping(note_path(lock), "a lock holder's note")
+    except ReadError:
         return None
-    return note
 
 
 def holder_detail(lock: Path) -> str:
@@ -43,14 +42,14 @@ def holder_detail(lock: Path) -> str:
     note = read_note(lock)
     if note is None:
         return ""
-    line = note.get("line") or ""
-    return f"held by {note['holder']}" + (f"; {line}" if line else "")
+    line = text(note.get("line"))
+    return f"held by {text(note.get('holder'), 'another process')}" + (f"; {line}" if line else "")
 
 
 def holder_fraction(lock: Path) -> float | None:
     """How much of its work the holder says it has done; None when it does not say."""
     note = read_note(lock)
-    return None if note is None else note.get("fraction")
+    return None if note is None else number(note.get("fraction"))
 
 
 class Holding:

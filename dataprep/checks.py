@@ -13,12 +13,21 @@ import gzip
 import json
 import lzma
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import BinaryIO, cast
+from typing import Any, BinaryIO, cast
 
+from pretrain.core.inputs.reading import (
+    ReadError,
+    mapping,
+    open_binary,
+    read_mapping,
+    read_span,
+)
 from pretrain.core.problems import Checks, install_fix, installed
 from pretrain.core.schema import RecipeConfig, SourceConfig
+from pretrain.dataprep.dataset_manifest import read_manifest
 from pretrain.dataprep.sources import (
     DatasetPlace,
     SourceError,
@@ -28,7 +37,6 @@ from pretrain.dataprep.sources import (
     file_sha256,
     local_files,
     megatron_prefix,
-    read_manifest,
     resolve_format,
     single_source,
     text_format,
@@ -43,6 +51,8 @@ from pretrain.dataprep.token_formats import (
 
 SNIFF_BYTES = 4096
 """Bytes of each file looked at to tell text from binary."""
+MAX_TOKENIZER_BYTES = 256 << 20
+"""Bound of a tokenizer.json read (a 256k-token vocabulary with its merges is about 30 MiB)."""
 FIRST_LINE_LIMIT = 1 << 20
 """A JSONL file's first record is checked for the text field if it ends within this."""
 
@@ -59,22 +69,32 @@ def source_fields(cfg: RecipeConfig) -> Iterator[tuple[str, SourceConfig]]:
         yield "data.val_source", single_source(d, d.val_source)
 
 
-def open_decompressed(path: Path) -> BinaryIO:
-    """A binary stream of the file's contents, decompressed by its suffix."""
-    kind = compression(path)
-    if kind == ".gz":
-        return cast(BinaryIO, gzip.open(path, "rb"))
-    if kind == ".bz2":
-        return cast(BinaryIO, bz2.open(path, "rb"))
-    if kind == ".xz":
-        return cast(BinaryIO, lzma.open(path, "rb"))
-    if kind == ".zst":
-        import zstandard
+_DECOMPRESSORS: dict[str, Callable[[BinaryIO], BinaryIO]] = {
+    ".gz": lambda raw: cast(BinaryIO, gzip.GzipFile(fileobj=raw, mode="rb")),
+    ".bz2": lambda raw: cast(BinaryIO, bz2.BZ2File(raw, "rb")),
+    ".xz": lambda raw: cast(BinaryIO, lzma.LZMAFile(raw, "rb")),  # noqa: SIM115 (closed by the caller)
+}
+"""Compression suffix -> a decompressing reader over an open file (which it leaves open)."""
 
-        # The reader owns the file (closefd) and the caller owns the reader.
-        raw = open(path, "rb")  # noqa: SIM115
-        return cast(BinaryIO, zstandard.ZstdDecompressor().stream_reader(raw, closefd=True))
-    return open(path, "rb")
+
+@contextmanager
+def open_decompressed(path: Path) -> Iterator[BinaryIO]:
+    """A binary stream of a regular file's contents, decompressed by its suffix (the file
+    and the decompressor both closed on leaving); ReadError for a FIFO or a device."""
+    kind = compression(path)
+    with open_binary(path, "a data file") as raw:
+        if kind == ".zst":
+            import zstandard
+
+            with zstandard.ZstdDecompressor().stream_reader(raw) as stream:
+                yield cast(BinaryIO, stream)
+            return
+        opener = _DECOMPRESSORS.get(kind or "")
+        if opener is None:
+            yield raw
+            return
+        with opener(raw) as stream:
+            yield stream
 
 
 def _decodes_as_text(head: bytes, complete: bool) -> bool:
@@ -96,14 +116,18 @@ def file_problem(path: Path, fmt: str, text_field: str) -> str | None:
     if path.stat().st_size == 0:
         return f"{path} is empty"
     if fmt == "parquet":
-        with open(path, "rb") as f:
-            magic = f.read(4)
+        try:
+            magic = read_span(path, "a Parquet file", 0, 4)
+        except ReadError as err:
+            return str(err)
         return None if magic == b"PAR1" else f"{path} is not a Parquet file (no PAR1 magic)"
     try:
         with open_decompressed(path) as stream:
             head = stream.read(SNIFF_BYTES)
             if fmt == "jsonl" and b"\n" not in head:
                 head += stream.readline(FIRST_LINE_LIMIT)
+    except ReadError as err:
+        return str(err)
     except ImportError:
         return f"{path}: reading .zst files needs the zstandard package (pip install zstandard)"
     except (OSError, EOFError, lzma.LZMAError) as exc:
@@ -134,14 +158,18 @@ def _first_record_problem(path: Path, head: bytes, text_field: str) -> str | Non
 
 def tokenizer_max_id(path: Path) -> int:
     """The largest id a tokenizer.json can produce (its model's vocabulary and added tokens)."""
-    spec = json.loads(path.read_text())
+    expected = "a Hugging Face tokenizer.json"
+    spec = read_mapping(path, expected, MAX_TOKENIZER_BYTES)
     ids: list[int] = []
-    vocab = spec.get("model", {}).get("vocab", {})
+    vocab = mapping(spec.get("model"), path, f"{expected} whose model is a mapping").get("vocab")
     if isinstance(vocab, dict):
-        ids += [v for v in vocab.values() if isinstance(v, int)]
+        ids += [v for v in vocab.values() if type(v) is int]
     elif isinstance(vocab, list):  # Unigram: a list of [piece, score]
         ids.append(len(vocab) - 1)
-    ids += [t["id"] for t in spec.get("added_tokens") or [] if isinstance(t.get("id"), int)]
+    added = spec.get("added_tokens")
+    for token in added if isinstance(added, list) else []:
+        if isinstance(token, dict) and type(token.get("id")) is int:
+            ids.append(token["id"])
     if not ids:
         raise ValueError(f"{path}: no vocabulary in this tokenizer.json")
     return max(ids)
@@ -237,13 +265,8 @@ def check_source(c: Checks, field: str, src: SourceConfig, cfg: RecipeConfig) ->
     elif kind == "hf_disk":
         _needs(c, field, src, "datasets", "a save_to_disk folder")
         _check_hf_disk(c, field, src)
-    elif kind == "prepared" and read_manifest(Path(os.path.expanduser(src.source))) is None:
-        c.add(
-            field,
-            src.source,
-            "no manifest.json: not a (complete) prepared dataset",
-            "prepare it again (action=prepare) or name the source it was made from",
-        )
+    elif kind == "prepared":
+        _check_prepared_folder(c, field, src)
 
 
 def _needs(c: Checks, field: str, src: SourceConfig, module: str, what: str) -> None:
@@ -301,7 +324,10 @@ def _check_token_range_split(
 
 def _check_megatron(c: Checks, field: str, src: SourceConfig) -> None:
     prefix = megatron_prefix(Path(os.path.expanduser(src.source)))
-    assert prefix is not None  # resolve_format found both files
+    if prefix is None:  # data.format=megatron given for what is not a PREFIX of two files
+        c.add(field, src.source, "no PREFIX.bin and PREFIX.idx regular files there",
+              "give a Megatron-LM PREFIX whose .bin and .idx exist")  # fmt: skip
+        return
     try:
         header = read_megatron_header(Path(f"{prefix}.idx"))
     except FormatError as exc:
@@ -321,7 +347,8 @@ def _check_hf_disk(c: Checks, field: str, src: SourceConfig) -> None:
     root = Path(os.path.expanduser(src.source))
     dict_file = root / "dataset_dict.json"
     if dict_file.is_file():
-        splits = json.loads(dict_file.read_text()).get("splits", [])
+        splits = read_mapping(dict_file, "a DatasetDict's dataset_dict.json").get("splits")
+        splits = [s for s in splits if isinstance(s, str)] if isinstance(splits, list) else []
         if src.split not in splits:
             c.add(
                 field,
@@ -332,7 +359,11 @@ def _check_hf_disk(c: Checks, field: str, src: SourceConfig) -> None:
             return
         root = root / src.split
     info = root / "dataset_info.json"
-    features = json.loads(info.read_text()).get("features", {}) if info.is_file() else {}
+    features: Any = {}
+    if info.is_file():
+        features = read_mapping(info, "a dataset's dataset_info.json").get("features")
+    if not isinstance(features, dict):
+        features = {}
     if features and src.text_field not in features:
         c.add(
             field,
@@ -364,9 +395,25 @@ def check_cache_dir(c: Checks, cfg: RecipeConfig) -> None:
         )
 
 
+def _check_prepared_folder(c: Checks, field: str, src: SourceConfig) -> None:
+    fix = "prepare it again (action=prepare) or name the source it was made from"
+    try:
+        manifest = read_manifest(Path(os.path.expanduser(src.source)))
+    except ReadError as err:
+        c.add(field, src.source, f"its manifest cannot be used: {err.found}", fix)
+        return
+    if manifest is None:
+        c.add(field, src.source, "no manifest.json: not a (complete) prepared dataset", fix)
+
+
 def check_prepared_manifest(c: Checks, field: str, place: DatasetPlace, cfg: RecipeConfig) -> None:
     """A prepared dataset fits the recipe: made with its tokenizer, ids within its vocab."""
-    manifest = read_manifest(place.folder)
+    try:
+        manifest = read_manifest(place.folder)
+    except ReadError as err:  # a cache entry cut short: preparing again replaces it
+        c.add(field, place.source.source, f"{place.folder}: {err.found}",
+              f"delete {place.folder} and prepare again (action=prepare)")  # fmt: skip
+        return
     if manifest is None:
         return
     if place.kind == "prepared":

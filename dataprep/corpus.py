@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from pretrain.core.inputs.reading import ReadError, read_text
 from pretrain.core.schema import SourceConfig
 from pretrain.dataprep.checks import open_decompressed
 from pretrain.dataprep.sources import (
@@ -32,6 +33,8 @@ from pretrain.dataprep.sources import (
     text_format,
 )
 
+MAX_STDLIB_BYTES = 16 << 20
+"""Bound of a standard-library source read whole (the largest, pydoc topics, is under 1 MiB)."""
 BATCH_DOCS = 256
 """Documents handed to the tokenizer at once."""
 MIN_UNIT_BYTES = 16 << 10
@@ -183,8 +186,8 @@ def _file_documents(
 ) -> Iterator[str]:
     if kind == "stdlib":
         try:
-            text = path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError):
+            text = read_text(path, "a standard-library source", MAX_STDLIB_BYTES)
+        except ReadError:
             return  # a few test fixtures are deliberately not UTF-8
         yield text
         return

@@ -32,6 +32,7 @@ from pretrain.core.schema import RecipeConfig, load_config
 from pretrain.dataprep.cache_lock import Holding, held
 from pretrain.dataprep.checks import check_data_on_disk
 from pretrain.dataprep.corpus import plan_units
+from pretrain.dataprep.dataset_manifest import read_manifest
 from pretrain.dataprep.progress import Progress
 from pretrain.dataprep.shards import SHARD_TOKENS, UnitJob, read_marker, write_json_atomic
 from pretrain.dataprep.sources import (
@@ -41,7 +42,6 @@ from pretrain.dataprep.sources import (
     DatasetPlace,
     dataset_places,
     file_sha256,
-    read_manifest,
     source_identity,
     tokenizer_spec,
 )

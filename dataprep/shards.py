@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from pretrain.core.inputs.reading import ReadError, read_mapping
 from pretrain.core.schema import SourceConfig
 from pretrain.dataprep.corpus import Unit, unit_documents
 
@@ -46,11 +47,26 @@ def write_json_atomic(path: Path, data: Any) -> None:
 def read_marker(folder: Path, unit: Unit) -> dict[str, Any] | None:
     """The record of a finished unit, None if it is not done (or was another unit)."""
     path = marker_path(folder, unit.index)
-    if not path.is_file():
+    try:
+        record = read_mapping(path, "a finished unit's marker")
+    except ReadError:
+        return None  # missing, or cut short by a crash: the unit is done again
+    parts = record.get("parts")
+    if not isinstance(parts, list) or not all(_part_ok(folder, p) for p in parts):
         return None
-    record: dict[str, Any] = json.loads(path.read_text())
-    parts_ok = all((folder / p["file"]).is_file() for p in record["parts"])
-    return record if record.get("unit") == unit.spec() and parts_ok else None
+    if type(record.get("max_token_id")) is not int:
+        return None
+    return record if record.get("unit") == unit.spec() else None
+
+
+def _part_ok(folder: Path, part: Any) -> bool:
+    """Whether a marker's part names its files, which exist, and counts them."""
+    if not isinstance(part, dict) or not isinstance(part.get("file"), str):
+        return False
+    counts = ("tokens", "documents", "text_bytes")
+    if not isinstance(part.get("docs"), str) or any(type(part.get(k)) is not int for k in counts):
+        return False
+    return (folder / str(part["file"])).is_file()
 
 
 @dataclass

@@ -23,15 +23,15 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from pretrain.core.inputs import reading
 from pretrain.core.schema import DataConfig, SourceConfig
+from pretrain.dataprep.dataset_manifest import MANIFEST as MANIFEST  # where callers look for it
 
 DATASET_VERSION = 1
 """Bump when the prepared layout or the content rules change, so datasets are prepared anew."""
 TOKENIZER_TRAINER_VERSION = 1
 """Bump when the byte-level BPE training recipe changes, so cached tokenizers are retrained."""
 
-MANIFEST = "manifest.json"
-"""A prepared dataset's description, written last: the dataset is complete when it exists."""
 TOKENIZER_FILE = "tokenizer.json"
 """The tokenizer a prepared dataset was made with, copied beside its manifest."""
 DATASETS_DIR = "datasets"
@@ -237,12 +237,8 @@ def identity_hash(identity: Any) -> str:
 
 
 def file_sha256(path: Path) -> str:
-    """Hex digest of a file's bytes."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+    """Hex digest of a tokenizer file's bytes (ReadError for what is not a regular file)."""
+    return reading.file_sha256(path, "a tokenizer file")
 
 
 def text_sources(data: DataConfig) -> list[SourceConfig]:
@@ -324,11 +320,3 @@ def dataset_places(data: DataConfig, vocab_size: int) -> list[DatasetPlace]:
     if data.val_source:
         places.append(dataset_place(data, single_source(data, data.val_source), vocab_size))
     return places
-
-
-def read_manifest(folder: Path) -> dict[str, Any] | None:
-    """A prepared dataset's manifest, None when it is not (completely) prepared."""
-    path = folder / MANIFEST
-    if not path.is_file():
-        return None
-    return json.loads(path.read_text())  # type: ignore[no-any-return]

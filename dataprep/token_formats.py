@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pretrain.core.inputs.reading import ReadError, read_bytes, read_span
+
 MEGATRON_MAGIC = b"MMIDIDX\x00\x00"
 MEGATRON_VERSION = 1
 MEGATRON_DTYPES = {
@@ -37,6 +39,10 @@ DTYPE_SIZES = {"uint8": 1, "int8": 1, "int16": 2, "uint16": 2, "int32": 4, "uint
 DTYPE_SIZES.update(int64=8, float32=4, float64=8)
 
 
+MAX_META_BYTES = 64 << 20
+"""Bound of a nanoGPT meta.pkl read (its itos/stoi of a character vocabulary: kilobytes)."""
+
+
 class FormatError(ValueError):
     """A pre-tokenized file that does not hold what its format says; names the file."""
 
@@ -49,7 +55,11 @@ class _NoGlobals(pickle.Unpickler):
 def read_nanogpt_meta(path: Path) -> dict[str, Any]:
     """nanoGPT's meta.pkl: a dict of plain data (vocab_size, itos, stoi)."""
     try:
-        meta = _NoGlobals(io.BytesIO(path.read_bytes())).load()
+        raw = read_bytes(path, "nanoGPT's meta.pkl", MAX_META_BYTES)
+    except ReadError as err:
+        raise FormatError(str(err)) from None
+    try:
+        meta = _NoGlobals(io.BytesIO(raw)).load()
     except Exception as exc:
         raise FormatError(f"{path}: not a plain-data pickle ({exc})") from None
     if not isinstance(meta, dict):
@@ -88,8 +98,10 @@ class MegatronHeader:
 
 def read_megatron_header(idx_path: Path) -> MegatronHeader:
     """Parse and check the header of a Megatron .idx file."""
-    with open(idx_path, "rb") as f:
-        head = f.read(len(MEGATRON_MAGIC) + 8 + 1 + 8 + 8)
+    try:
+        head = read_span(idx_path, "a Megatron .idx file", 0, len(MEGATRON_MAGIC) + 25)
+    except ReadError as err:
+        raise FormatError(str(err)) from None
     size = idx_path.stat().st_size
     if len(head) < len(MEGATRON_MAGIC) + 25 or not head.startswith(MEGATRON_MAGIC):
         raise FormatError(f"{idx_path}: not a Megatron index (no MMIDIDX header)")

@@ -6,7 +6,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -14,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from pretrain.core.inputs.reading import MissingFile, read_mapping
 from pretrain.dataprep.cache_lock import held
 from pretrain.dataprep.corpus import source_documents
 from pretrain.dataprep.sources import text_sources, tokenizer_file, trained_tokenizer_path
@@ -106,10 +106,11 @@ def trained_tokenizer(
 
 
 def _pretrained_eos(folder: Path) -> str | None:
-    config = folder / "tokenizer_config.json"
-    if not config.is_file():
+    try:
+        config = read_mapping(folder / "tokenizer_config.json", "a tokenizer_config.json")
+    except MissingFile:
         return None
-    eos = json.loads(config.read_text()).get("eos_token")
+    eos = config.get("eos_token")
     if isinstance(eos, dict):  # older files store an AddedToken as a dict
         eos = eos.get("content")
     return eos if isinstance(eos, str) else None

@@ -184,6 +184,8 @@ def _validate_for_action(cfg: RecipeConfig) -> None:
         if cfg.action not in ("plan", "dryrun"):
             # A job that would run out of memory is refused before it is written or submitted.
             check_fits(cfg)
+        if cfg.action in ("run", "script") and cfg.cluster.backend == "slurm":
+            _check_partition(cfg)
         if cfg.action == "run" and cfg.cluster.backend == "slurm":
             # GPU nodes never tokenize: the data is prepared first, by its own CPU job.
             problems = unprepared_problems(cfg)
@@ -195,6 +197,19 @@ def _validate_for_action(cfg: RecipeConfig) -> None:
         # A script may be written for a layout this trainer cannot run yet; say so loudly.
         for problem in check_runnable(cfg):
             LOG.warning(problem)
+
+
+def _check_partition(cfg: RecipeConfig) -> None:
+    """The job's request against its partition's limits (RecipeError); a line on stderr
+    when SLURM cannot tell them here."""
+    from pretrain.core.problems import Checks
+    from pretrain.launcher.validate.partition import check_partition
+
+    c = Checks()
+    skipped = check_partition(c, cfg)
+    if skipped:
+        print(f"note: {skipped}", file=sys.stderr)
+    c.raise_if_any()
 
 
 def _write_and_start(cfg: RecipeConfig, plan: dict, launched: dict | None) -> float | None:

@@ -127,7 +127,8 @@ def setup(cfg: RecipeConfig, rank: RankInfo) -> Run:
     CLOCK.mark("loaders and checkpoint")
     if start:
         get_logger().info("resumed from the checkpoint of step %d", start)
-    peak = resolve_peak_flops(rank.device, peak_dtype(cfg.precision), cfg.hardware)
+    cache = Path(os.path.expanduser(cfg.data.cache_dir))
+    peak = resolve_peak_flops(rank.device, peak_dtype(cfg.precision), cfg.hardware, cache)
     window = MetricsWindow(
         _throughput_meter(cfg, rank, peak),
         state=state,
@@ -272,7 +273,7 @@ def _announce(
         "+".join(f"{len(s):,}" for s in data.train),
         f" ({sum(len(s) for s in data.val):,} for validation)" if data.val else "",
         peak.dtype,
-        peak.tflops,
+        "n/a" if peak.tflops is None else f"{peak.tflops:.4g}",
         peak.source,
     )
     log.info("%s", kernels_line(cfg, state, rank.device))

@@ -11,12 +11,13 @@ fix, never a traceback further on.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
 import stat
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import yaml
 
@@ -47,10 +48,8 @@ class MissingFile(ReadError):
     """The file does not exist (a caller may take that as "none yet")."""
 
 
-def read_bytes(path: Path, expected: str, max_bytes: int = MAX_BYTES) -> bytes:
-    """The bytes of a regular file of at most `max_bytes`; ReadError otherwise (a missing
-    file included). `expected` says what the file should be ("a run's config.yaml")."""
-    path = Path(path)
+def _open_regular(path: Path, expected: str) -> tuple[int, os.stat_result]:
+    """A descriptor of `path` opened for reading, and its status, if it is a regular file."""
     try:
         # O_NONBLOCK: opening a FIFO with no writer would block; it is refused below.
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0))
@@ -64,6 +63,39 @@ def read_bytes(path: Path, expected: str, max_bytes: int = MAX_BYTES) -> bytes:
         os.close(fd)
         kind = "a directory" if stat.S_ISDIR(info.st_mode) else "not a regular file"
         raise ReadError(path, kind, expected, "give the path of a regular file")
+    return fd, info
+
+
+def open_binary(path: Path, expected: str) -> BinaryIO:
+    """A binary stream of a regular file of any size (a corpus file, a checkpoint shard),
+    for readers that stream it; ReadError if it is anything else or missing."""
+    fd, _ = _open_regular(Path(path), expected)
+    os.set_blocking(fd, True)  # a regular file never blocks; reads then behave as usual
+    return os.fdopen(fd, "rb")
+
+
+def read_span(path: Path, expected: str, offset: int, length: int) -> bytes:
+    """Up to `length` bytes at `offset` of a regular file of any size: the header of a
+    binary file (safetensors, Megatron .idx, Parquet's magic) without reading the rest."""
+    with open_binary(path, expected) as handle:
+        handle.seek(offset)
+        return handle.read(length)
+
+
+def file_sha256(path: Path, expected: str) -> str:
+    """Hex SHA-256 of a regular file of any size, read in 4 MiB blocks."""
+    digest = hashlib.sha256()
+    with open_binary(path, expected) as handle:
+        while block := handle.read(4 << 20):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def read_bytes(path: Path, expected: str, max_bytes: int = MAX_BYTES) -> bytes:
+    """The bytes of a regular file of at most `max_bytes`; ReadError otherwise (a missing
+    file included). `expected` says what the file should be ("a run's config.yaml")."""
+    path = Path(path)
+    fd, info = _open_regular(path, expected)
     with os.fdopen(fd, "rb") as handle:
         if info.st_size > max_bytes:
             found = f"{info.st_size:,} bytes, more than the {max_bytes:,} read"
@@ -97,6 +129,11 @@ def read_json(path: Path, expected: str, max_bytes: int = MAX_BYTES) -> Any:
     except (ValueError, RecursionError) as err:
         found = f"not valid JSON ({str(err).splitlines()[0][:120]})"
         raise ReadError(path, found, expected, "give the file the tool wrote") from None
+
+
+def read_mapping(path: Path, expected: str, max_bytes: int = MAX_BYTES) -> dict[str, Any]:
+    """A regular file's JSON object (a list, text or a number there is a ReadError)."""
+    return mapping(read_json(path, expected, max_bytes), path, expected)
 
 
 def json_objects(

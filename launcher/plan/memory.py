@@ -53,7 +53,7 @@ from dataclasses import dataclass, field
 from pretrain.core.hardware import GIB
 from pretrain.core.layout import Degrees
 from pretrain.core.model_config import ModelConfig
-from pretrain.core.optim_states import state_bytes
+from pretrain.core.optim_states import MOMENTS, state_bytes, state_tensors
 from pretrain.core.precision import COMPUTE_BYTES
 from pretrain.core.recompute import recomputed_blocks
 from pretrain.core.schedules import SCHEDULES, V
@@ -75,9 +75,6 @@ CUDA_FIXED_GIB = 1.5
 """CUDA context, cuBLAS workspaces and NCCL buffers per GPU (typical, H100, NCCL 2.2x)."""
 FRAGMENTATION = 0.05
 """Caching-allocator fragmentation, as a share of the tensors' peak (CUDA only)."""
-MOMENTS = {"adamw": 2, "lion": 1, "sgd": 1, "muon": 1}
-"""State tensors per parameter (SGD without momentum keeps none; Muon's one is on the blocks'
-weight matrices, the rest keep AdamW's two: `state_tensors`)."""
 DROPLESS_SLOTS = 2.0
 """A dropless expert-parallel dispatch's slots, as a multiple of the mean load per expert:
 where they start (parallel/expert.py); they then follow the largest load with 25% headroom."""
@@ -240,14 +237,6 @@ def llama_block_activations(
         attention += (4 + compute) * (m.kv_rank + m.mla_q_rank) + 8
     mlp = compute * 4 * width / t  # w1 and w3 outputs, silu output, w2's input
     return s * b * (norms + linear_inputs + attention + mlp)
-
-
-def state_tensors(optim: OptimConfig) -> tuple[int, int]:
-    """Optimizer state tensors per parameter: (the blocks' weight matrices, all others)."""
-    if optim.name == "muon":
-        return 1, 2  # Muon's momentum; AdamW's two moments on embeddings, head and norms
-    n = 0 if optim.name == "sgd" and not optim.momentum else MOMENTS[optim.name]
-    return n, n
 
 
 def stepped_per_parameter(optim: OptimConfig) -> bool:

@@ -9,6 +9,7 @@ recipe that the same model predicts to fit, so the user gets options that work.
 from __future__ import annotations
 
 import copy
+import os
 from collections.abc import Callable
 
 from pretrain.core import hardware
@@ -25,6 +26,18 @@ def device_memory_gib(cfg: RecipeConfig) -> float | None:
     if cfg.cluster.device != "cuda":
         return None
     return cfg.cluster.gpu_memory_gib or hardware.gpu_spec(cfg.cluster.gpu_type).memory_gib
+
+
+def host_memory_gib(cfg: RecipeConfig) -> float | None:
+    """This machine's memory per rank in GiB for a local CPU run (its ranks share it); None
+    for any other run, whose nodes' memory is not known here."""
+    if cfg.cluster.device != "cpu" or cfg.cluster.backend != "local":
+        return None
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return None
+    return total / GIB / max(1, cfg.cluster.gpus_per_node)
 
 
 def predict(cfg: RecipeConfig) -> MemoryBreakdown:
@@ -92,6 +105,12 @@ def check_fits(cfg: RecipeConfig) -> None:
     """Raise RecipeError when the predicted peak per rank of a valid recipe exceeds the
     device's memory, naming the one-field changes predicted to fit."""
     limit = device_memory_gib(cfg)
+    where = cfg.cluster.gpu_type
+    if limit is None:
+        # On CPU the ranks allocate from this machine's memory: a model that cannot fit
+        # there is refused before they try (and swap, or are killed).
+        limit = host_memory_gib(cfg)
+        where = f"this machine's memory per rank ({cfg.cluster.gpus_per_node} local ranks)"
     breakdown = predict(cfg)
     if not limit or breakdown.total_gib <= limit:
         return
@@ -101,8 +120,8 @@ def check_fits(cfg: RecipeConfig) -> None:
             Problem(
                 "parallel",
                 f"tp={cfg.parallel.tp},pp={cfg.parallel.pp},zero={cfg.parallel.zero}",
-                f"predicted peak {breakdown.total_gib:.1f} GiB per rank exceeds the {limit:g} "
-                f"GiB of {cfg.cluster.gpu_type} ({describe(breakdown)})",
+                f"predicted peak {breakdown.total_gib:,.1f} GiB per rank exceeds the "
+                f"{limit:,.4g} GiB of {where} ({describe(breakdown)})",
                 "try " + or_list(fixes)
                 if fixes
                 else "raise ZeRO, tp or pp, recompute, or lower "

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pretrain.core import hardware
 from pretrain.core.hardware import GIB
 from pretrain.core.layout import Degrees, grad_accum_steps, rank_groups, resolve_degrees
-from pretrain.core.optim_states import state_bytes
+from pretrain.core.optim_states import state_bytes, state_tensors
 from pretrain.core.pipedream import segment_steps
 from pretrain.core.precision import peak_dtype
 from pretrain.core.recompute import recomputed_blocks
@@ -28,7 +28,6 @@ from pretrain.launcher.plan.memory import (
     MemoryBreakdown,
     peak_breakdown,
     stage_params,
-    state_tensors,
     textbook_activations,
     textbook_model_states,
 )

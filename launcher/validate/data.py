@@ -30,6 +30,14 @@ def check_data(c: Checks, cfg: RecipeConfig, for_launch: bool) -> None:
     d = cfg.data
     for name in ("max_bytes", "max_tokens", "vocab_size", "workers"):
         c.at_least(f"data.{name}", getattr(d, name), 0)
+    sequence = cfg.train.seq_len + 1  # a sequence's inputs and its shifted targets
+    for field, limit in [("data.max_tokens", d.max_tokens)] + [
+        (f"data.sources[{i}].max_tokens", s.max_tokens) for i, s in enumerate(d.sources)
+    ]:
+        if 0 < limit < sequence:
+            c.add(field, limit, f"fewer tokens than one training sequence of train.seq_len + 1 "
+                  f"= {sequence}: the ranks would find nothing to train on",
+                  f"use 0 (all of the source) or at least {sequence}")  # fmt: skip
     if not 0 <= d.val_fraction < 1:
         c.add("data.val_fraction", d.val_fraction, "must lie in [0, 1)", "use e.g. 0.005, or 0")
     if d.val_fraction and d.val_source:

@@ -38,13 +38,16 @@ MAX_TEMPLATE_BYTES = 1 << 20
 
 
 def check_job(c: Checks, cfg: RecipeConfig) -> None:
-    """cluster.python, sbatch_template, sbatch_extra, setup and container."""
+    """cluster.python, sbatch_template, sbatch_extra, setup and container; on a local
+    run, none of the fields only a SLURM job uses (they would be written and ignored)."""
     k = cfg.cluster
     _check_python(c, k.python)
     if k.backend != "slurm":
         for name, value in (("sbatch_template", k.sbatch_template),
                             ("sbatch_extra", k.sbatch_extra), ("setup", k.setup),
-                            ("container.image", k.container.image)):  # fmt: skip
+                            ("container.image", k.container.image),
+                            ("partition", k.partition), ("account", k.account),
+                            ("qos", k.qos), ("cpu_partition", k.cpu_partition)):  # fmt: skip
             if value:
                 c.add(f"cluster.{name}", value, "only a SLURM job's script uses it",
                       "use cluster=slurm, or leave it unset for a local run")  # fmt: skip
@@ -61,6 +64,11 @@ def _check_python(c: Checks, python: str) -> None:
     if _CONTROL.search(python):
         c.add("cluster.python", python, "holds a line break or control character",
               "give one command name or an absolute path")  # fmt: skip
+    elif python != python.strip() or " " in python:
+        c.add("cluster.python", python, "is run as one program, so a space makes it a name no "
+              "node has (arguments cannot be given here)",
+              "give one command name or an absolute path; put what it needs in "
+              "cluster.setup or cluster.env")  # fmt: skip
     elif "/" in python and not python.startswith("/"):
         c.add("cluster.python", python,
               "a relative path would be looked up from wherever the job starts on the node",

@@ -306,8 +306,12 @@ def _check_model_split(c: Checks, cfg: RecipeConfig, max_tp: int | None) -> None
                 if pps
                 else "set vpp=1"
             )
-            + f", or list each stage's layers, e.g. parallel.pp_layers="
-            f"{_compact(balanced_split(m.n_layers, stages))}",
+            + (
+                f", or list each stage's layers, e.g. parallel.pp_layers="
+                f"{_compact(balanced_split(m.n_layers, stages))}"
+                if stages <= m.n_layers
+                else f" (at most {m.n_layers} stages: one layer each)"
+            ),
         )
 
 
@@ -320,7 +324,9 @@ def _check_pp_layers(c: Checks, cfg: RecipeConfig) -> None:
             "parallel.pp_layers",
             p.pp_layers,
             f"needs pp*vpp = {stages} positive layer counts summing to model.n_layers={n_layers}",
-            f"e.g. {_compact(balanced_split(n_layers, stages))}, or [] for an even split",
+            f"e.g. {_compact(balanced_split(n_layers, stages))}, or [] for an even split"
+            if stages <= n_layers
+            else f"use pp*vpp <= {n_layers} (a stage holds at least one layer)",
         )
 
 

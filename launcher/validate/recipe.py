@@ -18,9 +18,11 @@ from typing import Any
 from pretrain.core.problems import Checks, divisors, nearby_multiples, or_list
 from pretrain.core.schema import RecipeConfig, choice_fields, field_value
 from pretrain.launcher.validate.attention import check_attention
+from pretrain.launcher.validate.bounds import check_bounds
 from pretrain.launcher.validate.data import check_data
 from pretrain.launcher.validate.env import check_env, check_local_device
 from pretrain.launcher.validate.job import check_job
+from pretrain.launcher.validate.job_limits import check_disk_room, check_signal_lead
 from pretrain.launcher.validate.layout import (
     SAFE_NAME,
     check_cluster,
@@ -55,10 +57,12 @@ def validate(
         c.add("name", cfg.name, "may hold only letters, digits, '_', '.' and '-'", f"use {safe}")
     if not 0 <= cfg.seed <= MAX_SEED:
         c.add("seed", cfg.seed, f"seeds are 32-bit: 0 to {MAX_SEED:,}", "use e.g. 1234")
-    model_ok = _check_model(c, cfg)
+    # A count over its bound would be walked or allocated by the rules below: they skip it.
+    bounded = check_bounds(c, cfg)
+    model_ok = _check_model(c, cfg) and bounded
     check_attention(c, cfg, model_ok)
-    batch_ok = _check_train(c, cfg)
-    cluster_ok = check_cluster(c, cfg)
+    batch_ok = _check_train(c, cfg) and bounded
+    cluster_ok = check_cluster(c, cfg) and bounded
     check_env(c, cfg)
     check_job(c, cfg)
     check_logging(c, cfg)
@@ -80,6 +84,10 @@ def validate(
     if run_dir:
         check_run_dir(c, cfg)
     _check_checkpoint(c, cfg)
+    if model_ok and cluster_ok and not c.reported("cluster.signal_seconds"):
+        check_signal_lead(c, cfg)
+    if run_dir and model_ok and not c.reported("run.dir") and not c.reported("checkpoint.keep"):
+        check_disk_room(c, cfg)
     _check_speed(c, cfg)
     if for_launch:
         c.extend(check_runnable(cfg))

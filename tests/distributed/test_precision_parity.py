@@ -73,7 +73,7 @@ def test_fp8_emulated_tracks_bf16_over_50_steps(workdir, fp8_curve) -> None:
     assert fall_bf16 > 0.5 and fall_fp8 >= FP8_LEARNS * fall_bf16
     last = records(workdir / "fp8")[-1]
     # Emulated FP8 matmuls run in high precision: MFU is measured against that peak.
-    assert last["peak_dtype"] == "fp32" and last["peak_source"] == "measured CPU matmul"
+    assert last["peak_dtype"] == "fp32" and last["peak_source"].startswith("CPU peak measured")
 
 
 def test_fp8_under_zero3_with_fp8_all_gather_matches_one_rank(workdir, fp8_curve) -> None:

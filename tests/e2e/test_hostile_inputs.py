@@ -309,6 +309,154 @@ CASES = [
             ("abbreviated_chdir", "--chd=/", "--chdir"),
         ]
     ),
+    # Further cases, written from each class of issue 28 rather than from its examples.
+    # Security: Hydra's settings through the sweeper allowance, a program with arguments
+    cli(
+        "optuna_storage_writes_a_file",
+        *("-m", "hydra/sweeper=optuna", "hydra.sweeper.storage=sqlite:///{root}/owned.db"),
+        *("optim.lr=interval(1e-4,1e-2)", "action=plan"),
+        field="hydra.sweeper.storage",
+    ),
+    cli(
+        "optuna_sweeper_target",
+        *("-m", "hydra/sweeper=optuna", "hydra.sweeper._target_=builtins.exec"),
+        *("optim.lr=interval(1e-4,1e-2)", "action=plan"),
+        field="hydra.sweeper._target_",
+    ),
+    cli("hydra_output_subdir", "hydra.output_subdir={root}/x", field="hydra.output_subdir"),
+    cli("hydra_job_chdir", "hydra.job.chdir=true", field="hydra.job.chdir"),
+    rule(
+        "python_with_arguments",
+        "cluster=slurm",
+        "action=script",
+        "cluster.python='/bin/sh -c id'",
+        field="cluster.python=",
+    ),
+    # Unbounded arithmetic: counts a rule, a message or the planner would walk
+    rule("pp_huge_prime", "parallel.pp=999999937"),
+    rule("dp_shard_huge_prime", "parallel.dp_shard=1000000007"),
+    rule("global_batch_prime", "train.global_batch=16777213"),
+    rule("ep_over_prime_experts", "model.moe_experts=16381", "parallel.ep=2", field="parallel.ep"),
+    rule("max_restarts_absurd", "cluster.max_restarts=1000000000"),
+    rule("omp_threads_absurd", "cluster.omp_num_threads=1000000000"),
+    rule("loss_chunks_absurd", "train.loss_chunks=1000000000"),
+    rule("eval_batches_absurd", "eval.batches=1000000000"),
+    rule(
+        "world_absurd",
+        "cluster.nodes=65536",
+        "cluster.gpus_per_node=1024",
+        field="67,108,864 ranks",
+    ),
+    # Files read without checking what they are or what they hold
+    rule("data_folder_of_a_fifo", "data.source={root}/data_fifo", field="holds no data files"),
+    rule(
+        "prepared_manifest_shards_a_mapping",
+        "data.source={root}/prepared_bad",
+        field="its manifest cannot be used: no list of shards",
+    ),
+    rule(
+        "prepared_manifest_a_list",
+        "data.source={root}/prepared_list",
+        field="its manifest cannot be used: holds a list",
+    ),
+    rule("hf_config_a_fifo", "init.from_hf={root}/hf_fifo", field="init.from_hf="),
+    rule(
+        "hf_config_a_list",
+        "init.from_hf={root}/hf_list",
+        field="{root}/hf_list/config.json: holds a list",
+    ),
+    rule(
+        "tokenizer_json_a_list",
+        "data.tokenizer={root}/tok_dir",
+        field="tokenizer.json: holds a list",
+    ),
+    rule("tokenizer_json_a_fifo", "data.tokenizer={root}/fifo", field="data.tokenizer="),
+    rule(
+        "megatron_index_a_fifo",
+        "data.source={root}/mega/c",
+        "data.format=megatron",
+        "data.tokenizer=none",
+        "data.vocab_size=4096",
+        field="no PREFIX.bin and PREFIX.idx",
+    ),
+    rule(
+        "sbatch_template_a_fifo",
+        "cluster=slurm",
+        "action=script",
+        "cluster.sbatch_template={root}/fifo",
+        field="not a regular file",
+    ),
+    cli("status_of_a_fifo", "status", "{root}/fifo", field="{root}/fifo"),
+    # Job settings that contradict each other, SLURM's limits or the run's disk
+    rule(
+        "stop_signal_after_the_time_limit",
+        "cluster=slurm",
+        "action=script",
+        "cluster.time=00:30:00",
+        "cluster.signal_seconds=3600",
+        field="for ever",
+    ),
+    rule(
+        "stop_signal_shorter_than_the_save",
+        "cluster=slurm",
+        "action=script",
+        *("model.dim=8192", "model.n_layers=80", "model.n_heads=64", "model.ffn_dim=28672"),
+        "cluster.signal_seconds=31",
+        field="killed mid-save",
+    ),
+    rule("partition_on_a_local_run", "cluster.partition=gpu"),
+    rule("account_on_a_local_run", "cluster.account=proj"),
+    rule("qos_on_a_local_run", "cluster.qos=high"),
+    cli(
+        "cpu_partition_with_a_semicolon",
+        "cluster=slurm",
+        "action=script",
+        "cluster.cpu_partition=a;b",
+        field="cluster.cpu_partition",
+    ),
+    rule(
+        "disk_cannot_hold_the_checkpoints",
+        "checkpoint.every=1",
+        "train.steps=1000000",
+        "checkpoint.keep=1000000",
+        field="checkpoint.keep",
+    ),
+    rule("gpus_per_node_absurd", "cluster=slurm", "action=script", "cluster.gpus_per_node=4096"),
+    # Accepted, then failing on the ranks, though the recipe alone says so
+    rule("val_fraction_all", "data.val_fraction=1.0"),
+    rule("max_tokens_below_one_sequence", "data.max_tokens=1"),
+    rule(
+        "source_max_tokens_below_one_sequence",
+        "data.sources=[{source:stdlib,max_tokens:5}]",
+        field="data.sources[0].max_tokens",
+    ),
+    rule(
+        "seq_len_over_max_seq_len",
+        "train.seq_len=4096",
+        "model.max_seq_len=2048",
+        field="train.seq_len",
+    ),
+    rule("experts_absurd", "model.moe_experts=1000000007"),
+    rule("vocab_absurd", "model.vocab_size=100000000000"),
+    rule("eval_every_negative", "eval.every=-1"),
+    # Unclear: each refusal names what is wrong, and a fix that is itself accepted
+    cli("precision_in_capitals", "precision=BF16", field="bf16"),
+    rule("action_in_capitals", "action=PLAN", field="action=PLAN"),
+    cli("steps_not_a_number", "train.steps=1_0x0"),
+    rule("tp_zero", "parallel.tp=0"),
+    rule(
+        "more_stages_than_layers",
+        "parallel.pp=8",
+        "cluster.gpus_per_node=8",
+        field="at most 4 stages",
+    ),
+    rule(
+        "pp_layers_with_empty_stages",
+        "parallel.pp=8",
+        "cluster.gpus_per_node=8",
+        "parallel.pp_layers=[1,1,1,1,0,0,0,0]",
+        field="use pp*vpp <= 4",
+    ),
     # the same refusals through the whole command
     cli("run_dir_in_use_through_main", "run.dir={root}/busy", field="run.dir"),
     cli("env_path_through_main", "+cluster.env.PATH=/evil", field="cluster.env.PATH"),
@@ -350,6 +498,19 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
         for relative, text in files.items():
             (root / "trees" / name / relative).parent.mkdir(parents=True, exist_ok=True)
             (root / "trees" / name / relative).write_text(text.replace("{root}", str(root)))
+    # Files that are not what they should be, for the further cases.
+    for name in ("data_fifo", "prepared_bad", "prepared_list", "hf_fifo", "hf_list", "tok_dir",
+                 "mega"):  # fmt: skip
+        (root / name).mkdir()
+    os.mkfifo(root / "fifo")
+    os.mkfifo(root / "data_fifo" / "a.jsonl")
+    (root / "prepared_bad" / "manifest.json").write_text('{"shards": {"a": 1}, "tokens": 3}')
+    (root / "prepared_list" / "manifest.json").write_text("[1, 2, 3]")
+    os.mkfifo(root / "hf_fifo" / "config.json")
+    (root / "hf_list" / "config.json").write_text("[1]")
+    (root / "tok_dir" / "tokenizer.json").write_text("[1]")
+    (root / "mega" / "c.bin").write_bytes(bytes(64))
+    os.mkfifo(root / "mega" / "c.idx")
     # An alias bomb outside every search path: reached only by a path as the recipe name.
     (root / "outside.yaml").write_bytes(RECIPE_FILES["bomb"])
     mounted = (

@@ -134,7 +134,7 @@ def test_corrupt_checkpoints_are_moved_aside_and_the_previous_one_resumes(tmp_pa
     output = resumed.stdout + resumed.stderr
     assert f"checkpoint step_00000006 is unusable ({shard.name} is" in output
     assert "checkpoint step_00000004 is unusable (meta.json is 8 bytes" in output
-    assert "meta.json is not valid JSON" in output
+    assert "meta.json: not valid JSON" in output
     assert "resumed from the checkpoint of step 2" in output
     names = sorted(p.name for p in checkpoints.iterdir())
     assert "step_00000006.corrupt" in names and "step_00000004.corrupt" in names

@@ -127,3 +127,22 @@ def test_stragglers_are_named_among_the_ranks_of_their_pipeline_stage() -> None:
     assert stragglers([0.03, 0.33], [0, 0], lag=0.25) == [(1, pytest.approx(10.0))]
     # 40% more of a few milliseconds is measuring noise, not a straggler.
     assert stragglers([0.025, 0.025, 0.025, 0.035], [0] * 4, lag=0.25) == []
+
+
+@pytest.mark.parametrize("target", ["model.safetensors", "model.safetensors/hf"])
+def test_export_into_a_file_is_a_user_error_naming_the_path(
+    tmp_path: Path, target: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    from pretrain.trainer.checkpoint.export import entry
+
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "config.yaml").write_text(dump_config(RecipeConfig(name="tiny")))
+    (tmp_path / "model.safetensors").write_bytes(b"mine")
+    out = tmp_path / target
+    monkeypatch.setattr("sys.argv", ["pretrain-export", str(tmp_path / "run"), str(out)])
+    with pytest.raises(SystemExit) as ended:
+        entry()  # refused before any checkpoint is looked for: the run has none
+    assert ended.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"pretrain-export: {out}") and "is a file" in err
+    assert (tmp_path / "model.safetensors").read_bytes() == b"mine"

@@ -75,7 +75,7 @@ def test_a_changed_byte_fails_the_checksum(tmp_path: Path) -> None:
 def test_garbled_or_missing_meta_json_is_a_problem(tmp_path: Path) -> None:
     garbled = fake_checkpoint(tmp_path / "step_00000002")
     (garbled / META).write_text("{not json")
-    assert problems(garbled)[0].startswith("meta.json is not valid JSON")
+    assert problems(garbled)[0].startswith("meta.json: not valid JSON")
     missing = fake_checkpoint(tmp_path / "step_00000004")
     (missing / META).unlink()
     assert problems(missing) == ["meta.json is missing"]

@@ -15,7 +15,7 @@ from pretrain.launcher.plan.memory import (
     memory_breakdown,
     textbook_model_states,
 )
-from pretrain.launcher.plan.memory_fit import predict
+from pretrain.launcher.plan.memory_fit import host_memory_gib, predict
 from pretrain.launcher.validate.recipe import validate
 from pretrain.models.flops import count_params
 from tests.helpers import validate_and_fit
@@ -109,10 +109,16 @@ def test_a_recipe_over_device_memory_is_refused_with_breakdown_and_fixes_that_fi
     validate_and_fit(fixed)  # the suggested change does fit
 
 
-def test_cpu_ranks_have_no_memory_limit():
+def test_cpu_ranks_are_held_to_this_machines_memory_only_on_a_local_run():
     cfg = recipe(0)
-    cfg.cluster.device, cfg.cluster.gpu_type = "cpu", "cpu"
-    validate_and_fit(cfg)
+    cfg.cluster.device, cfg.cluster.gpu_type, cfg.cluster.backend = "cpu", "cpu", "slurm"
+    validate_and_fit(cfg)  # the nodes' memory is not known here: nothing to compare
+    cfg.cluster.backend = "local"  # 8 ranks of a 7B model share this machine's memory
+    if predict(cfg).total_gib <= host_memory_gib(cfg):
+        validate_and_fit(cfg)
+    else:
+        with pytest.raises(RecipeError, match=r"this machine's memory per rank \(8 local"):
+            validate_and_fit(cfg)
 
 
 @pytest.mark.parametrize(

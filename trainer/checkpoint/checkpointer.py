@@ -34,6 +34,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from torch.distributed.checkpoint.stateful import Stateful
 
+from pretrain.core.inputs.reading import ReadError, integer, read_mapping
 from pretrain.core.run.checkpoint_files import (
     DCP_METADATA,
     META,
@@ -266,7 +267,7 @@ class Checkpointer:
 
     def _load(self, path: Path) -> int:
         """Load the checkpoint at `path` into the states; its step."""
-        meta = json.loads((path / META).read_text())
+        meta = read_mapping(path / META, "a checkpoint's meta.json")
         saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
         held = {key.split(".", 1)[0] for key in saved}
         targets = {
@@ -279,9 +280,12 @@ class Checkpointer:
             _loaded(obj, targets.get(name))
         for name, obj in self.states.replicated.items():
             _loaded(obj, meta.get(name))
-        if meta["world_size"] == self.world_size:
+        if integer(meta.get("world_size"), path / META, "world_size") == self.world_size:
             for name, obj in self.states.per_rank.items():
                 file = path / name / f"rank_{self.rank}.pt"
                 _loaded(obj, torch.load(file, weights_only=False) if file.is_file() else None)
-        self.saved_step = int(meta["step"])
+        step = integer(meta.get("step"), path / META, "step")
+        if step is None:
+            raise ReadError(path / META, "no step", "the step it was saved at", "save it again")
+        self.saved_step = step
         return self.saved_step

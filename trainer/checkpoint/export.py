@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 from pathlib import Path
 
 import torch
@@ -179,9 +178,21 @@ def clear_target(out_dir: Path, overwrite: bool) -> None:
     """Refuse (ExportError) a target directory that holds files, unless `overwrite`: then
     remove the files a Hugging Face loader would read there."""
     if not out_dir.exists():
+        existing = next(p for p in out_dir.parents if p.exists())  # the root always exists
+        if not existing.is_dir():
+            raise ExportError(
+                f"{out_dir}: {existing} is a file, so no directory can be made under it; give "
+                "the path of a new or empty directory"
+            )
+        if not os.access(existing, os.W_OK | os.X_OK):
+            raise ExportError(f"{out_dir}: {existing} cannot be written by this user; give "
+                              "a directory you can write")  # fmt: skip
         return
     if not out_dir.is_dir():
-        raise ExportError(f"{out_dir} exists and is not a directory; give a directory to write")
+        raise ExportError(
+            f"{out_dir} exists and is a file, not a directory; give the path of a new or "
+            "empty directory (a Hugging Face model is a directory of files)"
+        )
     held = sorted(p.name for p in out_dir.iterdir())
     if not held:
         return
@@ -266,8 +277,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     try:
         out = export(args.run_dir, args.out_dir, args.step, args.overwrite)
-    except (FileNotFoundError, ExportError) as err:
-        sys.exit(f"pretrain-export: {err}")
+    except FileNotFoundError as err:  # no run dir, config or checkpoint: the user's to fix
+        raise ExportError(str(err)) from None
     print(f"wrote {out}")
 
 

@@ -12,7 +12,6 @@ rank 0 before the rename that completes it, and checked before it is loaded.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -25,6 +24,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from pretrain.core.hardware import GIB
+from pretrain.core.inputs.reading import ReadError, file_sha256, integer, mapping, read_mapping
 from pretrain.dataprep.progress import human
 from pretrain.dataprep.waiting import Wait
 from pretrain.trainer.log import get_logger
@@ -33,6 +33,8 @@ MANIFEST = "manifest.json"
 CORRUPT_SUFFIX = ".corrupt"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _TMP_DIR = re.compile(r"^step_(\d+)\.tmp$")
+MAX_MANIFEST_BYTES = 64 << 20
+"""Bound of a manifest read (a line per file: a 100k-file checkpoint is about 15 MiB)."""
 SPACE_MARGIN = 1.05
 """A save needs the state's bytes plus 5% (DCP metadata, pickled objects, RNG files)."""
 
@@ -53,12 +55,20 @@ class NoUsableCheckpoint(RuntimeError):
 
 
 def sha256(path: Path) -> str:
-    """Hex SHA-256 of a file, read in 4 MiB blocks."""
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        while block := f.read(4 << 20):
-            digest.update(block)
-    return digest.hexdigest()
+    """Hex SHA-256 of a checkpoint file, read in 4 MiB blocks."""
+    return file_sha256(path, "a checkpoint file")
+
+
+def manifest_files(path: Path) -> dict[str, dict[str, Any]]:
+    """A manifest's files: name -> {size, sha256}; ReadError if it holds anything else."""
+    expected = "a checkpoint manifest: files, each with a size and a sha256"
+    files = mapping(read_mapping(path, expected, MAX_MANIFEST_BYTES).get("files"), path, expected)
+    for name, entry in files.items():
+        entry = mapping(entry, path, expected)
+        integer(entry.get("size"), path, f"files.{name}.size")
+        if not isinstance(entry.get("sha256"), str):
+            raise ReadError(path, f"files.{name} has no sha256", expected, "save it again")
+    return files
 
 
 def files_of(directory: Path) -> list[str]:
@@ -121,16 +131,16 @@ def size_problems(directory: Path, meta: str, dcp_metadata: str) -> tuple[list[s
             problems.append(f"{required} is missing")
     if (directory / meta).is_file():
         try:
-            json.loads((directory / meta).read_text())
-        except (ValueError, UnicodeDecodeError) as err:
-            problems.append(f"{meta} is not valid JSON ({err})")
+            read_mapping(directory / meta, "a checkpoint's meta.json")
+        except ReadError as err:
+            problems.append(f"{meta}: {err.found}")
     manifest_path = directory / MANIFEST
     if not manifest_path.is_file():
         return problems, []  # written before manifests existed: nothing more to compare
     try:
-        listed = json.loads(manifest_path.read_text())["files"]
-    except (ValueError, KeyError, UnicodeDecodeError):
-        return [*problems, f"{MANIFEST} is not valid"], []
+        listed = manifest_files(manifest_path)
+    except ReadError as err:
+        return [*problems, f"{MANIFEST}: {err.found}"], []
     for name, entry in sorted(listed.items()):
         path = directory / name
         if not path.is_file():
@@ -145,7 +155,7 @@ def checksum_problems(directory: Path, names: list[str]) -> list[str]:
     """Files among `names` whose SHA-256 differs from the manifest's."""
     if not names:
         return []
-    listed = json.loads((directory / MANIFEST).read_text())["files"]
+    listed = manifest_files(directory / MANIFEST)
     return [
         f"{name} does not match its checksum"
         for name in names

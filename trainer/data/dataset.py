@@ -17,7 +17,6 @@ file descriptors than that.
 
 from __future__ import annotations
 
-import json
 from collections import OrderedDict
 from fractions import Fraction
 from pathlib import Path
@@ -25,7 +24,8 @@ from typing import Any
 
 import numpy as np
 
-from pretrain.dataprep.sources import MANIFEST
+from pretrain.core.inputs.reading import MissingFile
+from pretrain.dataprep.dataset_manifest import MANIFEST, read_manifest
 
 OPEN_SHARDS = 64
 
@@ -39,7 +39,12 @@ class PreparedDataset:
     def __init__(self, folder: str | Path) -> None:
         """Open the dataset `prepare` wrote in `folder` (its manifest must exist)."""
         self.folder = Path(folder)
-        self.manifest: dict[str, Any] = json.loads((self.folder / MANIFEST).read_text())
+        manifest = read_manifest(self.folder)
+        if manifest is None:
+            raise MissingFile(
+                self.folder / MANIFEST, "no such file", "a prepared dataset", "prepare it"
+            )
+        self.manifest: dict[str, Any] = manifest
         self.shards: list[dict[str, Any]] = self.manifest["shards"]
         self.eos_id: int | None = self.manifest.get("eos_id")
         self._open: OrderedDict[int, np.ndarray] = OrderedDict()

@@ -20,11 +20,11 @@ import torch
 
 from pretrain.core.schema import RecipeConfig
 from pretrain.dataprep.cache_lock import holder_detail, holder_fraction
+from pretrain.dataprep.dataset_manifest import read_manifest
 from pretrain.dataprep.prepare import dataset_lock, prepare_data
 from pretrain.dataprep.sources import (
     DatasetPlace,
     dataset_places,
-    read_manifest,
     resolved_sources,
     source_label,
 )

@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from pretrain.core.hardware import GIB
+from pretrain.core.inputs.reading import ReadError, number, read_mapping
 from pretrain.core.run.run_lock import RunDirInUse
 from pretrain.core.run.rundir import LOGS_DIR, PLAN_FILE, failure_record, rank_log
 from pretrain.trainer.checkpoint.integrity import DiskSpaceError, NoUsableCheckpoint
@@ -93,10 +94,13 @@ def _memory_line(run_dir: Path) -> str:
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB
         measured = f"peak {rss:.2f} GiB resident"
     try:
-        predicted = json.loads((run_dir / PLAN_FILE).read_text())["memory_gib"]
-        return f"{measured}; the plan predicted {predicted:.2f} GiB per rank"
-    except (OSError, ValueError, KeyError, TypeError):
+        plan = read_mapping(run_dir / PLAN_FILE, "the run's plan.json")
+    except ReadError:
+        plan = {}
+    predicted = number(plan.get("memory_gib"))
+    if predicted is None:
         return f"{measured}; no plan.json to compare with"
+    return f"{measured}; the plan predicted {predicted:.2f} GiB per rank"
 
 
 def classify(exc: BaseException, run_dir: Path) -> Failure:

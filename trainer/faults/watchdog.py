@@ -32,6 +32,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from pretrain.core.inputs.reading import ReadError, integer, read_mapping
 from pretrain.core.run.rundir import HANGS_DIR
 from pretrain.trainer.log import get_logger
 
@@ -185,10 +186,12 @@ class Watchdog:
             records = {}
             for path in self.dir.glob("rank_*.json"):
                 try:
-                    record = json.loads(path.read_text())
-                except (OSError, ValueError):
+                    record = read_mapping(path, "a rank's collective record")
+                    rank = integer(record.get("rank"), path, "rank")
+                except ReadError:
                     continue  # being replaced: read it on the next pass
-                records[int(record["rank"])] = record
+                if rank is not None:
+                    records[rank] = record
             if len(records) >= self.world_size or time.monotonic() >= deadline:
                 return records
             time.sleep(0.2)

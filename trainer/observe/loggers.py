@@ -23,6 +23,7 @@ from typing import Any
 from rich.console import Console
 from rich.markup import escape
 
+from pretrain.core.inputs.reading import MissingFile, ReadError, open_binary, read_text
 from pretrain.core.problems import install_fix, installed
 from pretrain.core.run.durations import eta_seconds, format_duration
 from pretrain.core.run.metric_names import WANDB_KEYS, wandb_key
@@ -35,6 +36,8 @@ from pretrain.trainer.observe.run_summary import RunSummary
 
 WANDB_STEP = "train/step"
 WANDB_MODES = ("auto", "online", "offline", "disabled")
+MAX_RUN_ID_BYTES = 256
+"""Bound of a W&B run id file read (an id is 8 characters here, at most 128 in W&B)."""
 NODE_JOB_TYPE = "node-system"
 """W&B job_type of the runs that hold another node's system metrics."""
 ETA_WINDOW = 20
@@ -47,12 +50,24 @@ def node_wandb_dir(run_dir: Path, node: int) -> Path:
     return Path(run_dir) / "wandb" / f"node{node}"
 
 
+def read_run_id(path: Path) -> str | None:
+    """The W&B run id kept in `path`; None when there is none. What is not an id (letters,
+    digits, `-` and `_`: W&B's alphabet) is a ReadError naming the file."""
+    try:
+        run_id = read_text(path, "a W&B run id", MAX_RUN_ID_BYTES).strip()
+    except MissingFile:
+        return None
+    if run_id and not run_id.replace("-", "").replace("_", "").isalnum():
+        found = f"holds {run_id[:40]!r}"
+        raise ReadError(path, found, "a W&B run id", "delete it to start a new W&B run")
+    return run_id or None
+
+
 def stored_run_id(path: Path) -> str:
     """The W&B run id kept in `path`, created on first use (so a resumed run continues it)."""
-    if path.exists():
-        run_id = path.read_text().strip()
-        if run_id:
-            return run_id
+    run_id = read_run_id(path)
+    if run_id:
+        return run_id
     # W&B run ids: lowercase letters and digits; 8 random ones like W&B's own.
     run_id = "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -72,7 +87,7 @@ class WandbRunId:
         self.is_main = is_main
 
     def state_dict(self) -> str | None:
-        return self.path.read_text().strip() if self.path.is_file() else None
+        return read_run_id(self.path)
 
     def load_state_dict(self, run_id: str | None) -> None:
         if self.is_main and run_id and not self.path.exists():
@@ -104,9 +119,9 @@ def truncate_partial_line(path: Path) -> None:
     """Cut a trailing line that has no newline (a write interrupted by a crash)."""
     if not path.exists():
         return
-    with path.open("rb+") as f:
-        end = f.seek(0, os.SEEK_END)
-        pos = end
+    keep = 0
+    with open_binary(path, "the run's metrics.jsonl") as f:
+        end = pos = f.seek(0, os.SEEK_END)
         # Read backwards in blocks until the last newline: the file may be large.
         while pos > 0:
             size = min(65536, pos)
@@ -116,10 +131,10 @@ def truncate_partial_line(path: Path) -> None:
                 return
             newline = block.rfind(b"\n")
             if newline >= 0:
-                f.truncate(pos - size + newline + 1)
-                return
+                keep = pos - size + newline + 1
+                break
             pos -= size
-        f.truncate(0)
+    os.truncate(path, keep)
 
 
 def _plain(value: Any) -> Any:

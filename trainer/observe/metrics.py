@@ -5,7 +5,8 @@
     HFU = the same with hardware FLOPs per token (model FLOPs + recomputed forward FLOPs)
 
 FLOPs per token come from `models.flops` (the same numbers the launcher's plan prints); the
-peak comes from the recipe, the GPU table or (on CPU) a short measured matmul, never a guess.
+peak comes from the recipe, the GPU table or (on CPU) the machine's measured peak
+(`cpu_peak.py`: once per machine, all its ranks' threads, cached), never a guess.
 """
 
 from __future__ import annotations
@@ -13,13 +14,14 @@ from __future__ import annotations
 import math
 import resource
 import sys
-import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
 from pretrain.core.hardware import GIB
 from pretrain.core.schema import HardwareConfig
+from pretrain.trainer.observe.cpu_peak import rank_tflops
 
 
 @dataclass(frozen=True)
@@ -27,7 +29,7 @@ class PeakFlops:
     """Peak dense TFLOP/s of one device for the compute dtype, and where the figure came from.
 
     `tflops` is None when no trustworthy figure exists; `source` then says why. `dtype` names
-    the precision the figure is for (fp8 for FP8 runs; fp32 for a measured CPU matmul).
+    the precision the figure is for (fp8 for FP8 runs; fp32 for a measured CPU peak).
     """
 
     tflops: float | None
@@ -48,30 +50,19 @@ def table_peak_flops(device_name: str, dtype: str) -> PeakFlops:
     return PeakFlops(tflops, f"table: {key} {dtype}", dtype)
 
 
-def measure_cpu_matmul_tflops(size: int = 512, budget_s: float = 0.2) -> float:
-    """TFLOP/s of fp32 (size x size) matmuls on this process's CPU threads, timed for ~budget_s."""
-    a = torch.randn(size, size)
-    b = torch.randn(size, size)
-    torch.mm(a, b)  # first call pays for thread-pool start-up and allocation
-    iters, start = 0, time.perf_counter()
-    while True:
-        torch.mm(a, b)
-        iters += 1
-        elapsed = time.perf_counter() - start
-        if elapsed >= budget_s and iters >= 3:
-            break
-    return 2 * size**3 * iters / elapsed / 1e12
-
-
-def resolve_peak_flops(device: torch.device, dtype: str, hardware: HardwareConfig) -> PeakFlops:
-    """Peak TFLOP/s of one device: recipe value > GPU table (CUDA) > measured matmul (CPU)."""
+def resolve_peak_flops(
+    device: torch.device, dtype: str, hardware: HardwareConfig, cache_dir: Path | None = None
+) -> PeakFlops:
+    """Peak TFLOP/s of one device: recipe value > GPU table (CUDA) > this machine's measured
+    CPU peak, cached under `cache_dir` (CPU; collective when the process group is up)."""
     if hardware.peak_tflops > 0:
         return PeakFlops(hardware.peak_tflops, "recipe", dtype)
     if device.type == "cuda":
         return table_peak_flops(torch.cuda.get_device_name(device), dtype)
     if device.type == "cpu":
         # Whatever the run's dtype: the CPU figure is what fp32 matmuls reach here.
-        return PeakFlops(measure_cpu_matmul_tflops(), "measured CPU matmul", "fp32")
+        tflops, source = rank_tflops(cache_dir)
+        return PeakFlops(tflops, source, "fp32")
     return PeakFlops(None, f"unknown device {device.type}; set hardware.peak_tflops")
 
 
@@ -108,8 +99,8 @@ class ThroughputMeter:
         hfu = None if peak is None else hardware_flops / peak
         source = self.peak.source
         if hfu is not None and (hfu > 1 or not math.isfinite(hfu)):
-            # Work beyond the peak means the peak is wrong (a CPU matmul timed while other
-            # processes ran): no figure rather than one above 100%.
+            # Work beyond the peak means the peak is wrong (a CPU peak measured while other
+            # work ran): no figure rather than one above 100%.
             mfu = hfu = None
             source = f"{source}: implausible, the run went faster; set hardware.peak_tflops"
         return {

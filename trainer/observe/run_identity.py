@@ -4,11 +4,11 @@ side by side)."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pretrain.core.inputs.reading import ReadError, read_mapping
 from pretrain.core.layout import Degrees
 from pretrain.core.run.rundir import PLAN_FILE
 from pretrain.core.schema import RecipeConfig
@@ -40,8 +40,8 @@ def predicted(run_dir: Path) -> dict[str, Any]:
     """The plan's predictions of RUN_DIR/plan.json (those it made: None ones are left out)."""
     path = run_dir / PLAN_FILE
     try:
-        plan = json.loads(path.read_text())
-    except (OSError, ValueError):
+        plan = read_mapping(path, "the run's plan.json")
+    except ReadError:
         return {}
     return {key: plan[key] for key in PREDICTED if plan.get(key) is not None}
 

@@ -7,21 +7,13 @@ resume or requeue) are read back from RUN_DIR/metrics.jsonl when the logger open
 
 from __future__ import annotations
 
-import json
-import math
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pretrain.core.inputs.reading import json_objects, number
 from pretrain.core.run.durations import format_duration
-
-
-def _number(value: Any) -> float | None:
-    """`value` as a finite float, or None (missing, null, NaN, a string, a bool)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    return float(value) if math.isfinite(value) else None
 
 
 @dataclass
@@ -37,10 +29,10 @@ class RunSummary:
     def observe(self, step: int, metrics: dict[str, Any]) -> None:
         """Take in the metrics logged at `step`."""
         self.last_step = max(self.last_step, step)
-        loss = _number(metrics.get("loss"))
+        loss = number(metrics.get("loss"))
         if loss is not None:
             self.last_loss = loss
-        val = _number(metrics.get("val_loss"))
+        val = number(metrics.get("val_loss"))
         if val is not None:
             self.last_val = val
             if self.best_val is None or val < self.best_val:
@@ -51,14 +43,10 @@ class RunSummary:
         whole step number (a line cut by a crash, a hand edit) are skipped."""
         if not metrics_file.is_file():
             return
-        with metrics_file.open(encoding="utf-8", errors="replace") as lines:
-            for line in lines:
-                try:
-                    row = json.loads(line)
-                except ValueError:
-                    continue
-                if isinstance(row, dict) and type(row.get("step")) is int:
-                    self.observe(row["step"], row)
+        rows, _ = json_objects(metrics_file, "the run's metrics.jsonl")
+        for row in rows:
+            if type(row.get("step")) is int:
+                self.observe(row["step"], row)
 
     def lines(
         self, *, tokens: int, wall_s: float, checkpoint: Path | None, run_dir: Path

@@ -8,6 +8,7 @@ checkpoint), the fault guard and injector, the metrics window and the metrics si
 
 from __future__ import annotations
 
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -38,6 +39,7 @@ from pretrain.trainer.faults.injection import FaultInjector
 from pretrain.trainer.faults.step_guard import StepGuard, clear_preempted
 from pretrain.trainer.kernels import kernels_line
 from pretrain.trainer.log import get_logger, setup_logging
+from pretrain.trainer.observe.goodput import GoodputLedger
 from pretrain.trainer.observe.loggers import MetricsLogger
 from pretrain.trainer.observe.metrics import PeakFlops, ThroughputMeter, resolve_peak_flops
 from pretrain.trainer.observe.metrics_window import MetricsWindow
@@ -69,6 +71,9 @@ class Run:
     metrics: MetricsLogger
     start: int
     """Steps already done (restored from a checkpoint); 0 for a fresh run."""
+    goodput: GoodputLedger
+    load_s: float
+    """Seconds the checkpoint restore took."""
 
 
 def setup(cfg: RecipeConfig, rank: RankInfo) -> Run:
@@ -109,7 +114,9 @@ def setup(cfg: RecipeConfig, rank: RankInfo) -> Run:
     checkpointer = Checkpointer(
         run_dir, cfg.checkpoint, states, rank=rank.rank, world_size=rank.world_size, faults=faults
     )
+    loading = time.time()
     start = checkpointer.restore()
+    load_s = time.time() - loading
     CLOCK.mark("loaders and checkpoint")
     if start:
         get_logger().info("resumed from the checkpoint of step %d", start)
@@ -145,6 +152,8 @@ def setup(cfg: RecipeConfig, rank: RankInfo) -> Run:
         window,
         metrics,
         start,
+        GoodputLedger(run_dir, rank.is_main),
+        load_s,
     )
 
 

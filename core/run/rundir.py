@@ -60,3 +60,5 @@ def failure_record(rank: int) -> str:
 
 FAILURE_RECORD_GLOB = "failure_rank_*.json"
 """Matches every `failure_record` name."""
+GOODPUT_FILE = "goodput.jsonl"
+"""Where the run's wall time went: one event per line (core/run/goodput.py)."""

@@ -2,8 +2,9 @@
 
 For a run dir: the recipe, the last step and its loss, validation loss and tokens/s, the
 time left at the current step time, the newest complete checkpoint, the preempted marker,
-who holds the lock, and the SLURM job's state with its pending reason. For a sweep dir
-(the parent of the points' run dirs): one row per point.
+the goodput and where the run's wall time went, who holds the lock, and the SLURM job's
+state with its pending reason. For a sweep dir (the parent of the points' run dirs): one
+row per point.
 """
 
 from __future__ import annotations
@@ -24,9 +25,11 @@ from pretrain.core.inputs.reading import (
 )
 from pretrain.core.run.checkpoint_files import complete_checkpoints
 from pretrain.core.run.durations import eta_seconds, format_duration
+from pretrain.core.run.goodput import breakdown
 from pretrain.core.run.rundir import (
     CHECKPOINTS_DIR,
     CONFIG_FILE,
+    GOODPUT_FILE,
     METRICS_FILE,
     PREEMPTED_MARKER,
     SLURM_JOB_FILE,
@@ -52,6 +55,15 @@ def _last_rows(run_dir: Path) -> tuple[dict[str, Any], dict[str, Any]]:
         if number(row.get("val_loss")) is not None:
             last_val = row
     return last, last_val
+
+
+def goodput_line(run_dir: Path) -> str:
+    """Where the run's wall time went so far (core/run/goodput.py), or - before any step."""
+    path = run_dir / GOODPUT_FILE
+    if not path.exists():
+        return "-"
+    events, _ = json_objects(path, "the run's goodput.jsonl (one JSON object per line)")
+    return breakdown(events).line().removeprefix("goodput ")
 
 
 def slurm_state(run_dir: Path) -> str:
@@ -104,6 +116,7 @@ def run_status(run_dir: Path) -> dict[str, str]:
         "ETA": "done" if total and step >= total else format_duration(eta) if eta else "-",
         "checkpoint": f"step {checkpoints[-1][0]}" if checkpoints else "-",
         "preempted": "yes" if (run_dir / PREEMPTED_MARKER).exists() else "no",
+        "goodput": goodput_line(run_dir),
         "lock": lock,
         "slurm": slurm_state(run_dir),
     }

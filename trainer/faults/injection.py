@@ -12,7 +12,9 @@
 - PRETRAIN_FAULT_CRASH_IN_SAVE=6: rank 0 dies after writing the checkpoint of step 6 but
   before marking it complete (see trainer/checkpoint/checkpointer.py);
 - PRETRAIN_FAULT_OOM=RANK:STEP: that rank raises the device's out-of-memory error after
-  that step, as an allocation that does not fit would.
+  that step, as an allocation that does not fit would;
+- PRETRAIN_FAULT_STOP=STEP: rank 0 receives SIGUSR1 as that step begins (as from SLURM
+  before the time limit), so the job saves that step and stops.
 
 PRETRAIN_FAULT_PREPARE_STOP=N stops a data preparation as SIGTERM would once N units are
 done; `dataprep/prepare.py` reads it, since preparation runs without torch.
@@ -67,6 +69,7 @@ class FaultInjector:
     crash_in_save: int | None = None
     slow: tuple[int, float] | None = None
     oom: tuple[int, int] | None = None
+    stop: int | None = None
     first_attempt: bool = True
     step: int = 0
     """The 1-based step being trained (set by `begin_step`)."""
@@ -77,6 +80,7 @@ class FaultInjector:
         """The faults PRETRAIN_FAULT_* ask of `rank`."""
         raw_nan = environ.get("PRETRAIN_FAULT_NAN_STEPS", "")
         crash = environ.get("PRETRAIN_FAULT_CRASH_IN_SAVE")
+        stop = environ.get("PRETRAIN_FAULT_STOP")
         return cls(
             rank=rank,
             nan_steps=frozenset(int(s) for s in raw_nan.split(",") if s.strip()),
@@ -85,12 +89,17 @@ class FaultInjector:
             crash_in_save=int(crash) if crash else None,
             slow=_rank_seconds(environ.get("PRETRAIN_FAULT_SLOW_RANK")),
             oom=_rank_step(environ.get("PRETRAIN_FAULT_OOM")),
+            stop=int(stop) if stop else None,
             first_attempt=environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0",
         )
 
     def begin_step(self, step: int) -> None:
-        """The loop starts training `step` (1-based)."""
+        """The loop starts training `step` (1-based); rank 0 is asked to stop at the step
+        PRETRAIN_FAULT_STOP names (the step's agreement tells every rank)."""
         self.step = step
+        if self.rank == 0 and self.stop == step:
+            get_logger().warning("fault: rank 0 is sent SIGUSR1 as step %d begins", step)
+            os.kill(os.getpid(), signal.SIGUSR1)
 
     def wrap_loss(self, loss_fn: LossFn) -> LossFn:
         """`loss_fn`, returning NaN on rank 0 at the steps PRETRAIN_FAULT_NAN_STEPS names and

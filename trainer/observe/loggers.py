@@ -25,6 +25,7 @@ from rich.markup import escape
 
 from pretrain.core.problems import install_fix, installed
 from pretrain.core.run.durations import eta_seconds, format_duration
+from pretrain.core.run.goodput import Breakdown
 from pretrain.core.run.metric_names import WANDB_KEYS, wandb_key
 from pretrain.core.run.rundir import METRICS_FILE, TENSORBOARD_DIR, WANDB_ID_FILE
 from pretrain.core.run.wandb_credentials import api_key_configured as wandb_api_key_configured
@@ -325,13 +326,21 @@ class MetricsLogger:
             self._step_times.append(float(step_time))
         return statistics.median(self._step_times) if self._step_times else None
 
-    def print_summary(self, *, tokens: int, wall_s: float, checkpoint: Path | None) -> None:
+    def print_summary(
+        self,
+        *,
+        tokens: int,
+        wall_s: float,
+        checkpoint: Path | None,
+        goodput: Breakdown | None = None,
+    ) -> None:
         """Print the end-of-run block (main rank only): see trainer/observe/run_summary.py."""
         if not self.is_main:
             return
         lines = self.summary.lines(
-            tokens=tokens, wall_s=wall_s, checkpoint=checkpoint, run_dir=self.run_dir
-        )
+            tokens=tokens, wall_s=wall_s, checkpoint=checkpoint, run_dir=self.run_dir,
+            goodput=goodput,
+        )  # fmt: skip
         self.console.print("\n".join(lines), markup=False)
 
     def close(self, exit_code: int = 0) -> None:

@@ -36,6 +36,7 @@ from pretrain.trainer.data.loader import (
 from pretrain.trainer.data.prefetch import PrefetchingLoader
 from pretrain.trainer.dist import RankInfo
 from pretrain.trainer.faults.injection import FaultInjector
+from pretrain.trainer.faults.recovery import Recovery
 from pretrain.trainer.faults.step_guard import StepGuard, clear_preempted
 from pretrain.trainer.kernels import kernels_line
 from pretrain.trainer.log import get_logger, setup_logging
@@ -74,6 +75,7 @@ class Run:
     goodput: GoodputLedger
     load_s: float
     """Seconds the checkpoint restore took."""
+    recovery: Recovery
 
 
 def setup(cfg: RecipeConfig, rank: RankInfo) -> Run:
@@ -95,7 +97,7 @@ def setup(cfg: RecipeConfig, rank: RankInfo) -> Run:
         # marker of an earlier stop.
         clear_preempted(run_dir)
     faults = FaultInjector.from_env(rank.rank)
-    guard = StepGuard(cfg.faults.max_bad_steps, rank.device)
+    guard = StepGuard(cfg.faults.max_bad_steps, rank.device, cfg.faults)
     data = packed_data(cfg, open_datasets(cfg, rank.is_main, get_logger().info))
     CLOCK.mark("data open")
     state = build_train_state(cfg, mesh, rank.device)
@@ -110,13 +112,11 @@ def setup(cfg: RecipeConfig, rank: RankInfo) -> Run:
     training = train_loader(cfg, data, mesh.dp.get_local_rank(), degrees.dp)
     loader = _prefetching(cfg, training, rank)
     evaluator = _evaluator(cfg, data, mesh, degrees, rank, stepper, state)
-    states = run_states(state, loader, run_dir, rank.is_main)
+    states = run_states(state, loader, run_dir, rank.is_main, guard.spikes)
     checkpointer = Checkpointer(
         run_dir, cfg.checkpoint, states, rank=rank.rank, world_size=rank.world_size, faults=faults
     )
-    loading = time.time()
-    start = checkpointer.restore()
-    load_s = time.time() - loading
+    start, load_s = _restore(checkpointer)
     CLOCK.mark("loaders and checkpoint")
     if start:
         get_logger().info("resumed from the checkpoint of step %d", start)
@@ -136,6 +136,7 @@ def setup(cfg: RecipeConfig, rank: RankInfo) -> Run:
         ),
     )
     metrics = _metrics_logger(cfg, rank, run_dir, degrees)
+    recovery = _recovery(cfg, rank, metrics, guard, loader, start)
     _announce(cfg, rank, degrees, state, data, peak)
     CLOCK.mark("metrics and kernels")
     return Run(
@@ -154,7 +155,30 @@ def setup(cfg: RecipeConfig, rank: RankInfo) -> Run:
         start,
         GoodputLedger(run_dir, rank.is_main),
         load_s,
+        recovery,
     )
+
+
+def _restore(checkpointer: Checkpointer) -> tuple[int, float]:
+    """The step of the checkpoint restored (0: none) and the seconds it took."""
+    began = time.time()
+    start = checkpointer.restore()
+    return start, time.time() - began
+
+
+def _recovery(
+    cfg: RecipeConfig,
+    rank: RankInfo,
+    metrics: MetricsLogger,
+    guard: StepGuard,
+    loader: DataLoader | PrefetchingLoader,
+    start: int,
+) -> Recovery:
+    """The policies' actions on bad steps, with what earlier rollbacks left for `start`."""
+    recovery = Recovery(Path(cfg.run.dir), rank.is_main, cfg.faults, metrics)
+    recovery.resumed(start, loader)
+    guard.audit = recovery.action
+    return recovery
 
 
 def _metrics_logger(

@@ -37,10 +37,13 @@ def train(run: Run, watchdog: Watchdog) -> None:
     # The job's wall time from its first stamp (the launcher's start on a local run).
     started = CLOCK.marks[0][1] if CLOCK.marks else time.time()
     run.goodput.begin(run.start, run.load_s)
+    step = run.start
     with run.metrics as metrics:
-        for step in range(run.start + 1, total + 1):
+        while step < total:
+            step += 1
             watchdog.beat(step, "training")
-            run.faults.begin_step(step)
+            run.faults.begin_step(step, batch=run.loader.step + 1)
+            run.recovery.scale_lr(step, run.state)
             micro_batches = run.window.wait_for_data(run.loader.next_step)
             result = run.window.run_step(run.stepper, micro_batches)
             if not CLOCK.reported:
@@ -48,8 +51,16 @@ def train(run: Run, watchdog: Watchdog) -> None:
                 CLOCK.reported = True
                 if run.rank.is_main:
                     get_logger().info("%s", CLOCK.line())
-            run.guard.record(step, result.bad)
+            action = run.guard.record(step, result.bad)
             run.faults.after_step()
+            if action == "rollback":
+                # The bad step is logged as it was, then trained again from the checkpoint.
+                run.goodput.step(step, 0.0, 0.0)
+                metrics.log(step, {**run.window.collect(step), **run.goodput.flush()})
+                step = run.recovery.roll_back(
+                    step, run.guard, run.checkpointer, run.loader, run.goodput
+                )
+                continue
             watchdog.beat(step, "checkpoint")
             save_s = _timed(run.checkpointer.after_step, step, result.stop)
             saved = run.checkpointer.saved_step == step

@@ -11,6 +11,8 @@ line, a single write each, so a crash leaves at most a cut last line, which is s
 - `steps`: steps `first`..`last` ended at `t` and took `s` seconds of the loop (data,
   step, metrics), `eval_s` more in validation.
 - `save`: the checkpoint of `step` kept the loop waiting `s` seconds, ending at `t`.
+- `rollback`: a bad step made the run reload the checkpoint of step `to` (in `load_s`
+  seconds): the steps since it are trained again;
 - `end`: the trainer finished (`how`: finished or stopped) at `t`.
 - `job_end`: the local launcher saw the ranks exit at `t` with exit status `code` (written
   by the launcher).
@@ -175,6 +177,9 @@ def breakdown(events: list[dict[str, Any]], now: float | None = None) -> Breakdo
             out.evaluation_s += _num(event.get("eval_s"))
         elif kind == "save":
             out.checkpoint_save_s += _num(event.get("s"))
+        elif kind == "rollback":
+            out.recomputed_s += _recompute(segments, int(_num(event.get("to"))))
+            out.checkpoint_load_s += _num(event.get("load_s"))
         elif kind == "end":
             ended_cleanly = True
         elif kind == "job_end":

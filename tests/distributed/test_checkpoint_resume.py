@@ -10,7 +10,6 @@ another layout they must match within the parity tolerance.
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 import shutil
@@ -147,18 +146,6 @@ def test_zero3_checkpoint_loads_into_zero1_owned_shares(
     shutil.copytree(crashed_zero3, resumed)
     after = train(resumed, ["parallel.zero=1"], nproc=2)
     assert max_relative(after, uninterrupted) <= FP32_TOLERANCE
-
-
-def test_a_nan_step_is_skipped_on_every_rank_and_counted(workdir) -> None:
-    run_dir = workdir / "nan_once"
-    result = launch(run_dir, ["parallel.zero=0"], 2, {"PRETRAIN_FAULT_NAN_STEPS": "3"})
-    assert result.returncode == 0, result.stderr[-3000:]
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["skipped_steps"] for r in rows] == [0, 0, 1, 1, 1, 1, 1, 1]
-    # The poisoned step's non-finite values are logged as null (strict JSON).
-    assert rows[2]["loss"] is None and rows[2]["grad_norm"] is None
-    assert all(math.isfinite(r["loss"]) for r in rows[3:])
-    assert "step 3: non-finite loss or gradient norm; skipped" in result.stdout
 
 
 def test_consecutive_nan_steps_stop_the_run_without_saving_them(workdir) -> None:

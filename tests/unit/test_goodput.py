@@ -150,3 +150,15 @@ def test_values_that_are_not_finite_numbers_count_as_nothing() -> None:
     account = breakdown(events)
     assert account.productive_s == 0.0 and account.checkpoint_save_s == 0.0
     assert account.total_s == 4.0
+
+
+def test_a_rollback_counts_the_steps_since_its_checkpoint_as_recomputed_and_its_load() -> None:
+    events = [
+        {"event": "attempt", "t0": 0.0, "t": 1.0, "resumed_from": 0},
+        {"event": "steps", "first": 1, "last": 6, "s": 6.0, "t": 7.0},
+        {"event": "rollback", "to": 4, "load_s": 0.5, "t": 7.5},
+        {"event": "steps", "first": 5, "last": 8, "s": 4.0, "t": 11.5},
+    ]
+    account = breakdown(events)
+    assert account.recomputed_s == 2.0 and account.productive_s == 8.0
+    assert account.checkpoint_load_s == 0.5

@@ -99,6 +99,12 @@ class GoodputLedger:
         """The checkpoint of `step` kept the loop waiting `seconds`."""
         self._write({"event": "save", "step": step, "s": round(seconds, 4)})
 
+    def rolled_back(self, to: int, load_s: float) -> None:
+        """A rollback reloaded the checkpoint of `to` in `load_s` seconds: the steps since
+        it are trained again."""
+        self._write({"event": "rollback", "to": to, "load_s": round(load_s, 3)})
+        self._mark = time.time()
+
     def flush(self) -> dict[str, float | None]:
         """Write the steps since the last flush; the goodput metrics of the run so far."""
         if self._first:

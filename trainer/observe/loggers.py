@@ -319,6 +319,29 @@ class MetricsLogger:
                 self.console.print(f"[yellow]W&B log failed, W&B disabled: {escape(str(exc))}")
                 self._wandb_run = None
 
+    def event(self, record: dict[str, Any]) -> None:
+        """One action on a bad step (main rank): a console line, and a point of
+        `faults/<trigger>_<action>` in W&B and TensorBoard at its step."""
+        if not self.is_main:
+            return
+        step, key = record["step"], f"faults/{record['trigger']}_{record['action']}"
+        line = f"step {step}: {record['detail']}: {record['action']}"
+        if record["action"] == "rollback":
+            first, last = record["skipped_batches"]
+            line += f" to the checkpoint of step {record['to']}, batches {first}..{last} skipped"
+            if record["lr_until"]:
+                line += f", lr x{record['lr_factor']:g} until step {record['lr_until']}"
+        self.console.print(f"[faults] {line}", markup=False)
+        if self._tensorboard is not None:
+            self._tensorboard.add_scalar(key, 1, step)
+            self._tensorboard.flush()
+        if self._wandb_run is not None:
+            try:
+                self._wandb_run.log({WANDB_STEP: step, key: 1})
+            except Exception as exc:  # losing W&B mid-run must not stop training
+                self.console.print(f"[yellow]W&B log failed, W&B disabled: {escape(str(exc))}")
+                self._wandb_run = None
+
     def _smoothed_step_time(self, values: dict[str, Any]) -> float | None:
         """The median of the last ETA_WINDOW logged step times, this row's included."""
         step_time = values.get("step_time_s")

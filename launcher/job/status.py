@@ -2,7 +2,8 @@
 
 For a run dir: the recipe, the last step and its loss, validation loss and tokens/s, the
 time left at the current step time, the newest complete checkpoint, the preempted marker,
-the goodput and where the run's wall time went, who holds the lock, and the SLURM job's
+the goodput and where the run's wall time went, the actions taken on NaNs and loss
+spikes, who holds the lock, and the SLURM job's
 state with its pending reason. For a sweep dir (the parent of the points' run dirs): one
 row per point.
 """
@@ -29,6 +30,7 @@ from pretrain.core.run.goodput import breakdown
 from pretrain.core.run.rundir import (
     CHECKPOINTS_DIR,
     CONFIG_FILE,
+    FAULTS_FILE,
     GOODPUT_FILE,
     METRICS_FILE,
     PREEMPTED_MARKER,
@@ -64,6 +66,26 @@ def goodput_line(run_dir: Path) -> str:
         return "-"
     events, _ = json_objects(path, "the run's goodput.jsonl (one JSON object per line)")
     return breakdown(events).line().removeprefix("goodput ")
+
+
+def faults_line(run_dir: Path) -> str:
+    """How many actions the NaN and spike policies took, and the last one; - when none."""
+    path = run_dir / FAULTS_FILE
+    if not path.exists():
+        return "-"
+    actions, _ = json_objects(path, "the run's faults.jsonl (one JSON object per line)")
+    if not actions:
+        return "-"
+
+    def step(value: Any) -> str:
+        return str(value) if type(value) is int else "?"
+
+    last = actions[-1]
+    action = text(last.get("action"), "?")
+    what = f"step {step(last.get('step'))}: {text(last.get('trigger'), '?')} {action}"
+    if action == "rollback":
+        what += f" to step {step(last.get('to'))}"
+    return f"{len(actions)} action{'s' * (len(actions) != 1)}, the last {what}"
 
 
 def slurm_state(run_dir: Path) -> str:
@@ -117,6 +139,7 @@ def run_status(run_dir: Path) -> dict[str, str]:
         "checkpoint": f"step {checkpoints[-1][0]}" if checkpoints else "-",
         "preempted": "yes" if (run_dir / PREEMPTED_MARKER).exists() else "no",
         "goodput": goodput_line(run_dir),
+        "faults": faults_line(run_dir),
         "lock": lock,
         "slurm": slurm_state(run_dir),
     }

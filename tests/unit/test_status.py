@@ -94,3 +94,21 @@ def test_status_shows_the_goodput_and_where_the_time_went(tmp_path: Path) -> Non
     # 6 s of steps, 2 of them (steps 5-6) trained again, and 30 s: 34 s of 82.
     assert value.startswith("41.5% of 1m22s over 2 attempts: productive 34.0s, ")
     assert "recomputed 2.0s" in value and "failures 23.0s" in value and "queue" not in value
+
+
+def test_status_counts_the_fault_actions_and_names_the_last(tmp_path: Path) -> None:
+    run_dir = make_run(tmp_path / "run", steps_done=8)
+
+    def faults() -> str:
+        line = next(
+            x for x in render_status(run_dir).splitlines() if x.strip().startswith("faults")
+        )
+        return line.split(maxsplit=1)[1]
+
+    assert faults() == "-"
+    rows = [
+        {"step": 3, "trigger": "nan", "action": "skip"},
+        {"step": 6, "trigger": "spike", "action": "rollback", "to": 4},
+    ]
+    (run_dir / "faults.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert faults() == "2 actions, the last step 6: spike rollback to step 4"

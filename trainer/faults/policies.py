@@ -21,9 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from pretrain.core.inputs.reading import ReadError, json_objects
-
-AUDIT_FILE = "faults.jsonl"
-"""Under the run dir: one JSON object per action taken on a bad step."""
+from pretrain.core.run.rundir import FAULTS_FILE as AUDIT_FILE
 
 
 class SpikeRule:

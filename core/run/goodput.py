@@ -214,10 +214,10 @@ def append_event(run_dir: Path, event: dict[str, Any]) -> None:
 _SCONTROL_TIME = re.compile(r"\b(SubmitTime|StartTime)=(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)")
 
 
-def scontrol_queue_wait(text: str) -> float | None:
-    """Seconds from SubmitTime to StartTime of `scontrol --oneliner show job` output (local
-    times, as SLURM prints them; a requeued job's SubmitTime is its requeue); None when
-    either is missing."""
+def scontrol_times(text: str) -> tuple[float, float] | None:
+    """(SubmitTime, StartTime) as unix seconds from `scontrol --oneliner show job` output
+    (local times, as SLURM prints them; a requeued job's SubmitTime is its requeue); None
+    when either is missing."""
     found = dict(_SCONTROL_TIME.findall(text))
     if "SubmitTime" not in found or "StartTime" not in found:
         return None
@@ -225,4 +225,4 @@ def scontrol_queue_wait(text: str) -> float | None:
         time.mktime(time.strptime(found[k], "%Y-%m-%dT%H:%M:%S"))
         for k in ("SubmitTime", "StartTime")
     )
-    return max(0.0, started - submit)
+    return submit, started

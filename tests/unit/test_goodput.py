@@ -5,12 +5,13 @@ waits, time between jobs and shut-down (core/run/goodput.py)."""
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
 import pytest
 
-from pretrain.core.run.goodput import append_event, breakdown, scontrol_queue_wait
+from pretrain.core.run.goodput import append_event, breakdown, scontrol_times
 from pretrain.core.run.metric_names import flat_name, wandb_key
 from pretrain.trainer.observe.goodput import GoodputLedger, attempt_start, slurm_queue_wait
 
@@ -136,8 +137,31 @@ def test_a_restarted_attempt_starts_at_its_own_rank_start() -> None:
 
 def test_the_queue_wait_is_read_from_scontrol_submit_and_start_times() -> None:
     shown = "JobId=7 JobName=x SubmitTime=2026-01-02T10:00:00 EligibleTime=2026-01-02T10:00:00 "
-    assert scontrol_queue_wait(shown + "StartTime=2026-01-02T10:02:05 EndTime=Unknown") == 125.0
-    assert scontrol_queue_wait(shown + "StartTime=Unknown") is None
+    submit, started = scontrol_times(shown + "StartTime=2026-01-02T10:02:05 EndTime=Unknown")
+    assert started - submit == 125.0
+    assert scontrol_times(shown + "StartTime=Unknown") is None
+
+
+def test_a_slurm_jobs_attempt_starts_at_the_job_start_with_its_queue_wait(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stand-in scontrol on PATH prints what SLURM's would."""
+    scontrol = tmp_path / "bin" / "scontrol"
+    scontrol.parent.mkdir()
+    scontrol.write_text("#!/bin/sh\necho JobId=$4 SubmitTime=2026-01-02T10:00:00 "
+                        "StartTime=2026-01-02T10:00:30 EndTime=Unknown\n")  # fmt: skip
+    scontrol.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{scontrol.parent}:{os.environ['PATH']}")
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    ledger = GoodputLedger(tmp_path / "run", is_main=True)
+    (tmp_path / "run").mkdir()
+    ledger.begin(resumed_from=0, load_s=0.0)
+    [attempt] = ledger.events
+    assert attempt["queue_s"] == 30.0
+    assert attempt["t0"] == time.mktime(time.strptime("2026-01-02T10:00:30", "%Y-%m-%dT%H:%M:%S"))
+    monkeypatch.setenv("PATH", str(tmp_path / "nowhere"))
+    assert slurm_queue_wait() == {"queue_note": "scontrol show job 7 failed (FileNotFoundError)"}
 
 
 def test_values_that_are_not_finite_numbers_count_as_nothing() -> None:

@@ -6,6 +6,7 @@ logged step carries the goodput so far. Other ranks hold an inert ledger.
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import time
@@ -13,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from pretrain.core.inputs.reading import ReadError, json_objects
-from pretrain.core.run.goodput import Breakdown, append_event, breakdown, scontrol_queue_wait
+from pretrain.core.run.goodput import Breakdown, append_event, breakdown, scontrol_times
 from pretrain.core.run.rundir import GOODPUT_FILE
 from pretrain.trainer.observe.startup import CLOCK, RANK_ENV
 
@@ -30,9 +31,9 @@ def attempt_start(environ: dict[str, str] | os._Environ[str] = os.environ) -> fl
 
 
 def slurm_queue_wait(environ: dict[str, str] | os._Environ[str] = os.environ) -> dict[str, Any]:
-    """`queue_s` of this SLURM job (submission, or requeue, to start) as scontrol reports
-    it, or `queue_note` saying why it is left out; {} outside SLURM and after a restart
-    within the job (its queue wait is counted once)."""
+    """`queue_s` of this SLURM job (submission, or requeue, to start) and `job_start` as
+    scontrol reports them, or `queue_note` saying why they are left out; {} outside SLURM
+    and after a restart within the job (its queue wait is counted once)."""
     job = environ.get("SLURM_JOB_ID")
     if not job or environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
         return {}
@@ -43,10 +44,11 @@ def slurm_queue_wait(environ: dict[str, str] | os._Environ[str] = os.environ) ->
         )  # fmt: skip
     except (OSError, subprocess.TimeoutExpired) as err:
         return {"queue_note": f"scontrol show job {job} failed ({type(err).__name__})"}
-    wait = scontrol_queue_wait(shown.stdout)
-    if wait is None:
+    times = scontrol_times(shown.stdout)
+    if times is None:
         return {"queue_note": f"scontrol show job {job} gave no SubmitTime and StartTime"}
-    return {"queue_s": round(wait, 3)}
+    submit, started = times
+    return {"queue_s": round(max(0.0, started - submit), 3), "job_start": started}
 
 
 class GoodputLedger:
@@ -77,9 +79,11 @@ class GoodputLedger:
         self._mark = time.time()
         if not self.is_main:
             return
-        t0 = round(attempt_start(), 3)
+        slurm = slurm_queue_wait()
+        # A SLURM job starts before its ranks do (the batch script, srun, torchrun).
+        t0 = round(min(attempt_start(), slurm.pop("job_start", math.inf)), 3)
         self._write({"event": "attempt", "t0": t0, "resumed_from": resumed_from,
-                     "load_s": round(load_s, 3), **slurm_queue_wait()})  # fmt: skip
+                     "load_s": round(load_s, 3), **slurm})  # fmt: skip
 
     def step(self, step: int, save_s: float, eval_s: float) -> None:
         """Step `step` ends now: the loop's time since the previous one ended, less

@@ -454,7 +454,8 @@ class FaultConfig:
 
     max_bad_steps: int = 5
     """Stop after this many consecutive steps that were skipped (a non-finite loss or
-    gradient norm under on_nan=skip, a spike under on_spike=skip)."""
+    gradient norm under on_nan=skip, a spike under on_spike=skip), or at a rollback to a
+    checkpoint the run already rolled back to this many times."""
     on_nan: str = one_of("skip", RECOVERY_ACTIONS)
     """A step with a non-finite loss or gradient norm on any rank: skip (no update, the batch
     is dropped), halt (stop at once, the step unsaved) or rollback (reload the newest

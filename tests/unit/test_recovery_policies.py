@@ -16,7 +16,9 @@ from pretrain.trainer.faults.policies import (
     read_audit,
     write_audit,
 )
+from pretrain.trainer.faults.recovery import Recovery
 from pretrain.trainer.faults.step_guard import StepGuard, TooManyBadSteps
+from pretrain.trainer.observe.goodput import GoodputLedger
 
 
 def test_no_loss_is_a_spike_until_the_window_is_full() -> None:
@@ -48,7 +50,7 @@ def test_the_window_is_kept_by_a_checkpoint_and_empty_for_an_older_one() -> None
 
 def guard(**faults: object) -> tuple[StepGuard, list[dict]]:
     """A guard with `faults`, its audited records collected."""
-    config = FaultConfig(**faults)  # type: ignore[arg-type]
+    config = FaultConfig(**faults)
     g = StepGuard(config.max_bad_steps, torch.device("cpu"), config)
     records: list[dict] = []
     g.audit = records.append
@@ -116,3 +118,58 @@ def test_a_resume_from_a_rollbacks_checkpoint_moves_the_data_as_the_last_one_did
 def test_a_resume_from_a_later_checkpoint_keeps_its_own_position_and_rate() -> None:
     after = after_rollbacks(ROLLBACKS, restored=6)
     assert after.data_position is None and after.lr_until == 0
+
+
+class FakeCheckpointer:
+    """Restores the checkpoint of step 4, whose loader position is 4."""
+
+    def __init__(self, loader: FakeLoader) -> None:
+        self.loader = loader
+
+    def wait(self) -> None:
+        pass
+
+    def restore(self) -> int:
+        self.loader.position = 4
+        return 4
+
+
+class FakeLoader:
+    def __init__(self, position: int) -> None:
+        self.position = position
+
+    def state_dict(self) -> dict:
+        return {"step": self.position, "seed": 0}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.position = state["step"]
+
+
+class Events:
+    def __init__(self) -> None:
+        self.records: list[dict] = []
+
+    def event(self, record: dict) -> None:
+        self.records.append(record)
+
+
+def test_a_rollback_moves_the_data_past_the_bad_batch_and_stops_when_it_recurs(
+    tmp_path: Path,
+) -> None:
+    faults = FaultConfig(max_bad_steps=2, on_spike="rollback", rollback_lr_factor=0.5,
+                         rollback_lr_steps=3)  # fmt: skip
+    sinks = Events()
+    recovery = Recovery(tmp_path, True, faults, sinks)
+    g, _ = guard(on_spike="rollback")
+    g.trigger, g.detail = "spike", "loss 9 > 3 x 2"
+    loader = FakeLoader(position=6)
+    ledger = GoodputLedger(tmp_path, is_main=False)
+    for position in (6, 8):
+        loader.position = position
+        to = recovery.roll_back(6, g, FakeCheckpointer(loader), loader, ledger)
+        assert to == 4 and loader.position == position
+    assert [r["skipped_batches"] for r in read_audit(tmp_path)] == [[5, 6], [5, 8]]
+    assert (recovery.lr_factor, recovery.lr_until) == (0.5, 7)
+    assert [r["action"] for r in sinks.records] == ["rollback", "rollback"]
+    with pytest.raises(TooManyBadSteps, match=r"rolled back to the checkpoint of step 4 2 times"):
+        recovery.roll_back(6, g, FakeCheckpointer(loader), loader, ledger)

@@ -99,6 +99,14 @@ class Recovery:
                 "skip until the first one"
             )
         # The skipped batches as the steps they belonged to in the data order, inclusive.
+        again = sum(r.get("action") == "rollback" and r.get("to") == restored for r in self.audit)
+        if again >= self.faults.max_bad_steps:
+            raise TooManyBadSteps(
+                f"step {step}: {detail}; the run rolled back to the checkpoint of step "
+                f"{restored} {again} times already (faults.max_bad_steps="
+                f"{self.faults.max_bad_steps}): skipping data does not help. Resume with a "
+                "lower optim.lr or more warmup"
+            )
         skipped = [int(loader.state_dict()["step"]) + 1, position]
         _move_to(loader, position)
         lowered = self.faults.rollback_lr_steps > 0 and self.faults.rollback_lr_factor < 1

@@ -27,6 +27,7 @@ shut-down (the trainer's end to the launcher's). `goodput = productive / total`.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -93,10 +94,10 @@ class Breakdown:
             for name, value in self.terms.items()
             if value >= 0.05
         ]
-        text = f"goodput {100 * self.goodput:.1f}% of {format_duration(self.total_s)}"
-        text += f" over {self.attempts} attempt{'s' * (self.attempts != 1)}: " + ", ".join(parts)
         if self.unaccounted_s >= 0.05:
             parts.append(f"unmeasured {format_duration(self.unaccounted_s)}")
+        text = f"goodput {100 * self.goodput:.1f}% of {format_duration(self.total_s)}"
+        text += f" over {self.attempts} attempt{'s' * (self.attempts != 1)}: " + ", ".join(parts)
         if self.queue_notes:
             text += f" (queue wait left out: {self.queue_notes[-1]})"
         return text
@@ -137,67 +138,95 @@ def _num(value: Any) -> float:
     return number if math.isfinite(number) else 0.0
 
 
-def breakdown(events: list[dict[str, Any]], now: float | None = None) -> Breakdown:
-    """The terms of `events` (in the order written); `now`, if given, ends the span (a run
-    still training)."""
-    out = Breakdown()
-    segments: list[_Segment] = []
-    start: float | None = None
-    last_t = 0.0
-    ended_cleanly = False
-    for event in events:
+class Account:
+    """Folds events, one at a time in the order written, into a Breakdown: the trainer adds
+    each event as it writes it, so a logged step costs the same late in a long run."""
+
+    def __init__(self) -> None:
+        self._out = Breakdown()
+        self._segments: list[_Segment] = []
+        self._productive = 0.0
+        self._start: float | None = None
+        self._last_t = 0.0
+        self._ended_cleanly = False
+
+    def add(self, event: dict[str, Any]) -> None:
+        """Take in one event; one of no known kind is ignored."""
         kind, t = event.get("event"), _num(event.get("t"))
         if kind == "attempt":
-            t0, queue = _num(event["t0"]) if "t0" in event else t, event.get("queue_s")
-            if "queue_note" in event:
-                out.queue_notes.append(str(event["queue_note"]))
-            queue_s = _num(queue)
-            if start is None:
-                start = t0 - queue_s
-                out.queue_s += queue_s
-            else:
-                gap = max(0.0, t0 - last_t)
-                queued = min(queue_s, gap)
-                out.queue_s += queued
-                # A stopped job waited to be started again; a failed one lost the time.
-                if ended_cleanly:
-                    out.between_jobs_s += gap - queued
-                else:
-                    out.failures_s += gap - queued
-            out.recomputed_s += _recompute(segments, int(_num(event.get("resumed_from"))))
-            load = _num(event.get("load_s"))
-            out.checkpoint_load_s += load
-            out.startup_s += max(0.0, t - t0 - load)
-            out.attempts += 1
-            ended_cleanly = False
+            self._attempt(event, t)
         elif kind == "steps":
-            seconds = _num(event.get("s"))
-            segments.append(_Segment(int(_num(event.get("first"))), int(_num(event.get("last"))),
-                                     seconds))  # fmt: skip
-            out.evaluation_s += _num(event.get("eval_s"))
+            last = int(_num(event.get("last")))
+            seg = _Segment(int(_num(event.get("first"))), last, _num(event.get("s")))
+            self._segments.append(seg)
+            self._productive += seg.seconds
+            self._out.evaluation_s += _num(event.get("eval_s"))
         elif kind == "save":
-            out.checkpoint_save_s += _num(event.get("s"))
+            self._out.checkpoint_save_s += _num(event.get("s"))
         elif kind == "rollback":
-            out.recomputed_s += _recompute(segments, int(_num(event.get("to"))))
-            out.checkpoint_load_s += _num(event.get("load_s"))
+            self._take_back(int(_num(event.get("to"))))
+            self._out.checkpoint_load_s += _num(event.get("load_s"))
         elif kind == "end":
-            ended_cleanly = True
+            self._ended_cleanly = True
         elif kind == "job_end":
-            if start is None:
-                continue
+            if self._start is None:
+                return
             # After a clean end the ranks were tearing down; otherwise the job had failed.
-            if ended_cleanly and _num(event.get("code")) == 0:
-                out.shutdown_s += max(0.0, t - last_t)
+            if self._ended_cleanly and _num(event.get("code")) == 0:
+                self._out.shutdown_s += max(0.0, t - self._last_t)
             else:
-                out.failures_s += max(0.0, t - last_t)
-            ended_cleanly = True
+                self._out.failures_s += max(0.0, t - self._last_t)
+            self._ended_cleanly = True
         else:
-            continue
-        last_t = max(last_t, t)
-    out.productive_s = sum(seg.seconds for seg in segments)
-    if start is not None:
-        out.total_s = max(last_t, now or 0.0) - start
-    return out
+            return
+        self._last_t = max(self._last_t, t)
+
+    def _attempt(self, event: dict[str, Any], t: float) -> None:
+        out = self._out
+        t0 = _num(event["t0"]) if "t0" in event else t
+        if "queue_note" in event:
+            out.queue_notes.append(str(event["queue_note"]))
+        queue_s = _num(event.get("queue_s"))
+        if self._start is None:
+            self._start = t0 - queue_s
+            out.queue_s += queue_s
+        else:
+            gap = max(0.0, t0 - self._last_t)
+            queued = min(queue_s, gap)
+            out.queue_s += queued
+            # A stopped job waited to be started again; a failed one lost the time.
+            if self._ended_cleanly:
+                out.between_jobs_s += gap - queued
+            else:
+                out.failures_s += gap - queued
+        self._take_back(int(_num(event.get("resumed_from"))))
+        load = _num(event.get("load_s"))
+        out.checkpoint_load_s += load
+        out.startup_s += max(0.0, t - t0 - load)
+        out.attempts += 1
+        self._ended_cleanly = False
+
+    def _take_back(self, resumed_from: int) -> None:
+        """The steps past `resumed_from` are trained again: recomputed, not productive."""
+        taken = _recompute(self._segments, resumed_from)
+        self._out.recomputed_s += taken
+        self._productive -= taken
+
+    def breakdown(self, now: float | None = None) -> Breakdown:
+        """The terms so far; `now`, if given, ends the span (a run still training)."""
+        out = dataclasses.replace(self._out, queue_notes=list(self._out.queue_notes))
+        out.productive_s = self._productive
+        if self._start is not None:
+            out.total_s = max(self._last_t, now or 0.0) - self._start
+        return out
+
+
+def breakdown(events: list[dict[str, Any]], now: float | None = None) -> Breakdown:
+    """The terms of `events` (in the order written); `now`, if given, ends the span."""
+    account = Account()
+    for event in events:
+        account.add(event)
+    return account.breakdown(now)
 
 
 def append_event(run_dir: Path, event: dict[str, Any]) -> None:

@@ -157,7 +157,7 @@ def test_a_slurm_jobs_attempt_starts_at_the_job_start_with_its_queue_wait(
     ledger = GoodputLedger(tmp_path / "run", is_main=True)
     (tmp_path / "run").mkdir()
     ledger.begin(resumed_from=0, load_s=0.0)
-    [attempt] = ledger.events
+    [attempt] = [json.loads(line) for line in (tmp_path / "run" / "goodput.jsonl").open()]
     assert attempt["queue_s"] == 30.0
     assert attempt["t0"] == time.mktime(time.strptime("2026-01-02T10:00:30", "%Y-%m-%dT%H:%M:%S"))
     monkeypatch.setenv("PATH", str(tmp_path / "nowhere"))
@@ -186,3 +186,15 @@ def test_a_rollback_counts_the_steps_since_its_checkpoint_as_recomputed_and_its_
     account = breakdown(events)
     assert account.recomputed_s == 2.0 and account.productive_s == 8.0
     assert account.checkpoint_load_s == 0.5
+
+
+def test_time_no_event_measured_is_shown_as_unmeasured() -> None:
+    events = [
+        {"event": "attempt", "t0": 0.0, "t": 1.0, "resumed_from": 0},
+        {"event": "steps", "first": 1, "last": 2, "s": 5.0, "t": 9.0},
+    ]
+    account = breakdown(events)
+    assert account.unaccounted_s == 3.0
+    assert account.line() == (
+        "goodput 55.6% of 9.0s over 1 attempt: productive 5.0s, startup 1.0s, unmeasured 3.0s"
+    )

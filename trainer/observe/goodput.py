@@ -1,7 +1,8 @@
 """The trainer's side of the goodput account (core/run/goodput.py): the main rank writes an
 event when an attempt starts training, at every logged step (the steps since the last one),
-at every checkpoint save and at the end, and keeps the run's events in memory so that each
-logged step carries the goodput so far. Other ranks hold an inert ledger.
+at every checkpoint save and at the end, and keeps the run's account in memory so that each
+logged step carries the goodput so far (folded in as written: a logged step costs the same
+late in a long run). Other ranks hold an inert ledger.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from pretrain.core.inputs.reading import ReadError, json_objects
-from pretrain.core.run.goodput import Breakdown, append_event, breakdown, scontrol_times
+from pretrain.core.run.goodput import Account, Breakdown, append_event, scontrol_times
 from pretrain.core.run.rundir import GOODPUT_FILE
 from pretrain.trainer.observe.startup import CLOCK, RANK_ENV
 
@@ -57,21 +58,22 @@ class GoodputLedger:
     def __init__(self, run_dir: Path, is_main: bool) -> None:
         self.run_dir = Path(run_dir)
         self.is_main = is_main
-        self.events: list[dict[str, Any]] = []
+        self.account = Account()
         self._first = 0
         self._last = 0
         self._step_s = 0.0
         self._eval_s = 0.0
         self._mark = time.time()
         if is_main:
-            self.events = _history(self.run_dir / GOODPUT_FILE)
+            for event in _history(self.run_dir / GOODPUT_FILE):
+                self.account.add(event)
 
     def _write(self, event: dict[str, Any]) -> None:
         if not self.is_main:
             return
         event = {**event, "t": round(time.time(), 3)}
         append_event(self.run_dir, event)
-        self.events.append(event)
+        self.account.add(event)
 
     def begin(self, resumed_from: int, load_s: float) -> None:
         """The attempt's first step starts now; it resumed from `resumed_from` after a
@@ -125,7 +127,7 @@ class GoodputLedger:
 
     def breakdown(self) -> Breakdown:
         """The terms of the run's events so far."""
-        return breakdown(self.events)
+        return self.account.breakdown()
 
 
 def _history(path: Path) -> list[dict[str, Any]]:

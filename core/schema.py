@@ -37,6 +37,8 @@ DEVICES = ("cuda", "cpu")
 GPU_TYPES = tuple(GPUS)
 WANDB_MODES = ("auto", "online", "offline", "disabled")
 ASYNC_MODES = ("none", "thread", "process")
+RECOVERY_ACTIONS = ("halt", "skip", "rollback")
+SPIKE_ACTIONS = ("none", *RECOVERY_ACTIONS)
 PLAN_FORMATS = ("table", "json")
 PLAN_BEFORE_RUN = ("summary", "full", "none")
 PLAN_CHARTS = ("text", "png")
@@ -451,8 +453,26 @@ class FaultConfig:
     """How the trainer reacts to bad steps, hangs and slow ranks."""
 
     max_bad_steps: int = 5
-    """Stop after this many consecutive steps with a non-finite loss or gradient norm (each
-    is skipped: no optimizer update)."""
+    """Stop after this many consecutive steps that were skipped (a non-finite loss or
+    gradient norm under on_nan=skip, a spike under on_spike=skip), or at a rollback to a
+    checkpoint the run already rolled back to this many times."""
+    on_nan: str = one_of("skip", RECOVERY_ACTIONS)
+    """A step with a non-finite loss or gradient norm on any rank: skip (no update, the batch
+    is dropped), halt (stop at once, the step unsaved) or rollback (reload the newest
+    checkpoint and skip the data from it to this step's batch; see rollback_lr_factor)."""
+    on_spike: str = one_of("none", SPIKE_ACTIONS)
+    """A loss spike (the step's loss above spike_factor times the median of the last
+    spike_window steps' losses, averaged over the ranks): none (train on), skip, halt or
+    rollback, as for on_nan."""
+    spike_factor: float = 3.0
+    """A spike is a loss above this many times the running median (> 1)."""
+    spike_window: int = 50
+    """Steps whose losses the running median is taken over; no step is a spike before the
+    window is full. Skipped steps do not enter it; a checkpoint keeps it."""
+    rollback_lr_factor: float = 1.0
+    """After a rollback, the learning rate is multiplied by this (0 < factor <= 1) ..."""
+    rollback_lr_steps: int = 0
+    """... for this many steps (0: not lowered)."""
     collective_timeout_s: float = 600.0
     """A collective that waits longer than this fails with an error instead of hanging."""
     straggler_lag: float = 0.25

@@ -215,6 +215,7 @@ def _check_partition(cfg: RecipeConfig) -> None:
 def _write_and_start(cfg: RecipeConfig, plan: dict, launched: dict | None) -> float | None:
     """Claim and write the run dir, then run locally or submit (action run or script); the
     final loss of a local run."""
+    from pretrain.core.run.goodput import append_event
     from pretrain.launcher.job.backends import (
         LaunchError,
         claimed_run_dir,
@@ -257,6 +258,9 @@ def _write_and_start(cfg: RecipeConfig, plan: dict, launched: dict | None) -> fl
                         _fail(cannot_start)
                 return None
             ended = run_local(files, cfg, lock_token)
+            # The end of the job for the goodput account: the ranks' teardown included.
+            with contextlib.suppress(OSError):  # an account short of it is no failure
+                append_event(files.run_dir, {"event": "job_end", "code": ended.code})
     except (JobError, LaunchError) as err:
         _fail(str(err))
     if ended.stopped_by:

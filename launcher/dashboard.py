@@ -73,6 +73,23 @@ SECTIONS: dict[str, tuple[Panel, ...]] = {
         Panel("dropped fraction", ("moe/dropped_frac",)),
         Panel("aux and z loss", ("moe/aux_loss", "moe/z_loss")),
     ),
+    "Goodput": (
+        Panel("goodput (productive / total)", ("goodput/goodput",)),
+        Panel(
+            "where the time went (s)",
+            (
+                "goodput/productive_s",
+                "goodput/checkpoint_save_s",
+                "goodput/checkpoint_load_s",
+                "goodput/startup_s",
+                "goodput/evaluation_s",
+                "goodput/recomputed_s",
+                "goodput/failures_s",
+                "goodput/queue_s",
+                "goodput/between_jobs_s",
+            ),
+        ),
+    ),
 }
 """The workspace's sections and their panels."""
 

@@ -21,6 +21,16 @@ _._CHECKPOINT_PROCESS  # DCP's background process, released to join it (trainer/
 _.tb  # __exit__'s third argument
 _.types  # TorchDispatchMode.__torch_dispatch__'s signature (trainer/kernels.py)
 
+# The terms of core/run/goodput.py's Breakdown: read together through dataclasses.fields.
+_.checkpoint_save_s
+_.checkpoint_load_s
+_.startup_s
+_.evaluation_s
+_.recomputed_s
+_.failures_s
+_.between_jobs_s
+_.shutdown_s
+
 # Fields that benchmarks and tests read.
 _.optimizer_states  # launcher/plan/memory.py's breakdown: bench/optim_state_memory.py
 _.state_nbytes  # trainer/optim/states.py: bench/optim_state_memory.py

@@ -9,6 +9,7 @@ checkpoint), the fault guard and injector, the metrics window and the metrics si
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -38,9 +39,11 @@ from pretrain.trainer.data.loader import (
 from pretrain.trainer.data.prefetch import PrefetchingLoader
 from pretrain.trainer.dist import RankInfo
 from pretrain.trainer.faults.injection import FaultInjector
+from pretrain.trainer.faults.recovery import Recovery
 from pretrain.trainer.faults.step_guard import StepGuard, clear_preempted
 from pretrain.trainer.kernels import kernels_line
 from pretrain.trainer.log import get_logger, setup_logging
+from pretrain.trainer.observe.goodput import GoodputLedger
 from pretrain.trainer.observe.loggers import MetricsLogger
 from pretrain.trainer.observe.metrics import PeakFlops, ThroughputMeter, resolve_peak_flops
 from pretrain.trainer.observe.metrics_window import MetricsWindow
@@ -72,6 +75,10 @@ class Run:
     metrics: MetricsLogger
     start: int
     """Steps already done (restored from a checkpoint); 0 for a fresh run."""
+    goodput: GoodputLedger
+    load_s: float
+    """Seconds the checkpoint restore took."""
+    recovery: Recovery
 
 
 def _record_job(run_dir: Path, world_size: int, start: int) -> None:
@@ -102,7 +109,7 @@ def setup(cfg: RecipeConfig, rank: RankInfo) -> Run:
         # marker of an earlier stop.
         clear_preempted(run_dir)
     faults = FaultInjector.from_env(rank.rank)
-    guard = StepGuard(cfg.faults.max_bad_steps, rank.device)
+    guard = StepGuard(cfg.faults.max_bad_steps, rank.device, cfg.faults)
     data = packed_data(cfg, open_datasets(cfg, rank.is_main, get_logger().info))
     CLOCK.mark("data open")
     state = build_train_state(cfg, mesh, rank.device)
@@ -117,11 +124,11 @@ def setup(cfg: RecipeConfig, rank: RankInfo) -> Run:
     training = train_loader(cfg, data, mesh.dp.get_local_rank(), degrees.dp)
     loader = _prefetching(cfg, training, rank)
     evaluator = _evaluator(cfg, data, mesh, degrees, rank, stepper, state)
-    states = run_states(state, loader, run_dir, rank.is_main)
+    states = run_states(state, loader, run_dir, rank.is_main, guard.spikes)
     checkpointer = Checkpointer(
         run_dir, cfg.checkpoint, states, rank=rank.rank, world_size=rank.world_size, faults=faults
     )
-    start = checkpointer.restore()
+    start, load_s = _restore(checkpointer)
     if rank.is_main:
         _record_job(run_dir, rank.world_size, start)
     CLOCK.mark("loaders and checkpoint")
@@ -144,6 +151,7 @@ def setup(cfg: RecipeConfig, rank: RankInfo) -> Run:
         ),
     )
     metrics = _metrics_logger(cfg, rank, run_dir, degrees)
+    recovery = _recovery(cfg, rank, metrics, guard, loader, start)
     _announce(cfg, rank, degrees, state, data, peak)
     CLOCK.mark("metrics and kernels")
     return Run(
@@ -160,7 +168,32 @@ def setup(cfg: RecipeConfig, rank: RankInfo) -> Run:
         window,
         metrics,
         start,
+        GoodputLedger(run_dir, rank.is_main),
+        load_s,
+        recovery,
     )
+
+
+def _restore(checkpointer: Checkpointer) -> tuple[int, float]:
+    """The step of the checkpoint restored (0: none) and the seconds it took."""
+    began = time.time()
+    start = checkpointer.restore()
+    return start, time.time() - began
+
+
+def _recovery(
+    cfg: RecipeConfig,
+    rank: RankInfo,
+    metrics: MetricsLogger,
+    guard: StepGuard,
+    loader: DataLoader | PrefetchingLoader,
+    start: int,
+) -> Recovery:
+    """The policies' actions on bad steps, with what earlier rollbacks left for `start`."""
+    recovery = Recovery(Path(cfg.run.dir), rank.is_main, cfg.faults, metrics)
+    recovery.resumed(start, loader)
+    guard.audit = recovery.action
+    return recovery
 
 
 def _metrics_logger(

@@ -10,6 +10,7 @@ hang watchdog, told where the loop is.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch.distributed as dist
@@ -35,10 +36,14 @@ def train(run: Run, watchdog: Watchdog) -> None:
     total = run.cfg.train.steps
     # The job's wall time from its first stamp (the launcher's start on a local run).
     started = CLOCK.marks[0][1] if CLOCK.marks else time.time()
+    run.goodput.begin(run.start, run.load_s)
+    step = run.start
     with run.metrics as metrics:
-        for step in range(run.start + 1, total + 1):
+        while step < total:
+            step += 1
             watchdog.beat(step, "training")
-            run.faults.begin_step(step)
+            run.faults.begin_step(step, batch=run.loader.step + 1)
+            run.recovery.scale_lr(step, run.state)
             micro_batches = run.window.wait_for_data(run.loader.next_step)
             result = run.window.run_step(run.stepper, micro_batches)
             if not CLOCK.reported:
@@ -46,32 +51,53 @@ def train(run: Run, watchdog: Watchdog) -> None:
                 CLOCK.reported = True
                 if run.rank.is_main:
                     get_logger().info("%s", CLOCK.line())
-            run.guard.record(step, result.bad)
+            action = run.guard.record(step, result.bad)
             run.faults.after_step()
+            if action == "rollback":
+                # The bad step is logged as it was, then trained again from the checkpoint.
+                run.goodput.step(step, 0.0, 0.0)
+                metrics.log(step, {**run.window.collect(step), **run.goodput.flush()})
+                step = run.recovery.roll_back(
+                    step, run.guard, run.checkpointer, run.loader, run.goodput
+                )
+                continue
             watchdog.beat(step, "checkpoint")
-            run.checkpointer.after_step(step, result.stop)
+            save_s = _timed(run.checkpointer.after_step, step, result.stop)
+            saved = run.checkpointer.saved_step == step
             watchdog.beat(step, "evaluation")
+            evaluating = time.time()
             val = run.window.untimed(run.evaluator.after_step, step, step == total, result.stop)
+            run.goodput.step(step, save_s if saved else 0.0, time.time() - evaluating)
             if val or run.window.due(step, last=step == total, stop=result.stop):
                 watchdog.beat(step, "metrics")
-                metrics.log(step, {**run.window.collect(step), **val})
+                metrics.log(step, {**run.window.collect(step), **val, **run.goodput.flush()})
             if result.stop:
                 _stop_after_save(run, step)
                 return
         watchdog.beat(total, "checkpoint")
-        run.checkpointer.finish(total)
+        run.goodput.saved(total, _timed(run.checkpointer.finish, total))
         run.checkpointer.close()
+        run.goodput.end("finished")
         metrics.print_summary(
             tokens=total * run.cfg.train.global_batch * run.cfg.train.seq_len,
             wall_s=time.time() - started,
             checkpoint=find_checkpoint(run.run_dir / CHECKPOINTS_DIR),
+            goodput=run.goodput.breakdown() if run.rank.is_main else None,
         )
+
+
+def _timed(work: Callable[..., object], *args: object) -> float:
+    """Seconds `work(*args)` took."""
+    begun = time.time()
+    work(*args)
+    return time.time() - begun
 
 
 def _stop_after_save(run: Run, step: int) -> None:
     """The job was asked to stop: the checkpoint of `step` is written; leave the marker the
     job script requeues on."""
     run.checkpointer.close()
+    run.goodput.end("stopped")
     if run.rank.is_main:
         mark_preempted(run.run_dir, step)
     get_logger().info("stopped by %s after step %d; saved", stop_signal_name(), step)

@@ -29,11 +29,15 @@ WANDB_KEYS = {
     "moe_z_loss": "moe/z_loss",
     "val_loss": "val/loss",
     "val_ppl": "val/ppl",
+    "goodput": "goodput/goodput",
 }
 """Flat metric name -> W&B key; names not listed go under their prefix's section
 (WANDB_PREFIXES) or train/."""
 WANDB_PREFIXES = {"tokens_seen_": "data/"}
 """Flat metric name prefix -> W&B section (tokens_seen_fineweb -> data/tokens_seen_fineweb)."""
+SECTION_PREFIXES = {"goodput_": "goodput/"}
+"""Flat metric name prefix -> W&B section, the prefix dropped (goodput_productive_s ->
+goodput/productive_s: core/run/goodput.py)."""
 
 
 def wandb_key(name: str) -> str:
@@ -45,6 +49,9 @@ def wandb_key(name: str) -> str:
     for prefix, section in WANDB_PREFIXES.items():
         if name.startswith(prefix):
             return section + name
+    for prefix, section in SECTION_PREFIXES.items():
+        if name.startswith(prefix):
+            return section + name.removeprefix(prefix)
     return name if "/" in name else f"train/{name}"
 
 
@@ -56,4 +63,7 @@ def flat_name(key: str) -> str:
     section, _, rest = key.partition("/")
     if section == "time":
         return "time_" + rest
+    for prefix, dropped in SECTION_PREFIXES.items():
+        if key.startswith(dropped):
+            return prefix + rest
     return rest

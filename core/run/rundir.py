@@ -63,3 +63,8 @@ def failure_record(rank: int) -> str:
 
 FAILURE_RECORD_GLOB = "failure_rank_*.json"
 """Matches every `failure_record` name."""
+GOODPUT_FILE = "goodput.jsonl"
+"""Where the run's wall time went: one event per line (core/run/goodput.py)."""
+FAULTS_FILE = "faults.jsonl"
+"""Every action taken on a NaN or a loss spike (skip, halt, rollback): one JSON object per
+line, the file rewritten whole (trainer/faults/policies.py); `pretrain status` shows it."""

@@ -2,8 +2,10 @@
 
 For a run dir: the recipe, the last step and its loss, validation loss and tokens/s, the
 time left at the current step time, the newest complete checkpoint, the preempted marker,
-who holds the lock, and the SLURM job's state with its pending reason. For a sweep dir
-(the parent of the points' run dirs): one row per point.
+the goodput and where the run's wall time went, the actions taken on NaNs and loss
+spikes, who holds the lock, and the SLURM job's
+state with its pending reason. For a sweep dir (the parent of the points' run dirs): one
+row per point.
 """
 
 from __future__ import annotations
@@ -23,9 +25,12 @@ from pretrain.core.inputs.reading import (
 )
 from pretrain.core.run.checkpoint_files import complete_checkpoints
 from pretrain.core.run.durations import eta_seconds, format_duration
+from pretrain.core.run.goodput import breakdown
 from pretrain.core.run.rundir import (
     CHECKPOINTS_DIR,
     CONFIG_FILE,
+    FAULTS_FILE,
+    GOODPUT_FILE,
     METRICS_FILE,
     PREEMPTED_MARKER,
     SLURM_JOB_FILE,
@@ -54,6 +59,35 @@ def _last_rows(run_dir: Path) -> tuple[dict[str, Any], dict[str, Any]]:
         if number(row.get("val_loss")) is not None:
             last_val = row
     return last, last_val
+
+
+def goodput_line(run_dir: Path) -> str:
+    """Where the run's wall time went so far (core/run/goodput.py), or - before any step."""
+    path = run_dir / GOODPUT_FILE
+    if not path.exists():
+        return "-"
+    events, _ = json_objects(path, "the run's goodput.jsonl (one JSON object per line)")
+    return breakdown(events).line().removeprefix("goodput ")
+
+
+def faults_line(run_dir: Path) -> str:
+    """How many actions the NaN and spike policies took, and the last one; - when none."""
+    path = run_dir / FAULTS_FILE
+    if not path.exists():
+        return "-"
+    actions, _ = json_objects(path, "the run's faults.jsonl (one JSON object per line)")
+    if not actions:
+        return "-"
+
+    def step(value: Any) -> str:
+        return str(value) if type(value) is int else "?"
+
+    last = actions[-1]
+    action = text(last.get("action"), "?")
+    what = f"step {step(last.get('step'))}: {text(last.get('trigger'), '?')} {action}"
+    if action == "rollback":
+        what += f" to step {step(last.get('to'))}"
+    return f"{len(actions)} action{'s' * (len(actions) != 1)}, the last {what}"
 
 
 def slurm_state(run_dir: Path) -> str:
@@ -106,6 +140,8 @@ def run_status(run_dir: Path) -> dict[str, str]:
         "ETA": "done" if total and step >= total else format_duration(eta) if eta else "-",
         "checkpoint": f"step {checkpoints[-1][0]}" if checkpoints else "-",
         "preempted": "yes" if (run_dir / PREEMPTED_MARKER).exists() else "no",
+        "goodput": goodput_line(run_dir),
+        "faults": faults_line(run_dir),
         "lock": lock,
         "slurm": slurm_state(run_dir),
     }

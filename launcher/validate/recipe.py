@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from pretrain.core.problems import Checks, divisors, nearby_multiples, or_list
+from pretrain.core.schedules import SCHEDULES
 from pretrain.core.schema import RecipeConfig, choice_fields, field_value
 from pretrain.launcher.validate.attention import check_attention
 from pretrain.launcher.validate.bounds import check_bounds
@@ -234,6 +235,32 @@ def _check_checkpoint(c: Checks, cfg: RecipeConfig) -> None:
     c.at_least("faults.max_bad_steps", cfg.faults.max_bad_steps, 1)
     c.positive("faults.collective_timeout_s", cfg.faults.collective_timeout_s)
     c.positive("faults.straggler_lag", cfg.faults.straggler_lag)
+    _check_recovery(c, cfg)
+
+
+def _check_recovery(c: Checks, cfg: RecipeConfig) -> None:
+    """The spike rule and what a rollback needs."""
+    f = cfg.faults
+    if f.spike_factor <= 1:
+        c.add("faults.spike_factor", f.spike_factor, "a spike is a loss above the median "
+              "times this, so it must be > 1", "use e.g. 3")  # fmt: skip
+    c.at_least("faults.spike_window", f.spike_window, 1)
+    if not 0 < f.rollback_lr_factor <= 1:
+        c.add("faults.rollback_lr_factor", f.rollback_lr_factor, "it multiplies the learning "
+              "rate after a rollback", "use a value in (0, 1], 1 to keep it")  # fmt: skip
+    c.at_least("faults.rollback_lr_steps", f.rollback_lr_steps, 0)
+    rolls_back = [k for k in ("on_nan", "on_spike") if getattr(f, k) == "rollback"]
+    if rolls_back and cfg.checkpoint.every == 0:
+        c.add(f"faults.{rolls_back[0]}", "rollback", "a rollback reloads the newest periodic "
+              "checkpoint, and checkpoint.every=0 writes none", "set checkpoint.every "
+              "(e.g. 100), or use skip or halt")  # fmt: skip
+    versions = SCHEDULES[cfg.parallel.pp_schedule].weight_versions if cfg.parallel.pp > 1 else 1
+    if versions > 1 and (f.on_spike != "none" or f.on_nan == "rollback"):
+        field = "faults.on_spike" if f.on_spike != "none" else "faults.on_nan"
+        c.add(field, getattr(f, field.split(".")[1]), f"parallel.pp_schedule="
+              f"{cfg.parallel.pp_schedule} agrees on a step after the next one has begun, "
+              "too late to keep or roll back its update", "use skip or halt (on_nan), none "
+              "(on_spike), or another pp_schedule")  # fmt: skip
 
 
 def _check_speed(c: Checks, cfg: RecipeConfig) -> None:

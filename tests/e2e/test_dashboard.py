@@ -36,7 +36,7 @@ def logged_keys(run_dir: Path) -> set[str]:
 def test_the_workspace_is_built_offline_with_a_section_per_topic() -> None:
     pytest.importorskip("wandb_workspaces", reason="pip install -e '.[dev]'")
     built = workspace("my-team", "pretrain", "pretrain")
-    assert [s.name for s in built.sections] == ["Throughput", "Loss", "Memory", "MoE"]
+    assert [s.name for s in built.sections] == ["Throughput", "Loss", "Memory", "MoE", "Goodput"]
     for section, panels in zip(built.sections, SECTIONS.values(), strict=True):
         assert [p.title for p in section.panels] == [p.title for p in panels]
         for built_panel, panel in zip(section.panels, panels, strict=True):

@@ -19,10 +19,31 @@ from pretrain.launcher.validate.recipe import validate
         ("faults", "max_bad_steps", 0, r"faults\.max_bad_steps=0: must be >= 1"),
         ("faults", "collective_timeout_s", 0.0, r"faults\.collective_timeout_s=0\.0: must be > 0"),
         ("faults", "straggler_lag", -0.5, r"faults\.straggler_lag=-0\.5: must be > 0"),
+        ("faults", "on_nan", "retry", r"faults\.on_nan=retry: unknown value.*"),
+        ("faults", "on_spike", "skip_all", r"faults\.on_spike=skip_all: unknown value.*"),
+        ("faults", "spike_factor", 1.0, r"faults\.spike_factor=1\.0: a spike is a loss above"),
+        ("faults", "spike_window", 0, r"faults\.spike_window=0: must be >= 1"),
+        ("faults", "rollback_lr_factor", 0.0, r"faults\.rollback_lr_factor=0\.0: .*\(0, 1\]"),
+        ("faults", "rollback_lr_steps", -1, r"faults\.rollback_lr_steps=-1: must be >= 0"),
     ],
 )
 def test_bad_checkpoint_and_fault_values_are_reported(section, field, value, message) -> None:
     cfg = RecipeConfig()
     setattr(getattr(cfg, section), field, value)
     with pytest.raises(RecipeError, match=message):
+        validate(cfg)
+
+
+def test_a_rollback_without_periodic_checkpoints_is_refused_naming_both_fields() -> None:
+    cfg = RecipeConfig()
+    cfg.faults.on_spike, cfg.checkpoint.every = "rollback", 0
+    with pytest.raises(RecipeError, match=r"faults\.on_spike=rollback: .*checkpoint\.every=0"):
+        validate(cfg)
+
+
+def test_spike_policies_are_refused_under_a_schedule_that_agrees_a_step_late() -> None:
+    cfg = RecipeConfig()
+    cfg.cluster.gpus_per_node, cfg.parallel.pp, cfg.parallel.pp_schedule = 2, 2, "2bw"
+    cfg.faults.on_spike = "skip"
+    with pytest.raises(RecipeError, match=r"faults\.on_spike=skip: parallel\.pp_schedule=2bw"):
         validate(cfg)

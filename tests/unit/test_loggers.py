@@ -347,3 +347,26 @@ def test_a_run_without_a_checkpoint_or_validation_says_so_and_offers_no_export(
     assert "val loss n/a (best n/a)" in block
     assert "checkpoint: none written" in block
     assert "pretrain export" not in block
+
+
+def test_a_fault_action_is_a_console_line_and_a_point_in_wandb_and_tensorboard(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    event_accumulator = pytest.importorskip(
+        "tensorboard.backend.event_processing.event_accumulator"
+    )
+    record = {"step": 6, "trigger": "spike", "action": "rollback", "detail": "loss 9 > 3 x 2",
+              "to": 4, "skipped_batches": [5, 6], "lr_factor": 0.5, "lr_until": 7}  # fmt: skip
+    with make_logger(tmp_path, wandb="offline", tensorboard=True) as logger:
+        logger.log(6, METRICS)
+        logger.event(record)
+    line = "[faults] step 6: loss 9 > 3 x 2: rollback to the checkpoint of step 4, batches 5..6 "
+    assert line + "skipped, lr x0.5 until step 7" in capsys.readouterr().out
+    events = event_accumulator.EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("faults/spike_rollback")] == [(6, 1.0)]
+    [history] = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
+    deadline = time.monotonic() + 60
+    while b"faults/spike_rollback" not in history.read_bytes() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert b"faults/spike_rollback" in history.read_bytes()

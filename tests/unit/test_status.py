@@ -10,7 +10,9 @@ import sys
 from pathlib import Path
 
 from pretrain.core.run.checkpoint_files import DCP_METADATA, META, step_dir
+from pretrain.core.run.goodput import append_event
 from pretrain.core.schema import RecipeConfig, dump_config
+from pretrain.launcher.job.status import render_status
 
 
 def make_run(run_dir: Path, steps_done: int, total: int = 10, job: str = "") -> Path:
@@ -74,3 +76,39 @@ def test_status_of_a_path_that_is_no_run_dir_says_so_and_fails(tmp_path: Path) -
     result = status(tmp_path)
     assert result.returncode == 2
     assert "holds no config.yaml, nor run dirs that do" in result.stderr
+
+
+def test_status_shows_the_goodput_and_where_the_time_went(tmp_path: Path) -> None:
+    run_dir = make_run(tmp_path / "run", steps_done=10)
+    events = [
+        {"event": "attempt", "t0": 100.0, "t": 110.0, "resumed_from": 0, "load_s": 2.0},
+        {"event": "steps", "first": 1, "last": 6, "s": 6.0, "t": 117.0},
+        {"event": "attempt", "t0": 140.0, "t": 150.0, "resumed_from": 4, "load_s": 1.0},
+        {"event": "steps", "first": 5, "last": 10, "s": 30.0, "t": 181.0},
+        {"event": "end", "how": "finished", "t": 182.0},
+    ]
+    for event in events:
+        append_event(run_dir, event)
+    shown = render_status(run_dir).splitlines()
+    _, value = next(x.split(maxsplit=1) for x in shown if x.strip().startswith("goodput"))
+    # 6 s of steps, 2 of them (steps 5-6) trained again, and 30 s: 34 s of 82.
+    assert value.startswith("41.5% of 1m22s over 2 attempts: productive 34.0s, ")
+    assert "recomputed 2.0s" in value and "failures 23.0s" in value and "queue" not in value
+
+
+def test_status_counts_the_fault_actions_and_names_the_last(tmp_path: Path) -> None:
+    run_dir = make_run(tmp_path / "run", steps_done=8)
+
+    def faults() -> str:
+        line = next(
+            x for x in render_status(run_dir).splitlines() if x.strip().startswith("faults")
+        )
+        return line.split(maxsplit=1)[1]
+
+    assert faults() == "-"
+    rows = [
+        {"step": 3, "trigger": "nan", "action": "skip"},
+        {"step": 6, "trigger": "spike", "action": "rollback", "to": 4},
+    ]
+    (run_dir / "faults.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert faults() == "2 actions, the last step 6: spike rollback to step 4"

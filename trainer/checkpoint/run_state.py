@@ -4,7 +4,7 @@ format the checkpointer keeps it in (these names are the checkpoint's keys on di
 - sharded (DCP): `model` (the newest weights), `optim`, and under PipeDream-2BW `stash`
   (the older weight version);
 - replicated (meta.json): `data` (the loader's position, layout-independent), `scheduler`,
-  `loss_scaler` and `wandb_run_id`;
+  `loss_scaler`, `wandb_run_id` and `spike_rule` (the losses its running median is over);
 - per rank (`rng/rank_R.pt`): `rng`, this rank's random number generators.
 """
 
@@ -20,6 +20,7 @@ from pretrain.parallel.model_state import ModelState, StashState
 from pretrain.trainer.checkpoint.checkpointer import States
 from pretrain.trainer.data.loader import DataLoader
 from pretrain.trainer.data.prefetch import PrefetchingLoader
+from pretrain.trainer.faults.policies import SpikeRule
 from pretrain.trainer.observe.loggers import WandbRunId
 from pretrain.trainer.optim.checkpoint_state import OptimizerState
 from pretrain.trainer.optim.lr_schedule import ScheduleState
@@ -42,10 +43,14 @@ class RngState:
 
 
 def run_states(
-    state: TrainState, loader: DataLoader | PrefetchingLoader, run_dir: Path, is_main: bool
+    state: TrainState,
+    loader: DataLoader | PrefetchingLoader,
+    run_dir: Path,
+    is_main: bool,
+    spikes: SpikeRule | None = None,
 ) -> States:
-    """The checkpoint's map of `state` and `loader`, read from `state` at each save and load
-    (PipeDream-2BW swaps its weight versions between steps)."""
+    """The checkpoint's map of `state` and `loader` (and the spike rule's window), read from
+    `state` at each save and load (PipeDream-2BW swaps its weight versions between steps)."""
 
     def named_model() -> nn.Module:
         # Under pipeline parallelism the stage view: the chunks' own names would start with
@@ -58,14 +63,17 @@ def run_states(
     }
     if state.stash is not None:
         sharded["stash"] = StashState(lambda: state.stash, named_model)
+    replicated: dict[str, Any] = {
+        "data": loader,
+        "scheduler": ScheduleState(state.scheduler, state.optimizer),
+        "loss_scaler": state.scaler,
+        "wandb_run_id": WandbRunId(run_dir, is_main),
+    }
+    if spikes is not None:
+        replicated["spike_rule"] = spikes
     return States(
         sharded=sharded,
-        replicated={
-            "data": loader,
-            "scheduler": ScheduleState(state.scheduler, state.optimizer),
-            "loss_scaler": state.scaler,
-            "wandb_run_id": WandbRunId(run_dir, is_main),
-        },
+        replicated=replicated,
         per_rank={"rng": RngState()},
         settle=lambda: state.settle() if state.settle is not None else None,
     )

@@ -97,6 +97,7 @@ class FakeStepGuard:
         self.device = device
 
     def agree(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> tuple[bool, bool]:
-        flags = torch.zeros(2, device=self.device)
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        # As StepGuard.agree: non-finite, stop and the loss, summed in float64.
+        flags = torch.zeros(3, dtype=torch.float64, device=self.device)
+        dist.all_reduce(flags)
         return False, False

@@ -7,13 +7,17 @@ from __future__ import annotations
 
 import signal
 import statistics
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from pretrain.core.run.rundir import PREEMPTED_MARKER
+from pretrain.core.schema import FaultConfig
+from pretrain.trainer.faults.policies import SpikeRule
 from pretrain.trainer.log import get_logger
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
@@ -51,18 +55,34 @@ def stop_signal_name() -> str:
 
 
 class TooManyBadSteps(RuntimeError):
-    """Consecutive steps with a non-finite loss or gradient norm exceeded the limit."""
+    """A bad step ended the run: `faults.max_bad_steps` skipped in a row, or one under the
+    policy halt."""
 
 
 class StepGuard:
-    """One all-reduce per step agrees on two flags across all ranks: whether any rank saw a
-    non-finite loss or gradient norm (the step is skipped) and whether any rank was asked
-    to stop (every rank finishes the step, then the job saves and exits)."""
+    """One all-reduce per step agrees on what every rank must do alike: whether any rank saw
+    a non-finite loss or gradient norm, whether the step's loss (averaged over the ranks) is
+    a spike, and whether any rank was asked to stop (every rank finishes the step, then the
+    job saves and exits). A bad step (non-finite, or a spike the policy acts on) applies no
+    update; `record` then says what the policy does with it."""
 
-    def __init__(self, max_bad_steps: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        max_bad_steps: int,
+        device: torch.device,
+        faults: FaultConfig | None = None,
+    ) -> None:
+        faults = faults or FaultConfig(max_bad_steps=max_bad_steps)
         self.max_bad_steps = max_bad_steps
         self.device = device
+        self.on_nan, self.on_spike = faults.on_nan, faults.on_spike
+        self.spikes = SpikeRule(faults.spike_factor, faults.spike_window)
         self.skipped = 0
+        self.trigger = ""
+        """Why the step just agreed on is bad: nan, spike, or empty."""
+        self.detail = ""
+        self.audit: Callable[[dict[str, Any]], None] = lambda record: None
+        """Told of every skip and halt (`trainer/faults/recovery.py` audits them)."""
         self._bad_in_a_row = 0
         install_stop_handlers()
 
@@ -72,26 +92,58 @@ class StepGuard:
 
     def agree(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> tuple[bool, bool]:
         """(bad, stop) as every rank sees it: bad when any rank's loss or the norm is not
-        finite, stop when any rank received SIGTERM or SIGUSR1."""
-        bad = not (torch.isfinite(loss).item() and torch.isfinite(grad_norm).item())
-        flags = torch.tensor([float(bad), float(stop_requested())], device=self.device)
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        return bool(flags[0].item()), bool(flags[1].item())
+        finite or the mean loss is a spike `on_spike` acts on, stop when any rank received
+        SIGTERM or SIGUSR1."""
+        finite = bool(torch.isfinite(loss).item() and torch.isfinite(grad_norm).item())
+        mine = [float(not finite), float(stop_requested()), loss.item() if finite else 0.0]
+        # One sum: flags count the ranks that raised them; every rank gets the same total.
+        flags = torch.tensor(mine, dtype=torch.float64, device=self.device)
+        dist.all_reduce(flags)
+        nonfinite, stop = bool(flags[0].item() > 0), bool(flags[1].item() > 0)
+        self.trigger = self.detail = ""
+        if nonfinite:
+            self.trigger = "nan"
+        elif self.on_spike != "none":
+            mean = flags[2].item() / dist.get_world_size()
+            median = self.spikes.median()
+            if self.spikes.is_spike(mean):
+                self.trigger = "spike"
+                self.detail = (
+                    f"loss {mean:.4g} > {self.spikes.factor:g} x {median:.4g}, the median of "
+                    f"the last {self.spikes.losses.maxlen} steps"
+                )
+        return bool(self.trigger), stop
 
-    def record(self, step: int, bad: bool) -> None:
-        """Count a skipped step; raise TooManyBadSteps after `max_bad_steps` in a row."""
+    def record(self, step: int, bad: bool) -> str:
+        """What the policy does with `step`: "" (a good step), "skip" or "rollback"; raises
+        TooManyBadSteps under halt, or after `max_bad_steps` skipped in a row."""
         if not bad:
             self._bad_in_a_row = 0
-            return
+            return ""
+        trigger = self.trigger or "nan"  # a stepper that agrees on its own sees only these
+        policy = self.on_spike if trigger == "spike" else self.on_nan
+        what = self.detail or "non-finite loss or gradient norm"
+        if policy != "rollback":
+            self.audit({"step": step, "trigger": trigger, "action": policy, "detail": what})
+        if policy == "halt":
+            raise TooManyBadSteps(
+                f"step {step}: {what} (faults.on_{trigger}=halt); stopping without saving it. "
+                "Resume from the last checkpoint with a lower optim.lr or more warmup, or set "
+                f"faults.on_{trigger}=skip or rollback"
+            )
+        if policy == "rollback":
+            return "rollback"
         self.skipped += 1
         self._bad_in_a_row += 1
-        get_logger().info("step %d: non-finite loss or gradient norm; skipped", step)
+        get_logger().info("step %d: %s; skipped", step, what)
         if self._bad_in_a_row >= self.max_bad_steps:
             raise TooManyBadSteps(
                 f"step {step}: {self._bad_in_a_row} consecutive steps with a non-finite loss or "
-                f"gradient norm (faults.max_bad_steps={self.max_bad_steps}); stopping without "
-                "saving. Resume from the last checkpoint with a lower optim.lr or more warmup"
+                f"gradient norm or a loss spike (faults.max_bad_steps={self.max_bad_steps}); "
+                "stopping without saving. Resume from the last checkpoint with a lower optim.lr "
+                "or more warmup"
             )
+        return "skip"
 
 
 STRAGGLER_MIN_S = 0.05

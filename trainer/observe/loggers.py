@@ -26,6 +26,7 @@ from rich.markup import escape
 from pretrain.core.inputs.reading import MissingFile, ReadError, open_binary, read_text
 from pretrain.core.problems import install_fix, installed
 from pretrain.core.run.durations import eta_seconds, format_duration
+from pretrain.core.run.goodput import Breakdown
 from pretrain.core.run.metric_names import WANDB_KEYS, wandb_key
 from pretrain.core.run.rundir import METRICS_FILE, TENSORBOARD_DIR, WANDB_ID_FILE
 from pretrain.core.run.wandb_credentials import api_key_configured as wandb_api_key_configured
@@ -333,6 +334,29 @@ class MetricsLogger:
                 self.console.print(f"[yellow]W&B log failed, W&B disabled: {escape(str(exc))}")
                 self._wandb_run = None
 
+    def event(self, record: dict[str, Any]) -> None:
+        """One action on a bad step (main rank): a console line, and a point of
+        `faults/<trigger>_<action>` in W&B and TensorBoard at its step."""
+        if not self.is_main:
+            return
+        step, key = record["step"], f"faults/{record['trigger']}_{record['action']}"
+        line = f"step {step}: {record['detail']}: {record['action']}"
+        if record["action"] == "rollback":
+            first, last = record["skipped_batches"]
+            line += f" to the checkpoint of step {record['to']}, batches {first}..{last} skipped"
+            if record["lr_until"]:
+                line += f", lr x{record['lr_factor']:g} until step {record['lr_until']}"
+        self.console.print(f"[faults] {line}", markup=False)
+        if self._tensorboard is not None:
+            self._tensorboard.add_scalar(key, 1, step)
+            self._tensorboard.flush()
+        if self._wandb_run is not None:
+            try:
+                self._wandb_run.log({WANDB_STEP: step, key: 1})
+            except Exception as exc:  # losing W&B mid-run must not stop training
+                self.console.print(f"[yellow]W&B log failed, W&B disabled: {escape(str(exc))}")
+                self._wandb_run = None
+
     def _smoothed_step_time(self, values: dict[str, Any]) -> float | None:
         """The median of the last ETA_WINDOW logged step times, this row's included."""
         step_time = values.get("step_time_s")
@@ -340,13 +364,21 @@ class MetricsLogger:
             self._step_times.append(float(step_time))
         return statistics.median(self._step_times) if self._step_times else None
 
-    def print_summary(self, *, tokens: int, wall_s: float, checkpoint: Path | None) -> None:
+    def print_summary(
+        self,
+        *,
+        tokens: int,
+        wall_s: float,
+        checkpoint: Path | None,
+        goodput: Breakdown | None = None,
+    ) -> None:
         """Print the end-of-run block (main rank only): see trainer/observe/run_summary.py."""
         if not self.is_main:
             return
         lines = self.summary.lines(
-            tokens=tokens, wall_s=wall_s, checkpoint=checkpoint, run_dir=self.run_dir
-        )
+            tokens=tokens, wall_s=wall_s, checkpoint=checkpoint, run_dir=self.run_dir,
+            goodput=goodput,
+        )  # fmt: skip
         self.console.print("\n".join(lines), markup=False)
 
     def close(self, exit_code: int = 0) -> None:

@@ -84,8 +84,9 @@ class MetricsWindow:
         start = time.perf_counter()
         batch = next_batch()
         self._data_wait += time.perf_counter() - start
-        # The lr the step about to run uses (the schedule advances inside the step).
-        self._lr = self.state.scheduler.get_last_lr()[0]
+        # The lr the step about to run uses (the schedule advances inside the step; a rollback
+        # may have lowered it).
+        self._lr = self.state.optimizer.param_groups[0]["lr"]
         return batch
 
     def untimed(self, work: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:

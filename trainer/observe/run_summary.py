@@ -14,6 +14,7 @@ from typing import Any
 
 from pretrain.core.inputs.reading import json_objects, number
 from pretrain.core.run.durations import format_duration
+from pretrain.core.run.goodput import Breakdown
 
 
 @dataclass
@@ -49,9 +50,16 @@ class RunSummary:
                 self.observe(row["step"], row)
 
     def lines(
-        self, *, tokens: int, wall_s: float, checkpoint: Path | None, run_dir: Path
+        self,
+        *,
+        tokens: int,
+        wall_s: float,
+        checkpoint: Path | None,
+        run_dir: Path,
+        goodput: Breakdown | None = None,
     ) -> list[str]:
-        """The summary block: `tokens` trained in the whole run, `wall_s` of this job."""
+        """The summary block: `tokens` trained in the whole run, `wall_s` of this job, and
+        where the whole run's wall time went (`goodput`, every job of it)."""
 
         def loss(value: float | None) -> str:
             return "n/a" if value is None else f"{value:.4f}"
@@ -65,6 +73,7 @@ class RunSummary:
             f"run finished: {self.last_step} steps, {tokens:,} tokens, "
             f"this job {format_duration(wall_s)}",
             f"  train loss {loss(self.last_loss)} | val loss {loss(self.last_val)} (best {best})",
+            *([f"  {goodput.line()}"] if goodput is not None else []),
             f"  checkpoint: {checkpoint if checkpoint is not None else 'none written'}",
             f"  status:  pretrain status {quoted}",
             f"  report:  pretrain report {quoted}",

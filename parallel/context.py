@@ -17,6 +17,14 @@ backward is a second ring: keys and values travel again, followed by their gradi
 which reach their owner one hop after the last block. Only q, k, v, the output and the
 log-sum-exp are saved, so the attention keeps 1/cp of its activations per rank.
 
+Mixture-of-experts layers are sequence-local: each cp rank routes and dispatches its own
+tokens (under expert parallelism, to the ep ranks of its own cp index). What routing decides
+per whole sequence, the capacity queues and the balance loss's fractions, reads the other
+chunks' assignment counts, gathered over cp once per MoE layer and forward
+(`ContextRouting`): a chunk's queues start behind the earlier chunks' assignments, and each
+rank's balance term takes the sequence's fractions with its own tokens' mean scores, so the
+mean of the terms over cp is the sequence's loss and its gradient.
+
 Gradients: every cp rank's loss is the mean over its own tokens and the cp ranks of a
 sequence hold the same weights, so averaging gradients over dp x cp (`JobMesh.dp_cp`) gives
 the gradient of the mean over all tokens; the step averages the loss over cp the same way.
@@ -38,6 +46,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from pretrain.models.moe import WholeSequence, moe_modules
 from pretrain.parallel.mesh import JobMesh
 
 
@@ -104,6 +113,43 @@ def apply_context_parallel(model: nn.Module, mesh: JobMesh) -> None:
     for block in model.layers.values():
         block.attention.core = ring
     model.positions = HeadTailPositions(cp_mesh.get_local_rank(), mesh.degrees.cp)
+    routing = ContextRouting(cp_mesh.get_group(), cp_mesh.get_local_rank(), mesh.degrees.cp)
+    for moe in moe_modules(model):
+        moe.sequence = routing
+
+
+class ContextRouting(WholeSequence):
+    """A MoE block's view of its sequences under cp: two parts (the rank's head and tail
+    chunks of 2cp), the other chunks' assignment counts gathered over the cp group."""
+
+    parts = 2
+
+    def __init__(self, group: dist.ProcessGroup, rank: int, cp: int) -> None:
+        self.group, self.rank, self.size = group, rank, cp
+        # Gathered counts are laid out (cp rank, its head or tail); chunk c of the sequence
+        # sits at place where[c] of them.
+        where = [0] * (2 * cp)
+        for r in range(cp):
+            head, tail = chunk_order(cp, r)
+            where[head], where[tail] = 2 * r, 2 * r + 1
+        self.where = where
+        self.own = list(chunk_order(cp, rank))
+
+    def gather_counts(self, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The sequence's assignments per expert before each of this rank's chunks
+        [b, 2, N], and in the whole sequence [b, N], from this rank's [b, 2, N]."""
+        b, parts, n = counts.shape
+        gathered = counts.new_empty(self.size * b, parts, n)
+        dist.all_gather_into_tensor(gathered, counts.contiguous(), group=self.group)
+        return self.arrange(gathered.view(self.size, b, parts, n))
+
+    def arrange(self, gathered: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`gather_counts` from every cp rank's counts [cp, b, 2, N]."""
+        cp, b, parts, n = gathered.shape
+        by_rank = gathered.transpose(0, 1).reshape(b, cp * parts, n)
+        chunks = by_rank[:, self.where]  # [b, 2cp, N] in sequence order
+        before = chunks.cumsum(1) - chunks
+        return before[:, self.own], chunks.sum(1)
 
 
 def context_split(mesh: JobMesh) -> ContextSplit | None:

@@ -13,8 +13,9 @@ from pretrain.core.schema import RecipeConfig
 
 def check_context(c: Checks, cfg: RecipeConfig) -> None:
     """cp against the sequence (2cp equal chunks, and each rank's share split over tp under
-    SP), against the model (MoE routes per whole sequence; MLA has no ring) and against
-    document masks (the ring is causal only)."""
+    SP), against the model (MLA has no ring) and against document masks (the ring is causal
+    only). MoE layers compose: they route each rank's chunks and gather the counts that are
+    per whole sequence (parallel/context.py)."""
     p, t = cfg.parallel, cfg.train
     if p.cp <= 1 or t.seq_len < 1:
         return
@@ -36,15 +37,6 @@ def check_context(c: Checks, cfg: RecipeConfig) -> None:
             f"tp={p.tp} ranks evenly",
             f"use a multiple of 2cp and of cp*tp = {step}, "
             f"e.g. {or_list(nearby_multiples(t.seq_len, lcm(chunks, step)))}",
-        )
-    if cfg.model.moe_experts:
-        c.add(
-            "parallel.cp",
-            p.cp,
-            "a mixture-of-experts layer's capacity and load-balancing loss are computed per "
-            "whole sequence, and a cp rank holds only 2 of its 2cp chunks",
-            "set parallel.cp=1 for MoE models (expert, tensor or pipeline parallelism split "
-            "them instead)",
         )
     local = t.seq_len // p.cp
     if not t.seq_len % chunks and t.loss_chunks > 1 and local % t.loss_chunks:

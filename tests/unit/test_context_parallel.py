@@ -7,8 +7,11 @@ import pytest
 import torch
 
 from pretrain.core.layout import resolve_degrees
+from pretrain.core.model_config import ModelConfig
 from pretrain.launcher.validate.recipe import check_runnable, validate
+from pretrain.models.moe import MoEFeedForward, expert_counts_per_sequence
 from pretrain.parallel.context import (
+    ContextRouting,
     HeadTailPositions,
     _block_backward,
     _block_forward,
@@ -65,6 +68,8 @@ def test_the_ring_computes_every_causal_chunk_pair_once_and_balances_the_work(cp
         {"parallel.cp": 2, "parallel.tp": 4, "parallel.sp": True, "parallel.zero": 3},
         {"parallel.cp": 4, "parallel.pp": 2, "parallel.zero": 2, "recompute.policy": "full"},
         {"parallel.cp": 2, "compile.enabled": True, "compile.blocks": False},
+        {"parallel.cp": 2, "model.moe_experts": 8, "model.moe_ffn_dim": 256},
+        {"parallel.cp": 2, "parallel.ep": 2, "model.moe_experts": 8, "model.moe_ffn_dim": 256},
     ],
 )
 def test_context_parallel_layouts_are_runnable(overrides) -> None:
@@ -93,11 +98,63 @@ def test_sequence_parallelism_splits_each_cp_share_over_tp() -> None:
     assert "each cp rank's 18 tokens over tp=8" in problem.reason
 
 
-def test_cp_is_refused_for_mixture_of_experts_models() -> None:
-    cfg = configure({"parallel.cp": 2, "model.moe_experts": 8, "model.moe_ffn_dim": 256})
-    [problem] = [p for p in problems(cfg) if p.field == "parallel.cp"]
-    assert "per whole sequence" in problem.reason
-    assert "parallel.cp=1" in problem.fix
+class KnownCounts(ContextRouting):
+    """The ring's routing view of one cp rank, fed every rank's counts instead of gathering
+    them (no process group)."""
+
+    def __init__(self, rank: int, cp: int, gathered: torch.Tensor) -> None:
+        super().__init__(None, rank, cp)  # type: ignore[arg-type]
+        self.gathered = gathered
+
+    def gather_counts(self, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        assert torch.equal(counts, self.gathered[self.rank])
+        return self.arrange(self.gathered)
+
+
+@pytest.mark.parametrize("cp", [2, 3])
+def test_moe_blocks_on_cp_chunks_route_drop_and_balance_as_on_the_whole_sequence(cp) -> None:
+    """Capacity 0.5 drops assignments; each chunk's queues start behind the earlier chunks',
+    and the mean over cp of the ranks' balance terms and of their gradients is the
+    sequence's."""
+    n = 4
+    cfg = ModelConfig(
+        vocab_size=64,
+        dim=8,
+        n_heads=2,
+        ffn_dim=16,
+        n_layers=1,
+        moe_experts=n,
+        moe_top_k=2,
+        moe_ffn_dim=12,
+        moe_capacity_factor=0.5,
+        moe_aux_loss_coef=1.0,
+    )
+    torch.manual_seed(0)
+    block = MoEFeedForward(cfg)
+    for param in block.parameters():
+        torch.nn.init.normal_(param, std=0.5)
+    x = torch.randn(2, 8 * cp, 8)
+    whole = block(x)
+    block.aux_loss.backward()
+    expected_grad, block.router.weight.grad = block.router.weight.grad, None
+    expected_aux, expected_dropped = block.aux_loss.item(), block.stats.totals[n].item()
+    assert expected_dropped > 0
+    shards = [shard_sequence(x, cp, rank) for rank in range(cp)]
+    with torch.no_grad():
+        gathered = torch.stack(
+            [expert_counts_per_sequence(block.route(shard)[0], n, parts=2) for shard in shards]
+        )
+    block.stats.reset()
+    aux = []
+    for rank, shard in enumerate(shards):
+        block.sequence = KnownCounts(rank, cp, gathered)
+        out = block(shard)
+        torch.testing.assert_close(out, shard_sequence(whole, cp, rank), rtol=1e-6, atol=1e-6)
+        (block.aux_loss / cp).backward()
+        aux.append(block.aux_loss.item())
+    assert sum(aux) / cp == pytest.approx(expected_aux, rel=1e-6)
+    assert block.stats.totals[n].item() == expected_dropped
+    torch.testing.assert_close(block.router.weight.grad, expected_grad, rtol=1e-5, atol=1e-7)
 
 
 def test_compiled_blocks_are_refused_with_cp_for_launch_only() -> None:

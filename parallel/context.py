@@ -17,6 +17,13 @@ backward is a second ring: keys and values travel again, followed by their gradi
 which reach their owner one hop after the last block. Only q, k, v, the output and the
 log-sum-exp are saved, so the attention keeps 1/cp of its activations per rank.
 
+Packed documents (`data.doc_mask`): the step counts each position's document over the whole
+sequence and hands the rank its chunks of the ids; the model passes them to the ring
+(`Transformer.documents`), which gathers every cp rank's ids once per forward
+(`RingDocuments`, micro-batch x s/cp integers each) and masks each chunk pair by equal ids
+as well as causally. A query row may then see no key of a chunk pair at all (its document
+began later than the key chunk ends): its partial log-sum-exp is -inf and adds nothing.
+
 Mixture-of-experts layers are sequence-local: each cp rank routes and dispatches its own
 tokens (under expert parallelism, to the ep ranks of its own cp index). What routing decides
 per whole sequence, the capacity queues and the balance loss's fractions, reads the other
@@ -46,6 +53,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from pretrain.models.layers import CoreMask
 from pretrain.models.moe import WholeSequence, moe_modules
 from pretrain.parallel.mesh import JobMesh
 
@@ -113,6 +121,7 @@ def apply_context_parallel(model: nn.Module, mesh: JobMesh) -> None:
     for block in model.layers.values():
         block.attention.core = ring
     model.positions = HeadTailPositions(cp_mesh.get_local_rank(), mesh.degrees.cp)
+    model.documents = ring.documents
     routing = ContextRouting(cp_mesh.get_group(), cp_mesh.get_local_rank(), mesh.degrees.cp)
     for moe in moe_modules(model):
         moe.sequence = routing
@@ -162,15 +171,28 @@ def context_split(mesh: JobMesh) -> ContextSplit | None:
 
 class RingAttention:
     """Causal grouped-query attention of q [b, heads, s, d] over k, v [b, kv_heads, s, d],
-    where s is this rank's head and tail chunks and the other chunks sit on the ring."""
+    where s is this rank's head and tail chunks and the other chunks sit on the ring; with
+    `RingDocuments`, within each packed document."""
 
     def __init__(self, group: dist.ProcessGroup, rank: int, cp: int) -> None:
         self.group, self.rank, self.cp = group, rank, cp
         self.next = dist.get_global_rank(group, (rank + 1) % cp)
         self.prev = dist.get_global_rank(group, (rank - 1) % cp)
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return _RingAttention.apply(q, k, v, self)
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        documents: RingDocuments | None = None,
+    ) -> torch.Tensor:
+        return _RingAttention.apply(q, k, v, self, documents)
+
+    def documents(self, doc_ids: torch.Tensor) -> RingDocuments:
+        """Every cp rank's document ids, from this rank's [b, s] (collective over cp)."""
+        gathered = doc_ids.new_empty(self.cp * doc_ids.shape[0], doc_ids.shape[1])
+        dist.all_gather_into_tensor(gathered, doc_ids.contiguous(), group=self.group)
+        return RingDocuments(gathered.view(self.cp, *doc_ids.shape))
 
     def holder(self, hop: int) -> int:
         """The cp rank whose keys and values this rank holds after `hop` hops."""
@@ -189,6 +211,24 @@ class RingAttention:
         return incoming, works
 
 
+@dataclass(frozen=True)
+class RingDocuments(CoreMask):
+    """The document of each position held by every cp rank, [cp, b, s]: a query attends to
+    a key of its own document only."""
+
+    ids: torch.Tensor
+
+    def halves(self, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cp rank `rank`'s ids of its head and of its tail chunk, [b, s/2] each."""
+        head, tail = self.ids[rank].chunk(2, dim=-1)
+        return head, tail
+
+
+PairDocuments = tuple[torch.Tensor, torch.Tensor] | None
+"""Of one chunk pair: the query chunk's and the key chunk's document ids [b, chunk]; None
+without document masking."""
+
+
 def _pairs(cp: int, q_rank: int, kv_rank: int):
     """(query half, key half, causal) of the chunk pairs that see each other: a key chunk
     before the query chunk is seen whole, the same chunk under the causal mask."""
@@ -203,28 +243,41 @@ QUERY_TILE = 256
 QUERY_TILE x chunk matrix per head, however long the chunk."""
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, row: int) -> torch.Tensor:
+def _scores(
+    q: torch.Tensor, k: torch.Tensor, causal: bool, row: int, docs: PairDocuments = None
+) -> torch.Tensor:
     """Scaled scores [b, kv, g, rows, sk] in FP32 of query rows from `row` on; with
-    `causal`, the keys after each query's own position are at -inf."""
+    `causal`, the keys after each query's own position are at -inf, and with `docs` the
+    keys of other documents."""
     scores = (q.float() @ k.float().transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    rows, keys = scores.shape[-2:]
     if causal:
-        rows, keys = scores.shape[-2:]
         future = torch.ones(rows, keys, dtype=torch.bool, device=q.device).triu(1 + row)
         scores = scores.masked_fill(future, float("-inf"))
+    if docs is not None:
+        q_ids, k_ids = docs
+        other = q_ids[:, row : row + rows, None] != k_ids[:, None, :]  # [b, rows, sk]
+        scores = scores.masked_fill(other[:, None, None], float("-inf"))
     return scores
+
+
+def _finite(lse: torch.Tensor) -> torch.Tensor:
+    # A row that sees no key of a block has a log-sum-exp of -inf; shifting by 0 instead
+    # gives it zero probabilities rather than NaN.
+    return lse.masked_fill(lse.isneginf(), 0.0)
 
 
 def _tiles(length: int):
     return ((row, min(row + QUERY_TILE, length)) for row in range(0, length, QUERY_TILE))
 
 
-def _block_forward(q, k, v, causal):
+def _block_forward(q, k, v, causal, docs: PairDocuments = None):
     """Attention of one chunk pair: output [b, kv, g, sq, d] and log-sum-exp [b, kv, g, sq]."""
     outs, lses = [], []
     for row, end in _tiles(q.shape[-2]):
-        scores = _scores(q[..., row:end, :], k, causal, row)
+        scores = _scores(q[..., row:end, :], k, causal, row, docs)
         lse = scores.logsumexp(-1)
-        outs.append((scores - lse.unsqueeze(-1)).exp() @ v.float())
+        outs.append((scores - _finite(lse).unsqueeze(-1)).exp() @ v.float())
         lses.append(lse)
     return torch.cat(outs, dim=-2), torch.cat(lses, dim=-1)
 
@@ -232,18 +285,21 @@ def _block_forward(q, k, v, causal):
 def _merge(out, lse, block_out, block_lse):
     """Two partial attentions over disjoint keys, as one (by their log-sum-exp)."""
     total = torch.logaddexp(lse, block_lse)
-    merged = out * (lse - total).exp().unsqueeze(-1)
-    return merged + block_out * (block_lse - total).exp().unsqueeze(-1), total
+    shift = _finite(total)
+    merged = out * (lse - shift).exp().unsqueeze(-1)
+    return merged + block_out * (block_lse - shift).exp().unsqueeze(-1), total
 
 
-def _block_backward(q, k, v, out, lse, grad, causal):
-    """Gradients (dq, dk, dv) of one chunk pair, from the final output and log-sum-exp."""
+def _block_backward(q, k, v, out, lse, grad, causal, docs: PairDocuments = None):
+    """Gradients (dq, dk, dv) of one chunk pair, from the final output and log-sum-exp
+    (finite: every query sees at least its own position)."""
     scale = 1 / math.sqrt(q.shape[-1])
     k32, v32 = k.float(), v.float()
     grad_q, grad_k, grad_v = [], torch.zeros_like(k32), torch.zeros_like(v32)
     for row, end in _tiles(q.shape[-2]):
         q_rows, g_rows = q[..., row:end, :].float(), grad[..., row:end, :]
-        probs = (_scores(q_rows, k, causal, row) - lse[..., row:end].unsqueeze(-1)).exp()
+        scores = _scores(q_rows, k, causal, row, docs)
+        probs = (scores - lse[..., row:end].unsqueeze(-1)).exp()
         grad_v += (probs.transpose(-1, -2) @ g_rows).sum(2, keepdim=True)
         grad_probs = g_rows @ v32.transpose(-1, -2)
         rowsum = (g_rows * out[..., row:end, :]).sum(-1, keepdim=True)
@@ -259,7 +315,7 @@ def _halves(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, ring: RingAttention):
+    def forward(ctx, q, k, v, ring: RingAttention, documents: RingDocuments | None):
         b, heads, s, d = q.shape
         kv_heads = k.shape[1]
         # Query head h uses key/value head h // (heads / kv_heads), as enable_gqa does.
@@ -271,8 +327,10 @@ class _RingAttention(torch.autograd.Function):
         for hop in range(ring.cp):
             pending = ring.exchange(kv) if hop < ring.cp - 1 else None
             k_halves, v_halves = _halves(kv[0]), _halves(kv[1])
-            for qi, ki, causal in _pairs(ring.cp, ring.rank, ring.holder(hop)):
-                block = _block_forward(q_halves[qi], k_halves[ki], v_halves[ki], causal)
+            holder = ring.holder(hop)
+            for qi, ki, causal in _pairs(ring.cp, ring.rank, holder):
+                docs = _pair_documents(documents, ring.rank, qi, holder, ki)
+                block = _block_forward(q_halves[qi], k_halves[ki], v_halves[ki], causal, docs)
                 if outs[qi] is None:
                     outs[qi], lses[qi] = block
                 else:
@@ -287,7 +345,7 @@ class _RingAttention(torch.autograd.Function):
         out = out.transpose(1, 2).contiguous().transpose(1, 2)
         lse = torch.cat(lses, dim=-1)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.ring = ring
+        ctx.ring, ctx.documents = ring, documents
         return out
 
     @staticmethod
@@ -307,7 +365,8 @@ class _RingAttention(torch.autograd.Function):
             pending = ring.exchange(kv) if hop < ring.cp - 1 else None
             k_halves, v_halves = _halves(kv[0]), _halves(kv[1])
             gk_halves, gv_halves = _halves(grad_kv[0]), _halves(grad_kv[1])
-            for qi, ki, causal in _pairs(ring.cp, ring.rank, ring.holder(hop)):
+            holder = ring.holder(hop)
+            for qi, ki, causal in _pairs(ring.cp, ring.rank, holder):
                 dq, dk, dv = _block_backward(
                     q_halves[qi],
                     k_halves[ki],
@@ -316,6 +375,7 @@ class _RingAttention(torch.autograd.Function):
                     lse_halves[qi],
                     grad_halves[qi],
                     causal,
+                    _pair_documents(ctx.documents, ring.rank, qi, holder, ki),
                 )
                 grad_q[qi] += dq
                 gk_halves[ki].add_(dk)
@@ -331,4 +391,14 @@ class _RingAttention(torch.autograd.Function):
                 work.wait()
         grad_k, grad_v = grad_kv.squeeze(3).unbind(0)
         dq = torch.cat(grad_q, dim=-2).reshape(b, heads, s, d)
-        return dq.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype), None
+        return dq.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype), None, None
+
+
+def _pair_documents(
+    documents: RingDocuments | None, q_rank: int, qi: int, kv_rank: int, ki: int
+) -> PairDocuments:
+    """The document ids of a chunk pair: half `qi` of q_rank's chunks, half `ki` of
+    kv_rank's."""
+    if documents is None:
+        return None
+    return documents.halves(q_rank)[qi], documents.halves(kv_rank)[ki]

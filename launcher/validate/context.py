@@ -13,9 +13,9 @@ from pretrain.core.schema import RecipeConfig
 
 def check_context(c: Checks, cfg: RecipeConfig) -> None:
     """cp against the sequence (2cp equal chunks, and each rank's share split over tp under
-    SP), against the model (MLA has no ring) and against document masks (the ring is causal
-    only). MoE layers compose: they route each rank's chunks and gather the counts that are
-    per whole sequence (parallel/context.py)."""
+    SP) and against the model (MLA has no ring). MoE layers compose (they route each rank's
+    chunks and gather the counts that are per whole sequence), and so do document masks (the
+    ring masks each chunk pair by the documents' ids): parallel/context.py."""
     p, t = cfg.parallel, cfg.train
     if p.cp <= 1 or t.seq_len < 1:
         return
@@ -53,13 +53,6 @@ def check_context(c: Checks, cfg: RecipeConfig) -> None:
             "the ring attention of context parallelism is written for grouped-query "
             "attention; multi-head latent attention has no ring yet",
             "set parallel.cp=1 with model.attention=mla",
-        )
-    if cfg.data.doc_mask:
-        c.add(
-            "data.doc_mask",
-            True,
-            "the ring attention masks causally only: it cannot keep packed documents apart",
-            "set data.doc_mask=false with parallel.cp > 1, or parallel.cp=1",
         )
 
 

@@ -15,6 +15,7 @@ from pretrain.parallel.context import (
     HeadTailPositions,
     _block_backward,
     _block_forward,
+    _merge,
     _pairs,
     chunk_order,
     shard_sequence,
@@ -70,6 +71,7 @@ def test_the_ring_computes_every_causal_chunk_pair_once_and_balances_the_work(cp
         {"parallel.cp": 2, "compile.enabled": True, "compile.blocks": False},
         {"parallel.cp": 2, "model.moe_experts": 8, "model.moe_ffn_dim": 256},
         {"parallel.cp": 2, "parallel.ep": 2, "model.moe_experts": 8, "model.moe_ffn_dim": 256},
+        {"parallel.cp": 2, "data.doc_mask": True},
     ],
 )
 def test_context_parallel_layouts_are_runnable(overrides) -> None:
@@ -193,3 +195,47 @@ def test_a_chunk_pairs_tiled_attention_and_its_gradients_equal_sdpa(causal: bool
     assert torch.allclose(dq.view_as(q).double(), q.grad, atol=1e-5)
     assert torch.allclose(dk.squeeze(2).double(), k.grad, atol=1e-5)
     assert torch.allclose(dv.squeeze(2).double(), v.grad, atol=1e-5)
+
+
+def test_chunk_pairs_masked_by_documents_merge_into_sdpa_under_the_document_mask() -> None:
+    """Queries of chunk 1 over keys of chunks 0 and 1, packed documents 0 | 1 | 2 with
+    document 2 beginning inside chunk 1: its queries see no key of chunk 0 (a block whose
+    log-sum-exp is -inf for them), and the merge and the gradients still equal SDPA's."""
+    torch.manual_seed(0)
+    b, kv, group, chunk, d = 2, 2, 2, 6, 8
+    ids = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1, 2, 2, 2, 2], [0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 2, 2]])
+    q = torch.randn(b, kv * group, chunk, d, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(b, kv, 2 * chunk, d, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(b, kv, 2 * chunk, d, dtype=torch.float64, requires_grad=True)
+    grad = torch.randn(b, kv * group, chunk, d, dtype=torch.float64)
+    position = torch.arange(2 * chunk)
+    causal = position[chunk:, None] >= position[None, :]
+    mask = (ids[:, chunk:, None] == ids[:, None, :]) & causal
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask[:, None], enable_gqa=True
+    )
+    expected.backward(grad)
+
+    qg = q.detach().view(b, kv, group, chunk, d)
+    kg, vg = k.detach().unsqueeze(2), v.detach().unsqueeze(2)
+    q_ids, k_ids = ids[:, chunk:], ids.split(chunk, dim=1)
+    halves = [
+        (kg[..., :chunk, :], vg[..., :chunk, :], False),
+        (kg[..., chunk:, :], vg[..., chunk:, :], True),
+    ]
+    blocks = [
+        _block_forward(qg, kh, vh, diagonal, (q_ids, k_ids[i]))
+        for i, (kh, vh, diagonal) in enumerate(halves)
+    ]
+    assert torch.isneginf(blocks[0][1]).any()  # document 2's queries see nothing of chunk 0
+    out, lse = _merge(*blocks[0], *blocks[1])
+    assert torch.allclose(out.view(b, kv * group, chunk, d).double(), expected, atol=1e-6)
+    dq = torch.zeros_like(qg)
+    for i, (kh, vh, diagonal) in enumerate(halves):
+        g = grad.view(qg.shape).float()
+        dq_i, dk, dv = _block_backward(qg, kh, vh, out, lse, g, diagonal, (q_ids, k_ids[i]))
+        dq += dq_i
+        keys = slice(i * chunk, (i + 1) * chunk)
+        assert torch.allclose(dk.squeeze(2).double(), k.grad[..., keys, :], atol=1e-5)
+        assert torch.allclose(dv.squeeze(2).double(), v.grad[..., keys, :], atol=1e-5)
+    assert torch.allclose(dq.view_as(q), q.grad, atol=1e-5)

@@ -313,20 +313,31 @@ def _halves(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return x.chunk(2, dim=-2)
 
 
+def _joined(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Keys and values as the one tensor that travels, [b, kv, 1, s, dk + dv]: concatenated
+    on the last dim, since MLA's keys are wider than its values."""
+    return torch.cat((k, v), dim=-1).unsqueeze(2)
+
+
+def _kv_halves(kv: torch.Tensor, dk: int) -> tuple[tuple, tuple]:
+    """The head and tail chunks of the keys and of the values in a `_joined` tensor."""
+    return _halves(kv[..., :dk]), _halves(kv[..., dk:])
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, ring: RingAttention, documents: RingDocuments | None):
         b, heads, s, d = q.shape
-        kv_heads = k.shape[1]
+        kv_heads, width = k.shape[1], k.shape[-1]
         # Query head h uses key/value head h // (heads / kv_heads), as enable_gqa does.
         qg = q.reshape(b, kv_heads, heads // kv_heads, s, d)
-        kv = torch.stack((k, v)).unsqueeze(3)  # [2, b, kv, 1, s, d]
+        kv = _joined(k, v)
         outs: list = [None, None]
         lses: list = [None, None]
         q_halves = _halves(qg)
         for hop in range(ring.cp):
             pending = ring.exchange(kv) if hop < ring.cp - 1 else None
-            k_halves, v_halves = _halves(kv[0]), _halves(kv[1])
+            k_halves, v_halves = _kv_halves(kv, width)
             holder = ring.holder(hop)
             for qi, ki, causal in _pairs(ring.cp, ring.rank, holder):
                 docs = _pair_documents(documents, ring.rank, qi, holder, ki)
@@ -341,7 +352,7 @@ class _RingAttention(torch.autograd.Function):
                     work.wait()
         # Saved in the compute dtype and laid out [b, s, heads, d] as SDPA's output is, so the
         # output projection reads it through a view instead of saving a copy.
-        out = torch.cat(outs, dim=-2).reshape(b, heads, s, d).to(q.dtype)
+        out = torch.cat(outs, dim=-2).reshape(b, heads, s, v.shape[-1]).to(q.dtype)
         out = out.transpose(1, 2).contiguous().transpose(1, 2)
         lse = torch.cat(lses, dim=-1)
         ctx.save_for_backward(q, k, v, out, lse)
@@ -353,18 +364,19 @@ class _RingAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         ring: RingAttention = ctx.ring
         b, heads, s, d = q.shape
-        kv_heads = k.shape[1]
+        kv_heads, width = k.shape[1], k.shape[-1]
         qg = q.reshape(b, kv_heads, heads // kv_heads, s, d)
-        grad = grad_out.reshape(qg.shape).float()
-        q_halves, out_halves = _halves(qg), _halves(out.reshape(qg.shape).float())
+        out_shape = (*qg.shape[:-1], v.shape[-1])
+        grad = grad_out.reshape(out_shape).float()
+        q_halves, out_halves = _halves(qg), _halves(out.reshape(out_shape).float())
         lse_halves, grad_halves = lse.chunk(2, dim=-1), _halves(grad)
         grad_q = [torch.zeros_like(h, dtype=torch.float32) for h in q_halves]
-        kv = torch.stack((k, v)).unsqueeze(3)
+        kv = _joined(k, v)
         grad_kv = torch.zeros_like(kv, dtype=torch.float32)
         for hop in range(ring.cp):
             pending = ring.exchange(kv) if hop < ring.cp - 1 else None
-            k_halves, v_halves = _halves(kv[0]), _halves(kv[1])
-            gk_halves, gv_halves = _halves(grad_kv[0]), _halves(grad_kv[1])
+            k_halves, v_halves = _kv_halves(kv, width)
+            gk_halves, gv_halves = _kv_halves(grad_kv, width)
             holder = ring.holder(hop)
             for qi, ki, causal in _pairs(ring.cp, ring.rank, holder):
                 dq, dk, dv = _block_backward(
@@ -381,15 +393,17 @@ class _RingAttention(torch.autograd.Function):
                 gk_halves[ki].add_(dk)
                 gv_halves[ki].add_(dv)
             # The gradients travel one hop behind their keys and values: after the last
-            # block this hop brings each rank its own.
-            grad_kv, grad_works = ring.exchange(grad_kv)
+            # block this hop brings each rank its own (a ring of one rank holds its own).
+            grad_works = []
+            if ring.cp > 1:
+                grad_kv, grad_works = ring.exchange(grad_kv)
             if pending is not None:
                 kv, works = pending
                 for work in works:
                     work.wait()
             for work in grad_works:
                 work.wait()
-        grad_k, grad_v = grad_kv.squeeze(3).unbind(0)
+        grad_k, grad_v = grad_kv.squeeze(2).split([width, v.shape[-1]], dim=-1)
         dq = torch.cat(grad_q, dim=-2).reshape(b, heads, s, d)
         return dq.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype), None, None
 

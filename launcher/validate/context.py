@@ -13,9 +13,10 @@ from pretrain.core.schema import RecipeConfig
 
 def check_context(c: Checks, cfg: RecipeConfig) -> None:
     """cp against the sequence (2cp equal chunks, and each rank's share split over tp under
-    SP) and against the model (MLA has no ring). MoE layers compose (they route each rank's
-    chunks and gather the counts that are per whole sequence), and so do document masks (the
-    ring masks each chunk pair by the documents' ids): parallel/context.py."""
+    SP) and against the loss chunks. MoE layers compose (they route each rank's chunks and
+    gather the counts that are per whole sequence), and so do document masks (the ring masks
+    each chunk pair by the documents' ids) and MLA (its decompressed keys and values travel
+    the ring): parallel/context.py."""
     p, t = cfg.parallel, cfg.train
     if p.cp <= 1 or t.seq_len < 1:
         return
@@ -45,14 +46,6 @@ def check_context(c: Checks, cfg: RecipeConfig) -> None:
             t.loss_chunks,
             f"the loss is chunked over each cp rank's {local} tokens, which it does not divide",
             f"use a divisor of {local}",
-        )
-    if cfg.model.is_mla:
-        c.add(
-            "parallel.cp",
-            p.cp,
-            "the ring attention of context parallelism is written for grouped-query "
-            "attention; multi-head latent attention has no ring yet",
-            "set parallel.cp=1 with model.attention=mla",
         )
 
 

@@ -81,6 +81,9 @@ tokens, so its 64-token sequences almost never hold a boundary and the mask chan
 sequences of 256 do: the mask moves the loss by up to 4.4e-4 relative per step and the
 validation loss by 3.5e-4, 35 to 44 times the parity tolerance."""
 
+MLA = ("model.attention=mla", "model.n_kv_heads=0", "model.mla_q_rank=32")
+"""The harness model with multi-head latent attention, its queries through a latent too."""
+
 
 @dataclass(frozen=True)
 class Curve:

@@ -15,20 +15,22 @@ bound of 10 times it.
 
 Under `data.doc_mask` each ring step masks its chunk pair by the documents' ids (counted
 over the whole sequence, gathered over cp), and cp2 matches the one-process doc-mask run.
+Under MLA the decompressed per-head keys (nope + rope wide) and values (narrower) travel the
+ring, and cp2 matches the one-process MLA run.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from tests.distributed.harness import DOC_MASK, assert_same_curve, run_pretrain
+from tests.distributed.harness import DOC_MASK, MLA, assert_same_curve, run_pretrain
 
 pytestmark = pytest.mark.distributed
 
 
 @pytest.fixture(scope="module")
-def references(harness_reference, doc_mask_reference) -> dict:
-    return {"harness": harness_reference, "doc_mask": doc_mask_reference}
+def references(harness_reference, doc_mask_reference, mla_reference) -> dict:
+    return {"harness": harness_reference, "doc_mask": doc_mask_reference, "mla": mla_reference}
 
 
 @pytest.mark.parametrize(
@@ -48,6 +50,7 @@ def references(harness_reference, doc_mask_reference) -> dict:
             4,
         ),
         ("cp2_doc_mask", "doc_mask", ["parallel.cp=2", *DOC_MASK], 2),
+        ("cp2_mla", "mla", ["parallel.cp=2", *MLA], 2),
     ],
 )
 def test_context_parallel_layout_matches_reference(

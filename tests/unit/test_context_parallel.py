@@ -5,14 +5,18 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from pretrain.core.layout import resolve_degrees
 from pretrain.core.model_config import ModelConfig
 from pretrain.launcher.validate.recipe import check_runnable, validate
+from pretrain.models.layers import document_mask
 from pretrain.models.moe import MoEFeedForward, expert_counts_per_sequence
 from pretrain.parallel.context import (
     ContextRouting,
     HeadTailPositions,
+    RingAttention,
+    RingDocuments,
     _block_backward,
     _block_forward,
     _merge,
@@ -72,6 +76,7 @@ def test_the_ring_computes_every_causal_chunk_pair_once_and_balances_the_work(cp
         {"parallel.cp": 2, "model.moe_experts": 8, "model.moe_ffn_dim": 256},
         {"parallel.cp": 2, "parallel.ep": 2, "model.moe_experts": 8, "model.moe_ffn_dim": 256},
         {"parallel.cp": 2, "data.doc_mask": True},
+        {"parallel.cp": 2, "model.attention": "mla", "model.n_kv_heads": 0},
     ],
 )
 def test_context_parallel_layouts_are_runnable(overrides) -> None:
@@ -239,3 +244,29 @@ def test_chunk_pairs_masked_by_documents_merge_into_sdpa_under_the_document_mask
         assert torch.allclose(dk.squeeze(2).double(), k.grad[..., keys, :], atol=1e-5)
         assert torch.allclose(dv.squeeze(2).double(), v.grad[..., keys, :], atol=1e-5)
     assert torch.allclose(dq.view_as(q), q.grad, atol=1e-5)
+
+
+@pytest.mark.parametrize("documents", [False, True])
+def test_the_ring_of_one_rank_equals_sdpa_for_keys_wider_than_values(
+    single_rank_group, documents: bool
+) -> None:
+    """MLA's shapes (keys nope + rope wide, values narrower, one key head per query head)
+    through the whole ring, forward and backward, against SDPA; with documents, under the
+    document mask."""
+    torch.manual_seed(0)
+    b, heads, s, dk, dv = 2, 4, 12, 10, 6
+    q = torch.randn(b, heads, s, dk, requires_grad=True)
+    k = torch.randn(b, heads, s, dk, requires_grad=True)
+    v = torch.randn(b, heads, s, dv, requires_grad=True)
+    grad = torch.randn(b, heads, s, dv)
+    ids = torch.tensor([[0] * 5 + [1] * 7, [0] * 9 + [1] * 3])
+    mask = document_mask(ids) if documents else None
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=mask is None
+    )
+    expected_grads = torch.autograd.grad(expected, (q, k, v), grad)
+    ring = RingAttention(dist.group.WORLD, 0, 1)
+    out = ring(q, k, v, RingDocuments(ids[None]) if documents else None)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+    for ours, theirs in zip(torch.autograd.grad(out, (q, k, v), grad), expected_grads, strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)

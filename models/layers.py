@@ -32,7 +32,7 @@ class RMSNorm(nn.Module):
 
 class CoreMask:
     """A mask the attention core applies itself, handed to it as a fourth argument: context
-    parallelism's documents, whose keys travel between ranks (parallel/context.py)."""
+    parallelism's documents, whose keys travel between ranks (parallel/ring_attention.py)."""
 
 
 AttentionMask = torch.Tensor | BlockMask | CoreMask | None

@@ -1,7 +1,7 @@
 """Context-parallel ring traffic per transformer layer and optimizer step, for the plan and
 the cost model.
 
-Per layer and micro-batch (parallel/context.py): each cp rank's keys and values (its s/cp
+Per layer and micro-batch (parallel/ring_attention.py): each cp rank's keys and values (its s/cp
 tokens x kv_heads/tp x (key + value head width), in the compute dtype; under MLA the
 decompressed per-head ones, not the latent) travel cp-1 hops in forward;
 in backward they travel cp-1 hops again and their FP32 gradients cp hops (the last brings

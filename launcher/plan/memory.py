@@ -69,7 +69,7 @@ from pretrain.launcher.plan.schedule_sim import held_in_flight, simulate
 from pretrain.models.flops import ParamCount, count_params
 
 RING_QUERY_TILE = 256
-"""Query rows the ring attention computes at once (parallel/context.py's QUERY_TILE)."""
+"""Query rows the ring attention computes at once (parallel/ring_attention.py's QUERY_TILE)."""
 
 CUDA_FIXED_GIB = 1.5
 """CUDA context, cuBLAS workspaces and NCCL buffers per GPU (typical, H100, NCCL 2.2x)."""

@@ -2,7 +2,7 @@
 
 FP32 on CPU, within the harness's tolerances, as for every layout. The harness's 64-token
 sequences are cut into 2cp chunks (cp rank i takes chunks i and 2cp-1-i) and attention runs the
-in-repo ring (`parallel/context.py`); rotary positions follow the global positions and the
+in-repo ring (`parallel/ring_attention.py`); rotary positions follow the global positions and the
 cp ranks share the gradient reduction, so nothing of the run may change. Each composition
 the trainer runs gets one launch: with TP/SP under ZeRO-3 (FSDP over dp_shard x cp), and
 with PP under ZeRO-2 and selective recompute.

@@ -12,9 +12,8 @@ from pretrain.core.model_config import ModelConfig
 from pretrain.launcher.validate.recipe import check_runnable, validate
 from pretrain.models.layers import document_mask
 from pretrain.models.moe import MoEFeedForward, expert_counts_per_sequence
-from pretrain.parallel.context import (
-    ContextRouting,
-    HeadTailPositions,
+from pretrain.parallel.context import ContextRouting, HeadTailPositions, shard_sequence
+from pretrain.parallel.ring_attention import (
     RingAttention,
     RingDocuments,
     _block_backward,
@@ -22,7 +21,6 @@ from pretrain.parallel.context import (
     _merge,
     _pairs,
     chunk_order,
-    shard_sequence,
 )
 from tests.helpers import configure, problems
 

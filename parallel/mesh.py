@@ -66,12 +66,15 @@ def build_mesh(degrees: Degrees, device_type: str) -> JobMesh:
 
 
 def _expert_mesh(degrees: Degrees, device_type: str) -> DeviceMesh:
-    """(pp, edp, ep, tp): ep splits the dp index (inner, so an ep group shares its cp and tp
-    index), and edp joins the rest of dp with cp."""
+    return DeviceMesh(device_type, expert_mesh_ranks(degrees), mesh_dim_names=EXPERT_MESH_DIMS)
+
+
+def expert_mesh_ranks(degrees: Degrees) -> torch.Tensor:
+    """The global ranks of the expert mesh, (pp, edp, ep, tp): ep splits the dp index (inner,
+    so an ep group shares its cp and tp index), and edp joins the rest of dp with cp."""
     d = degrees
     ranks = torch.arange(d.world).view(d.pp, d.dp // d.ep, d.ep, d.cp, d.tp)
-    ranks = ranks.transpose(2, 3).reshape(d.pp, d.dp // d.ep * d.cp, d.ep, d.tp)
-    return DeviceMesh(device_type, ranks, mesh_dim_names=EXPERT_MESH_DIMS)
+    return ranks.transpose(2, 3).reshape(d.pp, d.dp // d.ep * d.cp, d.ep, d.tp)
 
 
 def _fsdp_mesh(mesh: DeviceMesh, degrees: Degrees) -> DeviceMesh:

@@ -7,12 +7,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from pretrain.core.layout import resolve_degrees
+from pretrain.core.layout import rank_groups, resolve_degrees
 from pretrain.core.model_config import ModelConfig
 from pretrain.launcher.validate.recipe import check_runnable, validate
 from pretrain.models.layers import document_mask
 from pretrain.models.moe import MoEFeedForward, expert_counts_per_sequence
 from pretrain.parallel.context import ContextRouting, HeadTailPositions, shard_sequence
+from pretrain.parallel.mesh import expert_mesh_ranks
 from pretrain.parallel.ring_attention import (
     RingAttention,
     RingDocuments,
@@ -86,6 +87,27 @@ def test_context_parallel_layouts_are_runnable(overrides) -> None:
 def test_cp_ranks_sit_between_dp_shard_and_tp_and_take_their_share_of_the_world() -> None:
     degrees = resolve_degrees(configure({"parallel.cp": 2, "parallel.tp": 2}))
     assert (degrees.dp_shard, degrees.cp, degrees.tp, degrees.grad_replicas) == (2, 2, 2, 4)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"parallel.cp": 2, "parallel.ep": 2, "cluster.gpus_per_node": 8},
+        {"parallel.cp": 2, "parallel.ep": 2, "parallel.tp": 2, "cluster.gpus_per_node": 16},
+        {"parallel.cp": 2, "parallel.ep": 2, "parallel.pp": 2, "cluster.gpus_per_node": 16},
+    ],
+)
+def test_expert_groups_under_cp_are_the_planned_ones_and_replicas_span_cp(overrides) -> None:
+    """The trainer's ep groups are the plan's (dp ranks of one cp and tp index); the ranks
+    holding the same experts (edp) are the rest of dp times cp."""
+    degrees = resolve_degrees(configure({**overrides, "model.moe_experts": 8}))
+    ranks = expert_mesh_ranks(degrees)
+    ep_groups = ranks.transpose(2, 3).reshape(-1, degrees.ep).tolist()
+    assert sorted(ep_groups) == sorted(rank_groups(degrees)["ep"])
+    edp_groups = ranks.transpose(1, 3).reshape(-1, ranks.shape[1]).tolist()
+    assert all(len(group) == degrees.dp // degrees.ep * degrees.cp for group in edp_groups)
+    cp_of = {r: i for group in rank_groups(degrees)["cp"] for i, r in enumerate(group)}
+    assert all({cp_of[r] for r in group} == set(range(degrees.cp)) for group in edp_groups)
 
 
 def test_seq_len_must_split_into_2cp_chunks() -> None:

@@ -30,8 +30,14 @@ class RMSNorm(nn.Module):
         return normed.type_as(x) * self.weight
 
 
-AttentionMask = torch.Tensor | BlockMask | None
-"""None: causal. A boolean [b, 1, s, s] (True = may attend) or a FlexAttention BlockMask."""
+class CoreMask:
+    """A mask the attention core applies itself, handed to it as a fourth argument: context
+    parallelism's documents, whose keys travel between ranks (parallel/ring_attention.py)."""
+
+
+AttentionMask = torch.Tensor | BlockMask | CoreMask | None
+"""None: causal. A boolean [b, 1, s, s] (True = may attend), a FlexAttention BlockMask, or a
+mask the swapped-in core applies."""
 
 
 def document_mask(doc_ids: torch.Tensor) -> torch.Tensor | BlockMask:
@@ -80,7 +86,8 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
 class Attention(nn.Module):
     """Grouped-query self-attention: causal, or block-causal over packed documents. The
     causal core is `causal_attention` unless a parallel layout swaps in another with the
-    same signature (context parallelism's ring, which takes no document mask).
+    same signature (context parallelism's ring, which also takes its documents as a
+    `CoreMask`).
 
     Options of public families: biases on wq/wk/wv (`attn_bias`, Qwen2) and an RMSNorm over
     each query and key head before the rotary embedding (`qk_norm`, Qwen3). Tensor
@@ -117,7 +124,12 @@ class Attention(nn.Module):
         v = self.wv(x).view(b, s, -1, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        out = self.core(q, k, v) if mask is None else attend(q, k, v, mask)
+        if mask is None:
+            out = self.core(q, k, v)
+        elif isinstance(mask, CoreMask):
+            out = self.core(q, k, v, mask)
+        else:
+            out = attend(q, k, v, mask)
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
 

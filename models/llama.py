@@ -9,7 +9,8 @@ Parallelism is applied from outside (see `parallel/`), which is why:
   tensor parallelism can shard wq/wk/wv column-wise without touching this file;
 - a stage may set `tok_embeddings`, `norm` or `output` to None and `forward` adapts;
 - context parallelism feeds a rank chunks of each sequence that are not contiguous, and sets
-  `positions` so the rotary tables follow the tokens' global positions.
+  `positions` so the rotary tables follow the tokens' global positions, and `documents` so
+  its ring masks packed documents.
 """
 
 from __future__ import annotations
@@ -67,6 +68,9 @@ class Transformer(nn.Module):
     positions: Callable[[int, torch.device], torch.Tensor] | None = None
     """Global positions of the tokens this rank holds, given their count and device (set by
     context parallelism); None means 0 .. s-1."""
+    documents: Callable[[torch.Tensor], AttentionMask] | None = None
+    """The attention mask of the documents of this rank's positions [b, s] (set by context
+    parallelism, whose ring masks them itself); None means `document_mask`."""
 
     head_in_loss: bool = False
     """The loss applies the LM head (in chunks, `train.loss_chunks`): forward returns the
@@ -134,7 +138,9 @@ class Transformer(nn.Module):
             index = self.positions(seq_len, self.rope_cos.device)
             cos, sin = self.rope_cos[index], self.rope_sin[index]
         h = tokens if self.tok_embeddings is None else self.tok_embeddings(tokens)
-        mask = None if doc_ids is None else document_mask(doc_ids)
+        mask = None
+        if doc_ids is not None:
+            mask = (self.documents or document_mask)(doc_ids)
         if self.cfg.sliding_window and self.cfg.sliding_window < seq_len:
             # Validation refuses a document mask with it: the window is the only mask here.
             mask = window_mask(seq_len, self.cfg.sliding_window, h.device)

@@ -15,7 +15,10 @@ module infers its local heads from the projections' output shapes, so tensor par
 splits W_q (or W_qb), W_kvb column-wise and W_o row-wise, and leaves the small latent
 projections and norms replicated (`parallel/tensor.py`). The rotary key passes through
 `shared_key`, an identity here: it is where a key shared by all heads meets a rank's share
-of them, so tensor parallelism sums its gradient over the ranks there.
+of them, so tensor parallelism sums its gradient over the ranks there. The causal core over
+the decompressed per-head keys and values is `core`, which context parallelism swaps for
+its ring (keys nope + rope wide, values v_dim: the scale 1/sqrt(nope + rope) is the ring's
+own 1/sqrt of the query width).
 """
 
 from __future__ import annotations
@@ -26,7 +29,13 @@ from torch import nn
 from torch.nn.attention.flex_attention import BlockMask
 
 from pretrain.core.model_config import ModelConfig
-from pretrain.models.layers import AttentionMask, RMSNorm, apply_rope, compiled_flex_attention
+from pretrain.models.layers import (
+    AttentionMask,
+    CoreMask,
+    RMSNorm,
+    apply_rope,
+    compiled_flex_attention,
+)
 
 
 class MultiHeadLatentAttention(nn.Module):
@@ -50,6 +59,10 @@ class MultiHeadLatentAttention(nn.Module):
         self.wo = nn.Linear(heads * self.v_dim, h, bias=False)
         self.shared_key = nn.Identity()
         self.scale = qk**-0.5
+        self.core = self._causal
+
+    def _causal(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
 
     def _queries(self, x: torch.Tensor) -> torch.Tensor:
         if hasattr(self, "wq"):
@@ -74,10 +87,12 @@ class MultiHeadLatentAttention(nn.Module):
         k_rope = k_rope.expand(-1, -1, heads, -1)
         k = torch.cat([k_nope, k_rope], dim=-1)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        if isinstance(mask, BlockMask):
+        if mask is None:
+            out = self.core(q, k, v)
+        elif isinstance(mask, CoreMask):
+            out = self.core(q, k, v, mask)
+        elif isinstance(mask, BlockMask):
             out = compiled_flex_attention()(q, k, v, block_mask=mask, scale=self.scale)
         else:
-            out = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scale
-            )
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))

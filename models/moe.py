@@ -23,6 +23,12 @@ zero rows), so nothing here waits for the host: `dispatch(Grouped)` runs them; l
 is `GroupedExperts` over cumulative row offsets on the device, and `parallel/expert.py`
 swaps in an all-to-all over the EP group.
 
+A rank may hold only parts of each sequence (context parallelism): `MoEFeedForward.sequence`
+tells the block how many equal parts of every sequence it holds and gathers, per forward,
+the assignment counts of the other parts (`WholeSequence` here; `parallel/context.py` swaps
+in the ring's), so the capacity queues and the balance loss's fractions are those of the
+whole sequence while tokens are dispatched where they are.
+
 Each forward leaves its weighted router losses in `aux_loss` for the trainer to add to the
 loss, and accumulates detached routing statistics in `stats` for the metrics and the bias,
 once per forward: a forward that activation recompute runs again inside backward counts
@@ -137,17 +143,24 @@ def capacity(cfg: ModelConfig, seq_len: int) -> int | None:
     return math.ceil(cfg.moe_capacity_factor * seq_len * cfg.moe_top_k / cfg.moe_experts)
 
 
-def keep_mask(experts: torch.Tensor, n_experts: int, limit: int | None) -> torch.Tensor:
+def keep_mask(
+    experts: torch.Tensor, n_experts: int, limit: int | None, earlier: torch.Tensor | None = None
+) -> torch.Tensor:
     """Which assignments of experts [b, s, k] fit their expert's per-sequence capacity.
 
     Assignments queue per sequence in (position, slot) order; the first `limit` of each expert
-    are kept. None keeps all.
+    are kept. None keeps all. `earlier` [b, parts, N]: the s tokens are `parts` equal parts of
+    a longer sequence, and each part's queues start behind that many assignments per expert
+    (those of the sequence before it); None: they are the whole sequence.
     """
     if limit is None:
         return torch.ones_like(experts, dtype=torch.bool)
     b = experts.shape[0]
-    one_hot = _one_hot(experts.reshape(b, -1), n_experts)  # [b, s*k, N]
-    position = (one_hot.cumsum(1) * one_hot).sum(-1) - 1  # place in its expert's queue
+    parts = 1 if earlier is None else earlier.shape[1]
+    one_hot = _one_hot(experts.reshape(b, parts, -1), n_experts)  # [b, parts, s*k/parts, N]
+    position = (one_hot.cumsum(2) * one_hot).sum(-1) - 1  # place in its expert's queue
+    if earlier is not None:
+        position = position + (one_hot * earlier.unsqueeze(2)).sum(-1)
     return (position < limit).view_as(experts)
 
 
@@ -168,18 +181,47 @@ def expert_counts(ids: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def load_balancing_loss(
-    scores: torch.Tensor, experts: torch.Tensor, n_experts: int
+    scores: torch.Tensor, experts: torch.Tensor, n_experts: int, counts: torch.Tensor | None = None
 ) -> torch.Tensor:
     """N * sum_i f_i * P_i per sequence, averaged over sequences (1 when perfectly balanced).
 
     scores [b, s, N] are per-token probabilities over the experts; experts [b, s, k] the
-    chosen ones; f_i counts assignments before any dropping.
+    chosen ones; f_i counts assignments before any dropping. `counts` [b, N]: the assignments
+    of the whole sequences when these s tokens are one of its equal parts (None: they are the
+    whole sequence); the loss is then this part's term, whose mean over the parts is the
+    sequence's loss (f is a constant of the sequence, P_i a mean over equal parts).
     """
-    b, s, k = experts.shape
-    counts = _one_hot(experts.reshape(b, -1), n_experts).sum(1).float()  # [b, N]
-    fraction = counts / (s * k)
+    if counts is None:
+        counts = expert_counts_per_sequence(experts, n_experts)
+    fraction = counts.float() / counts.sum(-1, keepdim=True)
     probability = scores.mean(1)  # [b, N]
     return (n_experts * (fraction * probability).sum(-1)).mean()
+
+
+def expert_counts_per_sequence(experts: torch.Tensor, n: int, parts: int = 1) -> torch.Tensor:
+    """Assignments per expert of experts [b, s, k] in each of `parts` equal parts of every
+    sequence: [b, N], or [b, parts, N] when parts > 1."""
+    b = experts.shape[0]
+    ids = experts.reshape(b, parts, -1)
+    counts = torch.zeros(b, parts, n, dtype=torch.long, device=ids.device)
+    counts = counts.scatter_add_(-1, ids, torch.ones_like(ids))
+    return counts.squeeze(1) if parts == 1 else counts
+
+
+class WholeSequence:
+    """How a MoE block sees its sequences when it holds them whole: one part, nothing to
+    gather. Context parallelism replaces it with its ring's view (`parallel/context.py`)."""
+
+    parts = 1
+    """Equal parts of every sequence this rank holds (in its token order)."""
+    size = 1
+    """How many times the rank's tokens the sequence holds."""
+
+    def gather_counts(self, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """From this rank's assignments per expert [b, parts, N] in each part it holds: the
+        sequence's assignments before each of those parts [b, parts, N], and in the whole
+        sequence [b, N]."""
+        return torch.zeros_like(counts), counts.sum(1)
 
 
 def z_loss(logits: torch.Tensor) -> torch.Tensor:
@@ -253,6 +295,7 @@ class MoEFeedForward(nn.Module):
         self.dispatch: Callable[[Grouped], torch.Tensor] = self._local_dispatch
         self.aux_loss: torch.Tensor | None = None
         self.stats = RoutingStats()
+        self.sequence: WholeSequence = WholeSequence()
 
     def _local_dispatch(self, grouped: Grouped) -> torch.Tensor:
         # The dropped (zero) rows at the end join the last expert's group: they add nothing.
@@ -300,12 +343,17 @@ class MoEFeedForward(nn.Module):
         return experts, weights, scores, logits
 
     def _losses(
-        self, experts: torch.Tensor, scores: torch.Tensor, logits: torch.Tensor
+        self,
+        experts: torch.Tensor,
+        scores: torch.Tensor,
+        logits: torch.Tensor,
+        counts: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         cfg = self.cfg
         # The balance loss wants probabilities; sigmoid scores are normalized per token for it.
         probs = scores / scores.sum(-1, keepdim=True)
-        balance, zl = load_balancing_loss(probs, experts, cfg.moe_experts), z_loss(logits)
+        balance = load_balancing_loss(probs, experts, cfg.moe_experts, counts)
+        zl = z_loss(logits)
         aux = cfg.moe_z_loss_coef * zl
         self.aux_loss = cfg.moe_aux_loss_coef * balance + aux if cfg.balance_loss else aux
         return balance, zl
@@ -315,9 +363,14 @@ class MoEFeedForward(nn.Module):
         b, s, h = x.shape
         n, k = cfg.moe_experts, cfg.moe_top_k
         experts, weights, scores, logits = self.route(x)
-        limit = capacity(cfg, s)
-        keep = keep_mask(experts, n, limit)
-        balance, zl = self._losses(experts, scores, logits)
+        # Capacity and balance are decided over whole sequences, of which this rank may
+        # hold parts: the other parts' counts come from `sequence` (a collective under cp).
+        sequence = self.sequence
+        part_counts = expert_counts_per_sequence(experts, n, sequence.parts)
+        earlier, counts = sequence.gather_counts(part_counts.view(b, sequence.parts, n))
+        limit = capacity(cfg, s * sequence.size)
+        keep = keep_mask(experts, n, limit, earlier if sequence.parts > 1 else None)
+        balance, zl = self._losses(experts, scores, logits, counts)
         if not recomputing():
             routed = expert_counts(experts, n)
             self.stats.add(routed, (~keep).sum(), balance.detach(), zl.detach())

@@ -7,43 +7,38 @@ each rank its chunks of the inputs and targets (`ContextSplit.shard`); the rotar
 indexed by the tokens' global positions (`Transformer.positions`), so a token is rotated
 exactly as in the unsplit sequence.
 
-Attention (`RingAttention`, swapped into each block's `Attention.core`): the rank's queries
-attend to every rank's keys and values, which travel around the ring of cp ranks
-(batch_isend_irecv to the next rank, from the previous, cp-1 hops), each hop overlapped
-with the attention over the chunks held. A pair of chunks is computed whole when the key
-chunk precedes the query chunk, with the causal mask when they are the same chunk, and not
-at all when the key chunk comes later. Partial results merge by their log-sum-exp. The
-backward is a second ring: keys and values travel again, followed by their gradients,
-which reach their owner one hop after the last block. Only q, k, v, the output and the
-log-sum-exp are saved, so the attention keeps 1/cp of its activations per rank.
+Attention (`RingAttention`, swapped into each block's `Attention.core`, or MLA's): the
+rank's queries attend to every rank's keys and values, which travel around the ring of cp
+ranks (parallel/ring_attention.py).
+
+Packed documents (`data.doc_mask`): the step counts each position's document over the whole
+sequence and hands the rank its chunks of the ids; the model passes them to the ring
+(`Transformer.documents`), which masks each chunk pair by them.
+
+Mixture-of-experts layers are sequence-local: each cp rank routes and dispatches its own
+tokens (under expert parallelism, to the ep ranks of its own cp index). What routing decides
+per whole sequence, the capacity queues and the balance loss's fractions, reads the other
+chunks' assignment counts, gathered over cp once per MoE layer and forward
+(`ContextRouting`): a chunk's queues start behind the earlier chunks' assignments, and each
+rank's balance term takes the sequence's fractions with its own tokens' mean scores, so the
+mean of the terms over cp is the sequence's loss and its gradient.
 
 Gradients: every cp rank's loss is the mean over its own tokens and the cp ranks of a
 sequence hold the same weights, so averaging gradients over dp x cp (`JobMesh.dp_cp`) gives
 the gradient of the mean over all tokens; the step averages the loss over cp the same way.
-
-torch's `context_parallel` (torch.distributed.tensor.experimental) does not run on CPU: its
-SDPA dispatch has no sharding rule for aten._scaled_dot_product_flash_attention_for_cpu
-(NotImplementedError, torch 2.13 with gloo). One in-repo implementation runs on every device
-instead, so the CPU tests cover the code a GPU runs. The attention of a chunk pair is
-written out in FP32 matmuls over tiles of QUERY_TILE query rows rather than a fused kernel
-(so its scores never exceed a tile per head).
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from pretrain.models.moe import WholeSequence, moe_modules
 from pretrain.parallel.mesh import JobMesh
-
-
-def chunk_order(cp: int, rank: int) -> tuple[int, int]:
-    """The two chunks of 2cp that cp rank `rank` holds: (rank, 2cp-1-rank)."""
-    return rank, 2 * cp - 1 - rank
+from pretrain.parallel.ring_attention import RingAttention, chunk_order
 
 
 def shard_sequence(tensor: torch.Tensor, cp: int, rank: int, dim: int = 1) -> torch.Tensor:
@@ -104,6 +99,44 @@ def apply_context_parallel(model: nn.Module, mesh: JobMesh) -> None:
     for block in model.layers.values():
         block.attention.core = ring
     model.positions = HeadTailPositions(cp_mesh.get_local_rank(), mesh.degrees.cp)
+    model.documents = ring.documents
+    routing = ContextRouting(cp_mesh.get_group(), cp_mesh.get_local_rank(), mesh.degrees.cp)
+    for moe in moe_modules(model):
+        moe.sequence = routing
+
+
+class ContextRouting(WholeSequence):
+    """A MoE block's view of its sequences under cp: two parts (the rank's head and tail
+    chunks of 2cp), the other chunks' assignment counts gathered over the cp group."""
+
+    parts = 2
+
+    def __init__(self, group: dist.ProcessGroup, rank: int, cp: int) -> None:
+        self.group, self.rank, self.size = group, rank, cp
+        # Gathered counts are laid out (cp rank, its head or tail); chunk c of the sequence
+        # sits at place where[c] of them.
+        where = [0] * (2 * cp)
+        for r in range(cp):
+            head, tail = chunk_order(cp, r)
+            where[head], where[tail] = 2 * r, 2 * r + 1
+        self.where = where
+        self.own = list(chunk_order(cp, rank))
+
+    def gather_counts(self, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The sequence's assignments per expert before each of this rank's chunks
+        [b, 2, N], and in the whole sequence [b, N], from this rank's [b, 2, N]."""
+        b, parts, n = counts.shape
+        gathered = counts.new_empty(self.size * b, parts, n)
+        dist.all_gather_into_tensor(gathered, counts.contiguous(), group=self.group)
+        return self.arrange(gathered.view(self.size, b, parts, n))
+
+    def arrange(self, gathered: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`gather_counts` from every cp rank's counts [cp, b, 2, N]."""
+        cp, b, parts, n = gathered.shape
+        by_rank = gathered.transpose(0, 1).reshape(b, cp * parts, n)
+        chunks = by_rank[:, self.where]  # [b, 2cp, N] in sequence order
+        before = chunks.cumsum(1) - chunks
+        return before[:, self.own], chunks.sum(1)
 
 
 def context_split(mesh: JobMesh) -> ContextSplit | None:
@@ -112,177 +145,3 @@ def context_split(mesh: JobMesh) -> ContextSplit | None:
         return None
     cp_mesh = mesh.world["cp"]
     return ContextSplit(cp_mesh.get_local_rank(), mesh.degrees.cp, cp_mesh.get_group())
-
-
-class RingAttention:
-    """Causal grouped-query attention of q [b, heads, s, d] over k, v [b, kv_heads, s, d],
-    where s is this rank's head and tail chunks and the other chunks sit on the ring."""
-
-    def __init__(self, group: dist.ProcessGroup, rank: int, cp: int) -> None:
-        self.group, self.rank, self.cp = group, rank, cp
-        self.next = dist.get_global_rank(group, (rank + 1) % cp)
-        self.prev = dist.get_global_rank(group, (rank - 1) % cp)
-
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return _RingAttention.apply(q, k, v, self)
-
-    def holder(self, hop: int) -> int:
-        """The cp rank whose keys and values this rank holds after `hop` hops."""
-        return (self.rank - hop) % self.cp
-
-    def exchange(self, outgoing: torch.Tensor) -> tuple[torch.Tensor, list]:
-        """Start sending `outgoing` to the next rank and receiving its like from the previous;
-        returns the receive buffer and the works to wait for."""
-        incoming = torch.empty_like(outgoing)
-        works = dist.batch_isend_irecv(
-            [
-                dist.P2POp(dist.isend, outgoing, self.next, self.group),
-                dist.P2POp(dist.irecv, incoming, self.prev, self.group),
-            ]
-        )
-        return incoming, works
-
-
-def _pairs(cp: int, q_rank: int, kv_rank: int):
-    """(query half, key half, causal) of the chunk pairs that see each other: a key chunk
-    before the query chunk is seen whole, the same chunk under the causal mask."""
-    for qi, q_chunk in enumerate(chunk_order(cp, q_rank)):
-        for ki, k_chunk in enumerate(chunk_order(cp, kv_rank)):
-            if k_chunk <= q_chunk:
-                yield qi, ki, k_chunk == q_chunk
-
-
-QUERY_TILE = 256
-"""Query rows a chunk pair's attention computes at once: its FP32 scores stay a
-QUERY_TILE x chunk matrix per head, however long the chunk."""
-
-
-def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, row: int) -> torch.Tensor:
-    """Scaled scores [b, kv, g, rows, sk] in FP32 of query rows from `row` on; with
-    `causal`, the keys after each query's own position are at -inf."""
-    scores = (q.float() @ k.float().transpose(-1, -2)) / math.sqrt(q.shape[-1])
-    if causal:
-        rows, keys = scores.shape[-2:]
-        future = torch.ones(rows, keys, dtype=torch.bool, device=q.device).triu(1 + row)
-        scores = scores.masked_fill(future, float("-inf"))
-    return scores
-
-
-def _tiles(length: int):
-    return ((row, min(row + QUERY_TILE, length)) for row in range(0, length, QUERY_TILE))
-
-
-def _block_forward(q, k, v, causal):
-    """Attention of one chunk pair: output [b, kv, g, sq, d] and log-sum-exp [b, kv, g, sq]."""
-    outs, lses = [], []
-    for row, end in _tiles(q.shape[-2]):
-        scores = _scores(q[..., row:end, :], k, causal, row)
-        lse = scores.logsumexp(-1)
-        outs.append((scores - lse.unsqueeze(-1)).exp() @ v.float())
-        lses.append(lse)
-    return torch.cat(outs, dim=-2), torch.cat(lses, dim=-1)
-
-
-def _merge(out, lse, block_out, block_lse):
-    """Two partial attentions over disjoint keys, as one (by their log-sum-exp)."""
-    total = torch.logaddexp(lse, block_lse)
-    merged = out * (lse - total).exp().unsqueeze(-1)
-    return merged + block_out * (block_lse - total).exp().unsqueeze(-1), total
-
-
-def _block_backward(q, k, v, out, lse, grad, causal):
-    """Gradients (dq, dk, dv) of one chunk pair, from the final output and log-sum-exp."""
-    scale = 1 / math.sqrt(q.shape[-1])
-    k32, v32 = k.float(), v.float()
-    grad_q, grad_k, grad_v = [], torch.zeros_like(k32), torch.zeros_like(v32)
-    for row, end in _tiles(q.shape[-2]):
-        q_rows, g_rows = q[..., row:end, :].float(), grad[..., row:end, :]
-        probs = (_scores(q_rows, k, causal, row) - lse[..., row:end].unsqueeze(-1)).exp()
-        grad_v += (probs.transpose(-1, -2) @ g_rows).sum(2, keepdim=True)
-        grad_probs = g_rows @ v32.transpose(-1, -2)
-        rowsum = (g_rows * out[..., row:end, :]).sum(-1, keepdim=True)
-        grad_scores = probs * (grad_probs - rowsum)
-        grad_q.append(grad_scores @ k32 * scale)
-        grad_k += (grad_scores.transpose(-1, -2) @ q_rows).sum(2, keepdim=True) * scale
-    return torch.cat(grad_q, dim=-2), grad_k, grad_v
-
-
-def _halves(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return x.chunk(2, dim=-2)
-
-
-class _RingAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, ring: RingAttention):
-        b, heads, s, d = q.shape
-        kv_heads = k.shape[1]
-        # Query head h uses key/value head h // (heads / kv_heads), as enable_gqa does.
-        qg = q.reshape(b, kv_heads, heads // kv_heads, s, d)
-        kv = torch.stack((k, v)).unsqueeze(3)  # [2, b, kv, 1, s, d]
-        outs: list = [None, None]
-        lses: list = [None, None]
-        q_halves = _halves(qg)
-        for hop in range(ring.cp):
-            pending = ring.exchange(kv) if hop < ring.cp - 1 else None
-            k_halves, v_halves = _halves(kv[0]), _halves(kv[1])
-            for qi, ki, causal in _pairs(ring.cp, ring.rank, ring.holder(hop)):
-                block = _block_forward(q_halves[qi], k_halves[ki], v_halves[ki], causal)
-                if outs[qi] is None:
-                    outs[qi], lses[qi] = block
-                else:
-                    outs[qi], lses[qi] = _merge(outs[qi], lses[qi], *block)
-            if pending is not None:
-                kv, works = pending
-                for work in works:
-                    work.wait()
-        # Saved in the compute dtype and laid out [b, s, heads, d] as SDPA's output is, so the
-        # output projection reads it through a view instead of saving a copy.
-        out = torch.cat(outs, dim=-2).reshape(b, heads, s, d).to(q.dtype)
-        out = out.transpose(1, 2).contiguous().transpose(1, 2)
-        lse = torch.cat(lses, dim=-1)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.ring = ring
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        q, k, v, out, lse = ctx.saved_tensors
-        ring: RingAttention = ctx.ring
-        b, heads, s, d = q.shape
-        kv_heads = k.shape[1]
-        qg = q.reshape(b, kv_heads, heads // kv_heads, s, d)
-        grad = grad_out.reshape(qg.shape).float()
-        q_halves, out_halves = _halves(qg), _halves(out.reshape(qg.shape).float())
-        lse_halves, grad_halves = lse.chunk(2, dim=-1), _halves(grad)
-        grad_q = [torch.zeros_like(h, dtype=torch.float32) for h in q_halves]
-        kv = torch.stack((k, v)).unsqueeze(3)
-        grad_kv = torch.zeros_like(kv, dtype=torch.float32)
-        for hop in range(ring.cp):
-            pending = ring.exchange(kv) if hop < ring.cp - 1 else None
-            k_halves, v_halves = _halves(kv[0]), _halves(kv[1])
-            gk_halves, gv_halves = _halves(grad_kv[0]), _halves(grad_kv[1])
-            for qi, ki, causal in _pairs(ring.cp, ring.rank, ring.holder(hop)):
-                dq, dk, dv = _block_backward(
-                    q_halves[qi],
-                    k_halves[ki],
-                    v_halves[ki],
-                    out_halves[qi],
-                    lse_halves[qi],
-                    grad_halves[qi],
-                    causal,
-                )
-                grad_q[qi] += dq
-                gk_halves[ki].add_(dk)
-                gv_halves[ki].add_(dv)
-            # The gradients travel one hop behind their keys and values: after the last
-            # block this hop brings each rank its own.
-            grad_kv, grad_works = ring.exchange(grad_kv)
-            if pending is not None:
-                kv, works = pending
-                for work in works:
-                    work.wait()
-            for work in grad_works:
-                work.wait()
-        grad_k, grad_v = grad_kv.squeeze(3).unbind(0)
-        dq = torch.cat(grad_q, dim=-2).reshape(b, heads, s, d)
-        return dq.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype), None

@@ -3,7 +3,9 @@
 The EP group: the flattened data-parallel index (dp_replicate x dp_shard) splits into
 (dp / ep, ep), ep inner, exactly as `pretrain.core.layout.rank_groups` lists the "ep" groups. A
 second DeviceMesh (pp, edp, ep, tp) over the same ranks names both halves: `ep` (the ranks
-that share one set of tokens' experts) and `edp` (the ranks that hold the same experts).
+that share one set of tokens' experts) and `edp` (the ranks that hold the same experts:
+dp / ep of them times cp, since the cp ranks of a sequence hold the same weights and each
+dispatches its own chunks within the ep group of its cp index).
 
 - Parameters: each MoE layer's stacked expert weights become DTensors sharded on dim 0 over
   `ep`, so rank i holds experts [i*N/ep, (i+1)*N/ep). Initialization draws the full stacked
@@ -18,16 +20,17 @@ that share one set of tokens' experts) and `edp` (the ranks that hold the same e
   headroom (`SlotBound`); a load above it is found once per step (`settle_slot_bounds`, the
   step's one host sync), R grows and the step runs again, so results are always dropless.
 - Gradients: expert weights see the tokens of the whole EP group, so their gradients are
-  summed over `edp` and divided by dp, matching the mean the data-parallel wrappers take of
-  every other gradient. Under DDP and ZeRO-1 they are left out of the wrapper and
-  all-reduced here once per step (`reduce_expert_grads`); under ZeRO-2/3 FSDP2 shards each
-  layer's experts over `edp` too (parallel/data_parallel.py), so they are sharded by ep x edp
-  (with edp = 1 there is nothing to shard and they are reduced here, as under DDP).
+  summed over `edp` and divided by dp x cp, matching the mean the data-parallel wrappers take
+  of every other gradient (over `JobMesh.dp_cp`). Under DDP and ZeRO-1 they are left out of
+  the wrapper and all-reduced here once per step (`reduce_expert_grads`); under ZeRO-2/3
+  FSDP2 shards each layer's experts over `edp` too (parallel/data_parallel.py), so they are
+  sharded by ep x edp (with edp = 1 there is nothing to shard and they are reduced here, as
+  under DDP).
 - Tensor parallelism: a MoE layer is not split over tp (`parallel/tensor.py` hands it the
   full sequence, replicated): every TP rank routes the same tokens and dispatches within its
   own EP group, which holds the ranks of the same tp index.
 - Balancing bias (`model.moe_balance=bias|both`): after each optimizer step the step's loads
-  are summed over dp and every rank nudges its layers' biases alike (`finish_routing_step`).
+  are summed over dp x cp and every rank nudges its layers' biases alike (`finish_routing_step`).
 """
 
 from __future__ import annotations
@@ -156,7 +159,9 @@ def apply_expert_parallel(model: nn.Module, mesh: JobMesh) -> None:
         for name, param in list(experts.named_parameters(recurse=False)):
             sharded = distribute_tensor(param.data, ep_mesh, [Shard(0)], src_data_rank=None)
             setattr(experts, name, nn.Parameter(sharded))
-        experts.replicas = ExpertReplicas(emesh["edp"], mesh.dp.size())
+        # The other gradients are averaged over dp x cp; the experts' over their edp
+        # holders (dp / ep x cp) after ep summed them, so divide by the same dp x cp.
+        experts.replicas = ExpertReplicas(emesh["edp"], mesh.dp_cp.size())
         moe.dispatch = AllToAllDispatch(experts, ep_mesh, int(key))
 
 

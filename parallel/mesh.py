@@ -7,13 +7,16 @@ flattened `dp` dim (dp_replicate x dp_shard) is the group the data loader splits
 over; `dp_cp` adds the cp ranks, which read the same sequences (each its own chunks) and
 hold the same weights, so gradients are reduced over it (DDP) and FSDP shards over
 dp_shard x cp (hybrid sharding: replicated over dp_replicate). Expert parallelism carves
-its ep ranks out of dp: the expert mesh is (pp, dp / ep, ep, tp) over the same ranks.
+its ep ranks out of dp: the expert mesh is (pp, edp, ep, tp) over the same ranks, where
+edp = dp / ep x cp joins the ranks that hold the same experts (the cp ranks of a sequence
+hold the same weights, experts included).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from pretrain.core.layout import MESH_DIMS, Degrees
@@ -37,7 +40,7 @@ class JobMesh:
     """What FSDP shards over: (replicate, shard) for hybrid sharding, else 1-D; the shard
     dim is dp_shard x cp."""
     expert: DeviceMesh | None = None
-    """The (pp, dp / ep, ep, tp) mesh MoE layers shard their experts over (`ep`) and keep
+    """The (pp, dp / ep x cp, ep, tp) mesh MoE layers shard their experts over (`ep`) and keep
     their replicas on (`edp`); None when ep = 1."""
 
 
@@ -58,11 +61,20 @@ def build_mesh(degrees: Degrees, device_type: str) -> JobMesh:
             fsdp = dp_cp._unflatten(0, shape, ("fsdp_replicate", "dp_shard_cp"))
         else:
             fsdp = mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
-    expert = None
-    if degrees.ep > 1:
-        shape = (degrees.pp, degrees.dp // degrees.ep, degrees.ep, degrees.tp)
-        expert = init_device_mesh(device_type, shape, mesh_dim_names=EXPERT_MESH_DIMS)
+    expert = _expert_mesh(degrees, device_type) if degrees.ep > 1 else None
     return JobMesh(degrees=degrees, world=mesh, dp=dp, dp_cp=dp_cp, fsdp=fsdp, expert=expert)
+
+
+def _expert_mesh(degrees: Degrees, device_type: str) -> DeviceMesh:
+    return DeviceMesh(device_type, expert_mesh_ranks(degrees), mesh_dim_names=EXPERT_MESH_DIMS)
+
+
+def expert_mesh_ranks(degrees: Degrees) -> torch.Tensor:
+    """The global ranks of the expert mesh, (pp, edp, ep, tp): ep splits the dp index (inner,
+    so an ep group shares its cp and tp index), and edp joins the rest of dp with cp."""
+    d = degrees
+    ranks = torch.arange(d.world).view(d.pp, d.dp // d.ep, d.ep, d.cp, d.tp)
+    return ranks.transpose(2, 3).reshape(d.pp, d.dp // d.ep * d.cp, d.ep, d.tp)
 
 
 def _fsdp_mesh(mesh: DeviceMesh, degrees: Degrees) -> DeviceMesh:

@@ -126,7 +126,8 @@ def build_train_state(cfg: RecipeConfig, mesh: JobMesh, device: torch.device) ->
         optimizer=optimizer,
         scheduler=scheduler,
         scaler=LossScaler(cfg.precision),
-        routing_group=mesh.dp.get_group() if degrees.dp > 1 else None,
+        # Every dp and cp rank routes tokens of its own: the biases follow all their loads.
+        routing_group=mesh.dp_cp.get_group() if degrees.dp * degrees.cp > 1 else None,
         loss_fn=loss_fn,
         eval_loss_fn=eval_fn,
         context=context_split(mesh),

@@ -1,8 +1,9 @@
 """Context-parallel ring traffic per transformer layer and optimizer step, for the plan and
 the cost model.
 
-Per layer and micro-batch (parallel/context.py): each cp rank's keys and values (its s/cp
-tokens x kv_heads/tp x head_dim, twice, in the compute dtype) travel cp-1 hops in forward;
+Per layer and micro-batch (parallel/ring_attention.py): each cp rank's keys and values (its s/cp
+tokens x kv_heads/tp x (key + value head width), in the compute dtype; under MLA the
+decompressed per-head ones, not the latent) travel cp-1 hops in forward;
 in backward they travel cp-1 hops again and their FP32 gradients cp hops (the last brings
 each rank its own). Recompute (full or selective) repeats the forward's hops. The cp ranks
 of a ring are tp apart (mesh dims outer to inner: pp, dp_replicate, dp_shard, cp, tp), so
@@ -39,7 +40,7 @@ def cp_communication(cfg: RecipeConfig, degrees: Degrees) -> CPComm | None:
     if cp == 1:
         return None
     tokens = cfg.train.global_batch // degrees.dp * cfg.train.seq_len // cp
-    kv_elements = 2 * tokens * m.kv_heads * m.head_dim / degrees.tp
+    kv_elements = tokens * m.kv_heads * (m.qk_head_dim + m.v_head_dim) / degrees.tp
     element = COMPUTE_BYTES[cfg.precision.dtype]
     hops = {"forward": cp - 1, "backward": cp - 1, "gradients": cp}
     if cfg.recompute.policy != "none":

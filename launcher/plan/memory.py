@@ -22,7 +22,7 @@ The trainer's bookkeeping (stated, because it differs from the ZeRO paper's):
 - TP: RMSNorm weights (and MLA's latent down-projections) stay replicated; column-wise
   projections keep their all-gathered input under SP; the vocab-parallel loss keeps one more
   FP32 logits shard.
-- Experts: split over ep; under ZeRO-2/3 also sharded over the dp / ep ranks that hold the
+- Experts: split over ep; under ZeRO-2/3 also sharded over the dp*cp / ep ranks that hold the
   same experts. Expert-parallel dispatch sends padded slots: ceil(c s k / N) per sequence
   with a capacity factor c, `DROPLESS_SLOTS` times the mean load when dropless.
 - Optimizer states: `state_tensors` per parameter of `optim.state_dtype`'s bytes (codes
@@ -69,7 +69,7 @@ from pretrain.launcher.plan.schedule_sim import held_in_flight, simulate
 from pretrain.models.flops import ParamCount, count_params
 
 RING_QUERY_TILE = 256
-"""Query rows the ring attention computes at once (parallel/context.py's QUERY_TILE)."""
+"""Query rows the ring attention computes at once (parallel/ring_attention.py's QUERY_TILE)."""
 
 CUDA_FIXED_GIB = 1.5
 """CUDA context, cuBLAS workspaces and NCCL buffers per GPU (typical, H100, NCCL 2.2x)."""
@@ -527,7 +527,7 @@ def memory_breakdown(
         )
         transients += r.compute * r.expert_local if unsharded else 0.0
         notes["params"] += f", experts split over ep={degrees.ep}" + (
-            f" and dp/ep={degrees.dp // degrees.ep}" if r.expert_fsdp else ""
+            f" and dp*cp/ep={degrees.grad_replicas // degrees.ep}" if r.expert_fsdp else ""
         )
     versions = weight_versions(cfg)
     if versions > 1:

@@ -13,8 +13,10 @@ from pretrain.core.schema import RecipeConfig
 
 def check_context(c: Checks, cfg: RecipeConfig) -> None:
     """cp against the sequence (2cp equal chunks, and each rank's share split over tp under
-    SP), against the model (MoE routes per whole sequence; MLA has no ring) and against
-    document masks (the ring is causal only)."""
+    SP) and against the loss chunks. MoE layers compose (they route each rank's chunks and
+    gather the counts that are per whole sequence), and so do document masks (the ring masks
+    each chunk pair by the documents' ids) and MLA (its decompressed keys and values travel
+    the ring): parallel/context.py."""
     p, t = cfg.parallel, cfg.train
     if p.cp <= 1 or t.seq_len < 1:
         return
@@ -37,15 +39,6 @@ def check_context(c: Checks, cfg: RecipeConfig) -> None:
             f"use a multiple of 2cp and of cp*tp = {step}, "
             f"e.g. {or_list(nearby_multiples(t.seq_len, lcm(chunks, step)))}",
         )
-    if cfg.model.moe_experts:
-        c.add(
-            "parallel.cp",
-            p.cp,
-            "a mixture-of-experts layer's capacity and load-balancing loss are computed per "
-            "whole sequence, and a cp rank holds only 2 of its 2cp chunks",
-            "set parallel.cp=1 for MoE models (expert, tensor or pipeline parallelism split "
-            "them instead)",
-        )
     local = t.seq_len // p.cp
     if not t.seq_len % chunks and t.loss_chunks > 1 and local % t.loss_chunks:
         c.add(
@@ -53,21 +46,6 @@ def check_context(c: Checks, cfg: RecipeConfig) -> None:
             t.loss_chunks,
             f"the loss is chunked over each cp rank's {local} tokens, which it does not divide",
             f"use a divisor of {local}",
-        )
-    if cfg.model.is_mla:
-        c.add(
-            "parallel.cp",
-            p.cp,
-            "the ring attention of context parallelism is written for grouped-query "
-            "attention; multi-head latent attention has no ring yet",
-            "set parallel.cp=1 with model.attention=mla",
-        )
-    if cfg.data.doc_mask:
-        c.add(
-            "data.doc_mask",
-            True,
-            "the ring attention masks causally only: it cannot keep packed documents apart",
-            "set data.doc_mask=false with parallel.cp > 1, or parallel.cp=1",
         )
 
 

@@ -1,6 +1,7 @@
 """Fixtures shared by the distributed tests: a work dir per test module and the single-process
-reference run of the harness model with experts that the MoE layouts compare against (the
-dense one, `harness_reference`, is in tests/conftest.py: the SLURM jobs match it too)."""
+reference runs of the harness model with experts that the MoE layouts compare against, with
+document masks and with MLA (the dense one, `harness_reference`, is in tests/conftest.py: the SLURM
+jobs match it too)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.distributed.harness import Curve, read_curve, run_pretrain
+from tests.distributed.harness import DOC_MASK, MLA, Curve, read_curve, run_pretrain
 
 
 @pytest.fixture(scope="module")
@@ -33,3 +34,19 @@ def moe_reference_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def moe_reference(moe_reference_run: Path) -> Curve:
     """The curve of `moe_reference_run`: what every FP32 MoE layout must match."""
     return read_curve(moe_reference_run / "metrics.jsonl")
+
+
+@pytest.fixture(scope="session")
+def doc_mask_reference(tmp_path_factory: pytest.TempPathFactory) -> Curve:
+    """The harness model under DOC_MASK trained by one process (tensor and context
+    parallelism match it)."""
+    return run_pretrain(
+        tmp_path_factory.mktemp("doc_mask_reference") / "run", list(DOC_MASK), nproc=1
+    )
+
+
+@pytest.fixture(scope="session")
+def mla_reference(tmp_path_factory: pytest.TempPathFactory) -> Curve:
+    """The harness model under MLA trained by one process (tensor and context parallelism
+    match it)."""
+    return run_pretrain(tmp_path_factory.mktemp("mla_reference") / "run", list(MLA), nproc=1)

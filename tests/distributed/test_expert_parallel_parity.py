@@ -6,6 +6,11 @@ width 64, top-2, one shared, first layer dense). With a capacity factor of 1 the
 unbalanced router drops assignments; the drop decision is taken per sequence, so every
 layout must drop the same share, which the expert-load metrics report.
 
+Under context parallelism each cp rank routes its own chunks, with the capacity queues and
+the balance loss's fractions of the whole sequence (the chunks' counts gathered over cp), the
+biases following the loads of dp x cp, and the experts' replicas spanning cp: cp2 alone with
+the balancing bias, and cp2 x ep2 x dp2 with a capacity, which drops the same share.
+
 Experts sharded by ZeRO-3 over the ranks that hold the same experts as well as by ep, with
 the aux-loss-free balancing bias: the run is interrupted while saving step 6, matches the
 single process up to there, and resumes from step 4 under another ep and ZeRO stage,
@@ -36,6 +41,7 @@ MOE = ["model.moe_ffn_dim=64"]
 CAPACITY = ["model.moe_capacity_factor=1.0"]
 BIAS = ["model.moe_balance=bias", "model.moe_bias_rate=0.002"]
 CHECKPOINTS = ["checkpoint.every=2", "checkpoint.keep=3"]
+ROUTING = {"dropless": [], "capacity": CAPACITY, "bias": BIAS}
 
 
 def dropped_fractions(run_dir: Path) -> list[float]:
@@ -81,12 +87,14 @@ def test_references_train_and_only_the_capacity_run_drops(reference_runs, refere
             ["parallel.ep=2", "parallel.tp=2", "parallel.sp=true", "parallel.zero=2"],
             4,
         ),
+        ("cp2_bias", "bias", ["parallel.cp=2"], 2),
+        ("cp2_ep2_dp2_capacity", "capacity", ["parallel.cp=2", "parallel.ep=2"], 4),
     ],
 )
 def test_expert_parallel_layout_matches_reference(
     workdir, reference_runs, references, grad_norm_tolerance, label, routing, overrides, nproc
 ) -> None:
-    routing_overrides = MOE + (CAPACITY if routing == "capacity" else [])
+    routing_overrides = MOE + ROUTING[routing]
     curve = run_pretrain(
         workdir / label, routing_overrides + overrides, nproc=nproc, recipe="tiny_moe"
     )

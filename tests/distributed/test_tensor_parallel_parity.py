@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 
 from tests.distributed.harness import (
+    DOC_MASK,
+    MLA,
     assert_same_curve,
     run_pretrain,
 )
@@ -24,18 +26,16 @@ from tests.distributed.harness import (
 pytestmark = pytest.mark.distributed
 
 TP4_MODEL = ["model.n_kv_heads=4", "model.vocab_size=510", "model.tie_embeddings=true"]
-DOC_MASK = ["data.doc_mask=true"]
-MLA = ["model.attention=mla", "model.n_kv_heads=0", "model.mla_q_rank=32"]
 GELU = ["model.mlp=gelu"]
 
 
 @pytest.fixture(scope="module")
-def references(workdir: Path, harness_reference) -> dict:
+def references(workdir: Path, harness_reference, doc_mask_reference, mla_reference) -> dict:
     return {
         "harness": harness_reference,
         "tp4_model": run_pretrain(workdir / "reference_tp4_model", TP4_MODEL, nproc=1),
-        "doc_mask": run_pretrain(workdir / "reference_doc_mask", DOC_MASK, nproc=1),
-        "mla": run_pretrain(workdir / "reference_mla", MLA, nproc=1),
+        "doc_mask": doc_mask_reference,
+        "mla": mla_reference,
         "gelu": run_pretrain(workdir / "reference_gelu", GELU, nproc=1),
     }
 

@@ -5,16 +5,23 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 
-from pretrain.core.layout import resolve_degrees
+from pretrain.core.layout import rank_groups, resolve_degrees
+from pretrain.core.model_config import ModelConfig
 from pretrain.launcher.validate.recipe import check_runnable, validate
-from pretrain.parallel.context import (
-    HeadTailPositions,
+from pretrain.models.layers import document_mask
+from pretrain.models.moe import MoEFeedForward, expert_counts_per_sequence
+from pretrain.parallel.context import ContextRouting, HeadTailPositions, shard_sequence
+from pretrain.parallel.mesh import expert_mesh_ranks
+from pretrain.parallel.ring_attention import (
+    RingAttention,
+    RingDocuments,
     _block_backward,
     _block_forward,
+    _merge,
     _pairs,
     chunk_order,
-    shard_sequence,
 )
 from tests.helpers import configure, problems
 
@@ -65,6 +72,10 @@ def test_the_ring_computes_every_causal_chunk_pair_once_and_balances_the_work(cp
         {"parallel.cp": 2, "parallel.tp": 4, "parallel.sp": True, "parallel.zero": 3},
         {"parallel.cp": 4, "parallel.pp": 2, "parallel.zero": 2, "recompute.policy": "full"},
         {"parallel.cp": 2, "compile.enabled": True, "compile.blocks": False},
+        {"parallel.cp": 2, "model.moe_experts": 8, "model.moe_ffn_dim": 256},
+        {"parallel.cp": 2, "parallel.ep": 2, "model.moe_experts": 8, "model.moe_ffn_dim": 256},
+        {"parallel.cp": 2, "data.doc_mask": True},
+        {"parallel.cp": 2, "model.attention": "mla", "model.n_kv_heads": 0},
     ],
 )
 def test_context_parallel_layouts_are_runnable(overrides) -> None:
@@ -76,6 +87,27 @@ def test_context_parallel_layouts_are_runnable(overrides) -> None:
 def test_cp_ranks_sit_between_dp_shard_and_tp_and_take_their_share_of_the_world() -> None:
     degrees = resolve_degrees(configure({"parallel.cp": 2, "parallel.tp": 2}))
     assert (degrees.dp_shard, degrees.cp, degrees.tp, degrees.grad_replicas) == (2, 2, 2, 4)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"parallel.cp": 2, "parallel.ep": 2, "cluster.gpus_per_node": 8},
+        {"parallel.cp": 2, "parallel.ep": 2, "parallel.tp": 2, "cluster.gpus_per_node": 16},
+        {"parallel.cp": 2, "parallel.ep": 2, "parallel.pp": 2, "cluster.gpus_per_node": 16},
+    ],
+)
+def test_expert_groups_under_cp_are_the_planned_ones_and_replicas_span_cp(overrides) -> None:
+    """The trainer's ep groups are the plan's (dp ranks of one cp and tp index); the ranks
+    holding the same experts (edp) are the rest of dp times cp."""
+    degrees = resolve_degrees(configure({**overrides, "model.moe_experts": 8}))
+    ranks = expert_mesh_ranks(degrees)
+    ep_groups = ranks.transpose(2, 3).reshape(-1, degrees.ep).tolist()
+    assert sorted(ep_groups) == sorted(rank_groups(degrees)["ep"])
+    edp_groups = ranks.transpose(1, 3).reshape(-1, ranks.shape[1]).tolist()
+    assert all(len(group) == degrees.dp // degrees.ep * degrees.cp for group in edp_groups)
+    cp_of = {r: i for group in rank_groups(degrees)["cp"] for i, r in enumerate(group)}
+    assert all({cp_of[r] for r in group} == set(range(degrees.cp)) for group in edp_groups)
 
 
 def test_seq_len_must_split_into_2cp_chunks() -> None:
@@ -93,11 +125,63 @@ def test_sequence_parallelism_splits_each_cp_share_over_tp() -> None:
     assert "each cp rank's 18 tokens over tp=8" in problem.reason
 
 
-def test_cp_is_refused_for_mixture_of_experts_models() -> None:
-    cfg = configure({"parallel.cp": 2, "model.moe_experts": 8, "model.moe_ffn_dim": 256})
-    [problem] = [p for p in problems(cfg) if p.field == "parallel.cp"]
-    assert "per whole sequence" in problem.reason
-    assert "parallel.cp=1" in problem.fix
+class KnownCounts(ContextRouting):
+    """The ring's routing view of one cp rank, fed every rank's counts instead of gathering
+    them (no process group)."""
+
+    def __init__(self, rank: int, cp: int, gathered: torch.Tensor) -> None:
+        super().__init__(None, rank, cp)  # type: ignore[arg-type]
+        self.gathered = gathered
+
+    def gather_counts(self, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        assert torch.equal(counts, self.gathered[self.rank])
+        return self.arrange(self.gathered)
+
+
+@pytest.mark.parametrize("cp", [2, 3])
+def test_moe_blocks_on_cp_chunks_route_drop_and_balance_as_on_the_whole_sequence(cp) -> None:
+    """Capacity 0.5 drops assignments; each chunk's queues start behind the earlier chunks',
+    and the mean over cp of the ranks' balance terms and of their gradients is the
+    sequence's."""
+    n = 4
+    cfg = ModelConfig(
+        vocab_size=64,
+        dim=8,
+        n_heads=2,
+        ffn_dim=16,
+        n_layers=1,
+        moe_experts=n,
+        moe_top_k=2,
+        moe_ffn_dim=12,
+        moe_capacity_factor=0.5,
+        moe_aux_loss_coef=1.0,
+    )
+    torch.manual_seed(0)
+    block = MoEFeedForward(cfg)
+    for param in block.parameters():
+        torch.nn.init.normal_(param, std=0.5)
+    x = torch.randn(2, 8 * cp, 8)
+    whole = block(x)
+    block.aux_loss.backward()
+    expected_grad, block.router.weight.grad = block.router.weight.grad, None
+    expected_aux, expected_dropped = block.aux_loss.item(), block.stats.totals[n].item()
+    assert expected_dropped > 0
+    shards = [shard_sequence(x, cp, rank) for rank in range(cp)]
+    with torch.no_grad():
+        gathered = torch.stack(
+            [expert_counts_per_sequence(block.route(shard)[0], n, parts=2) for shard in shards]
+        )
+    block.stats.reset()
+    aux = []
+    for rank, shard in enumerate(shards):
+        block.sequence = KnownCounts(rank, cp, gathered)
+        out = block(shard)
+        torch.testing.assert_close(out, shard_sequence(whole, cp, rank), rtol=1e-6, atol=1e-6)
+        (block.aux_loss / cp).backward()
+        aux.append(block.aux_loss.item())
+    assert sum(aux) / cp == pytest.approx(expected_aux, rel=1e-6)
+    assert block.stats.totals[n].item() == expected_dropped
+    torch.testing.assert_close(block.router.weight.grad, expected_grad, rtol=1e-5, atol=1e-7)
 
 
 def test_compiled_blocks_are_refused_with_cp_for_launch_only() -> None:
@@ -136,3 +220,73 @@ def test_a_chunk_pairs_tiled_attention_and_its_gradients_equal_sdpa(causal: bool
     assert torch.allclose(dq.view_as(q).double(), q.grad, atol=1e-5)
     assert torch.allclose(dk.squeeze(2).double(), k.grad, atol=1e-5)
     assert torch.allclose(dv.squeeze(2).double(), v.grad, atol=1e-5)
+
+
+def test_chunk_pairs_masked_by_documents_merge_into_sdpa_under_the_document_mask() -> None:
+    """Queries of chunk 1 over keys of chunks 0 and 1, packed documents 0 | 1 | 2 with
+    document 2 beginning inside chunk 1: its queries see no key of chunk 0 (a block whose
+    log-sum-exp is -inf for them), and the merge and the gradients still equal SDPA's."""
+    torch.manual_seed(0)
+    b, kv, group, chunk, d = 2, 2, 2, 6, 8
+    ids = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1, 2, 2, 2, 2], [0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 2, 2]])
+    q = torch.randn(b, kv * group, chunk, d, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(b, kv, 2 * chunk, d, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(b, kv, 2 * chunk, d, dtype=torch.float64, requires_grad=True)
+    grad = torch.randn(b, kv * group, chunk, d, dtype=torch.float64)
+    position = torch.arange(2 * chunk)
+    causal = position[chunk:, None] >= position[None, :]
+    mask = (ids[:, chunk:, None] == ids[:, None, :]) & causal
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask[:, None], enable_gqa=True
+    )
+    expected.backward(grad)
+
+    qg = q.detach().view(b, kv, group, chunk, d)
+    kg, vg = k.detach().unsqueeze(2), v.detach().unsqueeze(2)
+    q_ids, k_ids = ids[:, chunk:], ids.split(chunk, dim=1)
+    halves = [
+        (kg[..., :chunk, :], vg[..., :chunk, :], False),
+        (kg[..., chunk:, :], vg[..., chunk:, :], True),
+    ]
+    blocks = [
+        _block_forward(qg, kh, vh, diagonal, (q_ids, k_ids[i]))
+        for i, (kh, vh, diagonal) in enumerate(halves)
+    ]
+    assert torch.isneginf(blocks[0][1]).any()  # document 2's queries see nothing of chunk 0
+    out, lse = _merge(*blocks[0], *blocks[1])
+    assert torch.allclose(out.view(b, kv * group, chunk, d).double(), expected, atol=1e-6)
+    dq = torch.zeros_like(qg)
+    for i, (kh, vh, diagonal) in enumerate(halves):
+        g = grad.view(qg.shape).float()
+        dq_i, dk, dv = _block_backward(qg, kh, vh, out, lse, g, diagonal, (q_ids, k_ids[i]))
+        dq += dq_i
+        keys = slice(i * chunk, (i + 1) * chunk)
+        assert torch.allclose(dk.squeeze(2).double(), k.grad[..., keys, :], atol=1e-5)
+        assert torch.allclose(dv.squeeze(2).double(), v.grad[..., keys, :], atol=1e-5)
+    assert torch.allclose(dq.view_as(q), q.grad, atol=1e-5)
+
+
+@pytest.mark.parametrize("documents", [False, True])
+def test_the_ring_of_one_rank_equals_sdpa_for_keys_wider_than_values(
+    single_rank_group, documents: bool
+) -> None:
+    """MLA's shapes (keys nope + rope wide, values narrower, one key head per query head)
+    through the whole ring, forward and backward, against SDPA; with documents, under the
+    document mask."""
+    torch.manual_seed(0)
+    b, heads, s, dk, dv = 2, 4, 12, 10, 6
+    q = torch.randn(b, heads, s, dk, requires_grad=True)
+    k = torch.randn(b, heads, s, dk, requires_grad=True)
+    v = torch.randn(b, heads, s, dv, requires_grad=True)
+    grad = torch.randn(b, heads, s, dv)
+    ids = torch.tensor([[0] * 5 + [1] * 7, [0] * 9 + [1] * 3])
+    mask = document_mask(ids) if documents else None
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=mask is None
+    )
+    expected_grads = torch.autograd.grad(expected, (q, k, v), grad)
+    ring = RingAttention(dist.group.WORLD, 0, 1)
+    out = ring(q, k, v, RingDocuments(ids[None]) if documents else None)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+    for ours, theirs in zip(torch.autograd.grad(out, (q, k, v), grad), expected_grads, strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)

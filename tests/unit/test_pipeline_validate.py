@@ -141,17 +141,13 @@ def test_2bw_refuses_tied_embeddings():
     assert "two weight versions" in problem.reason
 
 
-def test_2bw_refuses_evaluation_and_cp_refuses_mla_and_document_masks():
+def test_2bw_refuses_evaluation_and_loss_chunks():
     cfg = configure({"parallel.pp": 2, "parallel.pp_schedule": "2bw", "eval.every": 4})
     [problem] = [p for p in problems(cfg) if "PipeDream-2BW" in p.reason]
     assert (problem.field, problem.value) == ("eval.every", 4)
     assert "eval.every=0" in problem.fix
-    cfg = configure({"parallel.cp": 2, "model.attention": "mla", "model.n_kv_heads": 0})
-    assert ("parallel.cp", 2) in [(p.field, p.value) for p in problems(cfg)]
     cfg = configure({"parallel.pp": 2, "parallel.pp_schedule": "2bw", "train.loss_chunks": 2})
     assert ("train.loss_chunks", 2) in [(p.field, p.value) for p in problems(cfg)]
-    cfg = configure({"parallel.cp": 2, "data.doc_mask": True})
-    assert [(p.field, p.value) for p in problems(cfg)] == [("data.doc_mask", True)]
 
 
 def test_a_tied_head_under_a_v_schedule_sits_beside_the_embedding_on_rank_0():

@@ -131,7 +131,9 @@ class MetricsWindow:
             "mem_peak_gib": peak_memory_gib(self.device),
             **self.state.scaler.metrics(),
             "skipped_steps": self.guard.skipped + self.state.scaler.skipped_steps,
-            **expert_load_metrics(self._model, self.dp_group, self._steps, self.moe_pp_group),
+            **expert_load_metrics(
+                self._model, self.state.routing_group, self._steps, self.moe_pp_group
+            ),
             **self.data_metrics(step),
         }
         self._reset()

@@ -1,8 +1,9 @@
 """Routing metrics of a mixture-of-experts model: expert load, dropped tokens, router losses.
 
-Counted since the last read, summed over the data-parallel ranks (every one routes its own
-tokens; tensor-parallel ranks route the same ones, so they are not summed) and gathered
-from the pipeline stages, per step:
+Counted since the last read, summed over the data- and context-parallel ranks (every one
+routes its own tokens, and a cp rank's balance term is its part of the sequence's, their
+mean the sequence's loss; tensor-parallel ranks route the same ones, so they are not
+summed) and gathered from the pipeline stages, per step:
 
 - moe_tokens_per_expert_{min,max,mean}: assignments an expert received per step, over every
   MoE layer's experts (mean = tokens x k / N; max / mean is the load imbalance);
@@ -22,7 +23,7 @@ from pretrain.models.moe import moe_modules
 
 def expert_load_metrics(
     model: nn.Module,
-    dp_group: dist.ProcessGroup | None,
+    routing_group: dist.ProcessGroup | None,
     steps: int,
     pp_group: dist.ProcessGroup | None = None,
 ) -> dict[str, float]:
@@ -45,9 +46,9 @@ def expert_load_metrics(
     if not rows:
         return {}
     totals = torch.stack(rows)  # [layers, N + 3]
-    if dp_group is not None and dist.get_world_size(dp_group) > 1:
-        dist.all_reduce(totals, group=dp_group)
-        ranks = dist.get_world_size(dp_group)
+    if routing_group is not None and dist.get_world_size(routing_group) > 1:
+        dist.all_reduce(totals, group=routing_group)
+        ranks = dist.get_world_size(routing_group)
     else:
         ranks = 1
     routed = totals[:, :-3].double() / steps

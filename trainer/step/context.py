@@ -66,8 +66,14 @@ class StepContext:
         return vocab_parallel_loss(enabled=self.degrees.tp > 1)
 
     def model_kwargs(self, inputs: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The model's keyword arguments besides the tokens: the documents under doc_mask."""
-        return {} if self.doc_eos is None else {"doc_ids": document_ids(inputs, self.doc_eos)}
+        """The model's keyword arguments besides the tokens, from the whole `inputs` (before
+        `split`): the documents under doc_mask, this rank's chunks of them under cp."""
+        if self.doc_eos is None:
+            return {}
+        # Counted over whole sequences: a chunk's first document may have begun before it.
+        doc_ids = document_ids(inputs, self.doc_eos)
+        split = self.state.context
+        return {"doc_ids": doc_ids if split is None else split.shard(doc_ids)}
 
     def split(
         self, inputs: torch.Tensor, targets: torch.Tensor

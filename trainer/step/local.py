@@ -90,10 +90,11 @@ def _forward_backward(ctx: StepContext, micro_batches: MicroBatches) -> torch.Te
         # Asynchronous from pinned memory (the prefetching loader pins on CUDA).
         inputs = inputs.to(ctx.device, non_blocking=True)
         targets = targets.to(ctx.device, non_blocking=True)
+        kwargs = ctx.model_kwargs(inputs)
         inputs, targets = ctx.split(inputs, targets)
         with gradient_sync(state.model, enabled=i == accum - 1):
             with state.phases.phase("forward"), ctx.autocast():
-                logits = state.model(inputs, **ctx.model_kwargs(inputs))
+                logits = state.model(inputs, **kwargs)
             with ctx.loss_parallel():
                 with state.phases.phase("forward"):
                     loss = state.loss_fn(logits, targets)
@@ -111,9 +112,11 @@ def eval_loss(ctx: StepContext, micro_batches: MicroBatches) -> torch.Tensor:
     state = ctx.state
     total = torch.zeros((), device=ctx.device)
     for inputs, targets in micro_batches:
-        inputs, targets = ctx.split(inputs.to(ctx.device), targets.to(ctx.device))
+        inputs, targets = inputs.to(ctx.device), targets.to(ctx.device)
+        kwargs = ctx.model_kwargs(inputs)
+        inputs, targets = ctx.split(inputs, targets)
         with ctx.autocast():
-            logits = state.model(inputs, **ctx.model_kwargs(inputs))
+            logits = state.model(inputs, **kwargs)
         with ctx.loss_parallel():
             total += local_value(state.eval_loss_fn(logits, targets))
     return ctx.context_mean(total / len(micro_batches))

@@ -38,7 +38,8 @@ class TrainState:
     phases: StepPhases = OFF
     """Times the step's forward, backward and optimizer (read by the metrics window)."""
     routing_group: dist.ProcessGroup | None = None
-    """The data-parallel group whose loads the MoE balancing biases follow (None: one rank)."""
+    """The ranks that route tokens of their own (dp x cp), whose loads the MoE balancing
+    biases and routing metrics sum (None: one rank)."""
     context: ContextSplit | None = None
     """Context parallelism: which chunks of each sequence this rank computes (None: all)."""
     stash: nn.Module | None = None

@@ -141,11 +141,22 @@ def test_2bw_refuses_tied_embeddings():
     assert "two weight versions" in problem.reason
 
 
-def test_2bw_refuses_evaluation_and_cp_refuses_mla_and_document_masks():
-    cfg = configure({"parallel.pp": 2, "parallel.pp_schedule": "2bw", "eval.every": 4})
-    [problem] = [p for p in problems(cfg) if "PipeDream-2BW" in p.reason]
-    assert (problem.field, problem.value) == ("eval.every", 4)
-    assert "eval.every=0" in problem.fix
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"parallel.pp_schedule": "2bw"},
+        {"parallel.pp_schedule": "zbv", "parallel.vpp": 2},
+        {"parallel.pp_schedule": "dualpipev", "parallel.vpp": 2},
+    ],
+)
+def test_every_schedule_evaluates(overrides):
+    evaluated = {"eval.every": 4, "data.val_fraction": 0.01}
+    cfg = configure({"parallel.pp": 2, "parallel.zero": 2, **evaluated, **overrides})
+    validate(cfg, for_launch=True)
+    assert check_runnable(cfg) == []
+
+
+def test_2bw_refuses_chunked_loss_and_cp_refuses_mla_and_document_masks():
     cfg = configure({"parallel.cp": 2, "model.attention": "mla", "model.n_kv_heads": 0})
     assert ("parallel.cp", 2) in [(p.field, p.value) for p in problems(cfg)]
     cfg = configure({"parallel.pp": 2, "parallel.pp_schedule": "2bw", "train.loss_chunks": 2})

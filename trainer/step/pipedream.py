@@ -21,6 +21,8 @@ no update, agrees on a stop the blocking way.)
 
 Micro-batches and the loss follow `trainer/step/pipeline.py`: this rank's accumulation
 micro-batches, re-split into `parallel.pp_microbatches`, the loss divided by their count.
+The validation loss after step k is that of W(k+1), the weights step k+1 runs on, through the
+forward-only pass every pipelined step shares (`trainer/step/pipeline_eval.py`).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from pretrain.parallel.pipeline.stages import StageView
 from pretrain.parallel.tensor import local_value
 from pretrain.trainer.step.context import StepContext
 from pretrain.trainer.step.local import step_optimizer
+from pretrain.trainer.step.pipeline_eval import evaluate_pipeline
 from pretrain.trainer.step.state import MicroBatches, StepResult
 
 
@@ -141,11 +144,7 @@ class PipeDreamStep:
             )
             for op in ops:
                 engine.run(*op)
-            loss = torch.zeros((), device=ctx.device)
-            if engine.last:
-                loss += torch.stack(self._losses).sum() / self.n_microbatches
-            dist.all_reduce(loss, group=self.group)
-            loss = ctx.context_mean(loss)
+            loss = ctx.pipeline_mean(self._losses if engine.last else [])
             engine.end()
         if self.result is not None:  # this step applied the previous step's gradient
             return StepResult(loss, *self.result)
@@ -158,6 +157,13 @@ class PipeDreamStep:
         else:
             agreed_bad, stop = ctx.guard.agree(loss, torch.zeros((), device=ctx.device))
         return StepResult(loss, norm, bad or agreed_bad, stop)
+
+    def evaluate(self, micro_batches: MicroBatches) -> torch.Tensor:
+        """The mean validation loss of this pipeline's micro-batches, on every stage, under
+        the weights the next step runs on: W(k+1) after step k, with or without a drain (a
+        drain also writes W(k+2), which step k+1 must not see). A forward-only pass of its
+        own, beside the backwards still in flight, which it leaves as they are."""
+        return evaluate_pipeline(self.ctx, [self.engine.running.module], micro_batches)
 
     def drain(self) -> None:
         """Run the backwards still in flight and apply the last step's gradient: the state

@@ -88,7 +88,7 @@ def pipedream_run(cfg: RecipeConfig, steps: int) -> tuple[Curve, list[float]]:
     """`pipedream_curve`, and the validation loss at the steps the trainer evaluates
     (`eval.every` and the last), of the weights the next step runs on: the newest version
     of every stage after the step's update (the first step's, which applies none: the
-    initial weights)."""
+    initial weights). Under `data.doc_mask` every stage's forward takes the documents."""
     torch.manual_seed(cfg.seed)
     pp = cfg.parallel.pp
     m = cfg.parallel.pp_microbatches or grad_accum_steps(cfg)
@@ -96,7 +96,7 @@ def pipedream_run(cfg: RecipeConfig, steps: int) -> tuple[Curve, list[float]]:
     state = _state(cfg, StageView([v.module for v in versions[1]]))
     data = packed_data(cfg, open_datasets(cfg, is_main=True, report=print))
     loader = train_loader(cfg, data, dp_rank=0, dp_size=1)
-    ctx = StepContext(state, cfg, ONE_RANK, CPU)
+    ctx = StepContext(state, cfg, ONE_RANK, CPU, doc_eos=data.eos_id if cfg.data.doc_mask else None)
     owner = [p for v in versions[1] for p in v.params]
     newest = [v.module for v in versions[1]]
     finished: list[Version] = []
@@ -119,7 +119,8 @@ def pipedream_run(cfg: RecipeConfig, steps: int) -> tuple[Curve, list[float]]:
         batch = loader.next_step()
         inputs = torch.tensor_split(torch.cat([x for x, _ in batch]), m)
         targets = torch.tensor_split(torch.cat([y for _, y in batch]), m)
-        losses = local_step(engines, list(inputs), list(targets))
+        kwargs = [ctx.model_kwargs(x) for x in inputs]
+        losses = local_step(engines, list(inputs), list(targets), kwargs)
         loss = torch.stack([x.detach() for x in losses]).sum()
         norm = torch.tensor(float("nan"))
         if finished:

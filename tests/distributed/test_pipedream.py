@@ -1,6 +1,6 @@
 """PipeDream-2BW under torchrun: the distributed pipeline computes what the one-process
-simulation of the same schedule over the same stage modules computes, validation loss
-included, and a run resumed from a checkpoint continues bit for bit, both
+simulation of the same schedule over the same stage modules computes, validation loss and
+document masks included, and a run resumed from a checkpoint continues bit for bit, both
 weight versions restored.
 
 2BW's numerics differ from synchronous training by design (each step's gradient lands one
@@ -8,8 +8,9 @@ step late), so the reference is `tests.pipedream_oracle.pipedream_run`: the 2BW 
 of both stages in one process, fed and initialized as the trainer does. FP32, relative
 1e-5 per step, as for every layout. The first step applies no update (NaN norm, logged as
 null). Checkpoints every 2 steps drain the pipeline, which must not change the numerics.
-The runs evaluate at steps 4 and 8, after a drain, on the weights the next step runs on (the
-oracle's newest).
+The runs mask attention to documents, on a corpus of short ones (`doc_mask_overrides`), so
+the second stage's attention must receive the documents too; they evaluate at steps 4 and
+8, after a drain, on the weights the next step runs on (the oracle's newest).
 
 Resume (test d): a crash while the checkpoint of step 6 is written leaves step 4's as the
 newest complete one; the relaunched run restores it (the newest version as the model, the
@@ -44,8 +45,8 @@ TWO_BW = [
 
 
 @pytest.fixture(scope="module")
-def two_bw() -> list[str]:
-    return TWO_BW
+def two_bw(doc_mask_overrides: list[str]) -> list[str]:
+    return [*TWO_BW, *doc_mask_overrides]
 
 
 def tensors(checkpoint: Path, out: Path) -> dict:

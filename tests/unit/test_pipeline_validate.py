@@ -149,8 +149,8 @@ def test_2bw_refuses_tied_embeddings():
         {"parallel.pp_schedule": "dualpipev", "parallel.vpp": 2},
     ],
 )
-def test_every_schedule_evaluates(overrides):
-    evaluated = {"eval.every": 4, "data.val_fraction": 0.01}
+def test_every_schedule_evaluates_and_masks_documents(overrides):
+    evaluated = {"eval.every": 4, "data.val_fraction": 0.01, "data.doc_mask": True}
     cfg = configure({"parallel.pp": 2, "parallel.zero": 2, **evaluated, **overrides})
     validate(cfg, for_launch=True)
     assert check_runnable(cfg) == []

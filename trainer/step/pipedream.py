@@ -20,8 +20,9 @@ step later, by when every rank has long contributed. (A segment's first step, wh
 no update, agrees on a stop the blocking way.)
 
 Micro-batches and the loss follow `trainer/step/pipeline.py`: this rank's accumulation
-micro-batches, re-split into `parallel.pp_microbatches`, the loss divided by their count.
-The validation loss after step k is that of W(k+1), the weights step k+1 runs on, through the
+micro-batches, re-split into `parallel.pp_microbatches`, the loss divided by their count,
+and every stage's forward takes its micro-batch's document ids under `data.doc_mask`. The
+validation loss after step k is that of W(k+1), the weights step k+1 runs on, through the
 forward-only pass every pipelined step shares (`trainer/step/pipeline_eval.py`).
 """
 
@@ -141,6 +142,7 @@ class PipeDreamStep:
             ops = engine.begin(
                 list(torch.tensor_split(inputs, self.n_microbatches)) if engine.first else [],
                 list(torch.tensor_split(targets, self.n_microbatches)) if engine.last else [],
+                ctx.microbatch_kwargs(inputs),
             )
             for op in ops:
                 engine.run(*op)

@@ -13,8 +13,10 @@ losses to its output (`parallel/pipeline/moe.py`), so they join the objective of
 micro-batch that produced them; the reported loss is the LM loss alone, as in the plain
 step, and expert gradients are reduced over their data-parallel ranks before clipping.
 MFU needs nothing special: model FLOPs per token are the same, and the bubble is in the
-measured step time, so it never counts as work. The validation loss is a forward-only pass
-outside the schedule (`trainer/step/pipeline_eval.py`).
+measured step time, so it never counts as work. Under `data.doc_mask` every stage's forward
+takes its micro-batch's document ids (torch splits the keyword arguments of `step` as it
+splits the tokens, and hands them to every stage); the validation loss is a forward-only
+pass outside the schedule (`trainer/step/pipeline_eval.py`).
 """
 
 from __future__ import annotations
@@ -80,6 +82,8 @@ class PipelineStep:
         ctx = self.ctx
         inputs, targets = ctx.whole_batch(micro_batches)
         args = (inputs,) if self.has_first else ()
+        # Every stage's attention takes the documents (torch splits them as the tokens).
+        kwargs = ctx.model_kwargs(inputs)
         phases = self.state.phases
         for _ in range(SLOT_RETRIES):
             self.losses = []
@@ -89,6 +93,7 @@ class PipelineStep:
                     *args,
                     target=targets if self.has_last else None,
                     return_outputs=False,
+                    **kwargs,
                 )
             if not run_again_for_slots(self.state, ctx.cfg, ctx.device):
                 break

@@ -56,8 +56,6 @@ class ScheduleTraits:
     """Copies of each stage's weights a rank holds (with pp > 1)."""
     tied_embeddings: bool = True
     """The schedule can keep a tied embedding's two copies equal across stages."""
-    loss_chunks: bool = True
-    """The schedule can run the chunked loss (`train.loss_chunks` > 1)."""
     fills_every_stage: bool = False
     """Needs at least as many micro-batches as stages (pp x chunks), not only as ranks."""
 
@@ -122,7 +120,6 @@ SCHEDULES: dict[str, ScheduleTraits] = {
             flushes=False,
             weight_versions=2,
             tied_embeddings=False,
-            loss_chunks=False,
         ),
     )
 }

@@ -98,14 +98,6 @@ def check_schedule(c: Checks, cfg: RecipeConfig) -> None:
             "stages, so the last stage's copy of a tied embedding would drift from the first's",
             "set model.tie_embeddings=false, or pp_schedule=1f1b, interleaved_1f1b or zbv",
         )
-    if not t.loss_chunks and cfg.train.loss_chunks > 1:
-        c.add(
-            "train.loss_chunks",
-            cfg.train.loss_chunks,
-            "the chunked loss applies the LM head of the newest weight version, while 2BW's "
-            "older micro-batches run on the other version",
-            f"set train.loss_chunks=1 with pp_schedule={p.pp_schedule}",
-        )
     if t.placement == V and p.vpp != t.chunks_per_rank:
         c.add(
             "parallel.vpp",

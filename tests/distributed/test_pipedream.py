@@ -1,7 +1,7 @@
 """PipeDream-2BW under torchrun: the distributed pipeline computes what the one-process
-simulation of the same schedule over the same stage modules computes, validation loss and
-document masks included, and a run resumed from a checkpoint continues bit for bit, both
-weight versions restored.
+simulation of the same schedule over the same stage modules computes, validation loss,
+document masks and the chunked loss included, and a run resumed from a checkpoint
+continues bit for bit, both weight versions restored.
 
 2BW's numerics differ from synchronous training by design (each step's gradient lands one
 step late), so the reference is `tests.pipedream_oracle.pipedream_run`: the 2BW engines
@@ -10,7 +10,10 @@ of both stages in one process, fed and initialized as the trainer does. FP32, re
 null). Checkpoints every 2 steps drain the pipeline, which must not change the numerics.
 The runs mask attention to documents, on a corpus of short ones (`doc_mask_overrides`), so
 the second stage's attention must receive the documents too; they evaluate at steps 4 and
-8, after a drain, on the weights the next step runs on (the oracle's newest).
+8, after a drain, on the weights the next step runs on (the oracle's newest); and their
+loss applies the LM head in 2 chunks (`train.loss_chunks`), through the head of the version
+each micro-batch's forward ran on, which the oracle computes whole (the head of the other
+version, one update apart, would move the loss by far more than 1e-5).
 
 Resume (test d): a crash while the checkpoint of step 6 is written leaves step 4's as the
 newest complete one; the relaunched run restores it (the newest version as the model, the
@@ -41,6 +44,7 @@ pytestmark = pytest.mark.distributed
 
 TWO_BW = [
     "parallel.pp=2", "parallel.pp_schedule=2bw", "checkpoint.every=2", "checkpoint.keep=4",
+    "train.loss_chunks=2",
 ]  # fmt: skip
 
 

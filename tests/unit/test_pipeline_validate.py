@@ -149,18 +149,21 @@ def test_2bw_refuses_tied_embeddings():
         {"parallel.pp_schedule": "dualpipev", "parallel.vpp": 2},
     ],
 )
-def test_every_schedule_evaluates_and_masks_documents(overrides):
-    evaluated = {"eval.every": 4, "data.val_fraction": 0.01, "data.doc_mask": True}
-    cfg = configure({"parallel.pp": 2, "parallel.zero": 2, **evaluated, **overrides})
+def test_every_schedule_evaluates_masks_documents_and_chunks_the_loss(overrides):
+    features = {
+        "eval.every": 4,
+        "data.val_fraction": 0.01,
+        "data.doc_mask": True,
+        "train.loss_chunks": 2,
+    }
+    cfg = configure({"parallel.pp": 2, "parallel.zero": 2, **features, **overrides})
     validate(cfg, for_launch=True)
     assert check_runnable(cfg) == []
 
 
-def test_2bw_refuses_chunked_loss_and_cp_refuses_mla_and_document_masks():
+def test_cp_refuses_mla_and_document_masks():
     cfg = configure({"parallel.cp": 2, "model.attention": "mla", "model.n_kv_heads": 0})
     assert ("parallel.cp", 2) in [(p.field, p.value) for p in problems(cfg)]
-    cfg = configure({"parallel.pp": 2, "parallel.pp_schedule": "2bw", "train.loss_chunks": 2})
-    assert ("train.loss_chunks", 2) in [(p.field, p.value) for p in problems(cfg)]
     cfg = configure({"parallel.cp": 2, "data.doc_mask": True})
     assert [(p.field, p.value) for p in problems(cfg)] == [("data.doc_mask", True)]
 

@@ -86,7 +86,14 @@ class PipeDreamStep:
         self.drained: tuple[torch.Tensor, bool] | None = None
         state.settle = self.drain
 
+    def _head_of(self, version: Version) -> None:
+        """Point the chunked losses (`train.loss_chunks` > 1) at `version`'s LM head."""
+        for chunked in self.state.chunked_losses:
+            chunked.head = self.versions[id(version)][1].output
+
     def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        # Called by the engine right after the forward of the version it runs.
+        self._head_of(self.engine.running)
         loss = self.state.loss_fn(logits, targets)
         self._losses.append(local_value(loss.detach()))
         return self.ctx.scaled_term(loss)
@@ -165,6 +172,7 @@ class PipeDreamStep:
         the weights the next step runs on: W(k+1) after step k, with or without a drain (a
         drain also writes W(k+2), which step k+1 must not see). A forward-only pass of its
         own, beside the backwards still in flight, which it leaves as they are."""
+        self._head_of(self.engine.running)
         return evaluate_pipeline(self.ctx, [self.engine.running.module], micro_batches)
 
     def drain(self) -> None:

@@ -54,8 +54,6 @@ class ScheduleTraits:
     simulated and charted over several steps, its bubble per segment between drains."""
     weight_versions: int = 1
     """Copies of each stage's weights a rank holds (with pp > 1)."""
-    tied_embeddings: bool = True
-    """The schedule can keep a tied embedding's two copies equal across stages."""
     fills_every_stage: bool = False
     """Needs at least as many micro-batches as stages (pp x chunks), not only as ranks."""
 
@@ -119,7 +117,6 @@ SCHEDULES: dict[str, ScheduleTraits] = {
             simulated=True,
             flushes=False,
             weight_versions=2,
-            tied_embeddings=False,
         ),
     )
 }

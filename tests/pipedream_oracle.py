@@ -4,11 +4,10 @@ two curves of the convergence comparison (tests, `bench/pipedream_convergence.py
 
 The stages are split, initialized and fed as the trainer does (same weights, data order,
 optimizer groups, LR schedule, clipping); the 2BW engines of all stages run in one process
-(`pretrain.parallel.pipeline.pipedream.run_local`), and one optimizer over every stage's newest
-version
-applies each step's gradient one step late; the validation loss runs the newest version of
-every stage in order. Only fp32 layouts without tp, cp or dp replicas are simulated (what
-a reference needs).
+(`pretrain.parallel.pipeline.pipedream.run_local`), and one optimizer over every stage's
+newest version applies each step's gradient one step late (a tied embedding's and its
+copy's summed); the validation loss runs the newest version of every stage in order. Only
+fp32 layouts without tp, cp or dp replicas are simulated (what a reference needs).
 """
 
 from __future__ import annotations
@@ -27,6 +26,7 @@ from pretrain.parallel.pipeline.pipedream import (
     move_optimizer,
 )
 from pretrain.parallel.pipeline.stages import StageView, split_stage
+from pretrain.parallel.pipeline.tied_embedding import mark_head_copy, reduce_tied_grads
 from pretrain.parallel.precision import LossScaler
 from pretrain.trainer.data.loader import (
     DataLoader,
@@ -75,6 +75,7 @@ def synchronous_curve(cfg: RecipeConfig, steps: int) -> Curve:
 
 def _stage(cfg: RecipeConfig, stage: int) -> torch.nn.Module:
     module = split_stage(models.build(cfg.model), stage, cfg.parallel)
+    mark_head_copy(module)
     materialize(module, cfg.model, cfg.seed, CPU)
     return module
 
@@ -129,6 +130,8 @@ def pipedream_run(cfg: RecipeConfig, steps: int) -> tuple[Curve, list[float]]:
             owner = target
             newest = [v.module for v in finished]
             state.plain = StageView(newest)
+            # A tied embedding and the last stage's copy of it take their summed gradient.
+            reduce_tied_grads(state.plain, None)
             # The update is the previous step's: its loss decides whether it was bad.
             norm = apply_gradients(state, cfg, None, previous)[0]
             finished.clear()

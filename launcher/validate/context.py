@@ -72,10 +72,10 @@ def check_context(c: Checks, cfg: RecipeConfig) -> None:
 
 
 def check_schedule(c: Checks, cfg: RecipeConfig) -> None:
-    """The V schedules' two chunks per rank, and 2BW's need of a pipeline and of untied
-    embeddings (its one chunk per rank is the general rule that only interleaved schedules
-    take vpp > 1). Every schedule evaluates: the validation loss is a forward-only pass of
-    the trainer's own, outside the schedule."""
+    """The V schedules' two chunks per rank, and 2BW's need of a pipeline (its one chunk per
+    rank is the general rule that only interleaved schedules take vpp > 1). Every schedule
+    evaluates (the validation loss is a forward-only pass of the trainer's own, outside the
+    schedule) and takes tied embeddings and the chunked loss."""
     p = cfg.parallel
     t = SCHEDULES.get(p.pp_schedule)
     if t is None:  # refused as a choice
@@ -90,14 +90,6 @@ def check_schedule(c: Checks, cfg: RecipeConfig) -> None:
                 "set parallel.pp > 1, or pp_schedule=1f1b",
             )
         return
-    if not t.tied_embeddings and cfg.model.tie_embeddings:
-        c.add(
-            "model.tie_embeddings",
-            True,
-            f"{t.title} keeps two weight versions per stage and sums no gradient across "
-            "stages, so the last stage's copy of a tied embedding would drift from the first's",
-            "set model.tie_embeddings=false, or pp_schedule=1f1b, interleaved_1f1b or zbv",
-        )
     if t.placement == V and p.vpp != t.chunks_per_rank:
         c.add(
             "parallel.vpp",

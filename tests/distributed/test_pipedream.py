@@ -1,6 +1,6 @@
 """PipeDream-2BW under torchrun: the distributed pipeline computes what the one-process
 simulation of the same schedule over the same stage modules computes, validation loss,
-document masks and the chunked loss included, and a run resumed from a checkpoint
+document masks, the chunked loss and tied embeddings included, and a run resumed from a checkpoint
 continues bit for bit, both weight versions restored.
 
 2BW's numerics differ from synchronous training by design (each step's gradient lands one
@@ -13,7 +13,9 @@ the second stage's attention must receive the documents too; they evaluate at st
 8, after a drain, on the weights the next step runs on (the oracle's newest); and their
 loss applies the LM head in 2 chunks (`train.loss_chunks`), through the head of the version
 each micro-batch's forward ran on, which the oracle computes whole (the head of the other
-version, one update apart, would move the loss by far more than 1e-5).
+version, one update apart, would move the loss by far more than 1e-5). The embedding is
+tied: the last stage's copy of it and the first stage's embedding, in each version, take
+their summed gradient, which the oracle sums in one process.
 
 Resume (test d): a crash while the checkpoint of step 6 is written leaves step 4's as the
 newest complete one; the relaunched run restores it (the newest version as the model, the
@@ -44,7 +46,7 @@ pytestmark = pytest.mark.distributed
 
 TWO_BW = [
     "parallel.pp=2", "parallel.pp_schedule=2bw", "checkpoint.every=2", "checkpoint.keep=4",
-    "train.loss_chunks=2",
+    "train.loss_chunks=2", "model.tie_embeddings=true",
 ]  # fmt: skip
 
 

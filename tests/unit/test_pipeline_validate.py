@@ -134,13 +134,6 @@ def test_2bw_needs_a_pipeline_and_one_chunk_per_rank():
     assert problem.field == "parallel.vpp"
 
 
-def test_2bw_refuses_tied_embeddings():
-    cfg = configure({"parallel.pp": 2, "parallel.pp_schedule": "2bw", "model.tie_embeddings": True})
-    [problem] = problems(cfg)
-    assert (problem.field, problem.value) == ("model.tie_embeddings", True)
-    assert "two weight versions" in problem.reason
-
-
 @pytest.mark.parametrize(
     "overrides",
     [
@@ -149,12 +142,15 @@ def test_2bw_refuses_tied_embeddings():
         {"parallel.pp_schedule": "dualpipev", "parallel.vpp": 2},
     ],
 )
-def test_every_schedule_evaluates_masks_documents_and_chunks_the_loss(overrides):
+def test_every_schedule_evaluates_masks_documents_chunks_the_loss_and_ties_embeddings(
+    overrides,
+):
     features = {
         "eval.every": 4,
         "data.val_fraction": 0.01,
         "data.doc_mask": True,
         "train.loss_chunks": 2,
+        "model.tie_embeddings": True,
     }
     cfg = configure({"parallel.pp": 2, "parallel.zero": 2, **features, **overrides})
     validate(cfg, for_launch=True)

@@ -39,6 +39,11 @@ from pretrain.parallel.clip import clip_to_norm, grad_norm
 from pretrain.parallel.expert import reduce_expert_grads
 from pretrain.parallel.pipeline.pipedream import P2PTransport, PipeDream, Version, move_optimizer
 from pretrain.parallel.pipeline.stages import StageView
+from pretrain.parallel.pipeline.tied_embedding import (
+    embedding_group,
+    head_copies,
+    start_tied_grad_sum,
+)
 from pretrain.parallel.tensor import local_value
 from pretrain.trainer.step.context import StepContext
 from pretrain.trainer.step.local import step_optimizer
@@ -77,6 +82,9 @@ class PipeDreamStep:
             self._update,
             self._gradient_ready,
         )
+        # Tied embeddings: the first and the last rank sum their copies' gradients.
+        self.embedding_group = embedding_group(ctx.cfg, degrees)
+        self.tied_sums: list[dist.Work] = []
         # The agreements run beside the pipeline's traffic and the step's own collectives.
         self.agree_group = dist.new_group(backend=dist.get_backend())
         self.replicas = dist.get_world_size() // degrees.pp  # ranks per stage
@@ -103,8 +111,18 @@ class PipeDreamStep:
         view = self.versions[id(version)][1]
         reduce_expert_grads(view)
         self.state.scaler.unscale_(view.parameters())
+        copies = {id(p) for p in head_copies(view)}
+        tied = start_tied_grad_sum(view, self.embedding_group)
+        if tied is not None and copies:
+            # The last stage finishes a step's gradient first: its copy needs the sum only
+            # at the update, and leaves the norm, which counts the embedding once.
+            self.tied_sums.append(tied)
+        elif tied is not None:
+            # The first stage finishes last, its twin's half already sent: the embedding's
+            # norm counts the sum.
+            tied.wait()
         # Every rank of a stage holds its stage's squared norm (grad_norm reduces within it).
-        squared = grad_norm(view.parameters()) ** 2
+        squared = grad_norm([p for p in view.parameters() if id(p) not in copies]) ** 2
         last_loss = torch.stack(self._losses).sum() if self.engine.last else squared * 0
         flags = torch.stack(
             [
@@ -130,6 +148,8 @@ class PipeDreamStep:
         state.model = nn.ModuleList(target_view.chunks)
         flags, work = self.agreements.pop(0)
         work.wait()
+        if self.tied_sums:
+            self.tied_sums.pop(0).wait()
         norm = (flags[0] / self.replicas).sqrt()
         clip_to_norm(state.plain.parameters(), norm, self.ctx.cfg.optim.grad_clip)
         scaled_ok = state.scaler.update(norm)

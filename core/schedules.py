@@ -54,12 +54,6 @@ class ScheduleTraits:
     simulated and charted over several steps, its bubble per segment between drains."""
     weight_versions: int = 1
     """Copies of each stage's weights a rank holds (with pp > 1)."""
-    evaluates: bool = True
-    """The schedule can run a forward-only pass for `eval.every`."""
-    tied_embeddings: bool = True
-    """The schedule can keep a tied embedding's two copies equal across stages."""
-    loss_chunks: bool = True
-    """The schedule can run the chunked loss (`train.loss_chunks` > 1)."""
     fills_every_stage: bool = False
     """Needs at least as many micro-batches as stages (pp x chunks), not only as ranks."""
 
@@ -105,7 +99,6 @@ SCHEDULES: dict[str, ScheduleTraits] = {
             placement=V,
             split_backward=True,
             simulated=True,
-            evaluates=False,
         ),
         ScheduleTraits(
             "dualpipev",
@@ -115,7 +108,6 @@ SCHEDULES: dict[str, ScheduleTraits] = {
             placement=V,
             split_backward=True,
             simulated=True,
-            evaluates=False,
             fills_every_stage=True,
         ),
         ScheduleTraits(
@@ -125,9 +117,6 @@ SCHEDULES: dict[str, ScheduleTraits] = {
             simulated=True,
             flushes=False,
             weight_versions=2,
-            evaluates=False,
-            tied_embeddings=False,
-            loss_chunks=False,
         ),
     )
 }

@@ -73,6 +73,15 @@ def rank_stages(pp_rank: int, pp: int, vpp: int = 1, style: str = "loop") -> lis
     return [chunk * pp + pp_rank for chunk in range(vpp)]
 
 
+def stage_ranks(pp: int, vpp: int = 1, style: str = "loop") -> list[int]:
+    """The pipeline rank that holds each of the pp * vpp stages, in model order."""
+    owners = [0] * (pp * vpp)
+    for rank in range(pp):
+        for stage in rank_stages(rank, pp, vpp, style):
+            owners[stage] = rank
+    return owners
+
+
 def head_rank(pp: int, vpp: int = 1, style: str = "loop") -> int:
     """The pipeline rank that holds the last stage (final norm, LM head and loss)."""
     return 0 if style == "v" else pp - 1

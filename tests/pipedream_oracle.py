@@ -4,10 +4,10 @@ two curves of the convergence comparison (tests, `bench/pipedream_convergence.py
 
 The stages are split, initialized and fed as the trainer does (same weights, data order,
 optimizer groups, LR schedule, clipping); the 2BW engines of all stages run in one process
-(`pretrain.parallel.pipeline.pipedream.run_local`), and one optimizer over every stage's newest
-version
-applies each step's gradient one step late. Only fp32 layouts without tp, cp or dp
-replicas are simulated (what a reference needs).
+(`pretrain.parallel.pipeline.pipedream.run_local`), and one optimizer over every stage's
+newest version applies each step's gradient one step late (a tied embedding's and its
+copy's summed); the validation loss runs the newest version of every stage in order. Only
+fp32 layouts without tp, cp or dp replicas are simulated (what a reference needs).
 """
 
 from __future__ import annotations
@@ -26,8 +26,17 @@ from pretrain.parallel.pipeline.pipedream import (
     move_optimizer,
 )
 from pretrain.parallel.pipeline.stages import StageView, split_stage
+from pretrain.parallel.pipeline.tied_embedding import mark_head_copy, reduce_tied_grads
 from pretrain.parallel.precision import LossScaler
-from pretrain.trainer.data.loader import DataLoader, one_process_loader
+from pretrain.trainer.data.loader import (
+    DataLoader,
+    RunData,
+    one_process_loader,
+    open_datasets,
+    packed_data,
+    train_loader,
+    val_loader,
+)
 from pretrain.trainer.optim.lr_schedule import build_lr_scheduler
 from pretrain.trainer.optim.optimizers import build_optimizer
 from pretrain.trainer.step.context import StepContext
@@ -66,18 +75,31 @@ def synchronous_curve(cfg: RecipeConfig, steps: int) -> Curve:
 
 def _stage(cfg: RecipeConfig, stage: int) -> torch.nn.Module:
     module = split_stage(models.build(cfg.model), stage, cfg.parallel)
+    mark_head_copy(module)
     materialize(module, cfg.model, cfg.seed, CPU)
     return module
 
 
 def pipedream_curve(cfg: RecipeConfig, steps: int) -> Curve:
     """The recipe trained by PipeDream-2BW over `parallel.pp` stages in one process."""
+    return pipedream_run(cfg, steps)[0]
+
+
+def pipedream_run(cfg: RecipeConfig, steps: int) -> tuple[Curve, list[float]]:
+    """`pipedream_curve`, and the validation loss at the steps the trainer evaluates
+    (`eval.every` and the last), of the weights the next step runs on: the newest version
+    of every stage after the step's update (the first step's, which applies none: the
+    initial weights). Under `data.doc_mask` every stage's forward takes the documents."""
     torch.manual_seed(cfg.seed)
     pp = cfg.parallel.pp
     m = cfg.parallel.pp_microbatches or grad_accum_steps(cfg)
     versions = [[Version(_stage(cfg, s)) for s in range(pp)] for _ in range(2)]
-    state, loader = _state(cfg, StageView([v.module for v in versions[1]])), _loader(cfg)
+    state = _state(cfg, StageView([v.module for v in versions[1]]))
+    data = packed_data(cfg, open_datasets(cfg, is_main=True, report=print))
+    loader = train_loader(cfg, data, dp_rank=0, dp_size=1)
+    ctx = StepContext(state, cfg, ONE_RANK, CPU, doc_eos=data.eos_id if cfg.data.doc_mask else None)
     owner = [p for v in versions[1] for p in v.params]
+    newest = [v.module for v in versions[1]]
     finished: list[Version] = []
     mailbox: dict = {}
     engines = [
@@ -92,23 +114,46 @@ def pipedream_curve(cfg: RecipeConfig, steps: int) -> Curve:
         )
         for s in range(pp)
     ]
-    curve = []
+    curve, val = [], []
     previous = torch.zeros(())
-    for _ in range(steps):
+    for step in range(1, steps + 1):
         batch = loader.next_step()
         inputs = torch.tensor_split(torch.cat([x for x, _ in batch]), m)
         targets = torch.tensor_split(torch.cat([y for _, y in batch]), m)
-        losses = local_step(engines, list(inputs), list(targets))
+        kwargs = [ctx.model_kwargs(x) for x in inputs]
+        losses = local_step(engines, list(inputs), list(targets), kwargs)
         loss = torch.stack([x.detach() for x in losses]).sum()
         norm = torch.tensor(float("nan"))
         if finished:
             target = [p for v in finished for p in v.params]
             move_optimizer(state.optimizer, owner, target)
             owner = target
-            state.plain = StageView([v.module for v in finished])
+            newest = [v.module for v in finished]
+            state.plain = StageView(newest)
+            # A tied embedding and the last stage's copy of it take their summed gradient.
+            reduce_tied_grads(state.plain, None)
             # The update is the previous step's: its loss decides whether it was bad.
             norm = apply_gradients(state, cfg, None, previous)[0]
             finished.clear()
         curve.append((loss.item(), norm.item()))
         previous = loss
-    return curve
+        if cfg.eval.every and (step % cfg.eval.every == 0 or step == steps):
+            val.append(_validation_loss(ctx, newest, data))
+    return curve, val
+
+
+@torch.no_grad()
+def _validation_loss(ctx: StepContext, stages: list[torch.nn.Module], data: RunData) -> float:
+    """The mean loss of `eval.batches` validation batches through `stages` in order."""
+    cfg = ctx.cfg
+    loader = val_loader(cfg, data, dp_rank=0, dp_size=1)
+    assert loader is not None, "the recipe has no validation split"
+    total = 0.0
+    for index in range(cfg.eval.batches):
+        batch = loader.batches(index)
+        for inputs, targets in batch:
+            hidden = inputs
+            for stage in stages:
+                hidden = stage(hidden, **ctx.model_kwargs(inputs))
+            total += lm_loss(hidden, targets).item() / len(batch)
+    return total / cfg.eval.batches

@@ -116,10 +116,14 @@ def build_train_state(cfg: RecipeConfig, mesh: JobMesh, device: torch.device) ->
     # The vocab-parallel loss works on DTensor logits under loss_parallel: left eager.
     loss_fn = compile_loss(lm_loss, cfg.compile) if degrees.tp == 1 else lm_loss
     eval_fn = lm_loss
+    chunked: tuple[ChunkedLMLoss, ...] = ()
     head = getattr(plain, "output", None)
     if head is not None and _head_in_loss(cfg, plain):
-        loss_fn = ChunkedLMLoss(head, cfg.train.loss_chunks, loss_fn)
-        eval_fn = ChunkedLMLoss(head, cfg.train.loss_chunks, lm_loss)
+        chunked = (
+            ChunkedLMLoss(head, cfg.train.loss_chunks, loss_fn),
+            ChunkedLMLoss(head, cfg.train.loss_chunks, lm_loss),
+        )
+        loss_fn, eval_fn = chunked
     return TrainState(
         model=model,
         plain=plain,
@@ -130,6 +134,7 @@ def build_train_state(cfg: RecipeConfig, mesh: JobMesh, device: torch.device) ->
         routing_group=mesh.dp_cp.get_group() if degrees.dp * degrees.cp > 1 else None,
         loss_fn=loss_fn,
         eval_loss_fn=eval_fn,
+        chunked_losses=chunked,
         context=context_split(mesh),
         stash=stash,
     )

@@ -50,9 +50,10 @@ def check_context(c: Checks, cfg: RecipeConfig) -> None:
 
 
 def check_schedule(c: Checks, cfg: RecipeConfig) -> None:
-    """The V schedules' two chunks per rank, and 2BW's need of a pipeline, of untied
-    embeddings and of no evaluation (its one chunk per rank is the general rule that only
-    interleaved schedules take vpp > 1)."""
+    """The V schedules' two chunks per rank, and 2BW's need of a pipeline (its one chunk per
+    rank is the general rule that only interleaved schedules take vpp > 1). Every schedule
+    evaluates (the validation loss is a forward-only pass of the trainer's own, outside the
+    schedule) and takes tied embeddings and the chunked loss."""
     p = cfg.parallel
     t = SCHEDULES.get(p.pp_schedule)
     if t is None:  # refused as a choice
@@ -67,39 +68,6 @@ def check_schedule(c: Checks, cfg: RecipeConfig) -> None:
                 "set parallel.pp > 1, or pp_schedule=1f1b",
             )
         return
-    if not t.tied_embeddings and cfg.model.tie_embeddings:
-        c.add(
-            "model.tie_embeddings",
-            True,
-            f"{t.title} keeps two weight versions per stage and sums no gradient across "
-            "stages, so the last stage's copy of a tied embedding would drift from the first's",
-            "set model.tie_embeddings=false, or pp_schedule=1f1b, interleaved_1f1b or zbv",
-        )
-    if not t.loss_chunks and cfg.train.loss_chunks > 1:
-        c.add(
-            "train.loss_chunks",
-            cfg.train.loss_chunks,
-            "the chunked loss applies the LM head of the newest weight version, while 2BW's "
-            "older micro-batches run on the other version",
-            f"set train.loss_chunks=1 with pp_schedule={p.pp_schedule}",
-        )
-    if not t.evaluates and t.torch_class is None and cfg.eval.every:
-        c.add(
-            "eval.every",
-            cfg.eval.every,
-            f"{t.title}'s in-repo schedule has no forward-only pass yet, and an evaluation "
-            "between its never-flushed steps would have to drain the pipeline",
-            f"set eval.every=0 with pp_schedule={p.pp_schedule}, or use pp_schedule=1f1b",
-        )
-    if not t.evaluates and t.torch_class is not None and cfg.eval.every:
-        c.add(
-            "eval.every",
-            cfg.eval.every,
-            f"torch's {p.pp_schedule} schedule has no forward-only pass (its eval runs the "
-            "split backward's actions)",
-            f"set eval.every=0 with pp_schedule={p.pp_schedule}, or use pp_schedule=1f1b or "
-            "interleaved_1f1b",
-        )
     if t.placement == V and p.vpp != t.chunks_per_rank:
         c.add(
             "parallel.vpp",

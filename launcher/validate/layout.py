@@ -58,15 +58,6 @@ def check_runnable(cfg: RecipeConfig) -> list[Problem]:
             "expert parallelism with ZeRO-1",
             "parallel.zero=0, 2 or 3",
         ),
-        (
-            "data.doc_mask",
-            cfg.data.doc_mask,
-            # The schedule hands the tokens to the first stage only: the later stages' attention
-            # never sees where the documents end.
-            cfg.data.doc_mask and p.pp > 1,
-            "document masking under pipeline parallelism",
-            "data.doc_mask=false or parallel.pp=1",
-        ),
     ]
     return [
         Problem(

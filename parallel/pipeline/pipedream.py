@@ -199,6 +199,7 @@ class PipeDream:
         self.inflight: dict[int, tuple[Version, torch.Tensor | None, torch.Tensor]] = {}
         self.inputs: list = []
         self.targets: list = []
+        self.kwargs: list[dict[str, torch.Tensor]] = []
         self.losses: list[torch.Tensor] = []
 
     @property
@@ -211,9 +212,14 @@ class PipeDream:
         """The version this step's forwards use."""
         return self.versions[self.current]
 
-    def begin(self, inputs: list, targets: list) -> list[tuple[str, int]]:
-        """Take this step's micro-batches; returns the ops to run (`run`), in order."""
+    def begin(
+        self, inputs: list, targets: list, kwargs: list[dict[str, torch.Tensor]] | None = None
+    ) -> list[tuple[str, int]]:
+        """Take this step's micro-batches (`inputs` on the first stage, `targets` on the
+        last, `kwargs` of every stage's forward, such as the documents, on all); returns the
+        ops to run (`run`), in order."""
         self.inputs, self.targets, self.losses = inputs, targets, []
+        self.kwargs = kwargs or [{} for _ in range(self.m)]
         return pipedream.step_ops(self.pp, self.m, self.rank, self.step_in_segment)
 
     def run(self, kind: str, mb: int) -> None:
@@ -256,7 +262,7 @@ class PipeDream:
         version = self.running
         local = mb - self.step_in_segment * self.m
         x = self.inputs[local] if self.first else self.transport.recv_forward(mb).requires_grad_()
-        out = version.module(x)
+        out = version.module(x, **self.kwargs[local])
         if self.last:
             loss = self.loss_fn(out, self.targets[local])
             self.losses.append(loss)
@@ -297,9 +303,15 @@ def _has_input(engine: PipeDream, kind: str, mb: int) -> bool:
     return engine.last or engine.transport.ready("B", mb)
 
 
-def local_step(engines: list[PipeDream], inputs: list, targets: list) -> list[torch.Tensor]:
-    """One 2BW step of a whole pipeline in one process; returns the last stage's losses."""
-    ops = [engine.begin(inputs, targets) for engine in engines]
+def local_step(
+    engines: list[PipeDream],
+    inputs: list,
+    targets: list,
+    kwargs: list[dict[str, torch.Tensor]] | None = None,
+) -> list[torch.Tensor]:
+    """One 2BW step of a whole pipeline in one process (`kwargs`: of each micro-batch's
+    forward on every stage); returns the last stage's losses."""
+    ops = [engine.begin(inputs, targets, kwargs) for engine in engines]
     run_local(engines, ops)
     losses = engines[-1].losses
     for engine in engines:

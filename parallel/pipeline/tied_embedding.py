@@ -7,6 +7,8 @@ head from the embedding's name). After every backward the two gradients are summ
 the two ranks that hold them (Megatron's embedding group), so both copies take the same
 step and stay equal, and the sum is the gradient the shared weight gets in one process.
 The copy's gradient is left out of the gradient norm, which counts the weight once.
+PipeDream-2BW sums each weight version's two gradients the same way, asynchronously
+(`start_tied_grad_sum`), as each rank finishes its gradient of a step.
 
 Both copies are laid out alike: the same vocab-sharded placement under TP and the same
 FSDP shard of the stage's root, so their local shards are summed element by element.
@@ -78,6 +80,20 @@ def reduce_tied_grads(model: nn.Module, group: dist.ProcessGroup | None) -> None
         grads[1].copy_(grads[0])
     elif grads and group is not None:
         dist.all_reduce(grads[0], group=group)
+
+
+def start_tied_grad_sum(model: nn.Module, group: dist.ProcessGroup | None) -> dist.Work | None:
+    """Start summing the gradient of this rank's tied weight (the embedding, or the last
+    stage's copy of it) with its twin's on the other rank of `group`, without waiting: under
+    PipeDream-2BW the two ranks finish a step's gradient at different times. None where no
+    group links this rank to a twin."""
+    if group is None:
+        return None
+    embedding = getattr(model, "tok_embeddings", None)
+    held = [embedding.weight] if embedding is not None else head_copies(model)
+    if not held or held[0].grad is None:
+        return None
+    return dist.all_reduce(_local(held[0].grad), group=group, async_op=True)
 
 
 EMBEDDING, HEAD = "tok_embeddings.weight", "output.weight"

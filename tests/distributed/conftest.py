@@ -1,15 +1,18 @@
 """Fixtures shared by the distributed tests: a work dir per test module and the single-process
-reference runs of the harness model with experts that the MoE layouts compare against, with
-document masks and with MLA (the dense one, `harness_reference`, is in tests/conftest.py: the SLURM
-jobs match it too)."""
+reference runs of the harness model with experts, with document masks (on a corpus of short
+documents) and with MLA that the MoE, document-masked and MLA layouts compare against (the
+dense one, `harness_reference`, is in tests/conftest.py: the SLURM jobs match it too)."""
 
 from __future__ import annotations
 
+import json
+import lzma
 from pathlib import Path
 
 import pytest
 
-from tests.distributed.harness import DOC_MASK, MLA, Curve, read_curve, run_pretrain
+from tests.distributed.harness import MLA, Curve, read_curve, run_pretrain
+from tests.golden.cases import CORPUS
 
 
 @pytest.fixture(scope="module")
@@ -37,12 +40,27 @@ def moe_reference(moe_reference_run: Path) -> Curve:
 
 
 @pytest.fixture(scope="session")
-def doc_mask_reference(tmp_path_factory: pytest.TempPathFactory) -> Curve:
-    """The harness model under DOC_MASK trained by one process (tensor and context
-    parallelism match it)."""
-    return run_pretrain(
-        tmp_path_factory.mktemp("doc_mask_reference") / "run", list(DOC_MASK), nproc=1
-    )
+def doc_mask_overrides(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    """Document-aware attention on a corpus of short documents: the golden corpus's source
+    files cut at their blank lines (paragraphs of 120 bytes at the median), so nearly every
+    sequence of the harness's 64 tokens spans a document boundary. On the harness's own
+    corpus (a dozen long files) a few steps see almost none, and a masked run trains exactly
+    as an unmasked one."""
+    path = tmp_path_factory.mktemp("short_documents") / "paragraphs.jsonl"
+    with lzma.open(CORPUS, "rt", encoding="utf-8") as corpus, path.open("w") as out:
+        for line in corpus:
+            for paragraph in json.loads(line)["text"].split("\n\n"):
+                if paragraph.strip():
+                    out.write(json.dumps({"text": paragraph}) + "\n")
+    return ["data.doc_mask=true", f"data.source={path}"]
+
+
+@pytest.fixture(scope="session")
+def doc_mask_reference(tmp_path_factory: pytest.TempPathFactory, doc_mask_overrides) -> Curve:
+    """The harness model with `doc_mask_overrides` trained by one process: what every
+    layout with document masks must match."""
+    run_dir = tmp_path_factory.mktemp("doc_mask_reference") / "run"
+    return run_pretrain(run_dir, doc_mask_overrides, nproc=1)
 
 
 @pytest.fixture(scope="session")

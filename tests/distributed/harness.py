@@ -69,18 +69,6 @@ BASE_OVERRIDES = (
     "logging.wandb=disabled",
 )
 
-DOC_MASK = (
-    "data.doc_mask=true",
-    f"data.source={Path(__file__).resolve().parents[1] / 'golden' / 'corpus.jsonl.xz'}",
-    "train.seq_len=256",
-)
-"""The harness model with attention kept inside each packed document. The harness's own
-corpus (the first 400 KB of this Python's standard library) is 14 files of about 12,700
-tokens, so its 64-token sequences almost never hold a boundary and the mask changed nothing
-(the same curve as without it, to the bit); the golden corpus's 300 smaller files in
-sequences of 256 do: the mask moves the loss by up to 4.4e-4 relative per step and the
-validation loss by 3.5e-4, 35 to 44 times the parity tolerance."""
-
 MLA = ("model.attention=mla", "model.n_kv_heads=0", "model.mla_q_rank=32")
 """The harness model with multi-head latent attention, its queries through a latent too."""
 

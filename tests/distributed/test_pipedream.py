@@ -1,12 +1,21 @@
 """PipeDream-2BW under torchrun: the distributed pipeline computes what the one-process
-simulation of the same schedule over the same stage modules computes, and a run resumed
-from a checkpoint continues bit for bit, both weight versions restored.
+simulation of the same schedule over the same stage modules computes, validation loss,
+document masks, the chunked loss and tied embeddings included, and a run resumed from a checkpoint
+continues bit for bit, both weight versions restored.
 
 2BW's numerics differ from synchronous training by design (each step's gradient lands one
-step late), so the reference is `tests.pipedream_oracle.pipedream_curve`: the 2BW engines
+step late), so the reference is `tests.pipedream_oracle.pipedream_run`: the 2BW engines
 of both stages in one process, fed and initialized as the trainer does. FP32, relative
 1e-5 per step, as for every layout. The first step applies no update (NaN norm, logged as
 null). Checkpoints every 2 steps drain the pipeline, which must not change the numerics.
+The runs mask attention to documents, on a corpus of short ones (`doc_mask_overrides`), so
+the second stage's attention must receive the documents too; they evaluate at steps 4 and
+8, after a drain, on the weights the next step runs on (the oracle's newest); and their
+loss applies the LM head in 2 chunks (`train.loss_chunks`), through the head of the version
+each micro-batch's forward ran on, which the oracle computes whole (the head of the other
+version, one update apart, would move the loss by far more than 1e-5). The embedding is
+tied: the last stage's copy of it and the first stage's embedding, in each version, take
+their summed gradient, which the oracle sums in one process.
 
 Resume (test d): a crash while the checkpoint of step 6 is written leaves step 4's as the
 newest complete one; the relaunched run restores it (the newest version as the model, the
@@ -31,14 +40,19 @@ from tests.distributed.harness import (
     max_relative_difference,
     run_pretrain,
 )
-from tests.pipedream_oracle import pipedream_curve
+from tests.pipedream_oracle import pipedream_run
 
 pytestmark = pytest.mark.distributed
 
 TWO_BW = [
     "parallel.pp=2", "parallel.pp_schedule=2bw", "checkpoint.every=2", "checkpoint.keep=4",
-    "eval.every=0",
+    "train.loss_chunks=2", "model.tie_embeddings=true",
 ]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def two_bw(doc_mask_overrides: list[str]) -> list[str]:
+    return [*TWO_BW, *doc_mask_overrides]
 
 
 def tensors(checkpoint: Path, out: Path) -> dict:
@@ -48,29 +62,34 @@ def tensors(checkpoint: Path, out: Path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(workdir: Path):
-    return run_pretrain(workdir / "2bw", TWO_BW, nproc=2)
+def uninterrupted(workdir: Path, two_bw: list[str]):
+    return run_pretrain(workdir / "2bw", two_bw, nproc=2)
 
 
 def test_distributed_2bw_equals_the_one_process_schedule(workdir: Path, uninterrupted) -> None:
-    reference = pipedream_curve(load_config(str(workdir / "2bw" / "config.yaml")), 8)
+    reference, val = pipedream_run(load_config(str(workdir / "2bw" / "config.yaml")), 8)
     assert max_relative_difference(uninterrupted.loss, [x for x, _ in reference]) <= (
         FP32_TOLERANCE
     )
     assert uninterrupted.grad_norm[0] is None and math.isnan(reference[0][1])
     norms = [n for _, n in reference[1:]]
     assert max_relative_difference(uninterrupted.grad_norm[1:], norms) <= FP32_TOLERANCE
+    assert len(val) == 2
+    assert max_relative_difference(uninterrupted.val_loss, val) <= FP32_TOLERANCE
 
 
-def test_d_resume_restores_both_weight_versions_exactly(workdir: Path, uninterrupted) -> None:
+def test_d_resume_restores_both_weight_versions_exactly(
+    workdir: Path, uninterrupted, two_bw: list[str]
+) -> None:
     run = workdir / "2bw_resumed"
-    crash = launch(run, TWO_BW, nproc=2, env={"PRETRAIN_FAULT_CRASH_IN_SAVE": "6"})
+    crash = launch(run, two_bw, nproc=2, env={"PRETRAIN_FAULT_CRASH_IN_SAVE": "6"})
     assert crash.returncode != 0
     saved = tensors(run / "checkpoints" / "step_00000004", workdir / "step4.pt")
     # Two distinct versions: the newest (model) and the one step 5 runs on (stash).
     assert not torch.equal(saved["model"]["output.weight"], saved["stash"]["output.weight"])
-    resumed = run_pretrain(run, TWO_BW, nproc=2)
+    resumed = run_pretrain(run, two_bw, nproc=2)
     assert resumed.loss == uninterrupted.loss
+    assert resumed.val_loss == uninterrupted.val_loss
     # Step 5 reports the update the drain before it applied; after a resume that drain ran
     # in the crashed process, so the resumed step 5 has no norm to report.
     assert resumed.grad_norm[4] is None

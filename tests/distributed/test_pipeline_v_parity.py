@@ -1,9 +1,11 @@
 """The V-shaped schedules (ZB-V, DualPipeV) reproduce the single-process curves.
 
-FP32 on CPU, within the harness's tolerances (`assert_same_curve`). vpp=2 chunks per rank
-placed in a V (rank r holds stages r and 2pp-1-r, so rank 0 runs both the embedding and
-the loss). pp=2 splits the
-harness's 4 layers into 4 stages; pp=4 needs 8 stages, so its reference has 8 layers, and
+FP32 on CPU, within the harness's tolerances (`assert_same_curve`: loss, gradient norm and
+the validation loss, which runs forward only outside torch's schedule). vpp=2 chunks per
+rank placed in a V (rank r holds stages r and 2pp-1-r, so rank 0 runs both the embedding and
+the loss). pp=2 splits the harness's 4 layers into 4 stages; DualPipeV there masks attention
+to documents (on a corpus of short ones, `doc_mask_overrides`), which every stage's
+attention must receive. pp=4 needs 8 stages, so its reference has 8 layers, and
 micro-batches of one sequence, which give DualPipeV the 2pp = 8 micro-batches it needs per
 step without re-splitting the reference's micro-batches (4 steps: 4 ranks cost the most).
 """
@@ -14,34 +16,43 @@ from pathlib import Path
 
 import pytest
 
-from tests.distributed.harness import assert_same_training, run_pretrain
+from tests.distributed.harness import assert_same_curve, run_pretrain
 
 pytestmark = pytest.mark.distributed
 
-NO_EVAL = ["eval.every=0"]
-"""torch's V schedules have no forward-only pass: runs with them do not evaluate."""
 PP4_MODEL = ["model.n_layers=8", "train.micro_batch=1", "train.steps=4"]
 
 
 @pytest.fixture(scope="module")
-def references(workdir: Path, harness_reference) -> dict:
+def references(workdir: Path, harness_reference, doc_mask_reference) -> dict:
     return {
         "harness": harness_reference,
+        "doc_mask": doc_mask_reference,
         "pp4_model": run_pretrain(workdir / "reference_pp4_model", PP4_MODEL, nproc=1),
     }
 
 
-@pytest.mark.parametrize("schedule", ["zbv", "dualpipev"])
+@pytest.fixture(scope="module")
+def models(doc_mask_overrides: list[str]) -> dict[str, list[str]]:
+    """The overrides of each reference's model and data."""
+    return {"harness": [], "doc_mask": doc_mask_overrides, "pp4_model": PP4_MODEL}
+
+
 @pytest.mark.parametrize(
-    ("pp", "reference", "model"), [(2, "harness", []), (4, "pp4_model", PP4_MODEL)]
+    ("schedule", "pp", "reference"),
+    [
+        ("zbv", 2, "harness"),
+        ("dualpipev", 2, "doc_mask"),
+        ("zbv", 4, "pp4_model"),
+        ("dualpipev", 4, "pp4_model"),
+    ],
 )
 def test_v_schedule_matches_reference(
-    workdir, references, grad_norm_tolerance, schedule, pp, reference, model
+    workdir, references, models, grad_norm_tolerance, schedule, pp, reference
 ) -> None:
     overrides = [
-        *model, f"parallel.pp={pp}", "parallel.vpp=2", f"parallel.pp_schedule={schedule}",
-        *NO_EVAL,
+        *models[reference], f"parallel.pp={pp}", "parallel.vpp=2",
+        f"parallel.pp_schedule={schedule}",
     ]  # fmt: skip
     curve = run_pretrain(workdir / f"{schedule}_pp{pp}", overrides, nproc=pp)
-    expected = references[reference]
-    assert_same_training(curve, expected, grad_norm_tolerance)
+    assert_same_curve(curve, references[reference], grad_norm_tolerance)

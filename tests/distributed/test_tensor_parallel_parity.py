@@ -4,7 +4,8 @@ FP32 on CPU, within the harness's tolerances, as for data parallelism. TP=2 runs
 the harness's model; TP=4 needs 4 key/value heads, so its reference has them, and it also
 pads a vocabulary of 510 to 512 with a tied LM head: padded logits that leaked into the
 softmax would raise the very first loss by about log(512/510) = 4e-3. Document-aware
-attention (data.doc_mask) under TP + SP matches its own one-process run. Multi-head latent
+attention (data.doc_mask, on a corpus of short documents: `doc_mask_overrides`) under TP + SP
+matches its own one-process run. Multi-head latent
 attention (with a query latent) splits its heads over tp and keeps its latent projections
 replicated: a rotary key gradient not summed over tp moved the gradient norm by 1.4%. A
 GeLU MLP (no up projection) splits its two matrices as SwiGLU's.
@@ -17,7 +18,6 @@ from pathlib import Path
 import pytest
 
 from tests.distributed.harness import (
-    DOC_MASK,
     MLA,
     assert_same_curve,
     run_pretrain,
@@ -33,8 +33,8 @@ GELU = ["model.mlp=gelu"]
 def references(workdir: Path, harness_reference, doc_mask_reference, mla_reference) -> dict:
     return {
         "harness": harness_reference,
-        "tp4_model": run_pretrain(workdir / "reference_tp4_model", TP4_MODEL, nproc=1),
         "doc_mask": doc_mask_reference,
+        "tp4_model": run_pretrain(workdir / "reference_tp4_model", TP4_MODEL, nproc=1),
         "mla": mla_reference,
         "gelu": run_pretrain(workdir / "reference_gelu", GELU, nproc=1),
     }
@@ -45,7 +45,7 @@ def references(workdir: Path, harness_reference, doc_mask_reference, mla_referen
     [
         ("tp2", "harness", ["parallel.tp=2"], 2),
         ("tp2_sp", "harness", ["parallel.tp=2", "parallel.sp=true"], 2),
-        ("tp2_sp_doc_mask", "doc_mask", [*DOC_MASK, "parallel.tp=2", "parallel.sp=true"], 2),
+        ("tp2_sp_doc_mask", "doc_mask", ["parallel.tp=2", "parallel.sp=true"], 2),
         ("tp4_padded_vocab", "tp4_model", [*TP4_MODEL, "parallel.tp=4"], 4),
         ("tp4_sp_padded_vocab", "tp4_model", [*TP4_MODEL, "parallel.tp=4", "parallel.sp=true"], 4),
         ("tp2_dp2_zero3", "harness", ["parallel.tp=2", "parallel.zero=3"], 4),
@@ -61,8 +61,9 @@ def references(workdir: Path, harness_reference, doc_mask_reference, mla_referen
     ],
 )
 def test_tensor_parallel_layout_matches_reference(
-    workdir, references, grad_norm_tolerance, label, reference, overrides, nproc
+    workdir, references, doc_mask_overrides, grad_norm_tolerance, label, reference, overrides, nproc
 ) -> None:
     expected = references[reference]
-    curve = run_pretrain(workdir / label, overrides, nproc=nproc)
+    data = doc_mask_overrides if reference == "doc_mask" else []
+    curve = run_pretrain(workdir / label, [*data, *overrides], nproc=nproc)
     assert_same_curve(curve, expected, grad_norm_tolerance)

@@ -186,7 +186,6 @@ def test_mixture_items_need_a_source_a_known_format_and_distinct_labels() -> Non
         ({"eval.batches": 0}, "eval.batches", "must be >= 1"),
         ({"data.max_tokens": -1}, "data.max_tokens", "must be >= 0"),
         ({"data.workers": -2}, "data.workers", "must be >= 0"),
-        ({"data.doc_mask": True, "parallel.pp": 2}, "data.doc_mask", "pipeline parallelism"),
         ({"data.doc_mask": True, "data.tokenizer": "none"}, "data.doc_mask", "has none"),
     ],
 )

@@ -134,20 +134,27 @@ def test_2bw_needs_a_pipeline_and_one_chunk_per_rank():
     assert problem.field == "parallel.vpp"
 
 
-def test_2bw_refuses_tied_embeddings():
-    cfg = configure({"parallel.pp": 2, "parallel.pp_schedule": "2bw", "model.tie_embeddings": True})
-    [problem] = problems(cfg)
-    assert (problem.field, problem.value) == ("model.tie_embeddings", True)
-    assert "two weight versions" in problem.reason
-
-
-def test_2bw_refuses_evaluation_and_loss_chunks():
-    cfg = configure({"parallel.pp": 2, "parallel.pp_schedule": "2bw", "eval.every": 4})
-    [problem] = [p for p in problems(cfg) if "PipeDream-2BW" in p.reason]
-    assert (problem.field, problem.value) == ("eval.every", 4)
-    assert "eval.every=0" in problem.fix
-    cfg = configure({"parallel.pp": 2, "parallel.pp_schedule": "2bw", "train.loss_chunks": 2})
-    assert ("train.loss_chunks", 2) in [(p.field, p.value) for p in problems(cfg)]
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"parallel.pp_schedule": "2bw"},
+        {"parallel.pp_schedule": "zbv", "parallel.vpp": 2},
+        {"parallel.pp_schedule": "dualpipev", "parallel.vpp": 2},
+    ],
+)
+def test_every_schedule_evaluates_masks_documents_chunks_the_loss_and_ties_embeddings(
+    overrides,
+):
+    features = {
+        "eval.every": 4,
+        "data.val_fraction": 0.01,
+        "data.doc_mask": True,
+        "train.loss_chunks": 2,
+        "model.tie_embeddings": True,
+    }
+    cfg = configure({"parallel.pp": 2, "parallel.zero": 2, **features, **overrides})
+    validate(cfg, for_launch=True)
+    assert check_runnable(cfg) == []
 
 
 def test_a_tied_head_under_a_v_schedule_sits_beside_the_embedding_on_rank_0():

@@ -12,6 +12,11 @@ vocabulary, the padded-vocabulary mask) and the vocab-parallel loss apply to eac
 they do to whole logits; sequence-sharded hidden states (SP) are gathered first, as the
 head's own input plan would. Chunks are of equal length, so the mean of their mean losses
 is the mean loss of the whole sequence.
+
+`head` is read at each call and kept with that call's chunks for their recompute, so it may
+be pointed at another module between calls: PipeDream-2BW points it at the head of the
+weight version whose forward runs, and a micro-batch whose backward runs a step later still
+recomputes its logits through the head its forward used.
 """
 
 from __future__ import annotations
@@ -46,10 +51,12 @@ class ChunkedLMLoss:
         total: torch.Tensor | None = None
         pairs = zip(hidden.chunk(self.chunks, 1), targets.chunk(self.chunks, 1), strict=True)
         for part, part_targets in pairs:
-            loss = checkpoint(self._chunk_loss, part, part_targets, use_reentrant=False)
+            loss = checkpoint(self._chunk_loss, part, part_targets, self.head, use_reentrant=False)
             total = loss if total is None else total + loss
         assert total is not None
         return total / self.chunks
 
-    def _chunk_loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return self.loss_fn(self.head(hidden), targets)
+    def _chunk_loss(
+        self, hidden: torch.Tensor, targets: torch.Tensor, head: nn.Module
+    ) -> torch.Tensor:
+        return self.loss_fn(head(hidden), targets)

@@ -114,6 +114,22 @@ class StepContext:
         targets = torch.cat([y for _, y in micro_batches]).to(self.device)
         return self.split(inputs, targets)
 
+    def microbatch_kwargs(self, inputs: torch.Tensor) -> list[dict[str, torch.Tensor]]:
+        """`model_kwargs` of each of the `pipeline_microbatches` parts of this rank's batch,
+        in order: every stage's forward takes its micro-batch's (the documents), and every
+        stage holds the tokens to compute them from."""
+        parts = torch.tensor_split(inputs, self.pipeline_microbatches)
+        return [self.model_kwargs(part) for part in parts]
+
+    def pipeline_mean(self, losses: list[torch.Tensor]) -> torch.Tensor:
+        """The mean of the last stage's micro-batch `losses` (none on the other stages), on
+        every stage of the pipeline."""
+        loss = torch.zeros((), device=self.device)
+        if losses:
+            loss += torch.stack(losses).sum() / self.pipeline_microbatches
+        dist.all_reduce(loss, group=self.pipeline_group)
+        return self.context_mean(loss)
+
     def scaled_term(self, loss: torch.Tensor) -> torch.Tensor:
         """One pipeline micro-batch's part of the objective: its loss divided by their count,
         as accumulation does, times the loss scale."""

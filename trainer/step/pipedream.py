@@ -20,7 +20,10 @@ step later, by when every rank has long contributed. (A segment's first step, wh
 no update, agrees on a stop the blocking way.)
 
 Micro-batches and the loss follow `trainer/step/pipeline.py`: this rank's accumulation
-micro-batches, re-split into `parallel.pp_microbatches`, the loss divided by their count.
+micro-batches, re-split into `parallel.pp_microbatches`, the loss divided by their count,
+and every stage's forward takes its micro-batch's document ids under `data.doc_mask`. The
+validation loss after step k is that of W(k+1), the weights step k+1 runs on, through the
+forward-only pass every pipelined step shares (`trainer/step/pipeline_eval.py`).
 """
 
 from __future__ import annotations
@@ -36,9 +39,15 @@ from pretrain.parallel.clip import clip_to_norm, grad_norm
 from pretrain.parallel.expert import reduce_expert_grads
 from pretrain.parallel.pipeline.pipedream import P2PTransport, PipeDream, Version, move_optimizer
 from pretrain.parallel.pipeline.stages import StageView
+from pretrain.parallel.pipeline.tied_embedding import (
+    embedding_group,
+    head_copies,
+    start_tied_grad_sum,
+)
 from pretrain.parallel.tensor import local_value
 from pretrain.trainer.step.context import StepContext
 from pretrain.trainer.step.local import step_optimizer
+from pretrain.trainer.step.pipeline_eval import evaluate_pipeline
 from pretrain.trainer.step.state import MicroBatches, StepResult
 
 
@@ -73,6 +82,9 @@ class PipeDreamStep:
             self._update,
             self._gradient_ready,
         )
+        # Tied embeddings: the first and the last rank sum their copies' gradients.
+        self.embedding_group = embedding_group(ctx.cfg, degrees)
+        self.tied_sums: list[dist.Work] = []
         # The agreements run beside the pipeline's traffic and the step's own collectives.
         self.agree_group = dist.new_group(backend=dist.get_backend())
         self.replicas = dist.get_world_size() // degrees.pp  # ranks per stage
@@ -82,7 +94,14 @@ class PipeDreamStep:
         self.drained: tuple[torch.Tensor, bool] | None = None
         state.settle = self.drain
 
+    def _head_of(self, version: Version) -> None:
+        """Point the chunked losses (`train.loss_chunks` > 1) at `version`'s LM head."""
+        for chunked in self.state.chunked_losses:
+            chunked.head = self.versions[id(version)][1].output
+
     def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        # Called by the engine right after the forward of the version it runs.
+        self._head_of(self.engine.running)
         loss = self.state.loss_fn(logits, targets)
         self._losses.append(local_value(loss.detach()))
         return self.ctx.scaled_term(loss)
@@ -92,8 +111,18 @@ class PipeDreamStep:
         view = self.versions[id(version)][1]
         reduce_expert_grads(view)
         self.state.scaler.unscale_(view.parameters())
+        copies = {id(p) for p in head_copies(view)}
+        tied = start_tied_grad_sum(view, self.embedding_group)
+        if tied is not None and copies:
+            # The last stage finishes a step's gradient first: its copy needs the sum only
+            # at the update, and leaves the norm, which counts the embedding once.
+            self.tied_sums.append(tied)
+        elif tied is not None:
+            # The first stage finishes last, its twin's half already sent: the embedding's
+            # norm counts the sum.
+            tied.wait()
         # Every rank of a stage holds its stage's squared norm (grad_norm reduces within it).
-        squared = grad_norm(view.parameters()) ** 2
+        squared = grad_norm([p for p in view.parameters() if id(p) not in copies]) ** 2
         last_loss = torch.stack(self._losses).sum() if self.engine.last else squared * 0
         flags = torch.stack(
             [
@@ -119,6 +148,8 @@ class PipeDreamStep:
         state.model = nn.ModuleList(target_view.chunks)
         flags, work = self.agreements.pop(0)
         work.wait()
+        if self.tied_sums:
+            self.tied_sums.pop(0).wait()
         norm = (flags[0] / self.replicas).sqrt()
         clip_to_norm(state.plain.parameters(), norm, self.ctx.cfg.optim.grad_clip)
         scaled_ok = state.scaler.update(norm)
@@ -138,14 +169,11 @@ class PipeDreamStep:
             ops = engine.begin(
                 list(torch.tensor_split(inputs, self.n_microbatches)) if engine.first else [],
                 list(torch.tensor_split(targets, self.n_microbatches)) if engine.last else [],
+                ctx.microbatch_kwargs(inputs),
             )
             for op in ops:
                 engine.run(*op)
-            loss = torch.zeros((), device=ctx.device)
-            if engine.last:
-                loss += torch.stack(self._losses).sum() / self.n_microbatches
-            dist.all_reduce(loss, group=self.group)
-            loss = ctx.context_mean(loss)
+            loss = ctx.pipeline_mean(self._losses if engine.last else [])
             engine.end()
         if self.result is not None:  # this step applied the previous step's gradient
             return StepResult(loss, *self.result)
@@ -158,6 +186,14 @@ class PipeDreamStep:
         else:
             agreed_bad, stop = ctx.guard.agree(loss, torch.zeros((), device=ctx.device))
         return StepResult(loss, norm, bad or agreed_bad, stop)
+
+    def evaluate(self, micro_batches: MicroBatches) -> torch.Tensor:
+        """The mean validation loss of this pipeline's micro-batches, on every stage, under
+        the weights the next step runs on: W(k+1) after step k, with or without a drain (a
+        drain also writes W(k+2), which step k+1 must not see). A forward-only pass of its
+        own, beside the backwards still in flight, which it leaves as they are."""
+        self._head_of(self.engine.running)
+        return evaluate_pipeline(self.ctx, [self.engine.running.module], micro_batches)
 
     def drain(self) -> None:
         """Run the backwards still in flight and apply the last step's gradient: the state

@@ -13,15 +13,15 @@ losses to its output (`parallel/pipeline/moe.py`), so they join the objective of
 micro-batch that produced them; the reported loss is the LM loss alone, as in the plain
 step, and expert gradients are reduced over their data-parallel ranks before clipping.
 MFU needs nothing special: model FLOPs per token are the same, and the bubble is in the
-measured step time, so it never counts as work.
+measured step time, so it never counts as work. Under `data.doc_mask` every stage's forward
+takes its micro-batch's document ids (torch splits the keyword arguments of `step` as it
+splits the tokens, and hands them to every stage); the validation loss is a forward-only
+pass outside the schedule (`trainer/step/pipeline_eval.py`).
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
-import torch.distributed as dist
 
 from pretrain.core.schedules import SCHEDULES
 from pretrain.parallel.expert import reduce_expert_grads
@@ -31,6 +31,7 @@ from pretrain.parallel.tensor import local_value
 from pretrain.trainer.step.context import StepContext
 from pretrain.trainer.step.local import SLOT_RETRIES, apply_gradients, run_again_for_slots
 from pretrain.trainer.step.pipedream import PipeDreamStep
+from pretrain.trainer.step.pipeline_eval import evaluate_pipeline
 from pretrain.trainer.step.state import MicroBatches, StepResult
 
 
@@ -54,19 +55,11 @@ class PipelineStep:
         self.has_last = ctx.degrees.pp * ctx.cfg.parallel.vpp - 1 in stages
         self.n_microbatches = ctx.pipeline_microbatches
         self.losses: list[torch.Tensor] = []
-        self.evaluating = False
         for chunk in ctx.state.model:
             ctx.prepare_stage(chunk)
         self.embedding_group = embedding_group(ctx.cfg, ctx.degrees)
         self.stages = stages
-        self.schedule = self._new_schedule()
-        # Validation runs through a schedule of its own: torch's stages infer their shapes
-        # again after a forward-only pass, and that extra forward inside the next training
-        # step would count in the step's MoE routing (and its balancing bias).
-        self.eval_schedule: Any = None
-
-    def _new_schedule(self) -> Any:
-        return build_schedule(
+        self.schedule = build_schedule(
             list(self.state.model),
             self.stages,
             self.ctx.cfg.parallel,
@@ -77,9 +70,7 @@ class PipelineStep:
         )
 
     def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        # Validation reads the plain loss (the state's may be compiled or fault-injected).
-        state = self.state
-        loss = (state.eval_loss_fn if self.evaluating else state.loss_fn)(logits, targets)
+        loss = self.state.loss_fn(logits, targets)
         # Every TP rank holds the same (replicated) loss.
         self.losses.append(local_value(loss.detach()))
         return self.ctx.scaled_term(loss)
@@ -91,13 +82,18 @@ class PipelineStep:
         ctx = self.ctx
         inputs, targets = ctx.whole_batch(micro_batches)
         args = (inputs,) if self.has_first else ()
+        # Every stage's attention takes the documents (torch splits them as the tokens).
+        kwargs = ctx.model_kwargs(inputs)
         phases = self.state.phases
         for _ in range(SLOT_RETRIES):
             self.losses = []
             with phases.phase("forward_backward"), ctx.loss_parallel():
                 # The last stage's outputs (the logits) are not merged and kept to the end.
                 self.schedule.step(
-                    *args, target=targets if self.has_last else None, return_outputs=False
+                    *args,
+                    target=targets if self.has_last else None,
+                    return_outputs=False,
+                    **kwargs,
                 )
             if not run_again_for_slots(self.state, ctx.cfg, ctx.device):
                 break
@@ -107,32 +103,13 @@ class PipelineStep:
             reduce_expert_grads(self.state.plain)
             reduce_tied_grads(self.state.plain, self.embedding_group)
         # The first step's shape inference calls the loss function once more, first.
-        loss = self._pipeline_loss()
+        loss = ctx.pipeline_mean(self.losses[-self.n_microbatches :] if self.has_last else [])
         with phases.phase("optimizer"):
             return StepResult(
                 loss, *apply_gradients(self.state, ctx.cfg, ctx.guard, loss, self.group)
             )
 
-    def _pipeline_loss(self) -> torch.Tensor:
-        """The mean loss of the last stage's latest micro-batches, on every stage."""
-        loss = torch.zeros((), device=self.ctx.device)
-        if self.has_last:
-            loss += torch.stack(self.losses[-self.n_microbatches :]).sum() / self.n_microbatches
-        dist.all_reduce(loss, group=self.group)
-        return self.ctx.context_mean(loss)
-
-    @torch.no_grad()
     def evaluate(self, micro_batches: MicroBatches) -> torch.Tensor:
-        """The mean validation loss of this pipeline's micro-batches (forward only, through
-        the same schedule), on every stage."""
-        inputs, targets = self.ctx.whole_batch(micro_batches)
-        args = (inputs,) if self.has_first else ()
-        self.losses, self.evaluating = [], True
-        try:
-            with self.ctx.loss_parallel():
-                if self.eval_schedule is None:
-                    self.eval_schedule = self._new_schedule()
-                self.eval_schedule.eval(*args, target=targets if self.has_last else None)
-        finally:
-            self.evaluating = False
-        return self._pipeline_loss()
+        """The mean validation loss of this pipeline's micro-batches (forward only, outside
+        the schedule: `trainer/step/pipeline_eval.py`), on every stage."""
+        return evaluate_pipeline(self.ctx, list(self.state.model), micro_batches)

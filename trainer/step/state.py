@@ -14,6 +14,7 @@ from torch import nn
 
 from pretrain.parallel.context import ContextSplit
 from pretrain.parallel.precision import LossScaler
+from pretrain.trainer.step.chunked_loss import ChunkedLMLoss
 from pretrain.trainer.step.phases import OFF, StepPhases
 
 
@@ -35,6 +36,9 @@ class TrainState:
     """The training loss of the model's output (may be compiled, chunked, fault-injected)."""
     eval_loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = lm_loss
     """The plain loss of the model's output, for validation (chunked as training's is)."""
+    chunked_losses: tuple[ChunkedLMLoss, ...] = ()
+    """The chunked losses inside `loss_fn` and `eval_loss_fn` (`train.loss_chunks` > 1 on the
+    stage that holds the LM head), whose head PipeDream-2BW points at the running version."""
     phases: StepPhases = OFF
     """Times the step's forward, backward and optimizer (read by the metrics window)."""
     routing_group: dist.ProcessGroup | None = None

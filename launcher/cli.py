@@ -172,8 +172,10 @@ def _draw_pipeline_chart(cfg: RecipeConfig, plan: Any) -> None:
 
 def _validate_for_action(cfg: RecipeConfig) -> None:
     """Every check the action needs, before anything is written; exits on a problem."""
+    from pretrain.core.problems import Checks
     from pretrain.launcher.plan.memory_fit import check_fits
     from pretrain.launcher.validate.data import unprepared_problems
+    from pretrain.launcher.validate.job_limits import check_disk_room
     from pretrain.launcher.validate.layout import check_runnable
     from pretrain.launcher.validate.recipe import validate
 
@@ -194,8 +196,11 @@ def _validate_for_action(cfg: RecipeConfig) -> None:
     except RecipeError as err:
         _fail(f"Recipe '{cfg.name}' is not valid:\n{err}")
     if cfg.action == "script":
-        # A script may be written for a layout this trainer cannot run yet; say so loudly.
-        for problem in check_runnable(cfg):
+        # A script may be written for a layout this trainer cannot run yet, or for a run dir
+        # that has no room for its checkpoints yet; say so loudly.
+        room = Checks()
+        check_disk_room(room, cfg)
+        for problem in [*check_runnable(cfg), *room.problems]:
             LOG.warning(problem)
 
 
@@ -203,7 +208,7 @@ def _check_partition(cfg: RecipeConfig) -> None:
     """The job's request against its partition's limits (RecipeError); a line on stderr
     when SLURM cannot tell them here."""
     from pretrain.core.problems import Checks
-    from pretrain.launcher.validate.partition import check_partition
+    from pretrain.launcher.validate.job_limits import check_partition
 
     c = Checks()
     skipped = check_partition(c, cfg)

@@ -128,9 +128,7 @@ def setup(cfg: RecipeConfig, rank: RankInfo) -> Run:
     checkpointer = Checkpointer(
         run_dir, cfg.checkpoint, states, rank=rank.rank, world_size=rank.world_size, faults=faults
     )
-    start, load_s = _restore(checkpointer)
-    if rank.is_main:
-        _record_job(run_dir, rank.world_size, start)
+    start, load_s = _restore(checkpointer, run_dir, rank)
     CLOCK.mark("loaders and checkpoint")
     if start:
         get_logger().info("resumed from the checkpoint of step %d", start)
@@ -174,11 +172,15 @@ def setup(cfg: RecipeConfig, rank: RankInfo) -> Run:
     )
 
 
-def _restore(checkpointer: Checkpointer) -> tuple[int, float]:
-    """The step of the checkpoint restored (0: none) and the seconds it took."""
+def _restore(checkpointer: Checkpointer, run_dir: Path, rank: RankInfo) -> tuple[int, float]:
+    """The step of the checkpoint restored (0: none) and the seconds it took; the main rank
+    records the job, and the step it starts from, in the run's ledger."""
     began = time.time()
     start = checkpointer.restore()
-    return start, time.time() - began
+    took = time.time() - began
+    if rank.is_main:
+        _record_job(run_dir, rank.world_size, start)
+    return start, took
 
 
 def _recovery(

@@ -87,7 +87,9 @@ def validate(
     _check_checkpoint(c, cfg)
     if model_ok and cluster_ok and not c.reported("cluster.signal_seconds"):
         check_signal_lead(c, cfg)
-    if run_dir and model_ok and not c.reported("run.dir") and not c.reported("checkpoint.keep"):
+    if for_launch and model_ok and not c.reported("run.dir") and not c.reported("checkpoint.keep"):
+        # A launch is refused; a script (perhaps written for a file system elsewhere) is
+        # warned about by the launcher.
         check_disk_room(c, cfg)
     _check_speed(c, cfg)
     if for_launch:

@@ -18,12 +18,13 @@ from pretrain.launcher.validate.job_limits import (
     CHECKPOINT_WRITE_GBS,
     SAVE_MARGIN_S,
     check_disk_room,
+    check_partition,
     check_signal_lead,
     checkpoint_bytes,
     checkpoints_at_once,
+    partition_limits,
     slurm_seconds,
 )
-from pretrain.launcher.validate.partition import check_partition, partition_limits
 from pretrain.models.flops import count_params
 from tests.helpers import base
 

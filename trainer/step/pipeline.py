@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from pretrain.core.schedules import SCHEDULES
 from pretrain.parallel.expert import reduce_expert_grads
+from pretrain.parallel.pipeline.shapes import stage_shapes
 from pretrain.parallel.pipeline.stages import build_schedule, stage_indices
 from pretrain.parallel.pipeline.tied_embedding import embedding_group, reduce_tied_grads
 from pretrain.parallel.tensor import local_value
@@ -59,10 +60,10 @@ class PipelineStep:
             ctx.prepare_stage(chunk)
         self.embedding_group = embedding_group(ctx.cfg, ctx.degrees)
         self.stages = stages
+        self.shapes = stage_shapes(ctx.cfg, ctx.degrees, self.n_microbatches)
         self.schedule = self._new_schedule()
-        # Validation runs through a schedule of its own: torch's stages infer their shapes
-        # again after a forward-only pass, and that extra forward inside the next training
-        # step would count in the step's MoE routing (and its balancing bias).
+        # Validation runs through a schedule of its own: a schedule switched between
+        # forward-only passes and training steps sets its stages up again at each switch.
         self.eval_schedule: Any = None
 
     def _new_schedule(self) -> Any:
@@ -74,6 +75,7 @@ class PipelineStep:
             self._loss,
             self.group,
             self.ctx.device,
+            self.shapes,
         )
 
     def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -106,7 +108,6 @@ class PipelineStep:
         with phases.phase("forward_backward"):
             reduce_expert_grads(self.state.plain)
             reduce_tied_grads(self.state.plain, self.embedding_group)
-        # The first step's shape inference calls the loss function once more, first.
         loss = self._pipeline_loss()
         with phases.phase("optimizer"):
             return StepResult(

@@ -26,7 +26,13 @@ import pretrain.launcher.cli  # noqa: E402,F401  (registers the recipe schema wi
 from pretrain.core.hardware import GIB  # noqa: E402
 from pretrain.core.layout import resolve_degrees  # noqa: E402
 from pretrain.core.schema import RecipeConfig, to_recipe  # noqa: E402
-from pretrain.launcher.plan.dryrun import DryRunError, chosen_rank, comparisons, run_dry_run  # noqa: E402
+from pretrain.launcher.plan.dryrun import (  # noqa: E402
+    DryRunError,
+    chosen_rank,
+    comparisons,
+    rank_plan,
+    run_dry_run,
+)
 from pretrain.launcher.plan.plan import make_plan  # noqa: E402
 
 RECIPES = ("gpt2_124m", "llama3_1b", "llama3_8b", "llama3_70b", "mixtral_8x7b", "deepseek_v2_lite")
@@ -49,7 +55,7 @@ def recipe(name: str, overrides: list[str], micro_batches: int) -> RecipeConfig:
 def row(label: str, cfg: RecipeConfig) -> str:
     start = time.monotonic()
     rank = chosen_rank(cfg)
-    plan = make_plan(cfg)
+    plan = rank_plan(cfg, make_plan(cfg), rank)
     try:
         result = run_dry_run(cfg, rank)
     except DryRunError as err:

@@ -13,6 +13,12 @@ computes its coordinates from its small tensor of ranks (data-dependent ops), th
 bad-step agreement reads the loss and the norm (`FakeStepGuard`). A dropless expert-parallel
 dispatch learns its slots from the loads it reads after a step; under fake tensors there
 are none to read, so its slots stay as first sized (the all-reduce is still issued).
+
+torch's pipeline schedule agrees at start-up over the pipeline whether every stage knows its
+shapes (a vote read with `.item()`, a value a fake group never delivers): the vote's messages
+are still sent, and each stage takes its own vote, which is every stage's since all are
+given their shapes from the same recipe; torch's own check of every stage's tensors against
+those shapes is switched on, so a shape the recipe derives wrongly fails the dry run.
 """
 
 from __future__ import annotations
@@ -26,6 +32,8 @@ import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining._utils import InferenceMode
+from torch.distributed.pipelining.schedules import _PipelineSchedule
 from torch.distributed.tensor._sharding_prop import ShardingPropagator
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import _disable_current_modes
@@ -51,6 +59,19 @@ def _slots_as_sized(_: Callable[..., Any]) -> Callable[..., Any]:
     return settle
 
 
+def _own_votes(warmup: Callable[..., Any]) -> Callable[..., Any]:
+    def vote(schedule: Any, stages: list, has_backward: bool, p2p_done: bool) -> None:
+        with unset_fake_temporarily():
+            warmup(schedule, stages, has_backward, p2p_done)
+        for stage in stages:
+            if InferenceMode.needs_dynamic(stage._user_meta, has_backward):
+                raise RuntimeError(f"pipeline stage {stage.stage_index} was given no shapes")
+            stage._inference_mode = InferenceMode.STATIC
+            stage._runtime_validate = True
+
+    return vote
+
+
 def _on_real_tensors(fn: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -72,6 +93,7 @@ def fake_world(rank: int, world_size: int) -> Iterator[None]:
         (ShardingPropagator, "_propagate_tensor_meta_non_cached", _outside_modes),
         (models, "build", _on_real_tensors),
         (pretrain.trainer.step.local, "settle_slot_bounds", _slots_as_sized),
+        (_PipelineSchedule, "_warmup_p2p", _own_votes),
     ]
     originals = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
     for owner, name, wrap in patches:

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from pretrain.core.layout import Degrees, grad_accum_steps, resolve_degrees
+from pretrain.core.schedules import SCHEDULES
 from pretrain.core.schema import RecipeConfig
 from pretrain.parallel.data_parallel import uses_fsdp
 from pretrain.parallel.mesh import JobMesh, build_mesh
@@ -56,13 +57,13 @@ def dry_run_device(job_device: str) -> torch.device:
 
 def unsupported(cfg: RecipeConfig, degrees: Degrees) -> str | None:
     """Why this layout cannot be dry-run yet (None when it can)."""
-    if degrees.pp > 1:
-        # torch's pipeline stages infer their shapes from their neighbours (a warm-up vote
-        # read with .item() and metadata sent as objects); a fake group delivers neither.
+    if degrees.pp > 1 and SCHEDULES[cfg.parallel.pp_schedule].torch_class is None:
+        # Its transport sends the first activation's shape ahead of it, read back as values.
         return (
-            f"parallel.pp={degrees.pp}: pipeline stages infer their shapes from their "
-            "neighbours at the first step, which a fake process group cannot deliver; "
-            "dry-run a layout with pp=1"
+            f"parallel.pp_schedule={cfg.parallel.pp_schedule}: the in-repo schedule's stages "
+            "learn their input shape from a header their neighbour sends, which a fake "
+            "process group cannot deliver; dry-run the layout under a schedule torch runs "
+            "(its memory differs by the second weight version)"
         )
     if degrees.grad_replicas > 1 and not uses_fsdp(cfg.parallel, degrees):
         # DDP checks every parameter's shape against rank 0's with a real collective.
@@ -146,7 +147,19 @@ def _while(doing: str) -> Iterator[None]:
     try:
         yield
     except Exception as error:
-        raise DryRunFailure(f"{doing}: {type(error).__name__}: {error}") from error
+        raise DryRunFailure(f"{doing}: {_reason(error)}") from error
+
+
+def _reason(error: BaseException) -> str:
+    """The error on one line, with the error it was raised from where it wraps one (torch's
+    pipeline stages report a failed forward by its arguments, the cause underneath)."""
+    reason = f"{type(error).__name__}: {' '.join(str(error).split())}"
+    root = error
+    while root.__cause__ is not None:
+        root = root.__cause__
+    if root is error:
+        return reason
+    return f"{reason}; from {type(root).__name__}: {' '.join(str(root).split())}"
 
 
 def _device_bytes(

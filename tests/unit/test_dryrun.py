@@ -106,16 +106,24 @@ def test_a_stage_given_wrong_shapes_fails_the_dry_run(monkeypatch):
         dry_run(small_pipeline(), 0)
 
 
-def test_plan_format_json_holds_the_dry_run_beside_the_plan(tmp_path):
+def test_plan_format_json_holds_the_dry_run_of_a_ddp_layout_beside_the_plan(tmp_path):
+    """tiny as shipped: DDP over 2 ranks, whose start-up would read the weights' values."""
     done = pretrain(
-        "--config-name", "tiny", "action=dryrun", "plan.format=json", "parallel.zero=2",
-        "model.n_layers=2", cwd=tmp_path,
+        "--config-name", "tiny", "action=dryrun", "plan.format=json", "model.n_layers=2",
+        cwd=tmp_path,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     out = json.loads(done.stdout.strip().splitlines()[-1])
     dry = out["dryrun"]
     assert {"rank", "peak_gib", "plan_peak_gib", "collectives"} <= set(dry)
-    assert dry["rank"] == 0 and dry["peak_gib"] > 0 and dry["collectives"]
+    assert dry["rank"] == 0 and dry["peak_gib"] > 0
+    figures = {c["name"]: c["ratio"] for c in dry["comparison"]}
+    for name in ("parameters", "optimizer states", "peak of later steps"):
+        assert figures[name] == pytest.approx(1.0, abs=TOLERANCE), name
+    # Every fp32 gradient all-reduced once in the step (not once per micro-batch), besides
+    # a few scalars (the grad norm, the bad-step agreement).
+    grads = dry["built"]["Parameter"]
+    assert dry["collectives"]["all_reduce"] == pytest.approx(grads, rel=1e-3)
     assert not list(tmp_path.iterdir()), "a dry run writes no file"
 
 

@@ -14,11 +14,15 @@ bad-step agreement reads the loss and the norm (`FakeStepGuard`). A dropless exp
 dispatch learns its slots from the loads it reads after a step; under fake tensors there
 are none to read, so its slots stay as first sized (the all-reduce is still issued).
 
-torch's pipeline schedule agrees at start-up over the pipeline whether every stage knows its
-shapes (a vote read with `.item()`, a value a fake group never delivers): the vote's messages
-are still sent, and each stage takes its own vote, which is every stage's since all are
-given their shapes from the same recipe; torch's own check of every stage's tensors against
-those shapes is switched on, so a shape the recipe derives wrongly fails the dry run.
+Two start-up exchanges read values a fake group never delivers. torch's pipeline schedule
+agrees over the pipeline whether every stage knows its shapes (a vote read with `.item()`):
+the vote's messages are still sent, and each stage takes its own vote, which is every
+stage's since all are given their shapes from the same recipe; torch's own check of every
+stage's tensors against those shapes is switched on, so a shape the recipe derives wrongly
+fails the dry run. DDP checks the parameters' shapes against rank 0's and broadcasts rank
+0's values; both are skipped (every rank initializes the same weights), and its gradient
+buckets are reduced through a hook of the same arithmetic, since the reducer's own reads the
+reduced bucket back from the group's future, which a fake group leaves empty.
 """
 
 from __future__ import annotations
@@ -35,9 +39,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining._utils import InferenceMode
 from torch.distributed.pipelining.schedules import _PipelineSchedule
 from torch.distributed.tensor._sharding_prop import ShardingPropagator
+from torch.nn.parallel import DistributedDataParallel
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import _disable_current_modes
 
+import pretrain.trainer.build
 import pretrain.trainer.step.local
 from pretrain import models
 
@@ -72,6 +78,31 @@ def _own_votes(warmup: Callable[..., Any]) -> Callable[..., Any]:
     return vote
 
 
+def _without_init_sync(init: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(init)
+    def wrapper(self: DistributedDataParallel, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs, init_sync=False)
+
+    return wrapper
+
+
+def _reduced_in_place(apply_ddp: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(apply_ddp)
+    def wrapper(model: Any, mesh: Any, *args: Any) -> DistributedDataParallel:
+        ddp = apply_ddp(model, mesh, *args)
+        if not ddp._comm_hooks:  # the recipe's reduction dtype brings its own hook
+            ddp.register_comm_hook(mesh.dp_cp.get_group(), _mean_in_place)
+        return ddp
+
+    return wrapper
+
+
+def _mean_in_place(group: dist.ProcessGroup, bucket):  # unannotated: DDP checks the types
+    buffer = bucket.buffer()
+    work = dist.all_reduce(buffer.div_(group.size()), group=group, async_op=True)
+    return work.get_future().then(lambda _: buffer)
+
+
 def _on_real_tensors(fn: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -94,6 +125,8 @@ def fake_world(rank: int, world_size: int) -> Iterator[None]:
         (models, "build", _on_real_tensors),
         (pretrain.trainer.step.local, "settle_slot_bounds", _slots_as_sized),
         (_PipelineSchedule, "_warmup_p2p", _own_votes),
+        (DistributedDataParallel, "__init__", _without_init_sync),
+        (pretrain.trainer.build, "apply_ddp", _reduced_in_place),
     ]
     originals = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
     for owner, name, wrap in patches:

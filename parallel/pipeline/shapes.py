@@ -1,10 +1,11 @@
 """What crosses between pipeline stages, derived from the recipe, so no stage infers it.
 
-Given no shapes, torch's `PipelineStage` learns them at the first step: the stages vote
-over the pipeline on whether each knows its shapes, and each then sends the next its
-outputs' metadata as pickled objects, after a forward of the first micro-batch. Every
-shape follows from the recipe, so each stage is given examples of its inputs and outputs
-here (on the meta device: no storage) and the first step starts with real work.
+Given no shapes, torch's `PipelineStage` learns them at the first step: after a vote over
+the pipeline on whether every stage knows its shapes (a few bytes), each stage runs a
+forward of the first micro-batch and sends the next its outputs' metadata as pickled
+objects (and the gradients' back). Every shape follows from the recipe, so each stage is
+given examples of its inputs and outputs here (on the meta device: no storage); the vote
+then finds them all known and the first step starts with real work.
 
 Per micro-batch of the schedule, on this rank:
 

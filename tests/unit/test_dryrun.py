@@ -106,6 +106,18 @@ def test_a_stage_given_wrong_shapes_fails_the_dry_run(monkeypatch):
         dry_run(small_pipeline(), 0)
 
 
+def test_the_dry_run_holds_the_parameters_and_optimizer_states_the_plan_counts():
+    cfg = small_tp_fsdp()
+    result = run_dry_run(cfg, fullest_rank(cfg))
+    figures = {c.name: c for c in comparisons(make_plan(cfg), result)}
+    for name in ("parameters", "optimizer states"):
+        assert figures[name].ratio == pytest.approx(1.0, abs=TOLERANCE), name
+    # One micro-batch per data-parallel rank: 8 sequences over 4; FSDP moved parameters.
+    assert result["micro_batches"] == 2
+    assert result["collectives"]["all_gather"] > 0
+    assert result["collectives"]["reduce_scatter"] > 0
+
+
 def test_plan_format_json_holds_the_dry_run_of_a_ddp_layout_beside_the_plan(tmp_path):
     """tiny as shipped: DDP over 2 ranks, whose start-up would read the weights' values."""
     done = pretrain(

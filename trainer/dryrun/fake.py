@@ -67,6 +67,8 @@ def _slots_as_sized(_: Callable[..., Any]) -> Callable[..., Any]:
 
 def _own_votes(warmup: Callable[..., Any]) -> Callable[..., Any]:
     def vote(schedule: Any, stages: list, has_backward: bool, p2p_done: bool) -> None:
+        # On real 4-byte tensors: the messages are issued and counted; what arrives is the
+        # fake group's nothing, so the outcome torch reads from it is overridden below.
         with unset_fake_temporarily():
             warmup(schedule, stages, has_backward, p2p_done)
         for stage in stages:

@@ -142,6 +142,14 @@ def apply_ddp(
     return ddp
 
 
+def ddp_bucket_bytes(model: nn.Module) -> int:
+    """Bytes of the gradient buckets DDP allocated for `model` (0 when not DDP)."""
+    if not isinstance(model, DistributedDataParallel):
+        return 0
+    sizes = model._get_ddp_logging_data().get("bucket_sizes", "")
+    return sum(int(size) for size in str(sizes).split(",") if size.strip())
+
+
 # `bucket` and the return value are left unannotated: DDP compares the annotations with the
 # real classes, and postponed (string) annotations would fail that check.
 def bf16_reduce_hook(group: dist.ProcessGroup, bucket):
@@ -155,8 +163,8 @@ def bf16_reduce_hook(group: dist.ProcessGroup, bucket):
     compressed = buffer.to(torch.bfloat16).div_(group.size())
     work = dist.all_reduce(compressed, group=group, async_op=True)
 
-    def decompress(future: torch.futures.Future) -> torch.Tensor:
-        buffer.copy_(future.value()[0])
+    def decompress(_: torch.futures.Future) -> torch.Tensor:
+        buffer.copy_(compressed)  # reduced in place
         return buffer
 
     return work.get_future().then(decompress)

@@ -46,3 +46,7 @@ _.newest
 _.one_process_loader  # trainer/data/loader.py: bench/, tests/pipedream_oracle.py
 _.read_png_data  # launcher/report.py: reads a report's panel data back (docs/metrics.md)
 _.dashboard  # launcher/entry.py: the pretrain-dashboard console script (pyproject.toml)
+
+# torch's own attributes, set from outside by the dry run (trainer/dryrun/fake.py).
+_._inference_mode  # a pipeline stage's metadata mode, read by torch's schedule
+_._runtime_validate  # torch checks a stage's tensors against its shapes when set

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pretrain
@@ -58,6 +58,14 @@ def fullest_rank(cfg: RecipeConfig) -> int:
     micro = cfg.parallel.pp_microbatches or grad_accum_steps(cfg)
     totals = [memory_breakdown(cfg, degrees, micro, r).total for r in range(degrees.pp)]
     return totals.index(max(totals)) * (degrees.world // degrees.pp)
+
+
+def rank_plan(cfg: RecipeConfig, plan: Plan, rank: int) -> Plan:
+    """`plan` with the memory of `rank`'s pipeline stage in place of the fullest stage's."""
+    degrees = resolve_degrees(cfg)
+    pp_rank = rank // (degrees.world // degrees.pp)
+    micro = cfg.parallel.pp_microbatches or grad_accum_steps(cfg)
+    return replace(plan, memory=memory_breakdown(cfg, degrees, micro, pp_rank))
 
 
 def chosen_rank(cfg: RecipeConfig) -> int:
@@ -166,6 +174,7 @@ def dry_run_action(cfg: RecipeConfig, plan: Plan) -> str | None:
         result = run_dry_run(cfg, rank)
     except DryRunError as err:
         return f"Recipe '{cfg.name}': {err}"
+    plan = rank_plan(cfg, plan, rank)
     if cfg.plan.format == "json":
         print(json.dumps({**plan_to_dict(plan), "dryrun": report_dict(plan, result)}))
     else:
@@ -184,6 +193,7 @@ def refusal(cfg: RecipeConfig, plan: Plan) -> str | None:
         result = run_dry_run(cfg, rank)
     except DryRunError as err:
         return f"Recipe '{cfg.name}' is refused: {err}"
+    plan = rank_plan(cfg, plan, rank)
     print(render(plan, result))
     problem = fits(plan, result)
     return f"Recipe '{cfg.name}' is refused: {problem}" if problem else None

@@ -9,10 +9,8 @@ losses the gradient they would get as a term of the micro-batch's objective (the
 over the micro-batch count, as the LM loss). Whatever the schedule, a micro-batch's router
 losses then join its backward, on the stage that produced them.
 
-The first forward of every chunk is the schedule's metadata inference (output shapes from
-the first micro-batch, or from empty inputs on later stages): its routing statistics are
-discarded, so the expert-load metrics count the step's micro-batches only (PipeDream-2BW,
-which infers nothing, keeps them).
+No stage runs a forward of its own to infer shapes (they are given:
+`parallel/pipeline/shapes.py`), so the expert-load metrics count the step's micro-batches.
 """
 
 from __future__ import annotations
@@ -44,32 +42,22 @@ class AttachLoss(torch.autograd.Function):
         return grad_output, weight.to(ctx.aux_dtype), None
 
 
-def attach_router_losses(
-    chunk: nn.Module, weight: Callable[[], torch.Tensor], inference_forward: bool = True
-) -> None:
+def attach_router_losses(chunk: nn.Module, weight: Callable[[], torch.Tensor]) -> None:
     """Make `chunk`'s forward attach its MoE blocks' router losses to its output (in place).
 
     `weight()` is the gradient of one micro-batch's objective term at forward time (loss
-    scale / micro-batch count). `inference_forward`: the first forward is the schedule's
-    shape inference, whose statistics are dropped. A chunk without MoE blocks is left as
-    it is.
+    scale / micro-batch count). A chunk without MoE blocks is left as it is.
     """
     blocks = moe_modules(chunk)
     if not blocks:
         return
     forward = chunk.forward
-    inferred = not inference_forward
 
     def run(*args, **kwargs):
-        nonlocal inferred
         output = forward(*args, **kwargs)
         aux = router_losses(chunk)
         for block in blocks:
             block.aux_loss = None  # the graph lives on in the output's, not in the block
-        if not inferred:
-            inferred = True
-            for block in blocks:
-                block.stats.reset()
         return AttachLoss.apply(output, aux, weight())
 
     chunk.forward = run

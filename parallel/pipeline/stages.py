@@ -5,7 +5,8 @@ plain `Transformer` with the other layers deleted, the embedding kept only on th
 stage and the final norm and LM head only on the last, so parameter names stay those of the
 full model and checkpoints and initialization do not depend on the split. With vpp > 1 a
 rank holds several such chunks (stages r, r + pp, ...). Schedules come from
-`torch.distributed.pipelining`; the loss runs on the last stage inside the schedule.
+`torch.distributed.pipelining`; the loss runs on the last stage inside the schedule. Each
+stage is told its shapes (`parallel/pipeline/shapes.py`), so torch infers none.
 
 With tied embeddings the last stage's head is its own copy of the embedding, whose
 gradient is summed with the first stage's every step (`parallel/pipeline/tied_embedding.py`).
@@ -22,6 +23,7 @@ from torch import nn
 from pretrain.core.schedules import SCHEDULES
 from pretrain.core.schema import ParallelConfig
 from pretrain.core.stages import placement, rank_stages, stage_layers
+from pretrain.parallel.pipeline.shapes import StageShapes
 
 
 def schedule_classes() -> dict[str, type]:
@@ -91,8 +93,10 @@ def build_schedule(
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     group: torch.distributed.ProcessGroup,
     device: torch.device,
+    shapes: StageShapes,
 ):
-    """The schedule over this rank's stage modules (wrapped for data parallelism).
+    """The schedule over this rank's stage modules (wrapped for data parallelism), each
+    stage given its input and output shapes (`shapes`), so none is inferred at the first step.
 
     Gradients are not scaled by the schedule: `loss_fn` divides by the micro-batch count, as
     gradient accumulation does, so the fp16 loss scale and the mean stay in one place.
@@ -100,10 +104,14 @@ def build_schedule(
     from torch.distributed.pipelining import PipelineStage
 
     total = parallel.pp * parallel.vpp
-    pipeline_stages = [
-        PipelineStage(chunk, index, total, device, group=group)
-        for chunk, index in zip(chunks, stages, strict=True)
-    ]
+    pipeline_stages = []
+    for chunk, index in zip(chunks, stages, strict=True):
+        inputs, outputs = shapes.examples(index, total)
+        pipeline_stages.append(
+            PipelineStage(
+                chunk, index, total, device, input_args=inputs, output_args=outputs, group=group
+            )
+        )
     schedule_class = schedule_classes()[parallel.pp_schedule]
     if parallel.pp_schedule in MULTI_STAGE:
         return schedule_class(

@@ -4,6 +4,7 @@ fake process group and fake tensors, compared with the plan."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -13,6 +14,7 @@ from pretrain.launcher.plan.dryrun import (
     DryRunError,
     comparisons,
     fullest_rank,
+    rank_plan,
     refusal,
     run_dry_run,
 )
@@ -52,11 +54,56 @@ def test_a_rank_outside_the_job_is_refused_before_anything_runs():
         run_dry_run(small_tp_fsdp(), 8)
 
 
-def test_pipeline_layouts_are_refused_with_the_reason():
+def small_pipeline() -> RecipeConfig:
+    """4 ranks: pp=2 (1F1B, two layers a stage) x ZeRO-2 over 2 data-parallel ranks, bf16."""
     cfg = small_tp_fsdp()
-    cfg.parallel.pp, cfg.parallel.tp = 2, 1
-    with pytest.raises(DryRunError, match=r"parallel.pp=2: pipeline stages infer their shapes"):
-        run_dry_run(cfg, 0)
+    cfg.model.n_layers = 4
+    cfg.parallel.pp, cfg.parallel.tp, cfg.parallel.sp = 2, 1, False
+    cfg.precision.dtype, cfg.cluster.gpus_per_node = "bf16", 4
+    return cfg
+
+
+def test_the_last_stage_of_a_pipelined_layout_steps_within_ten_percent_of_its_plan():
+    """Rank 2: the last stage (pp is the outermost mesh dim), with the head and the loss,
+    compared with the plan of its own stage (the plan's own peak is the fullest stage's)."""
+    cfg = small_pipeline()
+    rank = 2
+    result = run_dry_run(cfg, rank)
+    assert result["coordinates"]["pp"] == 1
+    figures = {c.name: c for c in comparisons(rank_plan(cfg, make_plan(cfg), rank), result)}
+    for name in ("parameters", "optimizer states", "peak of later steps"):
+        assert figures[name].ratio == pytest.approx(1.0, abs=TOLERANCE), name
+    # Gradients back to the first stage, one [1, 128, 256] bf16 tensor per micro-batch, and a
+    # 4-byte vote at start-up: the shapes were given, not sent.
+    hidden = cfg.train.seq_len * cfg.model.dim * 2 * result["micro_batches"]
+    assert result["collectives"]["send"] == hidden + 4
+
+
+def test_a_failing_rank_of_a_pipelined_layout_is_named():
+    cfg = small_pipeline()
+    # 6 heads of 64 over tp=4: each rank's query projection holds 96 columns, 1.5 heads.
+    cfg.model.n_heads, cfg.model.n_kv_heads, cfg.model.dim = 6, 6, 384
+    cfg.parallel.tp, cfg.cluster.gpus_per_node = 4, 8
+    with pytest.raises(DryRunError) as error:
+        run_dry_run(cfg, 6)  # the second stage
+    assert error.value.rank == 6
+    assert "the dry run of rank 6 failed" in str(error.value)
+    assert "shape" in error.value.reason
+
+
+def test_a_stage_given_wrong_shapes_fails_the_dry_run(monkeypatch):
+    """torch checks every stage's tensors against the shapes it was given, so a shape the
+    recipe derives wrongly fails the dry run instead of going unnoticed."""
+    from pretrain.parallel.pipeline.shapes import stage_shapes
+    from pretrain.trainer.dryrun.run import DryRunFailure, dry_run
+    from pretrain.trainer.step import pipeline
+
+    def too_wide(cfg, degrees, n_microbatches):
+        return replace(stage_shapes(cfg, degrees, n_microbatches), dim=cfg.model.dim * 2)
+
+    monkeypatch.setattr(pipeline, "stage_shapes", too_wide)
+    with pytest.raises(DryRunFailure, match=r"running the training step: .*Stage 0 forward"):
+        dry_run(small_pipeline(), 0)
 
 
 def test_the_dry_run_holds_the_parameters_and_optimizer_states_the_plan_counts():
@@ -71,16 +118,24 @@ def test_the_dry_run_holds_the_parameters_and_optimizer_states_the_plan_counts()
     assert result["collectives"]["reduce_scatter"] > 0
 
 
-def test_plan_format_json_holds_the_dry_run_beside_the_plan(tmp_path):
+def test_plan_format_json_holds_the_dry_run_of_a_ddp_layout_beside_the_plan(tmp_path):
+    """tiny as shipped: DDP over 2 ranks, whose start-up would read the weights' values."""
     done = pretrain(
-        "--config-name", "tiny", "action=dryrun", "plan.format=json", "parallel.zero=2",
-        "model.n_layers=2", cwd=tmp_path,
+        "--config-name", "tiny", "action=dryrun", "plan.format=json", "model.n_layers=2",
+        cwd=tmp_path,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     out = json.loads(done.stdout.strip().splitlines()[-1])
     dry = out["dryrun"]
     assert {"rank", "peak_gib", "plan_peak_gib", "collectives"} <= set(dry)
-    assert dry["rank"] == 0 and dry["peak_gib"] > 0 and dry["collectives"]
+    assert dry["rank"] == 0 and dry["peak_gib"] > 0
+    figures = {c["name"]: c["ratio"] for c in dry["comparison"]}
+    for name in ("parameters", "optimizer states", "peak of later steps"):
+        assert figures[name] == pytest.approx(1.0, abs=TOLERANCE), name
+    # Every fp32 gradient all-reduced once in the step (not once per micro-batch), besides
+    # a few scalars (the grad norm, the bad-step agreement).
+    grads = dry["built"]["Parameter"]
+    assert dry["collectives"]["all_reduce"] == pytest.approx(grads, rel=1e-3)
     assert not list(tmp_path.iterdir()), "a dry run writes no file"
 
 

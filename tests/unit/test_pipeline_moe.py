@@ -38,7 +38,6 @@ def test_stage_backward_adds_the_weighted_router_losses_of_its_own_forward() -> 
     stage = models.build(CFG)
     init_weights(stage, seed=0)
     attach_router_losses(stage, lambda: torch.tensor(WEIGHT))
-    stage(tokens)  # the schedule's shape inference: its routing is not counted
     first, second = stage(tokens), stage(tokens.flip(0))
     # Backward of the first micro-batch after the second's forward, as 1F1B orders them.
     (WEIGHT * first.square().mean()).backward()

@@ -13,6 +13,16 @@ computes its coordinates from its small tensor of ranks (data-dependent ops), th
 bad-step agreement reads the loss and the norm (`FakeStepGuard`). A dropless expert-parallel
 dispatch learns its slots from the loads it reads after a step; under fake tensors there
 are none to read, so its slots stay as first sized (the all-reduce is still issued).
+
+Two start-up exchanges read values a fake group never delivers. torch's pipeline schedule
+agrees over the pipeline whether every stage knows its shapes (a vote read with `.item()`):
+the vote's messages are still sent, and each stage takes its own vote, which is every
+stage's since all are given their shapes from the same recipe; torch's own check of every
+stage's tensors against those shapes is switched on, so a shape the recipe derives wrongly
+fails the dry run. DDP checks the parameters' shapes against rank 0's and broadcasts rank
+0's values; both are skipped (every rank initializes the same weights), and its gradient
+buckets are reduced through a hook of the same arithmetic, since the reducer's own reads the
+reduced bucket back from the group's future, which a fake group leaves empty.
 """
 
 from __future__ import annotations
@@ -26,10 +36,14 @@ import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining._utils import InferenceMode
+from torch.distributed.pipelining.schedules import _PipelineSchedule
 from torch.distributed.tensor._sharding_prop import ShardingPropagator
+from torch.nn.parallel import DistributedDataParallel
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import _disable_current_modes
 
+import pretrain.trainer.build
 import pretrain.trainer.step.local
 from pretrain import models
 
@@ -49,6 +63,46 @@ def _slots_as_sized(_: Callable[..., Any]) -> Callable[..., Any]:
         return False
 
     return settle
+
+
+def _own_votes(warmup: Callable[..., Any]) -> Callable[..., Any]:
+    def vote(schedule: Any, stages: list, has_backward: bool, p2p_done: bool) -> None:
+        # On real 4-byte tensors: the messages are issued and counted; what arrives is the
+        # fake group's nothing, so the outcome torch reads from it is overridden below.
+        with unset_fake_temporarily():
+            warmup(schedule, stages, has_backward, p2p_done)
+        for stage in stages:
+            if InferenceMode.needs_dynamic(stage._user_meta, has_backward):
+                raise RuntimeError(f"pipeline stage {stage.stage_index} was given no shapes")
+            stage._inference_mode = InferenceMode.STATIC
+            stage._runtime_validate = True
+
+    return vote
+
+
+def _without_init_sync(init: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(init)
+    def wrapper(self: DistributedDataParallel, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs, init_sync=False)
+
+    return wrapper
+
+
+def _reduced_in_place(apply_ddp: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(apply_ddp)
+    def wrapper(model: Any, mesh: Any, *args: Any) -> DistributedDataParallel:
+        ddp = apply_ddp(model, mesh, *args)
+        if not ddp._comm_hooks:  # the recipe's reduction dtype brings its own hook
+            ddp.register_comm_hook(mesh.dp_cp.get_group(), _mean_in_place)
+        return ddp
+
+    return wrapper
+
+
+def _mean_in_place(group: dist.ProcessGroup, bucket):  # unannotated: DDP checks the types
+    buffer = bucket.buffer()
+    work = dist.all_reduce(buffer.div_(group.size()), group=group, async_op=True)
+    return work.get_future().then(lambda _: buffer)
 
 
 def _on_real_tensors(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -72,6 +126,9 @@ def fake_world(rank: int, world_size: int) -> Iterator[None]:
         (ShardingPropagator, "_propagate_tensor_meta_non_cached", _outside_modes),
         (models, "build", _on_real_tensors),
         (pretrain.trainer.step.local, "settle_slot_bounds", _slots_as_sized),
+        (_PipelineSchedule, "_warmup_p2p", _own_votes),
+        (DistributedDataParallel, "__init__", _without_init_sync),
+        (pretrain.trainer.build, "apply_ddp", _reduced_in_place),
     ]
     originals = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
     for owner, name, wrap in patches:

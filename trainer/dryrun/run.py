@@ -18,8 +18,9 @@ from typing import Any
 import torch
 
 from pretrain.core.layout import Degrees, grad_accum_steps, resolve_degrees
+from pretrain.core.schedules import SCHEDULES
 from pretrain.core.schema import RecipeConfig
-from pretrain.parallel.data_parallel import uses_fsdp
+from pretrain.parallel.data_parallel import ddp_bucket_bytes
 from pretrain.parallel.mesh import JobMesh, build_mesh
 from pretrain.trainer.build import build_train_state
 from pretrain.trainer.dryrun.collectives import CollectiveCounter
@@ -56,19 +57,13 @@ def dry_run_device(job_device: str) -> torch.device:
 
 def unsupported(cfg: RecipeConfig, degrees: Degrees) -> str | None:
     """Why this layout cannot be dry-run yet (None when it can)."""
-    if degrees.pp > 1:
-        # torch's pipeline stages infer their shapes from their neighbours (a warm-up vote
-        # read with .item() and metadata sent as objects); a fake group delivers neither.
+    if degrees.pp > 1 and SCHEDULES[cfg.parallel.pp_schedule].torch_class is None:
+        # Its transport sends the first activation's shape ahead of it, read back as values.
         return (
-            f"parallel.pp={degrees.pp}: pipeline stages infer their shapes from their "
-            "neighbours at the first step, which a fake process group cannot deliver; "
-            "dry-run a layout with pp=1"
-        )
-    if degrees.grad_replicas > 1 and not uses_fsdp(cfg.parallel, degrees):
-        # DDP checks every parameter's shape against rank 0's with a real collective.
-        return (
-            f"parallel.zero={cfg.parallel.zero} with {degrees.grad_replicas} gradient replicas "
-            "runs DDP, whose start-up reads the parameters' values, which fake tensors lack"
+            f"parallel.pp_schedule={cfg.parallel.pp_schedule}: the in-repo schedule's stages "
+            "learn their input shape from a header their neighbour sends, which a fake "
+            "process group cannot deliver; dry-run the layout under a schedule torch runs "
+            "(its memory differs by the second weight version)"
         )
     return None
 
@@ -96,14 +91,17 @@ def dry_run(cfg: RecipeConfig, rank: int) -> dict[str, Any]:
             stepper: Stepper = pipeline_step(ctx) if degrees.pp > 1 else LocalStep(ctx)
             micro_batches = synthetic_batches(cfg, device)
             tracker.track_external(state.model, state.optimizer)
-            built = _device_bytes(tracker.get_tracker_snapshot("current"), device)
+            built = _device_bytes(tracker.get_tracker_snapshot("current"), device, {})
             build_bytes = dict(counter.bytes)
             counter.bytes.clear()
             counter.calls.clear()
             with tracker, _while("running the training step"):
                 stepper.step(micro_batches)
-        peak = _device_bytes(tracker.get_tracker_snapshot("peak"), device)
-        after = _device_bytes(tracker.get_tracker_snapshot("current"), device)
+        # DDP's gradient buckets are allocated as it starts, before the tracker watches.
+        chunks = list(state.model) if degrees.pp > 1 else [state.model]
+        buckets = {"Gradient": sum(ddp_bucket_bytes(chunk) for chunk in chunks)}
+        peak = _device_bytes(tracker.get_tracker_snapshot("peak"), device, buckets)
+        after = _device_bytes(tracker.get_tracker_snapshot("current"), device, buckets)
         coordinates = _coordinates(mesh)
     # The first step's forward runs before the optimizer has states; every later step's
     # holds them (the plan's peak is that of a later step).
@@ -146,14 +144,29 @@ def _while(doing: str) -> Iterator[None]:
     try:
         yield
     except Exception as error:
-        raise DryRunFailure(f"{doing}: {type(error).__name__}: {error}") from error
+        raise DryRunFailure(f"{doing}: {_reason(error)}") from error
+
+
+def _reason(error: BaseException) -> str:
+    """The error on one line, with the error it was raised from where it wraps one (torch's
+    pipeline stages report a failed forward by its arguments, the cause underneath)."""
+    reason = f"{type(error).__name__}: {' '.join(str(error).split())}"
+    root = error
+    while root.__cause__ is not None:
+        root = root.__cause__
+    if root is error:
+        return reason
+    return f"{reason}; from {type(root).__name__}: {' '.join(str(root).split())}"
 
 
 def _device_bytes(
-    snapshot: dict[torch.device, dict[str, int]], device: torch.device
+    snapshot: dict[torch.device, dict[str, int]], device: torch.device, untracked: dict[str, int]
 ) -> dict[str, int]:
-    """The snapshot's figures for the job's device (the host's too, under offload)."""
-    out: dict[str, int] = {}
+    """The snapshot's figures for the job's device (the host's too, under offload), with
+    `untracked` bytes on the job's device added to their categories and the total."""
+    out = {key: value for key, value in untracked.items() if value}
+    if out:
+        out["Total"] = sum(out.values())
     for dev, figures in snapshot.items():
         prefix = "" if dev.type == device.type else f"{dev.type}:"
         for key, value in figures.items():

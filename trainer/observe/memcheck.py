@@ -22,10 +22,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.tensor import DTensor
-from torch.nn.parallel import DistributedDataParallel
 
 from pretrain.core.layout import grad_accum_steps, resolve_degrees
 from pretrain.core.schema import RecipeConfig, load_config
+from pretrain.parallel.data_parallel import ddp_bucket_bytes
 from pretrain.parallel.mesh import build_mesh
 from pretrain.trainer.build import build_train_state
 from pretrain.trainer.dist import init_distributed
@@ -80,13 +80,6 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
-def _ddp_bucket_bytes(model: nn.Module) -> int:
-    if not isinstance(model, DistributedDataParallel):
-        return 0
-    sizes = model._get_ddp_logging_data().get("bucket_sizes", "")
-    return sum(int(size) for size in str(sizes).split(",") if size.strip())
-
-
 def measure(cfg: RecipeConfig) -> dict:
     """Peak bytes of this rank's second training step by category, and where the peak was."""
     degrees = resolve_degrees(cfg)
@@ -103,7 +96,7 @@ def measure(cfg: RecipeConfig) -> dict:
         ]
 
     if degrees.pp > 1:
-        # Each rank runs its stage's part of the schedule; the first step also infers shapes.
+        # Each rank runs its stage's part of the schedule.
         pipeline = pipeline_step(StepContext(state, cfg, degrees, device, mesh))
 
         def step(micro_batches: list) -> None:
@@ -129,7 +122,7 @@ def measure(cfg: RecipeConfig) -> dict:
     peak = next(iter(tracker.get_tracker_snapshot("peak").values()))
     by_name = {str(getattr(key, "value", key)): value for key, value in peak.items()}
     chunks = list(state.model) if degrees.pp > 1 else [state.model]
-    buckets = sum(_ddp_bucket_bytes(chunk) for chunk in chunks)
+    buckets = sum(ddp_bucket_bytes(chunk) for chunk in chunks)
     # MemTracker counts FSDP's unsharded parameters as parameters too: "params" here is what
     # the rank keeps (its local shards and buffers), the unsharded copies go to "other".
     # From the wrapped model: under pipeline parallelism the stage view holds no buffers.

@@ -140,10 +140,9 @@ class StepContext:
         scales it (the MoE router losses attached to a stage's output use it)."""
         return self.scaled_term(torch.ones((), device=self.device))
 
-    def prepare_stage(self, chunk: nn.Module, inference_forward: bool = True) -> None:
+    def prepare_stage(self, chunk: nn.Module) -> None:
         """Make a pipeline stage's forward run in `autocast` and attach its MoE router
-        losses to its output; `inference_forward`: its first forward is torch's shape
-        inference, whose routing statistics are dropped."""
+        losses to its output."""
         inner = getattr(chunk, "module", chunk)  # inside DDP, which calls it
         in_context(inner, self.autocast)
-        attach_router_losses(inner, self.term_weight, inference_forward=inference_forward)
+        attach_router_losses(inner, self.term_weight)

@@ -63,7 +63,7 @@ class PipeDreamStep:
         self.versions: dict[int, tuple[Version, StageView]] = {}
         for view in (state.stash, state.plain):
             (chunk,) = view.chunks
-            ctx.prepare_stage(chunk, inference_forward=False)
+            ctx.prepare_stage(chunk)
             version = Version(chunk, list(view.parameters()))
             self.versions[id(version)] = (version, view)
         stash, plain = (v for v, _ in self.versions.values())

@@ -25,6 +25,7 @@ import torch
 
 from pretrain.core.schedules import SCHEDULES
 from pretrain.parallel.expert import reduce_expert_grads
+from pretrain.parallel.pipeline.shapes import stage_shapes
 from pretrain.parallel.pipeline.stages import build_schedule, stage_indices
 from pretrain.parallel.pipeline.tied_embedding import embedding_group, reduce_tied_grads
 from pretrain.parallel.tensor import local_value
@@ -59,6 +60,7 @@ class PipelineStep:
             ctx.prepare_stage(chunk)
         self.embedding_group = embedding_group(ctx.cfg, ctx.degrees)
         self.stages = stages
+        self.shapes = stage_shapes(ctx.cfg, ctx.degrees, self.n_microbatches)
         self.schedule = build_schedule(
             list(self.state.model),
             self.stages,
@@ -67,6 +69,7 @@ class PipelineStep:
             self._loss,
             self.group,
             self.ctx.device,
+            self.shapes,
         )
 
     def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -102,7 +105,6 @@ class PipelineStep:
         with phases.phase("forward_backward"):
             reduce_expert_grads(self.state.plain)
             reduce_tied_grads(self.state.plain, self.embedding_group)
-        # The first step's shape inference calls the loss function once more, first.
         loss = ctx.pipeline_mean(self.losses[-self.n_microbatches :] if self.has_last else [])
         with phases.phase("optimizer"):
             return StepResult(

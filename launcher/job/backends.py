@@ -104,11 +104,42 @@ def claimed_run_dir(cfg: RecipeConfig) -> Iterator[str | None]:
     run_lock.release(run_dir, holder.token)
 
 
+class _LaunchLog:
+    """The launch log, written while its file system allows: a full disk ends the log (said
+    once), never the run, its console output or the failure summary after it."""
+
+    def __init__(self, path: Path) -> None:
+        self._path = path
+        self._file: IO[bytes] | None = None
+        try:
+            self._file = path.open("ab", buffering=0)
+        except OSError as err:
+            self._stop(err)
+
+    def write(self, data: bytes) -> None:
+        if self._file is None:
+            return
+        try:
+            self._file.write(data)
+        except OSError as err:
+            self._stop(err)
+
+    def _stop(self, err: OSError) -> None:
+        LOG.warning(f"{self._path}: the launch log stops here: {err.strerror or err}")
+        self.close()
+
+    def close(self) -> None:
+        if self._file is not None:
+            with contextlib.suppress(OSError):
+                self._file.close()
+            self._file = None
+
+
 class _StderrTee:
     """Copies a child's stderr to a log file and, until the run turns quiet (a rank reported
     a failure, or we are stopping it), to our stderr."""
 
-    def __init__(self, source: IO[bytes], log: IO[bytes], quiet: threading.Event, run_dir: Path):
+    def __init__(self, source: IO[bytes], log: _LaunchLog, quiet: threading.Event, run_dir: Path):
         self._source, self._log, self._quiet, self._run_dir = source, log, quiet, run_dir
         self._thread = threading.Thread(target=self._copy, daemon=True)
         self._thread.start()
@@ -116,7 +147,6 @@ class _StderrTee:
     def _copy(self) -> None:
         for line in iter(self._source.readline, b""):
             self._log.write(line)
-            self._log.flush()
             if not self._quiet.is_set() and has_failures(self._run_dir):
                 self._quiet.set()
             if not self._quiet.is_set():
@@ -159,7 +189,8 @@ def run_local(files: JobFiles, cfg: RecipeConfig, lock_token: str | None = None)
     clear_failures(files.run_dir)
     quiet = threading.Event()
     stopped: list[str] = []
-    with (logs / LAUNCH_LOG).open("ab") as log:
+    log = _LaunchLog(logs / LAUNCH_LOG)
+    try:
         log.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(args)}\n".encode())
         LOG.debug(f"running: {shlex.join(args)}")
         proc = subprocess.Popen(
@@ -170,6 +201,8 @@ def run_local(files: JobFiles, cfg: RecipeConfig, lock_token: str | None = None)
         tee = _StderrTee(proc.stderr, log, quiet, files.run_dir)
         code = wait_forwarding_signals(proc, quiet, stopped, cfg.cluster.signal_seconds)
         tee.join()
+    finally:
+        log.close()
     return LocalRun(128 - code if code < 0 else code, stopped[0] if stopped else None)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -154,36 +155,58 @@ def test_corrupt_checkpoints_are_moved_aside_and_the_previous_one_resumes(tmp_pa
 
 @pytest.fixture
 def small_disk(tmp_path: Path):
-    """A 5 MiB file system: room for one checkpoint of the harness model, not two."""
+    """A 16 MiB file system: room, by the launcher's sizing, for the three checkpoints of the
+    harness model on disk at once (two kept and one being written)."""
     if os.geteuid() != 0:
         pytest.skip("mounting a small tmpfs needs root")
     mount = tmp_path / "disk"
     mount.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=5m", "tmpfs", str(mount)]).returncode:
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mount)]).returncode:
         pytest.skip("mount is not permitted here")
     yield mount
     subprocess.run(["umount", str(mount)], check=True)
 
 
-def test_a_full_disk_is_named_before_the_save_and_the_launcher_refuses_cleanly(
+def fill(disk: Path, leave: int) -> None:
+    """Fill `disk` but for `leave` bytes."""
+    room = shutil.disk_usage(disk).free - leave
+    with (disk / "filler").open("wb") as filler:
+        while room > 0:
+            room -= filler.write(b"\0" * min(room, 1 << 20))
+
+
+def test_a_disk_filled_during_the_run_is_named_before_the_save_and_then_refused_at_launch(
     small_disk: Path, tmp_path: Path
 ) -> None:
     run_dir = small_disk / "run"
-    overrides = ["checkpoint.every=2", "train.steps=6"]
-    result = pretrain(*args(run_dir, *overrides), cwd=tmp_path, timeout=300)
+    # The first save comes at step 4, each step 0.5 s slower: time to fill the disk after
+    # step 1 is logged, which the launcher's room check (before the run) cannot foresee;
+    # the ranks' own check before the save names it.
+    overrides = ["checkpoint.every=4", "train.steps=6"]
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "pretrain", *args(run_dir, *overrides)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+        env=dict(os.environ, OMP_NUM_THREADS="1", PRETRAIN_FAULT_SLOW_RANK="0:0.5"),
+    )  # fmt: skip
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 240
+    while not (metrics.exists() and metrics.read_text()):
+        assert launcher.poll() is None and time.monotonic() < deadline, "no step was logged"
+        time.sleep(0.1)
+    # Room left for the logs and the failure record, not for a checkpoint (about 3.5 MB).
+    fill(small_disk, leave=1 << 20)
+    stdout, stderr = launcher.communicate(timeout=300)
+    result = subprocess.CompletedProcess(launcher.args, launcher.returncode, stdout, stderr)
     assert_failure_summary(result, run_dir, "disk full", "the checkpoint of step 4 needs")
     assert f"GiB on {run_dir / 'checkpoints'}" in result.stderr
-    assert [p.name for p in (run_dir / "checkpoints").iterdir()] == ["step_00000002"]
-    # Fill the disk to the last byte: a rerun must still end in one clear line.
-    # Unbuffered: the write that finds the disk full raises, and closing has nothing left.
-    with (small_disk / "filler").open("wb", buffering=0) as filler, pytest.raises(OSError):
-        while True:
-            filler.write(b"\0" * 65536)
-            filler.flush()
+    assert not (run_dir / "checkpoints").exists() or not [
+        p for p in (run_dir / "checkpoints").iterdir() if not p.name.endswith(".tmp")
+    ]
+    # Run again on the full disk: refused before any rank starts, naming the field and room.
     rerun = pretrain(*args(run_dir, *overrides), cwd=tmp_path, timeout=300)
     assert rerun.returncode == 2
     assert "Traceback" not in rerun.stdout + rerun.stderr
-    assert "No space left on device" in rerun.stderr.strip().splitlines()[-1]
+    assert "checkpoint.keep=2" in rerun.stderr and "0.00 GiB free" in rerun.stderr
 
 
 def test_no_secret_reaches_any_file_of_a_finished_run_and_modes_honour_the_umask(

@@ -359,3 +359,17 @@ def test_one_rank_that_is_never_restarted_runs_without_the_agent(tmp_path: Path)
     assert local_command(cfg, config) == torchrun_args(cfg, config)
     cfg.cluster.max_restarts, cfg.cluster.gpus_per_node = 0, 2
     assert local_command(cfg, config) == torchrun_args(cfg, config)
+
+
+def test_a_launch_log_on_a_full_disk_stops_with_a_warning_and_never_raises(capsys) -> None:
+    from pretrain.launcher.job.backends import _LaunchLog
+
+    if not Path("/dev/full").exists():
+        pytest.skip("no /dev/full here")
+    log = _LaunchLog(Path("/dev/full"))
+    log.write(b"a rank's line\n")
+    log.write(b"the next one\n")
+    log.close()
+    said = capsys.readouterr().err
+    assert said.count("the launch log stops here") == 1
+    assert "/dev/full: the launch log stops here: No space left on device" in said

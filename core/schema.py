@@ -474,7 +474,22 @@ class FaultConfig:
     rollback_lr_steps: int = 0
     """... for this many steps (0: not lowered)."""
     collective_timeout_s: float = 600.0
-    """A collective that waits longer than this fails with an error instead of hanging."""
+    """Seconds a collective may wait before it fails with an error instead of hanging, and
+    the hang watchdog's limit, until measured times replace it: always for start-up and the
+    exit, for the first save and the first evaluation until one was timed, for the first
+    steps unless first_step_timeout_s is set, throughout with timeout_factor=0."""
+    timeout_factor: float = 10.0
+    """After the first steps, the collective timeout and the hang watchdog's limit are this
+    many times the longest measured time of the phase the loop is in (a training step, a
+    checkpoint save, an evaluation), and never below timeout_floor_s; 0 keeps
+    collective_timeout_s throughout (0, or >= 2)."""
+    timeout_floor_s: float = 60.0
+    """The least timeout the measured times may set, in seconds (> 0)."""
+    first_step_timeout_s: float = 0.0
+    """The timeout of the steps before one was measured, in seconds; 0: resolved by the
+    launcher from the plan's predicted step time (timeout_factor times it, at least
+    timeout_floor_s), or collective_timeout_s when the plan predicts none or the model is
+    compiled (compilation is not predicted)."""
     straggler_lag: float = 0.25
     """Name a rank whose own compute per step exceeds the median of the other ranks doing the
     same work by this fraction (and by more than 50 ms)."""

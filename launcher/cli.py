@@ -95,6 +95,7 @@ def execute(cfg: RecipeConfig, launched: dict | None = None) -> float | None:
     """Validate, plan and carry out `cfg.action` for one composed recipe; the final
     validation (or training) loss of a local run, None for the other actions. `launched`
     (the recipe's name and the command line's overrides) goes to RUN_DIR/overrides.yaml."""
+    from pretrain.core.timeouts import first_step_timeout
     from pretrain.launcher.compose.from_hf import adopted_lines
     from pretrain.launcher.compose.nanogpt_split import nanogpt_val_lines
     from pretrain.launcher.plan.plan import make_plan, plan_to_dict
@@ -150,6 +151,10 @@ def execute(cfg: RecipeConfig, launched: dict | None = None) -> float | None:
         from pretrain.launcher.plan.dryrun import refusal
 
         _fail_on(refusal(cfg, plan))
+    # The ranks read the first steps' timeout from the config: the plan is the launcher's.
+    cfg.faults.first_step_timeout_s = first_step_timeout(
+        cfg.faults, plan.step_time_s, cfg.compile.enabled
+    )
     return _write_and_start(cfg, plan_to_dict(plan), launched)
 
 

@@ -4,7 +4,8 @@ Everything is built before the loop (`pretrain.trainer.setup`); the loop only ca
 step of the layout (timed by the metrics window), the fault guard and injector, the
 checkpointer (which decides when a save is due), the evaluator (the validation loss when
 due, untimed), the metrics window (timing and the metrics dict), the metrics sinks and the
-hang watchdog, told where the loop is.
+hang watchdog, told where the loop is (it measures the steps and is told the saves' and
+evaluations' times, and keeps the timeouts they imply in force).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from pretrain.trainer.faults.step_guard import (
     mark_preempted,
     stop_signal_name,
 )
+from pretrain.trainer.faults.timeouts import PhaseTimeouts
 from pretrain.trainer.faults.watchdog import Watchdog, enable_flight_recorder
 from pretrain.trainer.log import get_logger
 from pretrain.trainer.observe.startup import CLOCK
@@ -38,6 +40,7 @@ def train(run: Run, watchdog: Watchdog) -> None:
     started = CLOCK.marks[0][1] if CLOCK.marks else time.time()
     run.goodput.begin(run.start, run.load_s)
     step = run.start
+    get_logger().info("%s", watchdog.timeouts.start_line())
     with run.metrics as metrics:
         while step < total:
             step += 1
@@ -57,6 +60,7 @@ def train(run: Run, watchdog: Watchdog) -> None:
                 # The bad step is logged as it was, then trained again from the checkpoint.
                 run.goodput.step(step, 0.0, 0.0)
                 metrics.log(step, {**run.window.collect(step), **run.goodput.flush()})
+                watchdog.beat(step, "checkpoint")  # the load is timed as a save is
                 step = run.recovery.roll_back(
                     step, run.guard, run.checkpointer, run.loader, run.goodput
                 )
@@ -64,13 +68,21 @@ def train(run: Run, watchdog: Watchdog) -> None:
             watchdog.beat(step, "checkpoint")
             save_s = _timed(run.checkpointer.after_step, step, result.stop)
             saved = run.checkpointer.saved_step == step
+            if saved:
+                watchdog.measured("save", save_s)
             watchdog.beat(step, "evaluation")
             evaluating = time.time()
             val = run.window.untimed(run.evaluator.after_step, step, step == total, result.stop)
-            run.goodput.step(step, save_s if saved else 0.0, time.time() - evaluating)
+            eval_s = time.time() - evaluating
+            if val:
+                watchdog.measured("evaluation", eval_s)
+            run.goodput.step(step, save_s if saved else 0.0, eval_s)
             if val or run.window.due(step, last=step == total, stop=result.stop):
                 watchdog.beat(step, "metrics")
-                metrics.log(step, {**run.window.collect(step), **val, **run.goodput.flush()})
+                timeouts = watchdog.timeouts.flush()
+                metrics.log(
+                    step, {**run.window.collect(step), **val, **run.goodput.flush(), **timeouts}
+                )
             if result.stop:
                 _stop_after_save(run, step)
                 return
@@ -116,13 +128,13 @@ def main(config_path: str) -> None:
     cfg = load_config(config_path)
     run_dir = Path(cfg.run.dir)
     enable_flight_recorder(run_dir, cfg.cluster.device)
-    timeout_s = cfg.faults.collective_timeout_s
-    rank = init_distributed(cfg.cluster, timeout_s, cfg.parallel.offload == "params")
+    timeouts = PhaseTimeouts(cfg.faults, measure_saves=cfg.checkpoint.async_mode == "none")
+    rank = init_distributed(cfg.cluster, timeouts.limit("setup"), cfg.parallel.offload == "params")
     CLOCK.mark("process group")
     try:
         with (
             run_lock.held(cfg.run.dir, enabled=rank.is_main) as took_over,
-            Watchdog(run_dir, rank.rank, rank.world_size, timeout_s) as watchdog,
+            Watchdog(run_dir, rank.rank, rank.world_size, timeouts) as watchdog,
         ):
             if took_over:
                 get_logger().warning("run dir %s: %s", cfg.run.dir, took_over)

@@ -35,9 +35,10 @@ WANDB_KEYS = {
 (WANDB_PREFIXES) or train/."""
 WANDB_PREFIXES = {"tokens_seen_": "data/"}
 """Flat metric name prefix -> W&B section (tokens_seen_fineweb -> data/tokens_seen_fineweb)."""
-SECTION_PREFIXES = {"goodput_": "goodput/"}
+SECTION_PREFIXES = {"goodput_": "goodput/", "timeout_": "timeout/"}
 """Flat metric name prefix -> W&B section, the prefix dropped (goodput_productive_s ->
-goodput/productive_s: core/run/goodput.py)."""
+goodput/productive_s: core/run/goodput.py; timeout_step_s -> timeout/step_s, the limits
+in force: trainer/faults/timeouts.py)."""
 
 
 def wandb_key(name: str) -> str:

@@ -237,7 +237,22 @@ def _check_checkpoint(c: Checks, cfg: RecipeConfig) -> None:
     c.at_least("faults.max_bad_steps", cfg.faults.max_bad_steps, 1)
     c.positive("faults.collective_timeout_s", cfg.faults.collective_timeout_s)
     c.positive("faults.straggler_lag", cfg.faults.straggler_lag)
+    _check_timeouts(c, cfg)
     _check_recovery(c, cfg)
+
+
+def _check_timeouts(c: Checks, cfg: RecipeConfig) -> None:
+    """The rule that sets timeouts from measured times."""
+    f = cfg.faults
+    if c.at_least("faults.timeout_factor", f.timeout_factor, 0) and 0 < f.timeout_factor < 2:
+        c.add(
+            "faults.timeout_factor",
+            f.timeout_factor,
+            "a timeout under twice a phase's measured time fires on its ordinary variation",
+            "use 2 or more (10 by default), or 0 to keep faults.collective_timeout_s",
+        )
+    c.positive("faults.timeout_floor_s", f.timeout_floor_s)
+    c.at_least("faults.first_step_timeout_s", f.first_step_timeout_s, 0)
 
 
 def _check_recovery(c: Checks, cfg: RecipeConfig) -> None:

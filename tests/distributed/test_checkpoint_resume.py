@@ -223,17 +223,41 @@ def test_a_killed_rank_restarts_a_stopped_run_resumes_and_every_second_is_accoun
     assert last["goodput_recomputed_s"] == pytest.approx(redone, abs=1e-3)
 
 
-def test_a_hung_rank_ends_the_run_at_the_collective_timeout_and_is_named(workdir) -> None:
+TIMEOUT_FACTOR = 3
+TIMEOUT_FLOOR_S = 5.0
+CONSTANT_TIMEOUT_S = 120.0
+
+
+def test_a_hung_rank_is_named_at_the_timeout_its_measured_steps_set(workdir) -> None:
     run_dir = workdir / "hung_rank"
-    overrides = ["parallel.zero=3", "faults.collective_timeout_s=5"]
+    overrides = [
+        "parallel.zero=3",
+        f"faults.collective_timeout_s={CONSTANT_TIMEOUT_S}",
+        f"faults.timeout_factor={TIMEOUT_FACTOR}",
+        f"faults.timeout_floor_s={TIMEOUT_FLOOR_S}",
+    ]
     result = launch(run_dir, overrides, 2, {"PRETRAIN_FAULT_HANG": "1:3"})
     assert result.returncode != 0
     assert "rank 1 hangs after step 3" in result.stdout
+    # Until a step was measured the constant holds (the plan predicts no CPU step time);
+    # step 2, the first after the warm-up step, sets the limit the hang meets.
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert rows[0]["step"] == 1 and rows[0]["timeout_step_s"] == CONSTANT_TIMEOUT_S
+    assert rows[0]["timeout_save_s"] == CONSTANT_TIMEOUT_S
+    assert [row["step"] for row in rows if "timeout_step_longest_s" in row] == [2]
+    longest = rows[1]["timeout_step_longest_s"]
+    limit = rows[1]["timeout_step_s"]
+    # The step's phase of the loop lies within the window the metrics row timed.
+    assert 0 < longest <= rows[1]["step_time_s"]
+    assert limit == max(TIMEOUT_FLOOR_S, TIMEOUT_FACTOR * longest) < CONSTANT_TIMEOUT_S
+    assert f"timeouts: step {limit:.3g} s ({TIMEOUT_FACTOR} x the longest step" in result.stdout
     # Rank 0 timed out waiting for the hung rank: a summary here, the traceback in its log.
     assert "Traceback" not in result.stderr
     summary = result.stderr.strip().splitlines()[-3:]
     assert summary[0].startswith("training failed on rank 0 of 2 (host ")
-    assert "a collective timed out" in summary[0] and "Timed out waiting 5000ms" in summary[0]
+    assert "a collective timed out" in summary[0]
+    waited = re.search(r"Timed out waiting (\d+)ms", summary[0])
+    assert waited and abs(int(waited[1]) - limit * 1000) <= 1, summary[0]
     assert "faults.collective_timeout_s" in summary[1]
     log = (run_dir / "logs" / "rank_0.log").read_text()
     # Rank 0 waits in step 3's metrics (the loss all-reduce); rank 1 hung after its step 3.
@@ -247,6 +271,9 @@ def test_a_hung_rank_ends_the_run_at_the_collective_timeout_and_is_named(workdir
     records = {p.name: json.loads(p.read_text()) for p in (run_dir / "hangs").iterdir()}
     assert sorted(records) == ["rank_0.json", "rank_1.json"]
     assert records["rank_1.json"]["step"] == 3
+    # The hung rank's own watchdog named it at its measured limit, not the constant.
+    stalled = re.fullmatch(r"no progress for (\d+) s", records["rank_1.json"]["reason"])
+    assert stalled and int(stalled[1]) <= TIMEOUT_FACTOR * longest + TIMEOUT_FLOOR_S + 1
 
 
 # Model parallelism fills the 2-rank world (dp 1; TP with DP replicas needs ZeRO >= 2).

@@ -128,8 +128,9 @@ def classify(exc: BaseException, run_dir: Path) -> Failure:
     text = " ".join(str(e) for e in chain)
     if "timed out" in text.lower() or "timeout" in text.lower():
         fix = (
-            "another rank stopped responding (see its log); raise faults.collective_timeout_s "
-            "if a step legitimately takes longer"
+            "another rank stopped responding (see its log); if a phase legitimately takes "
+            "longer, raise faults.timeout_factor or faults.timeout_floor_s (after the first "
+            "steps) or faults.collective_timeout_s (start-up, first save and evaluation)"
         )
         return Failure("timeout", f"a collective timed out: {_text(exc)}", fix)
     peer_lost = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")

@@ -8,7 +8,7 @@
 - PRETRAIN_FAULT_KILL=RANK:STEP: that rank kills itself (SIGKILL) after that step, in the
   first attempt only (TORCHELASTIC_RESTART_COUNT=0), so a restarted group runs through;
 - PRETRAIN_FAULT_HANG=RANK:STEP: that rank stops responding after that step, so the others
-  wait in a collective until faults.collective_timeout_s;
+  wait in a collective until the timeout in force (trainer/faults/timeouts.py);
 - PRETRAIN_FAULT_SLOW_RANK=RANK:SECONDS: that rank's compute takes SECONDS longer in every
   step: its first loss computation of the step busy-waits that long, as a slow device
   computes (a sleep would be a wait, which the straggler detector rightly leaves out);

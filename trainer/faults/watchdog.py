@@ -6,8 +6,10 @@ for each group it is in, that count, the operation of the last one where the fli
 recorder knows it (on NCCL every issued collective; on gloo the completed ones), and the
 step and phase of the loop. Records are written to RUN_DIR/hangs/rank_R.json:
 
-- by a watchdog thread when the rank has made no progress for `faults.collective_timeout_s`
-  (a rank stuck outside any collective, or blocked in one, writes it all the same);
+- by a watchdog thread when the rank has made no progress for the limit of the phase it is
+  in (`trainer/faults/timeouts.py`: the constant `faults.collective_timeout_s` until a
+  phase was measured, then a factor of its longest time; a rank stuck outside any
+  collective, or blocked in one, writes it all the same);
 - by the rank itself when a step fails, before the error leaves it.
 
 A rank whose collective timed out (or whose peer's connection closed) reads the records of
@@ -27,6 +29,7 @@ import os
 import socket
 import threading
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +37,7 @@ import torch.distributed as dist
 
 from pretrain.core.inputs.reading import ReadError, integer, read_mapping
 from pretrain.core.run.rundir import HANGS_DIR
+from pretrain.trainer.faults.timeouts import PhaseTimeouts
 from pretrain.trainer.log import get_logger
 
 _COMMUNICATION_ERRORS = ("Timed out", "timed out", "Connection closed", "Connection reset")
@@ -103,14 +107,29 @@ def _groups() -> list[tuple[dist.ProcessGroup, str]]:
     return []
 
 
-class Watchdog:
-    """Writes this rank's record when it stalls or fails, and explains a timeout."""
+def set_group_timeouts(timeout_s: float) -> None:
+    """Make `timeout_s` the timeout of every later collective on each of this rank's groups.
 
-    def __init__(self, run_dir: Path, rank: int, world_size: int, timeout_s: float) -> None:
+    torch 2.13 changes a live group's timeout through the private `_set_pg_timeout` (gloo's
+    and NCCL's backends both take it, for the work issued after the call); building new
+    groups instead would cost a rendezvous per change and leave the job's mesh, DDP and
+    FSDP on the old ones.
+    """
+    timeout = timedelta(seconds=timeout_s)
+    for group, _ in _groups():
+        dist.distributed_c10d._set_pg_timeout(timeout, group)
+
+
+class Watchdog:
+    """Writes this rank's record when it stalls or fails, explains a timeout, and keeps the
+    limit of the loop's phase in force (its own, and every collective's)."""
+
+    def __init__(self, run_dir: Path, rank: int, world_size: int, timeouts: PhaseTimeouts) -> None:
         self.dir = Path(run_dir) / HANGS_DIR
         self.rank = rank
         self.world_size = world_size
-        self.timeout_s = timeout_s
+        self.timeouts = timeouts
+        self.timeout_s = timeouts.limit("setup")
         self.host = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
         self._where: tuple[int, str] = (0, "setup")
         self._since = time.monotonic()
@@ -130,12 +149,23 @@ class Watchdog:
         self._thread.join()
 
     def beat(self, step: int, phase: str) -> None:
-        """The loop reached `phase` of `step`: progress."""
-        self._where, self._since = (step, phase), time.monotonic()
+        """The loop reached `phase` of `step`: progress; the step before it is measured."""
+        now = time.monotonic()
+        if self._where[1] == "training":
+            self.timeouts.measured("step", now - self._since)
+        limit = self.timeouts.limit(phase)
+        if limit != self.timeout_s:
+            set_group_timeouts(limit)
+            self.timeout_s = limit
+        self._where, self._since = (step, phase), now
+
+    def measured(self, kind: str, seconds: float) -> None:
+        """A save or an evaluation took `seconds` (the loop times them, the watchdog cannot
+        tell a step that saved from one that did not)."""
+        self.timeouts.measured(kind, seconds)
 
     def _watch(self) -> None:
-        poll_s = min(1.0, self.timeout_s / 4)
-        while not self._stop.wait(poll_s):
+        while not self._stop.wait(min(1.0, self.timeout_s / 4)):
             since = self._since
             stalled = time.monotonic() - since
             if stalled >= self.timeout_s and self._written_for != since:

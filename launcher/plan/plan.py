@@ -24,6 +24,7 @@ from pretrain.core.schedules import SCHEDULES, V
 from pretrain.core.schema import OptimConfig, RecipeConfig
 from pretrain.launcher.plan import cost, schedule_sim
 from pretrain.launcher.plan.cp_comm import CPComm, cp_communication
+from pretrain.launcher.plan.ep_comm import EPComm, ep_communication
 from pretrain.launcher.plan.memory import (
     MemoryBreakdown,
     peak_breakdown,
@@ -106,6 +107,8 @@ class Plan:
     """The simulated schedule: chart, bubble, in-flight per stage (None without PP)."""
     cp_comm: CPComm | None = None
     """One layer's context-parallel ring exchanges per step and rank (None without CP)."""
+    ep_comm: EPComm | None = None
+    """One MoE layer's all-to-all per micro-batch and rank (None without EP)."""
 
     @property
     def memory_gib(self) -> float:
@@ -178,6 +181,7 @@ def make_plan(cfg: RecipeConfig) -> Plan:
         ]
     plan.tp_comm = tp_communication(cfg, degrees)
     plan.cp_comm = cp_communication(cfg, degrees)
+    plan.ep_comm = ep_communication(cfg, degrees)
     if degrees.pp > 1:
         plan.pipeline = schedule_sim.summary(
             cfg.parallel.pp_schedule, degrees.pp, micro, cfg.parallel.vpp, segment_steps(cfg)

@@ -1,6 +1,6 @@
 """Node-limited routing (model.moe_node_limit): each token's experts come from at most M
-node groups, the full limit is plain top-k, the gradient reaches only the kept scores, and
-the trainer's groups follow the recipe's layout."""
+node groups, the full limit is plain top-k, the gradient reaches only the kept scores, the
+trainer's groups follow the recipe's layout and the plan counts the nodes a token reaches."""
 
 from __future__ import annotations
 
@@ -113,3 +113,16 @@ def test_the_trainer_groups_come_from_the_recipe() -> None:
     assert expert_node_groups(cfg) == 2
     cfg.model.moe_node_limit = 0
     assert expert_node_groups(cfg) == 1
+
+
+def test_the_plan_shows_the_nodes_a_token_reaches() -> None:
+    from pretrain.launcher.plan.plan import make_plan
+    from pretrain.launcher.plan.render import render_plan
+
+    cfg = configure(
+        {"model.moe_experts": 8, "model.moe_top_k": 2, "model.moe_node_limit": 1,
+         "cluster.nodes": 2, "cluster.gpus_per_node": 4, "parallel.ep": 8}
+    )  # fmt: skip
+    text = render_plan(make_plan(cfg))
+    assert "EP all-to-all per MoE layer per micro-batch (one rank)" in text
+    assert "at most 1" in text

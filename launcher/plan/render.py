@@ -64,10 +64,7 @@ def render_plan(plan: Plan, with_warnings: bool = True) -> str:
             [
                 ("bytes sent", _bytes(ep.message_bytes)),
                 ("nodes a token's rows reach", f"at most {ep.nodes_per_token}"),
-                (
-                    "rows leaving the node",
-                    _bytes(ep.inter_node_bytes) + " (one per token and node)",
-                ),
+                ("leaving the node, a row per token and node", _bytes(ep.inter_node_bytes)),
             ],
         )
     if plan.memory is not None:

@@ -163,14 +163,13 @@ def grad_accum_steps(cfg: RecipeConfig) -> int:
     return batch // per_pass
 
 
-def ep_nodes(degrees: Degrees, gpus_per_node: int) -> int | None:
-    """Nodes one ep group spans, each holding the same share of its ranks (so of the
-    experts), or None when the group splits unevenly over nodes.
+def ep_nodes(ep: int, stride: int, gpus_per_node: int) -> int | None:
+    """Nodes one group of `ep` ranks `stride` (tp x cp) apart spans, each holding the same
+    share of its ranks (so of the experts), or None when it splits unevenly over nodes.
 
     The ep members are tp x cp ranks apart (`rank_groups`), and a group starts at a
     multiple of ep x tp x cp, so member i sits on the group's node i // (members per node).
     """
-    stride, ep = degrees.tp * degrees.cp, degrees.ep
     if stride % gpus_per_node == 0:
         return ep  # every member on nodes of its own
     if gpus_per_node % stride:
@@ -186,4 +185,5 @@ def expert_node_groups(cfg: RecipeConfig) -> int:
     node the ep group spans (1 without the limit, or when validation would refuse it)."""
     if cfg.model.moe_node_limit < 1:
         return 1
-    return ep_nodes(resolve_degrees(cfg), cfg.cluster.gpus_per_node) or 1
+    p = cfg.parallel
+    return ep_nodes(p.ep, p.tp * p.cp, cfg.cluster.gpus_per_node) or 1

@@ -53,7 +53,7 @@ def ep_communication(cfg: RecipeConfig, degrees: Degrees) -> EPComm | None:
     rows = tokens * m.moe_top_k * dispatch_padding(cfg)
     row_bytes = m.dim * COMPUTE_BYTES[cfg.precision.dtype]
     sent = rows * row_bytes * (ep - 1) / ep
-    nodes = ep_nodes(degrees, cfg.cluster.gpus_per_node) or 1
+    nodes = ep_nodes(ep, degrees.tp * degrees.cp, cfg.cluster.gpus_per_node) or 1
     reach = min(m.moe_top_k, m.moe_node_limit or nodes, nodes)
     remote = tokens * reach * row_bytes * (nodes - 1) / nodes
     return EPComm(sent, degrees.tp * degrees.cp, reach, remote)

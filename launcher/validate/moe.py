@@ -104,7 +104,7 @@ def check_node_limit(c: Checks, cfg: RecipeConfig) -> None:
     except RecipeError:
         return  # the layout's own rules say why
     gpn = cfg.cluster.gpus_per_node
-    nodes = ep_nodes(degrees, gpn)
+    nodes = ep_nodes(degrees.ep, degrees.tp * degrees.cp, gpn)
     where = f"parallel.ep={degrees.ep} with tp x cp={degrees.tp * degrees.cp}"
     if nodes is None:
         c.add(

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from pretrain.core.layout import Degrees, ep_nodes, expert_node_groups
+from pretrain.core.layout import ep_nodes, expert_node_groups
 from pretrain.core.model_config import ModelConfig
 from pretrain.models.moe import Grouped, MoEFeedForward, node_limited, set_node_groups
 from tests.helpers import configure
@@ -101,8 +101,7 @@ def test_two_nodes_of_two_experts_keep_the_node_with_the_best_pair() -> None:
      (6, 1, 8, None), (2, 3, 8, None), (3, 1, 8, None)],
 )  # fmt: skip
 def test_ep_nodes_follows_the_rank_layout(ep, tp, gpus_per_node, nodes) -> None:
-    degrees = Degrees(pp=1, dp_replicate=1, dp_shard=ep * 2, tp=tp, ep=ep, world=ep * 2 * tp)
-    assert ep_nodes(degrees, gpus_per_node) == nodes
+    assert ep_nodes(ep, tp, gpus_per_node) == nodes
 
 
 def test_the_trainer_groups_come_from_the_recipe() -> None:

@@ -8,9 +8,17 @@ import pytest
 import torch
 from torch import nn
 
-from pretrain.core.layout import ep_nodes, expert_node_groups
+from pretrain.core.layout import ep_nodes, expert_node_groups, resolve_degrees
 from pretrain.core.model_config import ModelConfig
-from pretrain.models.moe import Grouped, MoEFeedForward, node_limited, set_node_groups
+from pretrain.core.schema import RecipeConfig
+from pretrain.launcher.validate.recipe import validate
+from pretrain.models.moe import (
+    Grouped,
+    MoEFeedForward,
+    moe_modules,
+    node_limited,
+    set_node_groups,
+)
 from tests.helpers import configure
 
 N, H = 16, 8
@@ -125,3 +133,26 @@ def test_the_plan_shows_the_nodes_a_token_reaches() -> None:
     text = render_plan(make_plan(cfg))
     assert "EP all-to-all per MoE layer per micro-batch (one rank)" in text
     assert "at most 1" in text
+
+
+def test_an_ep_rank_the_trainer_builds_routes_over_the_recipes_groups() -> None:
+    """One rank of an ep=8 job over 2 nodes of 4, built by the trainer under fake tensors and
+    collectives: its MoE layers route over 2 node groups."""
+    from pretrain.parallel.mesh import build_mesh
+    from pretrain.trainer.build import build_model
+    from pretrain.trainer.dryrun.fake import fake_tensors, fake_world
+
+    cfg = RecipeConfig(name="node_limit")
+    cfg.model = ModelConfig(
+        vocab_size=512, dim=32, n_layers=1, n_heads=2, ffn_dim=64, max_seq_len=32,
+        moe_experts=8, moe_top_k=2, moe_node_limit=1,
+    )  # fmt: skip
+    cfg.train.seq_len, cfg.train.micro_batch, cfg.train.global_batch = 32, 1, 8
+    cfg.parallel.ep, cfg.cluster.nodes, cfg.cluster.gpus_per_node = 8, 2, 4
+    cfg.cluster.device, cfg.cluster.gpu_type = "cpu", "cpu"
+    validate(cfg)
+    with fake_world(5, 8):
+        mesh = build_mesh(resolve_degrees(cfg), "cpu")
+        with fake_tensors():
+            _, plain = build_model(cfg, mesh, torch.device("cpu"))
+    assert [m.node_groups for m in moe_modules(plain)] == [2]

@@ -156,3 +156,13 @@ def test_an_ep_rank_the_trainer_builds_routes_over_the_recipes_groups() -> None:
         with fake_tensors():
             _, plain = build_model(cfg, mesh, torch.device("cpu"))
     assert [m.node_groups for m in moe_modules(plain)] == [2]
+
+
+def test_the_plan_warns_that_a_limit_inside_one_node_is_moot() -> None:
+    from pretrain.launcher.plan.plan import make_plan
+
+    one_node = {"model.moe_experts": 8, "model.moe_node_limit": 1, "cluster.gpus_per_node": 4}
+    warnings = make_plan(configure({**one_node, "parallel.ep": 4})).warnings
+    assert any("model.moe_node_limit=1 is moot" in w for w in warnings)
+    spanning = {**one_node, "cluster.nodes": 2, "parallel.ep": 8}
+    assert not any("moot" in w for w in make_plan(configure(spanning)).warnings)

@@ -408,10 +408,11 @@ class MoEFeedForward(nn.Module):
 def node_limited(choice: torch.Tensor, groups: int, limit: int) -> torch.Tensor:
     """`choice` [..., N] with the experts outside each token's best `limit` of `groups`
     contiguous expert groups set to -inf (DeepSeek-V3's group-limited routing): a group
-    scores the sum of its two best entries (its one entry when it has one expert)."""
+    scores the sum of its two best entries (its one entry when it has one expert). A limit
+    of every group keeps them all: plain top-k."""
     per_group = choice.view(*choice.shape[:-1], groups, -1)
     group_scores = per_group.topk(min(2, per_group.shape[-1]), dim=-1).values.sum(-1)
-    kept = group_scores.topk(limit, dim=-1).indices
+    kept = group_scores.topk(min(limit, groups), dim=-1).indices
     mask = torch.ones_like(group_scores, dtype=torch.bool).scatter_(-1, kept, False)
     return per_group.masked_fill(mask.unsqueeze(-1), float("-inf")).flatten(-2)
 

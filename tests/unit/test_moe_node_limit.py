@@ -78,6 +78,9 @@ def test_a_limit_of_every_node_routes_as_plain_top_k(balance: str) -> None:
     x = torch.randn(2, 32, H)
     for got, want in zip(limited.route(x), plain.route(x), strict=True):
         assert torch.equal(got, want)
+    # A limit above the groups (one process of a layout validation refuses) keeps them all.
+    set_node_groups(limited, 1)
+    assert torch.equal(limited.route(x)[0], plain.route(x)[0])
 
 
 def test_the_router_gradient_flows_only_through_the_kept_scores() -> None:

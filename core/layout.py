@@ -161,3 +161,29 @@ def grad_accum_steps(cfg: RecipeConfig) -> int:
             field="train.global_batch",
         )
     return batch // per_pass
+
+
+def ep_nodes(ep: int, stride: int, gpus_per_node: int) -> int | None:
+    """Nodes one group of `ep` ranks `stride` (tp x cp) apart spans, each holding the same
+    share of its ranks (so of the experts), or None when it splits unevenly over nodes.
+
+    The ep members are tp x cp ranks apart (`rank_groups`), and a group starts at a
+    multiple of ep x tp x cp, so member i sits on the group's node i // (members per node).
+    """
+    if stride % gpus_per_node == 0:
+        return ep  # every member on nodes of its own
+    if gpus_per_node % stride:
+        return None
+    per_node = gpus_per_node // stride
+    if ep <= per_node:
+        return 1 if per_node % ep == 0 else None
+    return ep // per_node if ep % per_node == 0 else None
+
+
+def expert_node_groups(cfg: RecipeConfig) -> int:
+    """Expert groups the router limits each token to `model.moe_node_limit` of: one per
+    node the ep group spans (1 without the limit, or when validation would refuse it)."""
+    if cfg.model.moe_node_limit < 1:
+        return 1
+    p = cfg.parallel
+    return ep_nodes(p.ep, p.tp * p.cp, cfg.cluster.gpus_per_node) or 1

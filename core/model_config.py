@@ -112,6 +112,12 @@ class ModelConfig:
     expert's bias moves by it towards balance, up when under the mean load, down when over.
     Keep it well below the spread of the router's scores (softmax scores of many experts are
     close to 1/N at first), or the loads swing from step to step instead of settling."""
+    moe_node_limit: int = 0
+    """Node-limited routing (DeepSeek-V3's group-limited top-k): each token's k experts come
+    from at most this many nodes of the ep group. The experts are split into one group per
+    node the ep group spans (cluster.gpus_per_node ranks each; one group when ep fits in a
+    node); each group scores the sum of its two best affinities, the best moe_node_limit
+    groups are kept and the top-k is taken among their experts. 0 = off."""
     moe_gemm: str = one_of("grouped", MOE_GEMMS)
     """How the experts compute: grouped (one `torch._grouped_mm` per projection over all local
     experts, no host sync; falls back to the loop where the device lacks the kernel for the

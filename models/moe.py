@@ -15,7 +15,12 @@ computes the same function under any data- or expert-parallel layout:
   to the scores to pick the k experts (their weights stay the unbiased scores); after each
   optimizer step it moves by `moe_bias_rate` towards the mean load of the step's tokens,
   summed over all data-parallel ranks (`parallel/expert.py`), so it is the same everywhere.
-  It is a buffer, not a parameter: no gradient, but saved in checkpoints.
+  It is a buffer, not a parameter: no gradient, but saved in checkpoints;
+- node-limited routing (`moe_node_limit` M, DeepSeek-V3): the experts form one contiguous
+  group per node the ep group spans (`node_groups`, from the recipe's layout, so one process
+  computes what the ep ranks do); each token keeps its M best groups (by the sum of a
+  group's two best scores, biased when balancing by bias) and takes its k among them. The
+  weights are gathered from the scores, so the router's gradient flows through the kept ones.
 
 Experts are stored stacked (w1, w3: [N, f, h], w2: [N, h, f]) so expert parallelism shards
 dim 0. The kept assignments are grouped by expert with static shapes (dropped ones last, as
@@ -296,6 +301,9 @@ class MoEFeedForward(nn.Module):
         self.aux_loss: torch.Tensor | None = None
         self.stats = RoutingStats()
         self.sequence: WholeSequence = WholeSequence()
+        # Expert groups of node-limited routing, one per node the ep group spans: set from
+        # the recipe (`set_node_groups`), not from process groups, so any layout routes alike.
+        self.node_groups = 1
 
     def _local_dispatch(self, grouped: Grouped) -> torch.Tensor:
         # The dropped (zero) rows at the end join the last expert's group: they add nothing.
@@ -332,12 +340,12 @@ class MoEFeedForward(nn.Module):
         cfg = self.cfg
         logits = self.router(x).float()
         scores = logits.softmax(-1) if cfg.moe_router == "softmax" else logits.sigmoid()
-        if cfg.balance_bias:
-            # The bias decides which experts, never how much they weigh.
-            experts = (scores + self.expert_bias).topk(cfg.moe_top_k, dim=-1).indices
-            weights = scores.gather(-1, experts)
-        else:
-            weights, experts = scores.topk(cfg.moe_top_k, dim=-1)
+        # The bias decides which experts, never how much they weigh.
+        choice = scores + self.expert_bias if cfg.balance_bias else scores
+        if cfg.moe_node_limit:
+            choice = node_limited(choice, self.node_groups, cfg.moe_node_limit)
+        experts = choice.topk(cfg.moe_top_k, dim=-1).indices
+        weights = scores.gather(-1, experts)
         if cfg.moe_normalize_topk:
             weights = weights / weights.sum(-1, keepdim=True)
         return experts, weights, scores, logits
@@ -395,6 +403,26 @@ class MoEFeedForward(nn.Module):
         if self.shared is not None:
             out = out + self.shared(tokens)
         return out.view(b, s, h)
+
+
+def node_limited(choice: torch.Tensor, groups: int, limit: int) -> torch.Tensor:
+    """`choice` [..., N] with the experts outside each token's best `limit` of `groups`
+    contiguous expert groups set to -inf (DeepSeek-V3's group-limited routing): a group
+    scores the sum of its two best entries (its one entry when it has one expert). A limit
+    of every group keeps them all: plain top-k."""
+    per_group = choice.view(*choice.shape[:-1], groups, -1)
+    group_scores = per_group.topk(min(2, per_group.shape[-1]), dim=-1).values.sum(-1)
+    kept = group_scores.topk(min(limit, groups), dim=-1).indices
+    mask = torch.ones_like(group_scores, dtype=torch.bool).scatter_(-1, kept, False)
+    return per_group.masked_fill(mask.unsqueeze(-1), float("-inf")).flatten(-2)
+
+
+def set_node_groups(model: nn.Module, groups: int) -> None:
+    """Route every MoE layer of `model` over `groups` expert groups (one per node)."""
+    for moe in moe_modules(model):
+        if moe.cfg.moe_experts % groups:
+            raise ValueError(f"{moe.cfg.moe_experts} experts do not split into {groups} groups")
+        moe.node_groups = groups
 
 
 def moe_modules(model: nn.Module) -> list[MoEFeedForward]:

@@ -12,8 +12,10 @@ import torch
 from torch import nn
 
 from pretrain import models
+from pretrain.core.layout import expert_node_groups
 from pretrain.core.schedules import SCHEDULES
 from pretrain.core.schema import RecipeConfig
+from pretrain.models.moe import set_node_groups
 from pretrain.parallel.compile import apply_compile, compile_loss
 from pretrain.parallel.context import apply_context_parallel, context_split
 from pretrain.parallel.data_parallel import apply_ddp, apply_fsdp, build_zero1_optimizer, uses_fsdp
@@ -72,6 +74,7 @@ def _build_one(
     cfg: RecipeConfig, mesh: JobMesh, device: torch.device, stage: int = -1
 ) -> tuple[nn.Module, nn.Module]:
     plain = models.build(cfg.model)
+    set_node_groups(plain, expert_node_groups(cfg))
     if stage >= 0:
         split_stage(plain, stage, cfg.parallel)
     parallelize(plain, cfg, mesh)

@@ -10,13 +10,20 @@ rest; the rows are the dispatch's slots, `memory.dispatch_padding` times the ass
 TP rank routes its cp share of the whole sequence. The ep ranks are tp x cp apart (ep
 splits the flattened data-parallel index, inner), so the exchange stays inside a node when
 tp x cp x ep ranks fit one.
+
+Node-limited routing (`model.moe_node_limit` M) bounds the nodes one token's rows reach:
+`inter_node_bytes` counts one row per token and remote node it reaches (the most a dispatch
+that sends a token once per node and fans it out inside the node carries, DeepSeek-V3's),
+min(k, M) nodes per token of which (G - 1) / G are other nodes at balanced load, for an ep
+group over G nodes. The all-to-all here sends every assignment's row, so its time reads
+`message_bytes`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pretrain.core.layout import Degrees
+from pretrain.core.layout import Degrees, ep_nodes
 from pretrain.core.precision import COMPUTE_BYTES
 from pretrain.core.recompute import is_recomputed
 from pretrain.core.schema import RecipeConfig
@@ -31,6 +38,10 @@ class EPComm:
     """Bytes one all-to-all sends from this rank (the share kept local left out)."""
     stride: int
     """Global ranks between two members of the ep group (tp x cp)."""
+    nodes_per_token: int
+    """The most nodes one token's rows reach: min(k, moe_node_limit or the nodes spanned)."""
+    inter_node_bytes: float
+    """Bytes per all-to-all that leave this rank's node, one row per token and remote node."""
 
 
 def ep_communication(cfg: RecipeConfig, degrees: Degrees) -> EPComm | None:
@@ -40,8 +51,12 @@ def ep_communication(cfg: RecipeConfig, degrees: Degrees) -> EPComm | None:
         return None
     tokens = cfg.train.seq_len // degrees.cp * cfg.train.micro_batch
     rows = tokens * m.moe_top_k * dispatch_padding(cfg)
-    sent = rows * m.dim * COMPUTE_BYTES[cfg.precision.dtype] * (ep - 1) / ep
-    return EPComm(message_bytes=sent, stride=degrees.tp * degrees.cp)
+    row_bytes = m.dim * COMPUTE_BYTES[cfg.precision.dtype]
+    sent = rows * row_bytes * (ep - 1) / ep
+    nodes = ep_nodes(ep, degrees.tp * degrees.cp, cfg.cluster.gpus_per_node) or 1
+    reach = min(m.moe_top_k, m.moe_node_limit or nodes, nodes)
+    remote = tokens * reach * row_bytes * (nodes - 1) / nodes
+    return EPComm(sent, degrees.tp * degrees.cp, reach, remote)
 
 
 def all_to_alls(cfg: RecipeConfig, layers: tuple[int, ...]) -> int:

@@ -15,7 +15,13 @@ from dataclasses import dataclass, field
 
 from pretrain.core import hardware
 from pretrain.core.hardware import GIB
-from pretrain.core.layout import Degrees, grad_accum_steps, rank_groups, resolve_degrees
+from pretrain.core.layout import (
+    Degrees,
+    expert_node_groups,
+    grad_accum_steps,
+    rank_groups,
+    resolve_degrees,
+)
 from pretrain.core.optim_states import state_bytes, state_tensors
 from pretrain.core.pipedream import segment_steps
 from pretrain.core.precision import peak_dtype
@@ -24,6 +30,7 @@ from pretrain.core.schedules import SCHEDULES, V
 from pretrain.core.schema import OptimConfig, RecipeConfig
 from pretrain.launcher.plan import cost, schedule_sim
 from pretrain.launcher.plan.cp_comm import CPComm, cp_communication
+from pretrain.launcher.plan.ep_comm import EPComm, ep_communication
 from pretrain.launcher.plan.memory import (
     MemoryBreakdown,
     peak_breakdown,
@@ -106,6 +113,8 @@ class Plan:
     """The simulated schedule: chart, bubble, in-flight per stage (None without PP)."""
     cp_comm: CPComm | None = None
     """One layer's context-parallel ring exchanges per step and rank (None without CP)."""
+    ep_comm: EPComm | None = None
+    """One MoE layer's all-to-all per micro-batch and rank (None without EP)."""
 
     @property
     def memory_gib(self) -> float:
@@ -178,6 +187,7 @@ def make_plan(cfg: RecipeConfig) -> Plan:
         ]
     plan.tp_comm = tp_communication(cfg, degrees)
     plan.cp_comm = cp_communication(cfg, degrees)
+    plan.ep_comm = ep_communication(cfg, degrees)
     if degrees.pp > 1:
         plan.pipeline = schedule_sim.summary(
             cfg.parallel.pp_schedule, degrees.pp, micro, cfg.parallel.vpp, segment_steps(cfg)
@@ -187,9 +197,16 @@ def make_plan(cfg: RecipeConfig) -> Plan:
 
 
 def _warnings(cfg: RecipeConfig, plan: Plan, gpu: str) -> list[str]:
-    """A context-parallel ring that leaves its node, and a peak over the device's memory
-    with the levers that lower it (for long sequences, in the order to pull them)."""
+    """A context-parallel ring that leaves its node, a node limit an ep group inside one node
+    makes moot, and a peak over the device's memory with the levers that lower it (for long
+    sequences, in the order to pull them)."""
     found = []
+    if cfg.model.moe_node_limit and expert_node_groups(cfg) == 1:
+        found.append(
+            f"model.moe_node_limit={cfg.model.moe_node_limit} is moot: the ep group "
+            f"(parallel.ep={cfg.parallel.ep}) fits in one node of {cfg.cluster.gpus_per_node} "
+            "ranks, so every token's experts are on one node already"
+        )
     if plan.cp_comm is not None and plan.cp_comm.crosses_nodes:
         found.append(
             f"the context-parallel ring spans tp*cp = {plan.cp_comm.ring_span} ranks, more than "

@@ -56,6 +56,17 @@ def render_plan(plan: Plan, with_warnings: bool = True) -> str:
                 ("ring", f"cp ranks tp apart, spanning {cp.ring_span} ranks: {where}"),
             ],
         )
+    if plan.ep_comm is not None:
+        ep = plan.ep_comm
+        _section(
+            console,
+            "EP all-to-all per MoE layer per micro-batch (one rank)",
+            [
+                ("bytes sent", _bytes(ep.message_bytes)),
+                ("nodes a token's rows reach", f"at most {ep.nodes_per_token}"),
+                ("leaving the node, a row per token and node", _bytes(ep.inter_node_bytes)),
+            ],
+        )
     if plan.memory is not None:
         console.print(_breakdown_table(plan, plan.memory))
     console.print(_zero_paper_table(plan))

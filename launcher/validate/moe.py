@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from pretrain.core.problems import Checks, divisors, or_list
+from pretrain.core.layout import ep_nodes, resolve_degrees
+from pretrain.core.problems import Checks, RecipeError, divisors, or_list
 from pretrain.core.schema import RecipeConfig
 
 
@@ -30,6 +31,13 @@ def check_moe(c: Checks, cfg: RecipeConfig, for_launch: bool) -> None:
     def add(field: str, value: object, reason: str, fix: str) -> None:
         c.add(f"model.{field}" if "." not in field else field, value, reason, fix)
 
+    if m.moe_node_limit and m.moe_experts <= 0:
+        add(
+            "moe_node_limit",
+            m.moe_node_limit,
+            "node-limited routing needs a mixture-of-experts model (model.moe_experts=0)",
+            "set model.moe_node_limit=0, or model.moe_experts > 0",
+        )
     if m.moe_experts < 0:
         add("moe_experts", m.moe_experts, "must be >= 0", "use 0 (dense) or the number of experts")
         return
@@ -79,4 +87,53 @@ def check_moe(c: Checks, cfg: RecipeConfig, for_launch: bool) -> None:
             ep,
             f"{m.moe_experts} experts cannot be split evenly over {ep} ranks",
             f"use a divisor of {m.moe_experts}: {or_list(divisors(m.moe_experts))}",
+        )
+    if m.moe_node_limit and m.moe_top_k >= 1 and not c.reported("parallel.ep"):
+        check_node_limit(c, cfg)
+
+
+def check_node_limit(c: Checks, cfg: RecipeConfig) -> None:
+    """`model.moe_node_limit` M against the nodes the ep group spans and the top-k."""
+    m, field = cfg.model, "model.moe_node_limit"
+    limit = m.moe_node_limit
+    if limit < 0:
+        c.add(field, limit, "must be >= 0", "use 0 (off) or the most nodes a token's experts span")
+        return
+    try:
+        degrees = resolve_degrees(cfg)
+    except RecipeError:
+        return  # the layout's own rules say why
+    gpn = cfg.cluster.gpus_per_node
+    nodes = ep_nodes(degrees.ep, degrees.tp * degrees.cp, gpn)
+    where = f"parallel.ep={degrees.ep} with tp x cp={degrees.tp * degrees.cp}"
+    if nodes is None:
+        c.add(
+            field,
+            limit,
+            f"{where} spreads the ep group unevenly over nodes of cluster.gpus_per_node={gpn} "
+            "ranks, so the experts have no equal share per node",
+            "use an ep whose ranks fill whole nodes (or fit in one), or moe_node_limit=0",
+        )
+    elif limit > nodes == 1:
+        c.add(
+            field,
+            limit,
+            f"{where} fits in one node of {gpn} ranks, so a node limit is moot",
+            "use moe_node_limit=0 (off), or an ep group that spans nodes",
+        )
+    elif limit > nodes:
+        c.add(
+            field,
+            limit,
+            f"{where} spans {nodes} nodes of {gpn} ranks",
+            f"use 1 <= moe_node_limit <= {nodes}, or 0 (off)",
+        )
+    elif m.moe_top_k > limit * m.moe_experts // nodes:
+        per_node = m.moe_experts // nodes
+        c.add(
+            field,
+            limit,
+            f"{limit} node(s) of {per_node} experts each hold fewer than moe_top_k="
+            f"{m.moe_top_k} experts",
+            f"use moe_node_limit >= {-(-m.moe_top_k // per_node)}, or a smaller moe_top_k",
         )

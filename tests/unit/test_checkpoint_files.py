@@ -92,6 +92,7 @@ def test_a_moe_model_mixtral_cannot_hold_is_refused_before_anything_is_written(
     cfg = RecipeConfig(name="tiny_moe")
     m = cfg.model
     m.moe_experts, m.moe_shared_experts, m.moe_layers, m.moe_router = 8, 1, "after:1", "sigmoid"
+    m.moe_node_limit = 1
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "config.yaml").write_text(dump_config(cfg))
     with pytest.raises(ExportError) as err:
@@ -101,6 +102,7 @@ def test_a_moe_model_mixtral_cannot_hold_is_refused_before_anything_is_written(
     assert "model.moe_shared_experts=1: Mixtral has no shared experts" in message
     assert "model.moe_layers=after:1: 1 of 4 layers are dense" in message
     assert "model.moe_router=sigmoid" in message
+    assert "model.moe_node_limit=1: each token's experts come from its best node" in message
     assert not (tmp_path / "hf").exists()
 
 

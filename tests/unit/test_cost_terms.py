@@ -12,6 +12,7 @@ from pretrain.core.layout import Degrees
 from pretrain.core.model_config import ModelConfig
 from pretrain.core.schema import RecipeConfig
 from pretrain.launcher.plan.cost import LINK_EFFICIENCY, recipe_links, step_cost
+from pretrain.launcher.plan.ep_comm import ep_communication
 from pretrain.launcher.plan.suggest import layouts, render_search, search, three_terms
 from pretrain.models.flops import count_params
 from tests.helpers import LLAMA3_8B
@@ -102,6 +103,25 @@ def test_the_expert_all_to_all_moves_tokens_times_dim_times_top_k_four_times() -
     rows = 4096 * 2 * 2.0
     one = rows * 6144 * 2 * 15 / 16 / (50e9 * LINK_EFFICIENCY) + 5e-6
     assert cost.ep == pytest.approx(56 * 4 * one, rel=1e-6)
+
+
+def test_node_limited_routing_bounds_the_rows_leaving_a_node() -> None:
+    """DeepSeek-V3 (technical report, section 3.2.2): a token sent to at most M nodes
+    crosses the network once per remote node. Top-8 of 64 experts over ep = 32 ranks on 4
+    nodes, M = 2: 4096 tokens x 2 nodes x 6144 x 2 bytes x 3/4 remote, against 4 nodes
+    unlimited; the all-to-all still sends every assignment's row, so its bytes do not move."""
+    shape = dataclasses.replace(MIXTRAL_8X22B, moe_experts=64, moe_top_k=8)
+    limited = recipe(dataclasses.replace(shape, moe_node_limit=2), nodes=4, tp=1, pp=1, ep=32)
+    plain = recipe(shape, nodes=4, tp=1, pp=1, ep=32)
+    got, unlimited = (
+        ep_communication(limited, degrees(limited)),
+        ep_communication(plain, degrees(plain)),
+    )
+    assert got is not None and unlimited is not None
+    assert (got.nodes_per_token, unlimited.nodes_per_token) == (2, 4)
+    assert got.inter_node_bytes == 4096 * 2 * 6144 * 2 * 3 / 4 == 75_497_472
+    assert unlimited.inter_node_bytes == 2 * got.inter_node_bytes
+    assert got.message_bytes == unlimited.message_bytes
 
 
 def test_full_recompute_repeats_the_forward_dispatch_and_combine() -> None:

@@ -56,3 +56,43 @@ def test_expert_parallelism_with_zero1_is_refused_for_launch() -> None:
     cfg = configure({**MOE, "parallel.ep": 2, "parallel.zero": 1})
     found = [p for p in problems(cfg, for_launch=True) if p.field == "parallel.zero"]
     assert "expert parallelism with ZeRO-1" in found[0].reason
+
+
+TWO_NODES = {**MOE, "cluster.nodes": 2, "parallel.ep": 8}
+
+
+def test_a_node_limit_within_the_nodes_ep_spans_is_valid() -> None:
+    validate(configure({**TWO_NODES, "model.moe_node_limit": 1}))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"model.moe_node_limit": -1}, "must be >= 0"),
+        (
+            {"model.moe_experts": 0, "parallel.ep": 1, "model.moe_node_limit": 1},
+            "needs a mixture-of-experts model",
+        ),
+        (
+            {"cluster.nodes": 1, "parallel.ep": 4, "model.moe_node_limit": 2},
+            "fits in one node of 4 ranks, so a node limit is moot",
+        ),
+        ({"model.moe_node_limit": 3}, "spans 2 nodes of 4 ranks"),
+        (
+            {"model.moe_node_limit": 1, "model.moe_top_k": 5},
+            "1 node(s) of 4 experts each hold fewer than moe_top_k=5",
+        ),
+        (
+            {"cluster.gpus_per_node": 6, "parallel.ep": 4, "model.moe_node_limit": 1},
+            "spreads the ep group unevenly over nodes of cluster.gpus_per_node=6",
+        ),
+    ],
+)
+def test_bad_node_limit_is_refused_with_its_reason(overrides, message) -> None:
+    found = [
+        p
+        for p in problems(configure({**TWO_NODES, **overrides}))
+        if p.field == "model.moe_node_limit"
+    ]
+    assert len(found) == 1
+    assert message in found[0].reason

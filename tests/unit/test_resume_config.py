@@ -20,6 +20,16 @@ def _yaml(**changes: object) -> str:
     return dump_config(cfg)
 
 
+def test_a_layout_that_regroups_a_node_limited_router_is_refused() -> None:
+    limited = {"model__moe_experts": 8, "model__moe_node_limit": 1, "parallel__ep": 8}
+    old = _yaml(**limited, cluster__gpus_per_node=4)
+    assert frozen_changes(old, _yaml(**limited, cluster__gpus_per_node=4, parallel__zero=3)) == []
+    assert frozen_changes(old, _yaml(**limited, cluster__gpus_per_node=8)) == [
+        "the nodes the ep group spans under model.moe_node_limit (2 -> 1: the router's expert "
+        "groups)"
+    ]
+
+
 def test_changed_fields_are_named_with_dots() -> None:
     assert changed_fields(_yaml(), _yaml(parallel__zero=3, train__steps=7)) == [
         "parallel.zero",

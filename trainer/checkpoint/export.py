@@ -83,6 +83,12 @@ def mixtral_problems(m: ModelConfig) -> list[str]:
             "experts a token runs through, and Mixtral's router has no such bias; export a model "
             "trained with model.moe_balance=aux"
         )
+    if m.moe_node_limit:
+        problems.append(
+            f"model.moe_node_limit={m.moe_node_limit}: each token's experts come from its best "
+            "node groups only, and Mixtral's router takes the top-k of all experts; export a "
+            "model trained with model.moe_node_limit=0"
+        )
     if m.moe_router != "softmax" or not m.moe_normalize_topk:
         problems.append(
             f"model.moe_router={m.moe_router} with model.moe_normalize_topk="

@@ -96,8 +96,7 @@ def rank_layer_count(
     style: str = "loop",
 ) -> int:
     """Layers pipeline rank `pp_rank` holds over all its chunks."""
-    counts = layers_per_stage(n_layers, pp * vpp, pp_layers)
-    return sum(counts[k] for k in rank_stages(pp_rank, pp, vpp, style))
+    return rank_layer_counts(n_layers, pp, vpp, pp_layers, style)[pp_rank]
 
 
 def rank_layer_counts(

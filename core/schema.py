@@ -7,6 +7,7 @@ dir's resolved `config.yaml` into the same dataclasses with `load_config`.
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, fields, is_dataclass
@@ -245,6 +246,16 @@ class SourceConfig:
     """As data.vocab_size."""
 
 
+CACHE_DIR_VARIABLE = "PRETRAIN_CACHE_DIR"
+"""The environment variable that moves every run's default cache (a shared disk, a test
+session's own folder)."""
+
+
+def default_cache_dir() -> str:
+    """data.cache_dir's default: `$PRETRAIN_CACHE_DIR` when set, else ~/.cache/pretrain."""
+    return os.environ.get(CACHE_DIR_VARIABLE) or "~/.cache/pretrain"
+
+
 @dataclass
 class DataConfig:
     """Training corpus, tokenizer, preparation and the validation split.
@@ -290,8 +301,9 @@ class DataConfig:
     tokens of its own document (block-causal, split at the end-of-sequence token)."""
     workers: int = 0
     """Processes that tokenize in parallel during preparation; 0 = the cores available."""
-    cache_dir: str = "~/.cache/pretrain"
-    """Where prepared datasets and trained tokenizers are cached (shared by runs)."""
+    cache_dir: str = field(default_factory=default_cache_dir)
+    """Where prepared datasets, trained tokenizers and this machine's measured CPU peak are
+    cached (shared by runs): `$PRETRAIN_CACHE_DIR` when set, else ~/.cache/pretrain."""
     prefetch: int = 2
     """Steps of micro-batches a background thread reads ahead (pinned on CUDA); 0 reads in
     the loop."""

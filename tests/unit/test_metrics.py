@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pretrain.core.model_config import ModelConfig
-from pretrain.core.schema import HardwareConfig
+from pretrain.core.schema import DataConfig, HardwareConfig
 from pretrain.models.flops import flops_per_token
 from pretrain.trainer.observe import cpu_peak
 from pretrain.trainer.observe.metrics import (
@@ -151,3 +151,40 @@ def test_an_mfu_above_one_is_never_reported() -> None:
     fast = meter.measure(steps=1, elapsed_s=5.0)  # 1.2 TFLOP/s against a 1 TFLOP/s peak
     assert fast["mfu"] is None and fast["hfu"] is None
     assert "implausible" in fast["peak_source"]
+
+
+def test_a_cached_cpu_peak_the_run_outpaces_is_removed_so_the_next_run_measures_again(
+    tmp_path: Path,
+) -> None:
+    """A peak cached while other work loaded the machine stays wrong for every later run
+    unless a run that goes faster than it drops the file."""
+    threads = 2
+    cached = cpu_peak.cache_file(tmp_path, threads)
+    cached.parent.mkdir(parents=True)
+    cached.write_text(json.dumps({"tflops": 1.0, "threads": threads}) + "\n")
+    tflops, source, path = cpu_peak.machine_tflops(tmp_path, threads)
+    assert (tflops, path) == (1.0, cached) and "cached in" in source
+    meter = ThroughputMeter(
+        tokens_per_step=1000,
+        model_flops_per_token=6e9,
+        hardware_flops_per_token=6e9,
+        devices=1,
+        peak=PeakFlops(tflops, source, "fp32", cache_file=path),
+    )
+    assert meter.measure(steps=1, elapsed_s=10.0)["mfu"] == pytest.approx(0.6)
+    assert cached.exists()
+    fast = meter.measure(steps=1, elapsed_s=5.0)
+    assert fast["mfu"] is None and not cached.exists()
+    assert "the next run measures again" in fast["peak_source"]
+    assert "measures again" not in meter.measure(steps=1, elapsed_s=5.0)["peak_source"]
+
+
+def test_the_default_cache_dir_follows_pretrain_cache_dir(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Every recipe, whatever its data group, and every config built in a process honour
+    the variable, so a test session or a cluster's shared disk never writes the home cache."""
+    monkeypatch.setenv("PRETRAIN_CACHE_DIR", str(tmp_path))
+    assert DataConfig().cache_dir == str(tmp_path)
+    monkeypatch.delenv("PRETRAIN_CACHE_DIR")
+    assert DataConfig().cache_dir == "~/.cache/pretrain"

@@ -71,15 +71,16 @@ def cached_tflops(path: Path) -> float | None:
     return value if value is not None and value > 0 else None
 
 
-def machine_tflops(cache_dir: Path | None, threads: int) -> tuple[float, str]:
-    """(this machine's peak TFLOP/s on `threads` threads, where the figure came from): the
-    cached one, else measured now and cached (where the cache can be written)."""
+def machine_tflops(cache_dir: Path | None, threads: int) -> tuple[float, str, Path | None]:
+    """(this machine's peak TFLOP/s on `threads` threads, where the figure came from, the
+    file it is kept in): the cached one, else measured now and cached (where the cache can
+    be written; the file is None where it cannot)."""
     path = cache_file(cache_dir, threads) if cache_dir is not None else None
     if path is not None and (cached := cached_tflops(path)) is not None:
-        return cached, f"CPU peak measured on {threads} thread(s), cached in {path}"
+        return cached, f"CPU peak measured on {threads} thread(s), cached in {path}", path
     tflops = measure_tflops(threads)
     if path is None:
-        return tflops, f"CPU peak measured on {threads} thread(s)"
+        return tflops, f"CPU peak measured on {threads} thread(s)", None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -87,8 +88,8 @@ def machine_tflops(cache_dir: Path | None, threads: int) -> tuple[float, str]:
         tmp.write_text(json.dumps(record) + "\n")
         os.replace(tmp, path)
     except OSError:
-        return tflops, f"CPU peak measured on {threads} thread(s) (not cached: {path})"
-    return tflops, f"CPU peak measured on {threads} thread(s), cached in {path}"
+        return tflops, f"CPU peak measured on {threads} thread(s) (not cached: {path})", None
+    return tflops, f"CPU peak measured on {threads} thread(s), cached in {path}", path
 
 
 def node_threads() -> tuple[int, int]:
@@ -98,17 +99,30 @@ def node_threads() -> tuple[int, int]:
     return ranks, max(1, min(ranks * torch.get_num_threads(), cores or 1))
 
 
-def rank_tflops(cache_dir: Path | None) -> tuple[float, str]:
-    """(one rank's share of its node's peak, the source): the first local rank measures or
-    reads the node's figure while the others wait (collective on every rank when the
-    process group is up)."""
+def rank_tflops(cache_dir: Path | None) -> tuple[float, str, Path | None]:
+    """(one rank's share of its node's peak, the source, the file it is cached in or None):
+    the first local rank measures or reads the node's figure while the others wait
+    (collective on every rank when the process group is up)."""
     ranks, threads = node_threads()
     first = int(os.environ.get("LOCAL_RANK", "0")) == 0
-    tflops, source = machine_tflops(cache_dir, threads) if first else (0.0, "")
+    tflops, source, path = machine_tflops(cache_dir, threads) if first else (0.0, "", None)
     if dist.is_available() and dist.is_initialized():
         # Every node's first rank has its node's figure: all take the largest (the nodes of
         # a job are alike), and the ranks that did not measure learn the source too.
-        gathered: list[tuple[float, str] | None] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, (tflops, source))
-        tflops, source = max(g for g in gathered if g is not None)
-    return tflops / ranks, f"{source}, shared by {ranks} rank(s)"
+        gathered: list[tuple[float, str, str] | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, (tflops, source, str(path or "")))
+        tflops, source, kept = max(g for g in gathered if g is not None)
+        path = Path(kept) if kept else None
+    return tflops / ranks, f"{source}, shared by {ranks} rank(s)", path
+
+
+def forget_cached_peak(path: Path) -> bool:
+    """Remove a cached peak a run has shown to be too low (it was measured while other work
+    ran), so that the next run on this machine measures again; True if a file was removed."""
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return False  # a read-only cache: the figure stays, the run still shows MFU n/a
+    return True

@@ -21,7 +21,7 @@ import torch
 
 from pretrain.core.hardware import GIB
 from pretrain.core.schema import HardwareConfig
-from pretrain.trainer.observe.cpu_peak import rank_tflops
+from pretrain.trainer.observe.cpu_peak import forget_cached_peak, rank_tflops
 
 
 @dataclass(frozen=True)
@@ -35,6 +35,8 @@ class PeakFlops:
     tflops: float | None
     source: str
     dtype: str = field(default="", compare=False)
+    cache_file: Path | None = field(default=None, compare=False)
+    """The file a measured CPU peak was read from or written to; None for any other peak."""
 
 
 def table_peak_flops(device_name: str, dtype: str) -> PeakFlops:
@@ -61,8 +63,8 @@ def resolve_peak_flops(
         return table_peak_flops(torch.cuda.get_device_name(device), dtype)
     if device.type == "cpu":
         # Whatever the run's dtype: the CPU figure is what fp32 matmuls reach here.
-        tflops, source = rank_tflops(cache_dir)
-        return PeakFlops(tflops, source, "fp32")
+        tflops, source, cached = rank_tflops(cache_dir)
+        return PeakFlops(tflops, source, "fp32", cached)
     return PeakFlops(None, f"unknown device {device.type}; set hardware.peak_tflops")
 
 
@@ -103,6 +105,8 @@ class ThroughputMeter:
             # work ran): no figure rather than one above 100%.
             mfu = hfu = None
             source = f"{source}: implausible, the run went faster; set hardware.peak_tflops"
+            if self.peak.cache_file is not None and forget_cached_peak(self.peak.cache_file):
+                source += " (the cached figure was removed: the next run measures again)"
         return {
             "tokens_per_s": tokens_per_s,
             "tokens_per_s_per_device": per_device,

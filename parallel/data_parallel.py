@@ -1,6 +1,9 @@
 """Data parallelism: DDP (ZeRO-0), ZeRO-1 (sharded optimizer states) and ZeRO-2/3 (FSDP2).
 
-- ZeRO-0: DistributedDataParallel over the flattened dp group.
+- ZeRO-0: DistributedDataParallel over the flattened dp x cp group; with tensor or
+  pipeline parallelism, FSDP2's `replicate` over the same group instead (DDP takes neither
+  TP's DTensor weights nor a pipeline schedule driving its backward): the same arithmetic,
+  every gradient all-reduced once per step, the weights whole on every replica.
 - ZeRO-1: DDP plus a ZeroRedundancyOptimizer sharded over dp_shard (with dp_replicate > 1
   each replica group holds its own sharded copy: hybrid ZeRO-1).
 - ZeRO-2/3: FSDP2 `fully_shard` per transformer block and on the root, over the (replicate,
@@ -50,6 +53,29 @@ def uses_fsdp(parallel: ParallelConfig, degrees: Degrees) -> bool:
     """Whether parameters are sharded by FSDP2 (ZeRO-2/3 with more than one rank reducing
     gradients: data- or context-parallel)."""
     return parallel.zero >= 2 and degrees.grad_replicas > 1
+
+
+def replicates_with_fsdp(parallel: ParallelConfig, degrees: Degrees) -> bool:
+    """Whether ZeRO-0 runs on FSDP2's `replicate` rather than DDP: with more than one rank
+    reducing gradients, under tensor parallelism (DTensor weights, which DDP cannot reduce)
+    or pipeline parallelism (whose schedule drives backward in a way DDP's reducer refuses
+    from the second step)."""
+    return parallel.zero == 0 and degrees.grad_replicas > 1 and (degrees.tp > 1 or degrees.pp > 1)
+
+
+def apply_replicate(model: nn.Module, mesh: JobMesh, precision: PrecisionConfig) -> None:
+    """ZeRO-0 over FSDP2's `replicate` (works on a meta-device model): each block and the
+    root all-reduce their gradients over dp x cp after the step's last micro-batch. The
+    weights stay FP32 (autocast casts them, as under DDP); experts are reduced by
+    parallel/expert.py over their own ranks."""
+    # Imported here: only layouts with TP or PP and DDP use it.
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+
+    policy = MixedPrecisionPolicy(reduce_dtype=REDUCE_DTYPES[precision.reduce_dtype])
+    ignored = set(expert_parameters(model)) or None
+    blocks = [model.layers[key] for key in sorted(model.layers.keys(), key=int)]
+    for unit in [*blocks, model]:
+        replicate(unit, mesh=mesh.dp_cp, mp_policy=policy, ignored_params=ignored)
 
 
 def apply_fsdp(

@@ -18,7 +18,14 @@ from pretrain.core.schema import RecipeConfig
 from pretrain.models.moe import set_node_groups
 from pretrain.parallel.compile import apply_compile, compile_loss
 from pretrain.parallel.context import apply_context_parallel, context_split
-from pretrain.parallel.data_parallel import apply_ddp, apply_fsdp, build_zero1_optimizer, uses_fsdp
+from pretrain.parallel.data_parallel import (
+    apply_ddp,
+    apply_fsdp,
+    apply_replicate,
+    build_zero1_optimizer,
+    replicates_with_fsdp,
+    uses_fsdp,
+)
 from pretrain.parallel.expert import apply_expert_parallel
 from pretrain.parallel.materialize import materialize
 from pretrain.parallel.mesh import JobMesh
@@ -42,7 +49,7 @@ from pretrain.trainer.step.state import TrainState, lm_loss
 def parallelize(plain: nn.Module, cfg: RecipeConfig, mesh: JobMesh) -> None:
     """Apply the layout to the plain meta-device model, in place, in the design's order:
     FP8 module swap -> pipeline split -> tensor/sequence -> context -> expert -> recompute ->
-    compile -> FSDP."""
+    compile -> FSDP (or, for ZeRO-0 under TP or PP, FSDP2's replicate)."""
     apply_precision(plain, cfg.precision)  # swaps modules, so before anything wraps them
     apply_tensor_parallel(plain, mesh, cfg.parallel)
     apply_context_parallel(plain, mesh)
@@ -51,6 +58,8 @@ def parallelize(plain: nn.Module, cfg: RecipeConfig, mesh: JobMesh) -> None:
     apply_compile(plain, cfg.compile)
     if uses_fsdp(cfg.parallel, mesh.degrees):
         apply_fsdp(plain, mesh, cfg.parallel, cfg.precision)
+    elif replicates_with_fsdp(cfg.parallel, mesh.degrees):
+        apply_replicate(plain, mesh, cfg.precision)
 
 
 def build_model(
@@ -82,7 +91,10 @@ def _build_one(
     plain.head_in_loss = _head_in_loss(cfg, plain)
     host = torch.device(optimizer_device_type(cfg.parallel, device.type))
     materialize(plain, cfg.model, cfg.seed, device, param_device=host)
-    if mesh.degrees.grad_replicas > 1 and not uses_fsdp(cfg.parallel, mesh.degrees):
+    replicated = uses_fsdp(cfg.parallel, mesh.degrees) or replicates_with_fsdp(
+        cfg.parallel, mesh.degrees
+    )
+    if mesh.degrees.grad_replicas > 1 and not replicated:
         return apply_ddp(plain, mesh, cfg.parallel, cfg.precision), plain
     return plain, plain
 

@@ -39,17 +39,13 @@ def check_runnable(cfg: RecipeConfig) -> list[Problem]:
         (
             "parallel.zero",
             p.zero,
-            p.tp > 1 and p.zero < 2 and replicas,
-            "tensor parallelism with DDP or ZeRO-1 data parallelism",
-            "parallel.zero=2 or 3 (FSDP2 composes with TP)",
-        ),
-        (
-            "parallel.zero",
-            p.zero,
-            # DDP's reducer asserts on the second step when a pipeline schedule drives it.
-            p.pp > 1 and p.zero < 2 and replicas,
-            "pipeline parallelism with DDP or ZeRO-1 data parallelism",
-            "parallel.zero=2 or 3 (FSDP2 composes with PP)",
+            # ZeroRedundancyOptimizer partitions whole local parameters and broadcasts them
+            # with plain collectives: TP's DTensor shards, and the DTensors a pipeline's
+            # replicated stages become, are beyond it.
+            (p.tp > 1 or p.pp > 1) and p.zero == 1 and replicas,
+            "ZeRO-1 with tensor or pipeline parallelism",
+            "parallel.zero=2 (the same traffic per step, one reduce-scatter and one "
+            "all-gather as Megatron's distributed optimizer, with less memory) or 0",
         ),
         (
             "parallel.zero",

@@ -48,7 +48,9 @@ def references(workdir: Path, harness_reference, doc_mask_reference, mla_referen
         ("tp2_sp_doc_mask", "doc_mask", ["parallel.tp=2", "parallel.sp=true"], 2),
         ("tp4_padded_vocab", "tp4_model", [*TP4_MODEL, "parallel.tp=4"], 4),
         ("tp4_sp_padded_vocab", "tp4_model", [*TP4_MODEL, "parallel.tp=4", "parallel.sp=true"], 4),
-        ("tp2_dp2_zero3", "harness", ["parallel.tp=2", "parallel.zero=3"], 4),
+        # DDP over TP's DTensor weights runs on FSDP2's replicate (ZeRO-3 with tp: the 3-D
+        # and context-parallel tests).
+        ("tp2_dp2_ddp", "harness", ["parallel.tp=2", "parallel.zero=0"], 4),
         ("tp2_full_recompute", "harness", ["parallel.tp=2", "recompute=full"], 2),
         ("mla_tp2_sp", "mla", [*MLA, "parallel.tp=2", "parallel.sp=true"], 2),
         ("gelu_tp2_sp", "gelu", [*GELU, "parallel.tp=2", "parallel.sp=true"], 2),

@@ -200,14 +200,14 @@ def test_valid_hybrid_sharding_interleaved_pipeline_and_tp_layout_passes():
     ("overrides", "field", "what"),
     [
         (
-            {"parallel.tp": 2, "parallel.zero": 0},
+            {"parallel.tp": 2, "parallel.zero": 1},
             "parallel.zero",
-            "tensor parallelism with DDP or ZeRO-1 data parallelism",
+            "ZeRO-1 with tensor or pipeline parallelism",
         ),
         (
             {"parallel.pp": 2, "parallel.zero": 1},
             "parallel.zero",
-            "pipeline parallelism with DDP or ZeRO-1 data parallelism",
+            "ZeRO-1 with tensor or pipeline parallelism",
         ),
         (
             {"model.moe_experts": 4, "model.moe_top_k": 2, "parallel.ep": 2, "parallel.zero": 1},
@@ -228,6 +228,12 @@ def test_layouts_the_trainer_cannot_run_fail_only_for_launch(overrides, field, w
 
 def test_plain_data_parallel_layout_is_runnable():
     assert check_runnable(configure({"parallel.zero": 3})) == []
+
+
+@pytest.mark.parametrize("degree", ["parallel.tp", "parallel.pp"])
+def test_ddp_over_tensor_or_pipeline_parallel_replicas_is_runnable(degree: str) -> None:
+    """ZeRO-0 runs on FSDP2's replicate where DDP cannot go (parallel/data_parallel.py)."""
+    assert check_runnable(configure({degree: 2, "parallel.zero": 0})) == []
 
 
 def test_pipelined_mixture_of_experts_with_expert_parallelism_is_runnable():

@@ -12,6 +12,7 @@ PREFIX.idx); `prepared` (a directory this project prepared, named by its manifes
 
 from __future__ import annotations
 
+import functools
 import glob
 import hashlib
 import json
@@ -75,12 +76,20 @@ def source_label(src: SourceConfig, index: int) -> str:
 
 def stdlib_files() -> list[Path]:
     """This Python's standard-library `.py` files, sorted, without installed packages."""
+    return list(_stdlib_files())
+
+
+@functools.cache
+def _stdlib_files() -> tuple[Path, ...]:
+    # Walked once per process: the standard library does not change under a running
+    # Python, and validation asks for it several times per recipe (the corpus and the
+    # trained tokenizer's identities), and tools validate many recipes.
     root = Path(sysconfig.get_paths()["stdlib"])
     files: list[Path] = []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = [d for d in dirnames if d not in _SKIPPED_DIRS]
         files.extend(Path(dirpath) / name for name in filenames if name.endswith(".py"))
-    return sorted(files, key=lambda p: p.as_posix())
+    return tuple(sorted(files, key=lambda p: p.as_posix()))
 
 
 def text_format(path: Path, forced: str = "auto") -> str | None:
@@ -191,6 +200,12 @@ def _file_entries(files: list[Path]) -> list[list[Any]]:
     return entries
 
 
+@functools.cache
+def _stdlib_entries() -> tuple[tuple[str, int, int], ...]:
+    """The standard library's files with their sizes and mtimes, stat'ed once per process."""
+    return tuple((path, size, mtime) for path, size, mtime in _file_entries(list(_stdlib_files())))
+
+
 def source_files(src: SourceConfig) -> list[Path]:
     """Every local file a source reads (empty for the hub)."""
     kind = resolve_format(src)
@@ -217,6 +232,8 @@ def source_identity(src: SourceConfig) -> dict[str, Any]:
     }
     if kind == "hub":
         identity.update(hub=src.source[len("hf:") :], split=src.split)
+    elif kind == "stdlib":
+        identity["files"] = [list(entry) for entry in _stdlib_entries()]
     else:
         identity["files"] = _file_entries(source_files(src))
     if kind == "stdlib":

@@ -393,6 +393,11 @@ class ClusterConfig:
     max_restarts: int = 0
     """torchrun restarts the whole group this many times when a rank dies; the restarted
     ranks resume from the last complete checkpoint."""
+    min_nodes: int = 0
+    """SLURM: the fewest nodes the job may continue on when it loses nodes; it keeps its
+    allocation (`--no-kill`) and resumes from the last checkpoint on the nodes left, with a
+    layout the launcher chose for that many nodes at submission. 0: a lost node fails the
+    job."""
 
 
 @dataclass

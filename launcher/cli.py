@@ -193,6 +193,7 @@ def _validate_for_action(cfg: RecipeConfig) -> None:
             check_fits(cfg)
         if cfg.action in ("run", "script") and cfg.cluster.backend == "slurm":
             _check_partition(cfg)
+            _check_shrinks(cfg)
         if cfg.action == "run" and cfg.cluster.backend == "slurm":
             # GPU nodes never tokenize: the data is prepared first, by its own CPU job.
             problems = unprepared_problems(cfg)
@@ -207,6 +208,15 @@ def _validate_for_action(cfg: RecipeConfig) -> None:
         check_disk_room(room, cfg)
         for problem in [*check_runnable(cfg), *room.problems]:
             LOG.warning(problem)
+
+
+def _check_shrinks(cfg: RecipeConfig) -> None:
+    """Every node count the job may shrink to has a layout (RecipeError naming
+    cluster.min_nodes otherwise); says which."""
+    from pretrain.launcher.plan.shrink import shrink_summary
+
+    for line in shrink_summary(cfg):
+        LOG.info(f"if nodes are lost, {line}")
 
 
 def _check_partition(cfg: RecipeConfig) -> None:

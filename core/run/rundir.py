@@ -50,6 +50,18 @@ LAUNCH_LOG = "torchrun.log"
 """Under LOGS_DIR: everything torchrun and the ranks wrote to stderr in a local run."""
 
 
+SHRUNK_CONFIG_PREFIX = "config-"
+SHRUNK_CONFIG_SUFFIX = "-nodes.yaml"
+"""config-N-nodes.yaml: the config a SLURM job continues with on N nodes after losing some
+(cluster.min_nodes), the layout the launcher chose for them, beside CONFIG_FILE (not
+config.N.yaml, the name of an earlier config of the run)."""
+
+
+def shrunk_config(nodes: int) -> str:
+    """The name of the config a job continues with on `nodes` nodes."""
+    return f"{SHRUNK_CONFIG_PREFIX}{nodes}{SHRUNK_CONFIG_SUFFIX}"
+
+
 def rank_log(rank: int) -> str:
     """Under LOGS_DIR: the full traceback of each failure of `rank`."""
     return f"rank_{rank}.log"

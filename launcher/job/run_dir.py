@@ -29,10 +29,14 @@ from pretrain.core.run.rundir import (
     OVERRIDES_FILE,
     PLAN_FILE,
     PREEMPTED_MARKER,
+    SHRUNK_CONFIG_PREFIX,
+    SHRUNK_CONFIG_SUFFIX,
     SLURM_SCRIPT,
+    shrunk_config,
 )
-from pretrain.core.schema import RecipeConfig
+from pretrain.core.schema import RecipeConfig, dump_config
 from pretrain.launcher.assets import SBATCH_TEMPLATE, ScriptTemplate, template_placeholders
+from pretrain.launcher.plan.shrink import shrinks, shrunk_recipes
 from pretrain.launcher.validate.resume import frozen_changes
 
 RDZV_ENDPOINT = "$MASTER_ADDR:$MASTER_PORT"
@@ -43,7 +47,11 @@ JOB_PORT = "$((10000 + SLURM_JOB_ID % 20000))"
 """The rendezvous port of cluster.master_port=0, one per job (below Linux's ephemeral ports,
 32768+): on one port, a second job on the same first node would join the first job's store
 as a client (torchrun's agent does when it cannot bind) and lose it when that job ends."""
-_SHELL_REFS = {RDZV_ENDPOINT, RDZV_ID}
+NODES_REF = "$NODES"
+"""torchrun's --nnodes in a SLURM job: the nodes the job script runs the agents on now."""
+CONFIG_REF = "$CONFIG"
+"""The config the ranks of a SLURM job read: config.yaml, or the one for the nodes left."""
+_SHELL_REFS = {RDZV_ENDPOINT, RDZV_ID, NODES_REF, CONFIG_REF}
 
 AGENT = ["-m", "pretrain.trainer.agent"]
 """The per-node agent, run by `job_python`: torchrun, except that a stop signal after which
@@ -75,13 +83,16 @@ def job_python(cfg: RecipeConfig) -> str:
     return "python3" if cfg.cluster.container.image else sys.executable
 
 
-def torchrun_args(cfg: RecipeConfig, config_path: Path) -> list[str]:
+def torchrun_args(
+    cfg: RecipeConfig, config_path: Path | str, nodes: str | None = None
+) -> list[str]:
     """The agent command line (torchrun's arguments) that starts every rank of one node.
 
     One node: a standalone rendezvous. Several: torchrun's c10d rendezvous hosted on the
     first node (RDZV_ENDPOINT, keyed by RDZV_ID, which the job script expands), so that with
     `cluster.max_restarts` every node's agent restarts its ranks when one rank dies. The
     ranks get `cluster.signal_seconds` to save after a stop signal before they are killed.
+    `nodes` (default cluster.nodes) may be a shell reference the job script expands.
     """
     c = cfg.cluster
     per_node = ["--nproc-per-node", str(c.gpus_per_node)]
@@ -95,7 +106,7 @@ def torchrun_args(cfg: RecipeConfig, config_path: Path) -> list[str]:
         job_python(cfg),
         *AGENT,
         "--nnodes",
-        str(c.nodes),
+        nodes or str(c.nodes),
         *per_node,
         "--rdzv-backend",
         "c10d",
@@ -177,6 +188,10 @@ def render_sbatch(cfg: RecipeConfig, run_dir: Path, config_path: Path) -> str:
     SIGUSR1 before the time limit, and one srun task per node running torchrun."""
     c = cfg.cluster
     optional = []
+    if shrinks(cfg):
+        # A failed node leaves the allocation instead of ending the job: the script goes on
+        # with the nodes left.
+        optional.append("#SBATCH --no-kill")
     if c.device != "cpu":
         optional.append(f"#SBATCH --gpus-per-node={c.gpus_per_node}")
     for field in ("partition", "account", "qos"):
@@ -187,7 +202,7 @@ def render_sbatch(cfg: RecipeConfig, run_dir: Path, config_path: Path) -> str:
     _directive("run.dir", str(run_dir))  # name the run dir itself if it cannot be used
     # SLURM expands %j (job id) in the output path; a literal % is written %%.
     log_pattern = str(Path(run_dir) / LOGS_DIR).replace("%", "%%") + "/slurm-%j.out"
-    agent = " ".join(_shell_word(a) for a in torchrun_args(cfg, config_path))
+    agent = " ".join(_shell_word(a) for a in torchrun_args(cfg, CONFIG_REF, NODES_REF))
     # The user's setup lines are shell by design; they run before the agent on each node.
     setup = "".join(f"{line}\n" for line in c.setup)
     node_script = f'trap "" USR1; {setup}exec {agent}'
@@ -206,6 +221,9 @@ def render_sbatch(cfg: RecipeConfig, run_dir: Path, config_path: Path) -> str:
         "node_command": shlex.quote(node_script),
         "srun_options": " ".join(shlex.quote(o) for o in container_options(cfg, run_dir)),
         "preempted_path": shlex.quote(str(Path(run_dir) / PREEMPTED_MARKER)),
+        "min_nodes": str(c.min_nodes if shrinks(cfg) else c.nodes),
+        "shrunk_config_prefix": shlex.quote(str(Path(run_dir) / SHRUNK_CONFIG_PREFIX)),
+        "shrunk_config_suffix": shlex.quote(SHRUNK_CONFIG_SUFFIX),
     }
     path = Path(c.sbatch_template) if c.sbatch_template else SBATCH_TEMPLATE
     template = ScriptTemplate(read_text(path, "an sbatch template (text)"))
@@ -382,6 +400,8 @@ def _write_run_dir(
             old_plan = read_text(run_dir / PLAN_FILE, "the run's plan.json", 64 << 20)
             _write_atomic(run_dir / f"plan.{n}.json", old_plan, 0o644)
     _write_atomic(files.config_path, config_yaml, 0o644)
+    for nodes, (shrunk, _) in shrunk_recipes(cfg).items():
+        _write_atomic(run_dir / shrunk_config(nodes), dump_config(shrunk), 0o644)
     _write_atomic(files.script_path, rendered.script, 0o755)
     if launched is not None:
         text = json.dumps(launched, indent=1) + "\n"

@@ -3,7 +3,8 @@
 For a run dir: the recipe, the last step and its loss, validation loss and tokens/s, the
 time left at the current step time, the newest complete checkpoint, the preempted marker,
 the goodput and where the run's wall time went, the actions taken on NaNs and loss
-spikes, who holds the lock, and the SLURM job's
+spikes, the nodes and world size each job ran on (a job that lost nodes went on with
+fewer), who holds the lock, and the SLURM job's
 state with its pending reason. For a sweep dir (the parent of the points' run dirs): one
 row per point.
 """
@@ -26,6 +27,7 @@ from pretrain.core.inputs.reading import (
 from pretrain.core.run.checkpoint_files import complete_checkpoints
 from pretrain.core.run.durations import eta_seconds, format_duration
 from pretrain.core.run.goodput import breakdown
+from pretrain.core.run.ledger import read_ledger
 from pretrain.core.run.rundir import (
     CHECKPOINTS_DIR,
     CONFIG_FILE,
@@ -68,6 +70,23 @@ def goodput_line(run_dir: Path) -> str:
         return "-"
     events, _ = json_objects(path, "the run's goodput.jsonl (one JSON object per line)")
     return breakdown(events).line().removeprefix("goodput ")
+
+
+def hosts_line(run_dir: Path) -> str:
+    """Where the run's jobs ran: the hosts and world size from the ledger, and each change
+    with the step it resumed from (a lost node, a new layout), or - before any job."""
+    ledger = read_ledger(run_dir)
+    jobs = [r for r in (ledger[0] if ledger else []) if r.get("kind") == "job"]
+    shown: list[str] = []
+    where = None
+    for job in jobs:
+        hosts = ",".join(str(h) for h in job.get("hosts") or []) or "?"
+        now = (hosts, job.get("world_size"))
+        if now != where:
+            prefix = f"from step {job.get('start_step')}: " if shown else ""
+            shown.append(f"{prefix}{hosts} (world {job.get('world_size')})")
+            where = now
+    return "; ".join(shown) or "-"
 
 
 def faults_line(run_dir: Path) -> str:
@@ -142,6 +161,7 @@ def run_status(run_dir: Path) -> dict[str, str]:
         "preempted": "yes" if (run_dir / PREEMPTED_MARKER).exists() else "no",
         "goodput": goodput_line(run_dir),
         "faults": faults_line(run_dir),
+        "hosts": hosts_line(run_dir),
         "lock": lock,
         "slurm": slurm_state(run_dir),
     }

@@ -38,10 +38,12 @@ MAX_TEMPLATE_BYTES = 1 << 20
 
 
 def check_job(c: Checks, cfg: RecipeConfig) -> None:
-    """cluster.python, sbatch_template, sbatch_extra, setup and container; on a local
-    run, none of the fields only a SLURM job uses (they would be written and ignored)."""
+    """cluster.python, min_nodes, sbatch_template, sbatch_extra, setup and container; on a
+    local run, none of the fields only a SLURM job uses (they would be written and
+    ignored)."""
     k = cfg.cluster
     _check_python(c, k.python)
+    _check_min_nodes(c, k.min_nodes, k.nodes, k.backend)
     if k.backend != "slurm":
         for name, value in (("sbatch_template", k.sbatch_template),
                             ("sbatch_extra", k.sbatch_extra), ("setup", k.setup),
@@ -58,6 +60,19 @@ def check_job(c: Checks, cfg: RecipeConfig) -> None:
         _check_directive(c, f"cluster.sbatch_extra[{i}]", directive)
     _check_setup(c, k.setup)
     _check_container(c, k.container.image, k.container.mounts)
+
+
+def _check_min_nodes(c: Checks, min_nodes: int, nodes: int, backend: str) -> None:
+    """A job may shrink from `nodes` to `min_nodes` (0: never); only on SLURM, where nodes
+    are lost (a local run has one node)."""
+    if min_nodes == 0:
+        return
+    if min_nodes < 0 or min_nodes > nodes:
+        c.add("cluster.min_nodes", min_nodes, f"must be between 1 and cluster.nodes={nodes}",
+              f"use 1 to {nodes}, or 0 for a job that fails when it loses a node")  # fmt: skip
+    elif backend != "slurm":
+        c.add("cluster.min_nodes", min_nodes, "a local run has one node, none to lose",
+              "use cluster=slurm, or leave it 0")  # fmt: skip
 
 
 def _check_python(c: Checks, python: str) -> None:

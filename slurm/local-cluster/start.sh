@@ -91,6 +91,9 @@ AccountingStorageType=accounting_storage/none
 JobCompType=jobcomp/filetxt
 JobCompLoc=$state_dir/log/jobcomp.txt
 ReturnToService=2
+# A node that stops answering is declared down after 15 s (300 s by default), so a test
+# that loses a node waits seconds, not minutes.
+SlurmdTimeout=15
 MinJobAge=600
 StateSaveLocation=$state_dir/state
 SlurmdSpoolDir=$state_dir/spool/%n

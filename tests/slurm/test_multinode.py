@@ -10,7 +10,12 @@ c10d rendezvous hosted on the first node), the harness model, FP32 on CPU.
   checkpoint: cluster.max_restarts), is warned by SIGUSR1 (what SLURM sends before the time
   limit) and then preempted by SIGTERM, saving and requeueing itself after each signal,
   ends with the loss and gradient-norm curves of the same job run uninterrupted, bit for
-  bit, in one W&B run.
+  bit, in one W&B run;
+- a 2 x 1 job that may shrink to one node (cluster.min_nodes=1) loses its second node (its
+  slurmd and every process of the job there killed at once, as a crash would) and finishes
+  on the first with the layout the launcher chose for it: the curve of the single process,
+  before and after the shrink, within the FP32 tolerance (as any layout), and `pretrain
+  status` tells where each part ran.
 
 The preempted jobs run 12 steps whose learning rate decays over the reference's 8, so that
 their first 8 steps are the reference's and there are steps left for three interruptions.
@@ -18,15 +23,20 @@ their first 8 steps are the reference's and there are steps left for three inter
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import re
+import signal
 import subprocess
+import sys
 import time
 from datetime import datetime
 from pathlib import Path
 
 import pytest
 
+from pretrain.core.run.goodput import breakdown
 from pretrain.core.run.rundir import SLURM_JOB_FILE
 from pretrain.launcher.job.backends import wait_for_slurm_job
 from pretrain.trainer.observe.loggers import node_wandb_dir
@@ -37,7 +47,7 @@ from tests.distributed.harness import (
     read_curve,
 )
 from tests.helpers import finished_wandb_records
-from tests.slurm.conftest import JOB_TIMEOUT_S, submit
+from tests.slurm.conftest import CLUSTER_NODES, CLUSTER_SCRIPTS, JOB_TIMEOUT_S, submit
 
 pytestmark = pytest.mark.slurm
 
@@ -226,3 +236,71 @@ def test_a_job_that_loses_a_rank_and_is_signalled_twice_resumes_bit_exactly(
     wandb_runs = sorted((run_dir / "wandb").glob("offline-run-*"))
     assert len(wandb_runs) >= 3  # the first job run, its elastic restart, two requeued runs
     assert all(path.name.endswith(f"-{run_id}") for path in wandb_runs)
+
+
+def kill_node(node: str, job_id: str) -> None:
+    """Take `node` of the local cluster away as a crash would: its slurmd and every process
+    of the job on it (the tasks, their agent and ranks, the slurmstepd above them) die at
+    once, so nothing there reports to the controller."""
+    state_dir = Path(os.environ["SLURM_CONF"]).parent
+    victims = {int((state_dir / "run" / f"slurmd-{node}.pid").read_text())}
+    wanted = {f"SLURMD_NODENAME={node}".encode(), f"SLURM_JOB_ID={job_id}".encode()}
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and wanted <= set((proc / "environ").read_bytes().split(b"\0")):
+                victims.add(int(proc.name))
+                parent = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                if (Path("/proc") / str(parent) / "cmdline").read_bytes().startswith(b"slurmstepd"):
+                    victims.add(parent)
+        except (OSError, ValueError):
+            continue  # a process that ended meanwhile
+    for pid in victims:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def restore_cluster() -> None:
+    """Restart the daemons that are not running and wait until every node is idle again."""
+    state_dir = Path(os.environ["SLURM_CONF"]).parent
+    start = [CLUSTER_SCRIPTS / "start.sh", "--nodes", str(CLUSTER_NODES), state_dir]
+    deadline = time.monotonic() + 120
+    while subprocess.run(start, capture_output=True, timeout=300).returncode != 0:
+        assert time.monotonic() < deadline, "the lost node did not come back"
+
+
+def test_a_job_that_loses_a_node_finishes_on_the_node_left_with_the_single_process_curve(
+    uninterrupted_2x1, harness_reference, grad_norm_tolerance, tmp_path: Path
+) -> None:
+    run_dir = tmp_path / "lost_node_2x1"
+    overrides = [
+        "cluster.nodes=2", "cluster.gpus_per_node=1", "cluster.min_nodes=1", *LONGER,
+        # Steps 0.5 s longer, so the node is lost with steps to go.
+        "+cluster.env.PRETRAIN_FAULT_SLOW_RANK=0:0.5",
+    ]  # fmt: skip
+    job = submit(run_dir, overrides, tmp_path)
+    assert (run_dir / "config-1-nodes.yaml").is_file()
+    try:
+        wait_until(lambda: logged_beyond(run_dir, 4), "training past step 4")
+        kill_node("node2", job)
+        state = wait_for_slurm_job(job, JOB_TIMEOUT_S)
+    finally:
+        restore_cluster()
+    log = log_of(run_dir, job)
+    assert state == "COMPLETED", log
+    assert "lost 1 of 2 node(s); continuing on node1" in log
+    assert "resumed from the checkpoint of step 4" in log
+    assert job_field(job, "Restarts") == "0"  # the same allocation went on
+    # Every step matches the single process, before the shrink and after it.
+    assert_matches_reference(run_dir, harness_reference, grad_norm_tolerance)
+    assert max(losses(run_dir)) == 12
+    status = subprocess.run(
+        [sys.executable, "-m", "pretrain", "status", str(run_dir)],
+        capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    print(status)
+    assert "node[1-2] (world 2); from step 4: node1 (world 1)" in " ".join(status.split())
+    # The wall time of both attempts is accounted for, the lost node's among the failures.
+    events = [json.loads(line) for line in (run_dir / "goodput.jsonl").read_text().splitlines()]
+    account = breakdown(events)
+    assert account.attempts == 2 and account.failures_s > 0, account.line()
+    assert abs(account.unaccounted_s) <= 0.02 * account.total_s, account.line()

@@ -13,7 +13,12 @@ import pytest
 
 from pretrain.core.run.goodput import append_event, breakdown, scontrol_times
 from pretrain.core.run.metric_names import flat_name, wandb_key
-from pretrain.trainer.observe.goodput import GoodputLedger, attempt_start, slurm_queue_wait
+from pretrain.trainer.observe.goodput import (
+    GoodputLedger,
+    attempt_start,
+    later_attempt_in_job,
+    slurm_queue_wait,
+)
 
 # A job that trains steps 1-6 from t=100 (ready at 110 after 2 s of load), saves 4, is
 # killed after logging step 6; torchrun restarts it at 140 from step 4; it stops cleanly
@@ -133,6 +138,15 @@ def test_a_restarted_attempt_starts_at_its_own_rank_start() -> None:
     assert attempt_start(env) == 123.5
     assert slurm_queue_wait({**env, "SLURM_JOB_ID": "5"}) == {}  # counted once per job
     assert slurm_queue_wait({}) == {}
+
+
+def test_a_later_step_of_a_slurm_job_counts_neither_the_job_start_nor_its_queue_wait() -> None:
+    """A job that lost a node goes on in a second srun step: that attempt starts when its
+    ranks do, and the job's queue wait was counted by the first."""
+    later = {"SLURM_JOB_ID": "5", "SLURM_STEP_ID": "1"}
+    assert slurm_queue_wait(later) == {}
+    assert later_attempt_in_job(later)
+    assert not later_attempt_in_job({"SLURM_JOB_ID": "5", "SLURM_STEP_ID": "0"})
 
 
 def test_the_queue_wait_is_read_from_scontrol_submit_and_start_times() -> None:

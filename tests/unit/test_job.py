@@ -44,8 +44,9 @@ def directives(script: str) -> list[str]:
 
 
 def srun_line_of(script: str) -> str:
-    """The job script's one srun line."""
-    [line] = [line for line in script.splitlines() if line.startswith("srun ")]
+    """The job script's one srun command, its continued lines joined."""
+    joined = script.replace("\\\n", " ")
+    [line] = [line.strip() for line in joined.splitlines() if line.strip().startswith("srun ")]
     return line
 
 
@@ -129,13 +130,19 @@ def test_the_job_ends_with_srun_of_the_agent_in_a_task_that_ignores_sigusr1(
     cfg = slurm_recipe(nodes=2, gpus_per_node=4)
     config = tmp_path / "config.yaml"
     srun_line = srun_line_of(render_sbatch(cfg, tmp_path, config))
-    srun = words_bash_passes(srun_line)
-    assert srun[:3] == ["--ntasks-per-node=1", "--kill-on-bad-exit=1", "bash"]
-    assert srun[3] == "-c"
-    trap, exec_agent = srun[4].split("; ", 1)
+    step = {**os.environ, "NODES": "2", "NODELIST": "node[1-2]", "STEP_OPTIONS": ""}
+    srun = words_bash_passes(srun_line, step)
+    assert srun[:7] == [
+        "--nodes=2", "--ntasks=2", "--nodelist=node[1-2]", "--ntasks-per-node=1",
+        "--kill-on-bad-exit=1", "bash", "-c",
+    ]  # fmt: skip
+    trap, exec_agent = srun[7].split("; ", 1)
     assert trap == 'trap "" USR1'
     assert exec_agent.startswith(f"exec {shlex.quote(sys.executable)} -m pretrain.trainer.agent ")
-    node = {**os.environ, "SLURM_JOB_ID": "77", "MASTER_ADDR": "10.0.0.7", "MASTER_PORT": "29500"}
+    node = {
+        **os.environ, "SLURM_JOB_ID": "77", "MASTER_ADDR": "10.0.0.7", "MASTER_PORT": "29500",
+        "NODES": "2", "CONFIG": str(config),
+    }  # fmt: skip
     expected = torchrun_args(cfg, config)
     expected[expected.index(RDZV_ENDPOINT)] = "10.0.0.7:29500"
     expected[expected.index(RDZV_ID)] = "77"
@@ -144,7 +151,8 @@ def test_the_job_ends_with_srun_of_the_agent_in_a_task_that_ignores_sigusr1(
 
 def rendezvous_port(script: str, job_id: str) -> str:
     """MASTER_PORT as the job script's export line sets it in a job of id `job_id`."""
-    [line] = [line for line in script.splitlines() if line.startswith("export MASTER_PORT=")]
+    lines = [line.strip() for line in script.splitlines()]
+    [line] = [line for line in lines if line.startswith("export MASTER_PORT=")]
     env = {**os.environ, "SLURM_JOB_ID": job_id}
     command = ["bash", "-c", f'{line}\nprintf %s "$MASTER_PORT"']
     return subprocess.run(command, env=env, capture_output=True, text=True, check=True).stdout
@@ -181,9 +189,17 @@ def test_recipe_strings_reach_the_shell_as_literals_and_never_run(
         env={**os.environ, "SLURM_JOB_ID": "77"}, capture_output=True, text=True, check=True,
     ).stdout  # fmt: skip
     assert env == value
-    # The node command: bash expands it to torchrun's argv with the literal config path.
-    srun = words_bash_passes(srun_line_of(script))
-    torchrun = words_bash_passes(srun[4].split("; ", 1)[1])
+    # The config's path reaches the job's CONFIG byte for byte, and the node command
+    # expands to torchrun's argv with it.
+    [assignment] = [line for line in script.splitlines() if line.startswith("CONFIG=")]
+    config = subprocess.run(
+        ["bash", "-c", f'{assignment}\nprintf %s "$CONFIG"'], capture_output=True, text=True,
+        check=True,
+    ).stdout  # fmt: skip
+    assert config == str(files.config_path)
+    step = {**os.environ, "NODES": "1", "NODELIST": "node1", "STEP_OPTIONS": ""}
+    srun = words_bash_passes(srun_line_of(script), step)
+    torchrun = words_bash_passes(srun[7].split("; ", 1)[1], {**step, "CONFIG": config})
     assert torchrun == torchrun_args(cfg, files.config_path)
     # sbatch's quoting keeps the value whole (its parser reads "..." with \" escapes).
     assert f'--partition="{value.replace(chr(34), chr(92) + chr(34))}"' in directives(script)
@@ -344,6 +360,7 @@ def test_the_job_requeues_whenever_the_trainer_left_the_preempted_marker(
         "SRUN_STATUS": str(srun_status),
         "SLURM_JOB_ID": "42",
         "SLURM_JOB_NODELIST": "node[1-2]",
+        "SLURM_JOB_NUM_NODES": "2",
     }
     result = subprocess.run(["bash", str(files.script_path)], env=env, capture_output=True)
     assert result.returncode == exit_code

@@ -23,6 +23,14 @@ SCONTROL_TIMEOUT_S = 10.0
 """How long the queue wait may take to read from SLURM before it is left out."""
 
 
+def later_attempt_in_job(environ: dict[str, str] | os._Environ[str] = os.environ) -> bool:
+    """Whether this attempt follows an earlier one of the same job: a restart by torchrun,
+    or a later step of a SLURM job (one that went on with the nodes it kept after losing
+    some); its job's start and queue wait belong to the first attempt."""
+    restarted = environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
+    return restarted or environ.get("SLURM_STEP_ID", "0") not in ("0", "")
+
+
 def attempt_start(environ: dict[str, str] | os._Environ[str] = os.environ) -> float:
     """When this attempt started: the rank's own start after a restart by torchrun (the
     launcher's stamps are the first attempt's), else the first stamp of its start-up."""
@@ -34,9 +42,9 @@ def attempt_start(environ: dict[str, str] | os._Environ[str] = os.environ) -> fl
 def slurm_queue_wait(environ: dict[str, str] | os._Environ[str] = os.environ) -> dict[str, Any]:
     """`queue_s` of this SLURM job (submission, or requeue, to start) and `job_start` as
     scontrol reports them, or `queue_note` saying why they are left out; {} outside SLURM
-    and after a restart within the job (its queue wait is counted once)."""
+    and for a later attempt within the job (its queue wait is counted once)."""
     job = environ.get("SLURM_JOB_ID")
-    if not job or environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+    if not job or later_attempt_in_job(environ):
         return {}
     try:
         shown = subprocess.run(

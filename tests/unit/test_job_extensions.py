@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 from pathlib import Path
@@ -44,10 +45,11 @@ def test_extra_directives_setup_lines_and_a_container_are_rendered_quoted(tmp_pa
     assert '#SBATCH --constraint="h100&nvlink"' in header.splitlines()
     assert "#SBATCH --exclusive" in header.splitlines()
     # What srun runs, as bash hands it over: pyxis options, then the node's script.
-    srun = re.search(r"^srun (.*?) \|\| STATUS", script, flags=re.MULTILINE | re.DOTALL)[1]
+    srun = re.search(r"^ *srun (.*?) \|\| STATUS", script, flags=re.MULTILINE | re.DOTALL)[1]
+    step = {**os.environ, "NODES": "2", "NODELIST": "node[1-2]", "STEP_OPTIONS": ""}
     words = subprocess.run(["bash", "-c", f"printf '%s\\0' {srun}"], capture_output=True,
-                           text=True, check=True).stdout.split("\0")[:-1]  # fmt: skip
-    assert words[2:5] == [
+                           text=True, check=True, env=step).stdout.split("\0")[:-1]  # fmt: skip
+    assert words[5:8] == [
         "--container-image=nvcr.io/nvidia/pytorch:25.01-py3",
         f"--container-mounts={tmp_path}:{tmp_path},/shared/data:/data:ro",
         f"--container-workdir={Path.cwd()}",

@@ -21,11 +21,16 @@ def test_tensor_and_sequence_parallel_layouts_are_runnable(overrides):
     assert check_runnable(cfg) == []
 
 
-@pytest.mark.parametrize("zero", [0, 1])
-def test_tp_with_ddp_or_zero1_replicas_is_refused_for_launch_only(zero):
-    cfg = configure({"parallel.tp": 4, "parallel.zero": zero})
+def test_tp_with_zero1_replicas_is_refused_for_launch_only():
+    cfg = configure({"parallel.tp": 4, "parallel.zero": 1})
     validate(cfg, for_launch=False)
     [problem] = [p for p in problems(cfg, for_launch=True) if p.field == "parallel.zero"]
-    assert problem.value == zero
-    assert "tensor parallelism with DDP or ZeRO-1 data parallelism" in problem.reason
-    assert "parallel.zero=2 or 3" in problem.fix
+    assert problem.value == 1
+    assert "ZeRO-1 with tensor or pipeline parallelism" in problem.reason
+    assert "parallel.zero=2" in problem.fix
+
+
+def test_tp_with_ddp_replicas_is_runnable():
+    """DDP over TP's DTensor weights runs on FSDP2's replicate (parallel/data_parallel.py)."""
+    cfg = configure({"parallel.tp": 4, "parallel.zero": 0})
+    validate(cfg, for_launch=True)

@@ -445,6 +445,11 @@ class LoggingConfig:
     """W&B job_type, to filter runs in the workspace."""
     wandb_tags: list[str] = field(default_factory=list)
     """W&B tags added to the automatic ones (the recipe, the layout, the precision)."""
+    system_every_s: float = 60.0
+    """Each node's CPU utilisation, memory in use and load (and on CUDA its GPU's
+    utilisation, memory, power and temperature) as `system/<host>/*` metrics, sampled by
+    its first rank at most this often; 0: never (W&B records its own system metrics
+    besides)."""
     tensorboard: bool = False
     """Also write every scalar as TensorBoard events under RUN_DIR/tensorboard
     (`pip install tensorboard`; read with `tensorboard --logdir RUN_DIR`)."""

@@ -147,6 +147,7 @@ def setup(cfg: RecipeConfig, rank: RankInfo) -> Run:
         data_metrics=lambda step: tokens_seen(
             training.sampler, data.labels, cfg.train.seq_len, step
         ),
+        system_every_s=cfg.logging.system_every_s,
     )
     metrics = _metrics_logger(cfg, rank, run_dir, degrees)
     recovery = _recovery(cfg, rank, metrics, guard, loader, start)

@@ -16,8 +16,10 @@ _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
 def check_logging(c: Checks, cfg: RecipeConfig) -> None:
-    """logging.wandb_{name,group,job_type,tags} and logging.tensorboard."""
+    """logging.wandb_{name,group,job_type,tags}, logging.tensorboard and
+    logging.system_every_s."""
     g = cfg.logging
+    c.at_least("logging.system_every_s", g.system_every_s, 0)
     for name in ("wandb_name", "wandb_group", "wandb_job_type"):
         value = getattr(g, name)
         if len(value) > MAX_WANDB_TEXT or _CONTROL.search(value):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import socket
 import sys
 from pathlib import Path
 
@@ -162,6 +163,10 @@ def test_default_recipe_trains_end_to_end_on_two_ranks(tmp_path: Path) -> None:
     assert [r["step"] for r in rows] == [10, 20, 30]
     for key in ("loss", "lr", "grad_norm", "tokens_per_s", "tflops_per_device", "mfu"):
         assert key in rows[0]
+    # The node's system figures, sampled at the first logged step (then every 60 s).
+    host = socket.gethostname()
+    assert 0 <= rows[0][f"system/{host}/cpu_util"] <= 100
+    assert rows[0][f"system/{host}/mem_used_gib"] > 0
     # The step breakdown: its regions lie inside the step.
     regions = ("time_forward_s", "time_backward_s", "time_optimizer_s", "data_wait_s")
     assert 0 < sum(rows[-1][k] for k in regions) <= rows[-1]["step_time_s"]

@@ -166,7 +166,9 @@ def test_the_setup_lines_run_on_every_node(uninterrupted_2x1) -> None:
     assert ran == ["setup-ran-on-node1", "setup-ran-on-node2"]
 
 
-def test_every_node_records_its_system_metrics_in_the_runs_group(uninterrupted_2x1) -> None:
+def test_every_node_records_its_system_metrics_in_the_runs_group_and_the_metrics(
+    uninterrupted_2x1,
+) -> None:
     [main] = (uninterrupted_2x1 / "wandb").glob("offline-run-*/run-*.wandb")
     [node] = (node_wandb_dir(uninterrupted_2x1, 1) / "wandb").glob("offline-run-*/run-*.wandb")
     runs = {}
@@ -184,6 +186,12 @@ def test_every_node_records_its_system_metrics_in_the_runs_group(uninterrupted_2
     )  # fmt: skip
     assert "memory_percent" in runs["main stats"] and runs["main history"]
     assert "memory_percent/l:node1" in runs["node stats"] and not runs["node history"]
+    # And the trainer's own, node by node, in metrics.jsonl (every sink): both nodes' first
+    # ranks sampled at the first logged step.
+    first = json.loads((uninterrupted_2x1 / "metrics.jsonl").read_text().splitlines()[0])
+    for node in ("node1", "node2"):
+        assert 0 <= first[f"system/{node}/cpu_util"] <= 100
+        assert first[f"system/{node}/mem_used_gib"] > 0
 
 
 def test_two_nodes_of_two_ranks_match_one_process(

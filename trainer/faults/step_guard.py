@@ -176,14 +176,17 @@ def stragglers(compute: list[float], peers: list[int], lag: float) -> list[tuple
     return found
 
 
-def gather_compute(compute_s: float, peers: int, device: torch.device) -> tuple[list, list]:
-    """Every rank's mean compute seconds per step of the last logging window and its peer
-    group, indexed by rank."""
-    mine = torch.tensor([compute_s, float(peers)], dtype=torch.float64, device=device)
-    every = torch.empty(2 * dist.get_world_size(), dtype=torch.float64, device=device)
+def gather_compute(
+    compute_s: float, peers: int, device: torch.device, extra: list[float] = ()
+) -> tuple[list[float], list[int], list[list[float]]]:
+    """Every rank's mean compute seconds per step of the last logging window, its peer
+    group and its `extra` figures (the same count on every rank), indexed by rank."""
+    width = 2 + len(extra)
+    mine = torch.tensor([compute_s, float(peers), *extra], dtype=torch.float64, device=device)
+    every = torch.empty(width * dist.get_world_size(), dtype=torch.float64, device=device)
     dist.all_gather_single(every, mine)
-    values = every.view(-1, 2).tolist()
-    return [v[0] for v in values], [int(v[1]) for v in values]
+    values = every.view(-1, width).tolist()
+    return [v[0] for v in values], [int(v[1]) for v in values], [v[2:] for v in values]
 
 
 def mark_preempted(run_dir: Path, step: int) -> None:

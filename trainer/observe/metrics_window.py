@@ -3,7 +3,8 @@
 The loop tells the window when a step waits for data and runs the step through it; at a
 logging step `collect` averages the loss over the data-parallel ranks, turns the window's
 wall time into throughput (`ThroughputMeter`), adds memory, loss-scaler, skipped-step and MoE
-routing metrics, names stragglers, and starts the next window.
+routing metrics, names stragglers, adds each node's system figures when it sampled them
+(`system_metrics.py`, in the same gather), and starts the next window.
 
 A straggler is found by each rank's own compute, not its step time: every rank waits in the
 step's blocking collectives for the slowest, so their step times are all alike. The compute
@@ -33,6 +34,7 @@ from pretrain.trainer.faults.step_guard import StepGuard, gather_compute, stragg
 from pretrain.trainer.log import get_logger
 from pretrain.trainer.observe.metrics import ThroughputMeter, peak_memory_gib
 from pretrain.trainer.observe.moe_metrics import expert_load_metrics
+from pretrain.trainer.observe.system_metrics import NodeSampler, host_metrics
 from pretrain.trainer.step.state import MicroBatches, Stepper, StepResult, TrainState
 
 T = TypeVar("T")
@@ -55,6 +57,7 @@ class MetricsWindow:
         stage: int = 0,
         moe_pp_group: dist.ProcessGroup | None = None,
         data_metrics: Callable[[int], dict[str, Any]] = lambda step: {},
+        system_every_s: float = 0.0,
     ) -> None:
         self.meter = meter
         self.state = state
@@ -68,6 +71,7 @@ class MetricsWindow:
         self.data_metrics = data_metrics
         self.stage = stage
         self.hosts = _hosts()
+        self.sampler = NodeSampler(device, system_every_s)
         self._model: nn.Module = state.plain
         self._lr = 0.0
         self._last: StepResult | None = None
@@ -119,7 +123,7 @@ class MetricsWindow:
         dist.all_reduce(loss, group=self.dp_group)
         loss_value = loss.item() / self.dp_size
         elapsed = time.perf_counter() - self._start
-        self._report_stragglers(step, self._compute / self._steps)
+        system = self._report_stragglers(step, self._compute / self._steps)
         metrics = {
             # Non-finite values are written as null: metrics.jsonl stays strict JSON.
             "loss": loss_value if math.isfinite(loss_value) else None,
@@ -135,13 +139,17 @@ class MetricsWindow:
                 self._model, self.state.routing_group, self._steps, self.moe_pp_group
             ),
             **self.data_metrics(step),
+            **system,
         }
         self._reset()
         return metrics
 
-    def _report_stragglers(self, step: int, compute_s: float) -> None:
-        """Name each rank whose compute lags its peers' median by more than the lag."""
-        compute, peers = gather_compute(compute_s, self.stage, self.device)
+    def _report_stragglers(self, step: int, compute_s: float) -> dict[str, float]:
+        """Name each rank whose compute lags its peers' median by more than the lag; return
+        the system figures the nodes sent with their compute."""
+        compute, peers, figures = gather_compute(
+            compute_s, self.stage, self.device, self.sampler.sample()
+        )
         for rank, excess in stragglers(compute, peers, self.straggler_lag):
             get_logger().info(
                 "step %d: rank %d (host %s) is a straggler: %.3f s of compute per step, "
@@ -153,6 +161,7 @@ class MetricsWindow:
                 100 * excess,
                 [r for r, p in enumerate(peers) if p == peers[rank] and r != rank],
             )
+        return host_metrics(self.hosts, figures)
 
 
 def _hosts() -> list[str]:

@@ -21,6 +21,7 @@ from pretrain.core.precision import peak_dtype
 from pretrain.core.recompute import recomputed_blocks
 from pretrain.core.run.ledger import append_record, job_record
 from pretrain.core.schema import RecipeConfig
+from pretrain.dataprep.tokenizer import load_tokenizer
 from pretrain.models.flops import count_params, flops_per_token
 from pretrain.parallel.mesh import JobMesh, build_mesh
 from pretrain.trainer.build import build_train_state
@@ -38,6 +39,7 @@ from pretrain.trainer.data.loader import (
 )
 from pretrain.trainer.data.prefetch import PrefetchingLoader
 from pretrain.trainer.dist import RankInfo
+from pretrain.trainer.evals.tasks import task_evaluator
 from pretrain.trainer.faults.injection import FaultInjector
 from pretrain.trainer.faults.recovery import Recovery
 from pretrain.trainer.faults.step_guard import StepGuard, clear_preempted
@@ -240,7 +242,11 @@ def _evaluator(
     stepper: Stepper,
     state: TrainState,
 ) -> Evaluator:
-    """The validation loss over this rank's share of the held-out split, when due."""
+    """The validation loss over this rank's share of the held-out split, and the downstream
+    tasks, when due."""
+    tokenizer = None
+    if cfg.eval.tasks and cfg.eval.tasks_every > 0:
+        tokenizer = load_tokenizer(cfg.data, cfg.model.vocab_size, report=get_logger().info)
     return Evaluator(
         cfg.eval.every,
         cfg.eval.batches,
@@ -249,6 +255,7 @@ def _evaluator(
         dp_group=mesh.dp.get_group(),
         model=state.plain,
         device=rank.device,
+        tasks=task_evaluator(cfg, tokenizer, stepper, mesh.dp),
     )
 
 

@@ -47,7 +47,7 @@ from pretrain.parallel.pipeline.tied_embedding import (
 from pretrain.parallel.tensor import local_value
 from pretrain.trainer.step.context import StepContext
 from pretrain.trainer.step.local import step_optimizer
-from pretrain.trainer.step.pipeline_eval import evaluate_pipeline
+from pretrain.trainer.step.pipeline_eval import evaluate_pipeline, score_pipeline
 from pretrain.trainer.step.state import MicroBatches, StepResult
 
 
@@ -194,6 +194,12 @@ class PipeDreamStep:
         own, beside the backwards still in flight, which it leaves as they are."""
         self._head_of(self.engine.running)
         return evaluate_pipeline(self.ctx, [self.engine.running.module], micro_batches)
+
+    def score(self, micro_batches: MicroBatches) -> torch.Tensor:
+        """The task scores of this pipeline's micro-batches under the weights the next step
+        runs on, as `evaluate` takes its loss."""
+        self._head_of(self.engine.running)
+        return score_pipeline(self.ctx, [self.engine.running.module], micro_batches)
 
     def drain(self) -> None:
         """Run the backwards still in flight and apply the last step's gradient: the state

@@ -76,3 +76,9 @@ class Stepper(Protocol):
     def step(self, micro_batches: MicroBatches) -> StepResult: ...
 
     def evaluate(self, micro_batches: MicroBatches) -> torch.Tensor: ...
+
+    def score(self, micro_batches: MicroBatches) -> torch.Tensor:
+        """[rows, 2]: each row's summed log-likelihood of its scored targets and how many of
+        them were not the argmax (`trainer/step/scoring.py`), every row of this rank's
+        `micro_batches` in order, on every rank of the pipeline (forward only)."""
+        ...

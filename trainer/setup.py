@@ -20,7 +20,7 @@ from pretrain.core.layout import Degrees, grad_accum_steps, resolve_degrees
 from pretrain.core.precision import peak_dtype
 from pretrain.core.recompute import recomputed_blocks
 from pretrain.core.run.ledger import append_record, job_record
-from pretrain.core.schema import RecipeConfig
+from pretrain.core.schema import STABILITY_ALERTS, RecipeConfig
 from pretrain.dataprep.tokenizer import load_tokenizer
 from pretrain.models.flops import count_params, flops_per_token
 from pretrain.parallel.mesh import JobMesh, build_mesh
@@ -45,11 +45,13 @@ from pretrain.trainer.faults.recovery import Recovery
 from pretrain.trainer.faults.step_guard import StepGuard, clear_preempted
 from pretrain.trainer.kernels import kernels_line
 from pretrain.trainer.log import get_logger, setup_logging
+from pretrain.trainer.observe.activation_probes import ActivationProbes
 from pretrain.trainer.observe.goodput import GoodputLedger
 from pretrain.trainer.observe.loggers import MetricsLogger
 from pretrain.trainer.observe.metrics import PeakFlops, ThroughputMeter, resolve_peak_flops
 from pretrain.trainer.observe.metrics_window import MetricsWindow
 from pretrain.trainer.observe.run_identity import run_identity
+from pretrain.trainer.observe.stability import StabilityMonitor
 from pretrain.trainer.observe.startup import CLOCK
 from pretrain.trainer.step.context import StepContext
 from pretrain.trainer.step.evaluate import Evaluator
@@ -121,6 +123,7 @@ def setup(cfg: RecipeConfig, rank: RankInfo) -> Run:
         get_logger().info(f"loaded {loaded} weights from {cfg.init.from_hf} (init.from_hf)")
     state.loss_fn = faults.wrap_loss(state.loss_fn)
     state.phases = StepPhases(rank.device)
+    state.stability = _stability(cfg, state, degrees, mesh, rank)
     doc_eos = data.eos_id if cfg.data.doc_mask else None
     stepper, moe_pp_group = _stepper(cfg, state, degrees, mesh, rank, guard, doc_eos)
     training = train_loader(cfg, data, mesh.dp.get_local_rank(), degrees.dp)
@@ -231,6 +234,34 @@ def _stepper(
         stepper = pipeline_step(ctx)
         return stepper, stepper.group if cfg.model.moe_experts else None
     return LocalStep(ctx), None
+
+
+def _stability(
+    cfg: RecipeConfig, state: TrainState, degrees: Degrees, mesh: JobMesh, rank: RankInfo
+) -> StabilityMonitor:
+    """The stability monitors of `logging.stability_every`, hooked into the model's views."""
+    every = cfg.logging.stability_every
+    probes = None
+    if every > 0:
+        views = [state.plain] + ([state.stash] if state.stash is not None else [])
+        probes = ActivationProbes(
+            views,
+            cfg.model.n_layers,
+            tp=degrees.tp,
+            sp=cfg.parallel.sp,
+            tp_group=mesh.world["tp"].get_group() if degrees.tp > 1 else None,
+            device=rank.device,
+            phases=state.phases,
+        )
+    return StabilityMonitor(
+        every,
+        {**STABILITY_ALERTS, **cfg.logging.stability_alerts},
+        probes,
+        n_layers=cfg.model.n_layers,
+        stage_ranks=rank.world_size // degrees.pp,
+        device=rank.device,
+        phases=state.phases,
+    )
 
 
 def _evaluator(

@@ -180,6 +180,7 @@ def apply_gradients(
     applies no update, and under fp16 neither does a step whose gradients overflowed.
     """
     state.scaler.unscale_(state.plain.parameters())
+    state.stability.gradients(state.plain)
     norm = clip_grad_norm_(
         state.plain.parameters(), cfg.optim.grad_clip, extra_group, head_copies(state.plain)
     )
@@ -198,9 +199,10 @@ def step_optimizer(state: TrainState, cfg: RecipeConfig, update: bool) -> None:
     """Apply the (unscaled, clipped) gradients if `update`, then advance the LR schedule and
     clear the gradients: a skipped step still consumes its data and its place in the LR
     schedule. The MoE routing counts of the step close either way."""
-    if update:
-        state.optimizer.step()
-        after_optimizer_step(state.plain, cfg.precision)
+    with state.stability.update(state.plain, applied=update):
+        if update:
+            state.optimizer.step()
+            after_optimizer_step(state.plain, cfg.precision)
     finish_routing_step(state.plain, state.routing_group, update)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step", UserWarning)

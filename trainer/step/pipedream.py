@@ -151,6 +151,7 @@ class PipeDreamStep:
         if self.tied_sums:
             self.tied_sums.pop(0).wait()
         norm = (flags[0] / self.replicas).sqrt()
+        state.stability.gradients(state.plain)
         clip_to_norm(state.plain.parameters(), norm, self.ctx.cfg.optim.grad_clip)
         scaled_ok = state.scaler.update(norm)
         bad = bool(flags[1] > 0) or (scaled_ok and not bool(torch.isfinite(norm)))

@@ -20,6 +20,8 @@ from pretrain.core.inputs.reading import ReadError, read_text
 
 LM_EVAL_PREFIX = "lm_eval:"
 """An eval.tasks entry that names an lm-eval task rather than a JSONL file."""
+AVERAGE = "average"
+"""The name of the tasks' mean in the metrics (eval/average/acc): no task may take it."""
 MAX_TASK_BYTES = 256 << 20
 """Largest task file read (a downstream task is thousands of examples, not a corpus)."""
 MAX_CHOICES = 64

@@ -19,6 +19,7 @@ from tests.distributed.harness import (
     read_curve,
     run_pretrain,
 )
+from tests.helpers import pairs_corpus_and_task
 
 REPO = Path(__file__).resolve().parent.parent
 SLOW_DIRS = (REPO / "tests" / "distributed", REPO / "tests" / "slurm")
@@ -70,10 +71,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 @pytest.fixture(scope="session")
-def harness_reference_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The run dir of the harness model trained by one process."""
+def monitored_overrides(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    """A downstream task scored and the stability monitors sampled at the harness's
+    evaluation steps (4 and 8): neither changes what is trained, so the reference runs them
+    and a layout can compare its task scores and monitors with the one-process ones."""
+    _, task = pairs_corpus_and_task(tmp_path_factory.mktemp("task"), pairs=12)
+    return [f"eval.tasks=[{task}]", "eval.tasks_every=4", "logging.stability_every=4"]
+
+
+@pytest.fixture(scope="session")
+def harness_reference_dir(
+    tmp_path_factory: pytest.TempPathFactory, monitored_overrides: list[str]
+) -> Path:
+    """The run dir of the harness model trained by one process (with its task and
+    monitors, `monitored_overrides`)."""
     run_dir = tmp_path_factory.mktemp("reference") / "run"
-    run_pretrain(run_dir, [], nproc=1)
+    run_pretrain(run_dir, monitored_overrides, nproc=1)
     return run_dir
 
 

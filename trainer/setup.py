@@ -122,8 +122,7 @@ def setup(cfg: RecipeConfig, rank: RankInfo) -> Run:
         loaded = load_hf_weights(state.plain, cfg.model, cfg.init.from_hf)
         get_logger().info(f"loaded {loaded} weights from {cfg.init.from_hf} (init.from_hf)")
     state.loss_fn = faults.wrap_loss(state.loss_fn)
-    state.phases = StepPhases(rank.device)
-    state.stability = _stability(cfg, state, degrees, mesh, rank)
+    _instrument(cfg, state, degrees, mesh, rank)
     doc_eos = data.eos_id if cfg.data.doc_mask else None
     stepper, moe_pp_group = _stepper(cfg, state, degrees, mesh, rank, guard, doc_eos)
     training = train_loader(cfg, data, mesh.dp.get_local_rank(), degrees.dp)
@@ -236,10 +235,12 @@ def _stepper(
     return LocalStep(ctx), None
 
 
-def _stability(
+def _instrument(
     cfg: RecipeConfig, state: TrainState, degrees: Degrees, mesh: JobMesh, rank: RankInfo
-) -> StabilityMonitor:
-    """The stability monitors of `logging.stability_every`, hooked into the model's views."""
+) -> None:
+    """Give the state its step breakdown and the stability monitors of
+    `logging.stability_every`, hooked into the model's views."""
+    state.phases = StepPhases(rank.device)
     every = cfg.logging.stability_every
     probes = None
     if every > 0:
@@ -253,7 +254,7 @@ def _stability(
             device=rank.device,
             phases=state.phases,
         )
-    return StabilityMonitor(
+    state.stability = StabilityMonitor(
         every,
         {**STABILITY_ALERTS, **cfg.logging.stability_alerts},
         probes,

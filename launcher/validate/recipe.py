@@ -30,11 +30,10 @@ from pretrain.launcher.validate.layout import (
     check_parallel,
     check_runnable,
 )
-from pretrain.launcher.validate.logs import check_logging
+from pretrain.launcher.validate.logs import check_logging, check_stability
 from pretrain.launcher.validate.moe import check_moe
 from pretrain.launcher.validate.precision import check_precision
 from pretrain.launcher.validate.rundir import check_run_dir
-from pretrain.launcher.validate.tasks import check_stability, check_tasks
 
 MAX_SEED = 2**32 - 1
 """Seeds are 32-bit (numpy's limit)."""
@@ -69,7 +68,6 @@ def validate(
     check_job(c, cfg)
     check_logging(c, cfg)
     check_stability(c, cfg)
-    check_tasks(c, cfg, for_launch)
     check_parallel(c, cfg, model_ok, batch_ok, cluster_ok)
     check_precision(c, cfg)
     check_moe(c, cfg, for_launch)

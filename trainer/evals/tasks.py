@@ -1,6 +1,7 @@
 """When the downstream tasks run, and their metrics: every `eval.tasks_every` steps and at
 the end of the run (not on a stop, which saves instead), each task of `eval.tasks` is scored
-through the run's own step and logged as `eval/<task>/<metric>` (acc and acc_norm).
+through the run's own step and logged as `eval/<task>/<metric>` (acc and acc_norm), and
+their mean over the tasks as `eval/average/<metric>` (what the dashboard plots).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from tokenizers import Tokenizer
 from torch.distributed.device_mesh import DeviceMesh
 
 from pretrain.core.schema import RecipeConfig
-from pretrain.dataprep.tasks import is_lm_eval, read_task, task_name
+from pretrain.dataprep.tasks import AVERAGE, LM_EVAL_PREFIX, is_lm_eval, read_task, task_name
 from pretrain.dataprep.tokenizer import eos_id
 from pretrain.trainer.evals.choice_task import ChoiceTaskRunner, Score
 from pretrain.trainer.evals.requests import RequestScorer
@@ -40,12 +41,17 @@ class TaskEvaluator:
         return self.every > 0 and (step % self.every == 0 or last)
 
     def evaluate(self) -> dict[str, float]:
-        """{eval/<task>/<metric>: value} of every task (collective)."""
-        return {
-            f"eval/{runner.name}/{metric}": value
-            for runner in self.runners
-            for metric, value in runner.run(self.score).items()
-        }
+        """{eval/<task>/<metric>: value} of every task, and eval/average/<metric> over the
+        tasks that report it (collective)."""
+        out: dict[str, float] = {}
+        by_metric: dict[str, list[float]] = {}
+        for runner in self.runners:
+            for metric, value in runner.run(self.score).items():
+                out[f"eval/{runner.name}/{metric}"] = value
+                by_metric.setdefault(metric, []).append(value)
+        for metric, values in by_metric.items():
+            out[f"eval/{AVERAGE}/{metric}"] = sum(values) / len(values)
+        return out
 
 
 def task_runners(cfg: RecipeConfig, tokenizer: Tokenizer) -> list[TaskRunner]:
@@ -55,7 +61,10 @@ def task_runners(cfg: RecipeConfig, tokenizer: Tokenizer) -> list[TaskRunner]:
         if is_lm_eval(entry):
             from pretrain.trainer.evals.lm_eval_adapter import LmEvalRunner
 
-            runners.append(LmEvalRunner(task_name(entry), cfg.eval.lm_eval_include, tokenizer))
+            task = entry.removeprefix(LM_EVAL_PREFIX)
+            runners.append(
+                LmEvalRunner(task, task_name(entry), cfg.eval.lm_eval_include, tokenizer)
+            )
         else:
             runners.append(ChoiceTaskRunner(read_task(entry), tokenizer))
     return runners

@@ -38,19 +38,30 @@ def group_of(name: str) -> str:
     return "embed" if parts[0] == "tok_embeddings" else "head"
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's piece of `tensor`; a partial sum is finished first (a collective over the
-    ranks that hold its parts, which reach this line together: it runs where clipping does)."""
-    if not isinstance(tensor, DTensor):
-        return tensor
-    if any(isinstance(p, Partial) for p in tensor.placements):
+def _resolved(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` with a partial sum finished (a collective over the ranks that hold its
+    parts, which reach this line together: it runs where clipping does)."""
+    if isinstance(tensor, DTensor) and any(isinstance(p, Partial) for p in tensor.placements):
         placements = [Replicate() if isinstance(p, Partial) else p for p in tensor.placements]
-        tensor = tensor.redistribute(tensor.device_mesh, placements)
-    return tensor.to_local()
+        return tensor.redistribute(tensor.device_mesh, placements)
+    return tensor
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of `tensor`."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _like(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """`local` (a piece of the shape of `param`'s) laid out as `param` is, so that its copies
+    are counted as `param`'s are."""
+    if not isinstance(param, DTensor):
+        return local
+    return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False)
 
 
 def _copies(tensor: torch.Tensor, stage_ranks: int) -> int:
-    """How many ranks hold the same piece of `tensor` as this one."""
+    """How many ranks hold the same piece of `tensor` (resolved) as this one."""
     if not isinstance(tensor, DTensor):
         return stage_ranks
     mesh = tensor.device_mesh
@@ -66,27 +77,27 @@ class LayerNorms:
         index = {g: i for i, g in enumerate(layer_groups(n_layers))}
         skip = {id(p) for p in head_copies(model)}
         self.size = len(index)
+        self.stage_ranks = stage_ranks
         self.params = [(n, p) for n, p in model.named_parameters() if id(p) not in skip]
         self.slots = torch.tensor([index[group_of(n)] for n, _ in self.params], dtype=torch.long)
-        self.weights = torch.tensor(
-            [1.0 / _copies(p, stage_ranks) for _, p in self.params], dtype=torch.float64
-        )
 
     def squared(self, tensors: Iterable[torch.Tensor | None]) -> torch.Tensor:
         """[groups] float64: the weighted squared norms of `tensors` (one per parameter, in
         `params` order; None adds nothing), summed by group on this rank."""
-        pieces, slots = [], []
+        pieces, slots, weights = [], [], []
         for i, tensor in enumerate(tensors):
             if tensor is not None:
+                tensor = _resolved(tensor)
                 pieces.append(_local(tensor).detach())
                 slots.append(i)
+                weights.append(1.0 / _copies(tensor, self.stage_ranks))
         out = torch.zeros(self.size, dtype=torch.float64)
         if not pieces:
             return out
         norms = torch._foreach_norm(pieces, 2.0, dtype=torch.float32)
         squares = torch.stack(norms).double().cpu().pow(2)  # one device sync
-        chosen = torch.tensor(slots, dtype=torch.long)
-        return out.index_add_(0, self.slots[chosen], squares * self.weights[chosen])
+        chosen = self.slots[torch.tensor(slots, dtype=torch.long)]
+        return out.index_add_(0, chosen, squares * torch.tensor(weights, dtype=torch.float64))
 
     def gradients(self) -> torch.Tensor:
         """Weighted squared gradient norms by group."""
@@ -102,6 +113,7 @@ class LayerNorms:
 
     def changes(self, before: list[torch.Tensor]) -> torch.Tensor:
         """Weighted squared norms by group of the change since `before` (`snapshot`)."""
+        now = (_local(p).detach() for _, p in self.params)
         return self.squared(
-            _local(p).detach() - old for (_, p), old in zip(self.params, before, strict=True)
+            _like(p, new - old) for (_, p), new, old in zip(self.params, now, before, strict=True)
         )

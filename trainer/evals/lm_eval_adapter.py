@@ -63,8 +63,6 @@ class LmEvalRunner:
         # Local data only: a task that would download fails instead of fetching.
         os.environ["HF_DATASETS_OFFLINE"] = os.environ["HF_HUB_OFFLINE"] = "1"
         logging.getLogger("lm_eval").setLevel(logging.WARNING)
-        # Its progress bars (and the datasets library's) would interleave the step lines.
-        os.environ["TQDM_DISABLE"] = "1"
         tasks = get_task_dict([self.task], TaskManager(include_path=self.include))
         for task in tasks.values():
             if isinstance(task, Task):  # as lm-eval's simple_evaluate sets them up

@@ -96,5 +96,5 @@ class RequestScorer:
             micro.append((torch.stack([x for x, _ in part]), torch.stack([y for _, y in part])))
         local = self.stepper.score(micro).to(torch.float64)
         gathered = torch.empty(self.dp_size * per_rank, 2, dtype=local.dtype, device=local.device)
-        dist.all_gather_into_tensor(gathered, local.contiguous(), group=self.dp_group)
+        dist.all_gather_single(gathered, local.contiguous(), group=self.dp_group)
         return gathered.cpu()

@@ -191,7 +191,8 @@ def console_line(step: int, total_steps: int, metrics: dict[str, Any]) -> str:
     for key, value in metrics.items():
         if key.startswith("eval/") and key.endswith("/acc") and value is not None:
             norm = metrics.get(key + "_norm")
-            parts.append(f"{key[5:-4]} acc {value:.3f}" + (f" (norm {norm:.3f})" if norm else ""))
+            normed = f" (norm {norm:.3f})" if norm is not None else ""
+            parts.append(f"{key[5:-4]} acc {value:.3f}{normed}")
     stability = [
         (label, metrics.get(f"stability/{name}"))
         for label, name in STABILITY_CONSOLE

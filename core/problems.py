@@ -164,6 +164,7 @@ EXTRAS = {
     "tensorboard": "tensorboard",
     "torchao": "fp8",
     "wandb_workspaces": "dashboard",
+    "lm_eval": "lm-eval",
 }
 """Optional package (its import name) -> the extra of this project that installs it: the
 default install runs the default recipe, each extra one feature."""

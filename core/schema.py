@@ -43,6 +43,17 @@ SPIKE_ACTIONS = ("none", *RECOVERY_ACTIONS)
 PLAN_FORMATS = ("table", "json")
 PLAN_BEFORE_RUN = ("summary", "full", "none")
 PLAN_CHARTS = ("text", "png")
+STABILITY_ALERTS = {
+    "attn_logit_max": 100.0,
+    "z_mean": 1000.0,
+    "act_rms_max": 0.0,
+    "update_ratio_max": 1.0,
+    "grad_norm_max": 0.0,
+}
+"""The alert threshold of each monitor that can raise one (logging.stability_alerts): the
+largest attention logit above 100 (the logit Kimi K2's QK-clip caps), a z-mean above 1000
+(|logsumexp| above about 32), an update as large as the weight it changes; the activation
+RMS and the per-layer gradient norm have no threshold that fits every model (0: off)."""
 _INTERPOLATION = re.compile(r"(\\*)\$\{")
 
 
@@ -317,6 +328,17 @@ class EvalConfig:
     """Evaluate every this many steps and at the end of the run (0: never)."""
     batches: int = 4
     """Global batches of validation sequences per evaluation; the same ones every time."""
+    tasks: list[str] = field(default_factory=list)
+    """Downstream multiple-choice tasks scored through the training layout (forward only):
+    each a local JSONL file of {"context", "choices", "answer"} examples (named by the
+    file's stem), or `lm_eval:TASK`, an lm-eval task whose data is local (the `lm-eval`
+    extra; its YAML folder in eval.lm_eval_include). Logged as eval/<task>/acc and
+    eval/<task>/acc_norm."""
+    tasks_every: int = 0
+    """Score eval.tasks every this many steps and at the end of the run (0: never)."""
+    lm_eval_include: str = ""
+    """A folder of lm-eval task YAML files (their data in local files) that `lm_eval:TASK`
+    entries of eval.tasks may name, beside lm-eval's own tasks; empty: lm-eval's only."""
 
 
 @dataclass
@@ -455,6 +477,14 @@ class LoggingConfig:
     (`pip install tensorboard`; read with `tensorboard --logdir RUN_DIR`)."""
     all_ranks: bool = False
     """Print the trainer's messages from every rank (prefixed with the rank), not only rank 0."""
+    stability_every: int = 100
+    """Sample the stability monitors every this many steps (0: never): per-layer gradient
+    norm, parameter norm and update-to-weight ratio, RMS of each block's output, the
+    largest attention logit per layer and the output logits' z-mean (docs/metrics.md)."""
+    stability_alerts: dict[str, float] = field(default_factory=lambda: dict(STABILITY_ALERTS))
+    """Thresholds of the sampled monitors (attn_logit_max, z_mean, act_rms_max,
+    update_ratio_max, grad_norm_max): a sampled value above its threshold is a warning line
+    and a W&B alert; 0 turns that alert off. Unnamed monitors keep their defaults."""
 
 
 @dataclass

@@ -73,6 +73,17 @@ SECTIONS: dict[str, tuple[Panel, ...]] = {
         Panel("dropped fraction", ("moe/dropped_frac",)),
         Panel("aux and z loss", ("moe/aux_loss", "moe/z_loss")),
     ),
+    "Downstream": (
+        Panel("task accuracy (mean of eval.tasks)", ("eval/average/acc", "eval/average/acc_norm")),
+    ),
+    "Stability": (
+        Panel("largest attention logit", ("stability/attn_logit_max",)),
+        Panel("output logit z-mean", ("stability/z_mean",)),
+        Panel("update / weight (largest layer)", ("stability/update_ratio_max",)),
+        Panel("gradient norm (largest layer)", ("stability/grad_norm_max",)),
+        Panel("block output RMS (largest layer)", ("stability/act_rms_max",)),
+        Panel("parameter norm", ("stability/param_norm",)),
+    ),
     "Goodput": (
         Panel("goodput (productive / total)", ("goodput/goodput",)),
         Panel(

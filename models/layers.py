@@ -39,6 +39,9 @@ AttentionMask = torch.Tensor | BlockMask | CoreMask | None
 """None: causal. A boolean [b, 1, s, s] (True = may attend), a FlexAttention BlockMask, or a
 mask the swapped-in core applies."""
 
+AttentionProbe = Callable[[torch.Tensor, torch.Tensor, AttentionMask, float], None]
+"""Handed an attention's (queries, keys, mask, scale) before its core runs."""
+
 
 def document_mask(doc_ids: torch.Tensor) -> torch.Tensor | BlockMask:
     """Block-causal mask of packed documents: position i attends to positions j <= i with
@@ -78,6 +81,32 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMas
     )
 
 
+LOGIT_TILE_ELEMENTS = 1 << 24
+"""Scores `max_logit` holds at once (64 MiB in FP32), whatever the sequence length."""
+
+
+@torch.no_grad()
+def max_logit(q: torch.Tensor, k: torch.Tensor, mask: AttentionMask, scale: float) -> torch.Tensor:
+    """The largest attention logit (scale x q.k, the softmax's input) of q [b, heads, s, d]
+    over k [b, kv_heads, s, d] among the pairs `mask` lets attend: exact under the causal
+    mask and a boolean one; a FlexAttention BlockMask or a core's own mask counts the causal
+    pairs (a bound from above). Computed over tiles of query rows, in FP32."""
+    q, k = q.detach().float(), k.detach().float()
+    k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    b, heads, s, _ = q.shape
+    rows = max(1, LOGIT_TILE_ELEMENTS // (b * heads * s))
+    best = torch.full((), float("-inf"), device=q.device)
+    for row in range(0, s, rows):
+        scores = (q[:, :, row : row + rows] @ k.transpose(-1, -2)) * scale
+        if isinstance(mask, torch.Tensor):
+            allowed = mask[..., row : row + rows, :]
+        else:
+            positions = torch.arange(s, device=q.device)
+            allowed = positions[None, :] <= positions[row : row + rows, None]
+        best = torch.maximum(best, scores.masked_fill(~allowed, float("-inf")).amax())
+    return best
+
+
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Causal grouped-query attention of q [b, heads, s, d] over k, v [b, kv_heads, s, d]."""
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
@@ -92,7 +121,8 @@ class Attention(nn.Module):
     Options of public families: biases on wq/wk/wv (`attn_bias`, Qwen2) and an RMSNorm over
     each query and key head before the rotary embedding (`qk_norm`, Qwen3). Tensor
     parallelism sets `per_head`, through which the per-head norms' weights pass, to sum
-    their gradient over the ranks' heads."""
+    their gradient over the ranks' heads. A stability monitor sets `probe`, which is handed
+    the queries, keys, mask and scale of each forward (None: nothing is handed)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -106,6 +136,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.core = causal_attention
         self.per_head: Callable[[torch.Tensor], torch.Tensor] = _same
+        self.probe: AttentionProbe | None = None
 
     def _norm(self, norm: RMSNorm | None, x: torch.Tensor) -> torch.Tensor:
         if norm is None:
@@ -124,6 +155,8 @@ class Attention(nn.Module):
         v = self.wv(x).view(b, s, -1, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if self.probe is not None:
+            self.probe(q, k, mask, self.head_dim**-0.5)
         if mask is None:
             out = self.core(q, k, v)
         elif isinstance(mask, CoreMask):

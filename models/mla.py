@@ -31,6 +31,7 @@ from torch.nn.attention.flex_attention import BlockMask
 from pretrain.core.model_config import ModelConfig
 from pretrain.models.layers import (
     AttentionMask,
+    AttentionProbe,
     CoreMask,
     RMSNorm,
     apply_rope,
@@ -60,6 +61,8 @@ class MultiHeadLatentAttention(nn.Module):
         self.shared_key = nn.Identity()
         self.scale = qk**-0.5
         self.core = self._causal
+        self.probe: AttentionProbe | None = None
+        """As `Attention.probe`: handed the decompressed queries and keys."""
 
     def _causal(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
@@ -87,6 +90,8 @@ class MultiHeadLatentAttention(nn.Module):
         k_rope = k_rope.expand(-1, -1, heads, -1)
         k = torch.cat([k_nope, k_rope], dim=-1)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if self.probe is not None:
+            self.probe(q, k, mask, self.scale)
         if mask is None:
             out = self.core(q, k, v)
         elif isinstance(mask, CoreMask):

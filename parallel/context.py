@@ -50,7 +50,8 @@ def shard_sequence(tensor: torch.Tensor, cp: int, rank: int, dim: int = 1) -> to
 
 @dataclass
 class ContextSplit:
-    """What the step needs of context parallelism: this rank's chunks, and the mean over cp."""
+    """What the step needs of context parallelism: this rank's chunks, and their mean or sum
+    over cp."""
 
     rank: int
     size: int
@@ -62,9 +63,13 @@ class ContextSplit:
 
     def mean(self, value: torch.Tensor) -> torch.Tensor:
         """The mean of `value` over the cp ranks (equal token counts, so the sequence mean)."""
+        return self.sum(value) / self.size
+
+    def sum(self, value: torch.Tensor) -> torch.Tensor:
+        """The sum of `value` over the cp ranks (a sequence's total over its chunks)."""
         value = value.detach().clone()
         dist.all_reduce(value, group=self.group)
-        return value / self.size
+        return value
 
 
 @dataclass

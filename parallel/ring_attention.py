@@ -29,6 +29,7 @@ written out in FP32 matmuls over tiles of QUERY_TILE query rows rather than a fu
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -49,6 +50,9 @@ class RingAttention:
 
     def __init__(self, group: dist.ProcessGroup, rank: int, cp: int) -> None:
         self.group, self.rank, self.cp = group, rank, cp
+        self.probe: Callable[[torch.Tensor], None] | None = None
+        """Handed the largest score of this rank's queries over every key they attend to
+        (all of the ring's chunks), when set (a stability monitor's sampled steps)."""
         self.next = dist.get_global_rank(group, (rank + 1) % cp)
         self.prev = dist.get_global_rank(group, (rank - 1) % cp)
 
@@ -144,11 +148,14 @@ def _tiles(length: int):
     return ((row, min(row + QUERY_TILE, length)) for row in range(0, length, QUERY_TILE))
 
 
-def _block_forward(q, k, v, causal, docs: PairDocuments = None):
-    """Attention of one chunk pair: output [b, kv, g, sq, d] and log-sum-exp [b, kv, g, sq]."""
+def _block_forward(q, k, v, causal, docs: PairDocuments = None, maxima: list | None = None):
+    """Attention of one chunk pair: output [b, kv, g, sq, d] and log-sum-exp [b, kv, g, sq];
+    with `maxima`, each tile's largest score is appended to it."""
     outs, lses = [], []
     for row, end in _tiles(q.shape[-2]):
         scores = _scores(q[..., row:end, :], k, causal, row, docs)
+        if maxima is not None:
+            maxima.append(scores.detach().amax())
         lse = scores.logsumexp(-1)
         outs.append((scores - _finite(lse).unsqueeze(-1)).exp() @ v.float())
         lses.append(lse)
@@ -207,6 +214,7 @@ class _RingAttention(torch.autograd.Function):
         kv = _joined(k, v)
         outs: list = [None, None]
         lses: list = [None, None]
+        maxima: list | None = None if ring.probe is None else []
         q_halves = _halves(qg)
         for hop in range(ring.cp):
             pending = ring.exchange(kv) if hop < ring.cp - 1 else None
@@ -214,7 +222,9 @@ class _RingAttention(torch.autograd.Function):
             holder = ring.holder(hop)
             for qi, ki, causal in _pairs(ring.cp, ring.rank, holder):
                 docs = _pair_documents(documents, ring.rank, qi, holder, ki)
-                block = _block_forward(q_halves[qi], k_halves[ki], v_halves[ki], causal, docs)
+                block = _block_forward(
+                    q_halves[qi], k_halves[ki], v_halves[ki], causal, docs, maxima
+                )
                 if outs[qi] is None:
                     outs[qi], lses[qi] = block
                 else:
@@ -228,6 +238,8 @@ class _RingAttention(torch.autograd.Function):
         out = torch.cat(outs, dim=-2).reshape(b, heads, s, v.shape[-1]).to(q.dtype)
         out = out.transpose(1, 2).contiguous().transpose(1, 2)
         lse = torch.cat(lses, dim=-1)
+        if ring.probe is not None and maxima:
+            ring.probe(torch.stack(maxima).amax())
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.ring, ctx.documents = ring, documents
         return out

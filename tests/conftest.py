@@ -19,6 +19,7 @@ from tests.distributed.harness import (
     read_curve,
     trained_once,
 )
+from tests.helpers import made_once, pairs_corpus_and_task
 
 REPO = Path(__file__).resolve().parent.parent
 SLOW_DIRS = (REPO / "tests" / "distributed", REPO / "tests" / "slurm")
@@ -74,9 +75,27 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 @pytest.fixture(scope="session")
-def harness_reference_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The run dir of the harness model trained by one process."""
-    return trained_once(tmp_path_factory, "reference", [])
+def monitored_overrides(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    """A downstream task scored and the stability monitors sampled at the harness's
+    evaluation steps (4 and 8): neither changes what is trained, so the reference runs them
+    and a layout can compare its task scores and monitors with the one-process ones. One
+    task file for every worker, so that they share the reference."""
+
+    def write(folder: Path) -> None:
+        folder.mkdir()
+        pairs_corpus_and_task(folder, pairs=12)
+
+    task = made_once(tmp_path_factory, "task", write) / "likes.jsonl"
+    return [f"eval.tasks=[{task}]", "eval.tasks_every=4", "logging.stability_every=4"]
+
+
+@pytest.fixture(scope="session")
+def harness_reference_dir(
+    tmp_path_factory: pytest.TempPathFactory, monitored_overrides: list[str]
+) -> Path:
+    """The run dir of the harness model trained by one process (with its task and
+    monitors, `monitored_overrides`)."""
+    return trained_once(tmp_path_factory, "reference", monitored_overrides)
 
 
 @pytest.fixture(scope="session")

@@ -386,3 +386,39 @@ def wait_until_gone(
     while (alive := live_processes(mentioning, group)) and time.monotonic() < deadline:
         time.sleep(0.1)
     return alive
+
+
+def pairs_corpus_and_task(folder: Path, pairs: int = 24, seed: int = 0) -> tuple[Path, Path]:
+    """A corpus a small model learns within tens of steps, and a task from it whose accuracy
+    rises as it does: documents of sentences `NAME THING.`, each name always with its own
+    thing; the task gives a sentence's start and asks for the thing (the right one among
+    4 of the corpus's things). Returns (corpus.jsonl, task.jsonl)."""
+    import json
+    import random
+
+    rng = random.Random(seed)
+    syllables = ["ka", "lo", "mi", "ne", "pu", "ra", "si", "to", "vu", "ze", "bo", "da"]
+
+    def word(used: set[str]) -> str:
+        while (w := "".join(rng.sample(syllables, 3))) in used:
+            pass
+        used.add(w)
+        return w
+
+    used: set[str] = set()
+    names = [word(used).capitalize() for _ in range(pairs)]
+    things = [word(used) for _ in range(pairs)]
+    docs = [
+        " ".join(f"{names[i]} {things[i]}." for i in rng.choices(range(pairs), k=40))
+        for _ in range(300)
+    ]
+    corpus = write_jsonl(folder / "corpus.jsonl", docs)
+    task = folder / "likes.jsonl"
+    with task.open("w", encoding="utf-8") as out:
+        for i in range(pairs):
+            others = rng.sample([t for t in things if t != things[i]], 3)
+            answer = rng.randrange(4)
+            choices = [f" {t}." for t in [*others[:answer], things[i], *others[answer:]]]
+            context = f"{names[rng.randrange(pairs)]} {things[0]}. {names[i]}"
+            out.write(json.dumps({"context": context, "choices": choices, "answer": answer}) + "\n")
+    return corpus, task

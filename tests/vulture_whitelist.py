@@ -50,3 +50,8 @@ _.dashboard  # launcher/entry.py: the pretrain-dashboard console script (pyproje
 # torch's own attributes, set from outside by the dry run (trainer/dryrun/fake.py).
 _._inference_mode  # a pipeline stage's metadata mode, read by torch's schedule
 _._runtime_validate  # torch checks a stage's tensors against its shapes when set
+
+# lm-eval's LM interface, called by lm-eval (trainer/evals/lm_eval_adapter.py).
+_.loglikelihood
+_.loglikelihood_rolling
+_.generate_until

@@ -20,7 +20,8 @@ from pretrain.core.layout import Degrees, grad_accum_steps, resolve_degrees
 from pretrain.core.precision import peak_dtype
 from pretrain.core.recompute import recomputed_blocks
 from pretrain.core.run.ledger import append_record, job_record
-from pretrain.core.schema import RecipeConfig
+from pretrain.core.schema import STABILITY_ALERTS, RecipeConfig
+from pretrain.dataprep.tokenizer import load_tokenizer
 from pretrain.models.flops import count_params, flops_per_token
 from pretrain.parallel.mesh import JobMesh, build_mesh
 from pretrain.trainer.build import build_train_state
@@ -38,16 +39,19 @@ from pretrain.trainer.data.loader import (
 )
 from pretrain.trainer.data.prefetch import PrefetchingLoader
 from pretrain.trainer.dist import RankInfo
+from pretrain.trainer.evals.tasks import task_evaluator
 from pretrain.trainer.faults.injection import FaultInjector
 from pretrain.trainer.faults.recovery import Recovery
 from pretrain.trainer.faults.step_guard import StepGuard, clear_preempted
 from pretrain.trainer.kernels import kernels_line
 from pretrain.trainer.log import get_logger, setup_logging
+from pretrain.trainer.observe.activation_probes import ActivationProbes
 from pretrain.trainer.observe.goodput import GoodputLedger
 from pretrain.trainer.observe.loggers import MetricsLogger
 from pretrain.trainer.observe.metrics import PeakFlops, ThroughputMeter, resolve_peak_flops
 from pretrain.trainer.observe.metrics_window import MetricsWindow
 from pretrain.trainer.observe.run_identity import run_identity
+from pretrain.trainer.observe.stability import StabilityMonitor
 from pretrain.trainer.observe.startup import CLOCK
 from pretrain.trainer.step.context import StepContext
 from pretrain.trainer.step.evaluate import Evaluator
@@ -118,7 +122,7 @@ def setup(cfg: RecipeConfig, rank: RankInfo) -> Run:
         loaded = load_hf_weights(state.plain, cfg.model, cfg.init.from_hf)
         get_logger().info(f"loaded {loaded} weights from {cfg.init.from_hf} (init.from_hf)")
     state.loss_fn = faults.wrap_loss(state.loss_fn)
-    state.phases = StepPhases(rank.device)
+    _instrument(cfg, state, degrees, mesh, rank)
     doc_eos = data.eos_id if cfg.data.doc_mask else None
     stepper, moe_pp_group = _stepper(cfg, state, degrees, mesh, rank, guard, doc_eos)
     training = train_loader(cfg, data, mesh.dp.get_local_rank(), degrees.dp)
@@ -232,6 +236,36 @@ def _stepper(
     return LocalStep(ctx), None
 
 
+def _instrument(
+    cfg: RecipeConfig, state: TrainState, degrees: Degrees, mesh: JobMesh, rank: RankInfo
+) -> None:
+    """Give the state its step breakdown and the stability monitors of
+    `logging.stability_every`, hooked into the model's views."""
+    state.phases = StepPhases(rank.device)
+    every = cfg.logging.stability_every
+    probes = None
+    if every > 0:
+        views = [state.plain] + ([state.stash] if state.stash is not None else [])
+        probes = ActivationProbes(
+            views,
+            cfg.model.n_layers,
+            tp=degrees.tp,
+            sp=cfg.parallel.sp,
+            tp_group=mesh.world["tp"].get_group() if degrees.tp > 1 else None,
+            device=rank.device,
+            phases=state.phases,
+        )
+    state.stability = StabilityMonitor(
+        every,
+        {**STABILITY_ALERTS, **cfg.logging.stability_alerts},
+        probes,
+        n_layers=cfg.model.n_layers,
+        stage_ranks=rank.world_size // degrees.pp,
+        device=rank.device,
+        phases=state.phases,
+    )
+
+
 def _evaluator(
     cfg: RecipeConfig,
     data: RunData,
@@ -241,7 +275,11 @@ def _evaluator(
     stepper: Stepper,
     state: TrainState,
 ) -> Evaluator:
-    """The validation loss over this rank's share of the held-out split, when due."""
+    """The validation loss over this rank's share of the held-out split, and the downstream
+    tasks, when due."""
+    tokenizer = None
+    if cfg.eval.tasks and cfg.eval.tasks_every > 0:
+        tokenizer = load_tokenizer(cfg.data, cfg.model.vocab_size, report=get_logger().info)
     return Evaluator(
         cfg.eval.every,
         cfg.eval.batches,
@@ -250,6 +288,7 @@ def _evaluator(
         dp_group=mesh.dp.get_group(),
         model=state.plain,
         device=rank.device,
+        tasks=task_evaluator(cfg, tokenizer, stepper, mesh.dp),
     )
 
 

@@ -1,7 +1,8 @@
 """The per-rank training program: set up from the frozen config, then step and log.
 
 Everything is built before the loop (`pretrain.trainer.setup`); the loop only calls components: the
-step of the layout (timed by the metrics window), the fault guard and injector, the
+step of the layout (timed by the metrics window; the stability monitors armed around the
+steps they sample, their alerts sent to the sinks), the fault guard and injector, the
 checkpointer (which decides when a save is due), the evaluator (the validation loss when
 due, untimed), the metrics window (timing and the metrics dict), the metrics sinks and the
 hang watchdog, told where the loop is (it measures the steps and is told the saves' and
@@ -48,7 +49,11 @@ def train(run: Run, watchdog: Watchdog) -> None:
             run.faults.begin_step(step, batch=run.loader.step + 1)
             run.recovery.scale_lr(step, run.state)
             micro_batches = run.window.wait_for_data(run.loader.next_step)
+            run.state.stability.arm(step)
             result = run.window.run_step(run.stepper, micro_batches)
+            sampled = run.state.stability.collect(step)
+            for alert in run.state.stability.alerts:
+                metrics.alert(alert.step, f"{alert.name} above {alert.threshold:g}", alert.line())
             if not CLOCK.reported:
                 CLOCK.mark("first step")
                 CLOCK.reported = True
@@ -59,7 +64,7 @@ def train(run: Run, watchdog: Watchdog) -> None:
             if action == "rollback":
                 # The bad step is logged as it was, then trained again from the checkpoint.
                 run.goodput.step(step, 0.0, 0.0)
-                metrics.log(step, {**run.window.collect(step), **run.goodput.flush()})
+                metrics.log(step, {**run.window.collect(step), **sampled, **run.goodput.flush()})
                 watchdog.beat(step, "checkpoint")  # the load is timed as a save is
                 step = run.recovery.roll_back(
                     step, run.guard, run.checkpointer, run.loader, run.goodput
@@ -77,11 +82,18 @@ def train(run: Run, watchdog: Watchdog) -> None:
             if val:
                 watchdog.measured("evaluation", eval_s)
             run.goodput.step(step, save_s if saved else 0.0, eval_s)
-            if val or run.window.due(step, last=step == total, stop=result.stop):
+            if val or sampled or run.window.due(step, last=step == total, stop=result.stop):
                 watchdog.beat(step, "metrics")
                 timeouts = watchdog.timeouts.flush()
                 metrics.log(
-                    step, {**run.window.collect(step), **val, **run.goodput.flush(), **timeouts}
+                    step,
+                    {
+                        **run.window.collect(step),
+                        **val,
+                        **sampled,
+                        **run.goodput.flush(),
+                        **timeouts,
+                    },
                 )
             if result.stop:
                 _stop_after_save(run, step)

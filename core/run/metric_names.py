@@ -41,6 +41,11 @@ goodput/productive_s: core/run/goodput.py; timeout_step_s -> timeout/step_s, the
 in force: trainer/faults/timeouts.py)."""
 
 
+OWN_KEY_SECTIONS = ("eval", "stability")
+"""Sections whose flat names are their own W&B keys: eval/<task>/acc (`trainer/evals/`) and
+stability/<monitor>[/<layer>] (`trainer/observe/stability.py`)."""
+
+
 def wandb_key(name: str) -> str:
     """The W&B key of a flat metric name."""
     if name in WANDB_KEYS:
@@ -62,6 +67,8 @@ def flat_name(key: str) -> str:
         if wandb == key:
             return name
     section, _, rest = key.partition("/")
+    if section in OWN_KEY_SECTIONS:
+        return key
     if section == "time":
         return "time_" + rest
     for prefix, dropped in SECTION_PREFIXES.items():

@@ -1,4 +1,4 @@
-"""Rules of the data, validation and initialization fields.
+"""Rules of the data, validation, downstream task and initialization fields.
 
 The field rules hold anywhere. What needs the disk (the sources' files, the tokenizer, the
 cache dir, a Hugging Face checkpoint) is checked for a local launch or a local prepare,
@@ -14,10 +14,12 @@ import os
 from pathlib import Path
 
 from pretrain.core.hf_llama import checkpoint_problems
-from pretrain.core.problems import Checks, Problem
+from pretrain.core.inputs.reading import ReadError
+from pretrain.core.problems import Checks, Problem, install_fix, installed
 from pretrain.core.schema import DATA_FORMATS, RecipeConfig
 from pretrain.dataprep.checks import check_data_on_disk, source_fields, unprepared
 from pretrain.dataprep.sources import SourceError, resolved_sources, source_label
+from pretrain.dataprep.tasks import AVERAGE, is_lm_eval, read_task, task_name
 
 PREPARE_FIX = (
     "prepare it first: the same command with action=prepare (on SLURM a CPU-only job; "
@@ -56,6 +58,7 @@ def check_data(c: Checks, cfg: RecipeConfig, for_launch: bool) -> None:
         )
     _check_mixture(c, cfg)
     _check_eval(c, cfg)
+    check_tasks(c, cfg, for_launch)
     _check_known_before_the_ranks(c, cfg)
     if d.doc_mask and d.tokenizer == "none":
         c.add(
@@ -177,3 +180,42 @@ def unprepared_problems(cfg: RecipeConfig) -> list[Problem]:
             PREPARE_FIX,
         )
     return c.problems
+
+
+def check_tasks(c: Checks, cfg: RecipeConfig, for_launch: bool) -> None:
+    """eval.tasks and when they run; with `for_launch` on this machine, the files too."""
+    e = cfg.eval
+    c.at_least("eval.tasks_every", e.tasks_every, 0)
+    if e.tasks and e.tasks_every == 0:
+        c.add("eval.tasks_every", 0, f"the {len(e.tasks)} eval.tasks would never be scored",
+              "set eval.tasks_every (e.g. 500), or eval.tasks=[]")  # fmt: skip
+    if e.tasks_every > 0 and not e.tasks:
+        c.add("eval.tasks_every", e.tasks_every, "there are no eval.tasks to score",
+              "name task files in eval.tasks, or set eval.tasks_every=0")  # fmt: skip
+    if e.tasks and cfg.data.tokenizer == "none":
+        c.add("eval.tasks", e.tasks, "tasks are text, and data.tokenizer=none reads none",
+              "give the sources' tokenizer in data.tokenizer, or eval.tasks=[]")  # fmt: skip
+    names = [task_name(entry) for entry in e.tasks]
+    local = for_launch and cfg.cluster.backend == "local"
+    for i, entry in enumerate(e.tasks):
+        at = f"eval.tasks[{i}]"
+        if names[i] == AVERAGE:
+            c.add(at, entry, f"its metrics name {AVERAGE!r} is the tasks' mean's",
+                  "rename the file")  # fmt: skip
+        if names[i] in names[:i]:
+            first = names.index(names[i])
+            c.add(at, entry, f"its metrics name {names[i]!r} is also eval.tasks[{first}]'s",
+                  "rename one of the files")  # fmt: skip
+        if is_lm_eval(entry):
+            if not installed("lm_eval"):
+                c.add(at, entry, "the lm-eval package is not installed",
+                      f"{install_fix('lm_eval')}, or give a JSONL task file")  # fmt: skip
+        elif local:
+            try:
+                read_task(entry)
+            except ReadError as err:
+                c.add(at, entry, f"{err.found}; expected {err.expected}", err.fix)
+    include = e.lm_eval_include
+    if include and local and not Path(os.path.expanduser(include)).is_dir():
+        c.add("eval.lm_eval_include", include, "no such directory",
+              "give the folder of your lm-eval task YAML files, or ''")  # fmt: skip

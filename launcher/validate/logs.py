@@ -1,12 +1,13 @@
 """Rules of the logging fields: W&B names, group, job type and tags within W&B's limits,
-and TensorBoard and W&B only where their packages are installed."""
+TensorBoard and W&B only where their packages are installed, and the stability monitors'
+rate and alert thresholds."""
 
 from __future__ import annotations
 
 import re
 
 from pretrain.core.problems import Checks, install_fix, installed
-from pretrain.core.schema import RecipeConfig
+from pretrain.core.schema import STABILITY_ALERTS, RecipeConfig
 
 MAX_WANDB_TEXT = 128
 """W&B keeps group and job_type names up to 128 characters."""
@@ -41,3 +42,17 @@ def check_logging(c: Checks, cfg: RecipeConfig) -> None:
         c.add("logging.wandb", g.wandb, "the wandb package is not installed",
               f"{install_fix('wandb')}, or logging.wandb=auto (off where wandb is missing) "
               "or disabled")  # fmt: skip
+
+
+def check_stability(c: Checks, cfg: RecipeConfig) -> None:
+    """logging.stability_every and the monitors' alert thresholds."""
+    g = cfg.logging
+    c.at_least("logging.stability_every", g.stability_every, 0)
+    for name, threshold in g.stability_alerts.items():
+        at = f"logging.stability_alerts.{name}"
+        if name not in STABILITY_ALERTS:
+            c.add(at, threshold, "no such monitor raises alerts",
+                  f"use one of {', '.join(STABILITY_ALERTS)}")  # fmt: skip
+        elif not threshold >= 0:
+            c.add(at, threshold, "a threshold is a value the monitor may not exceed",
+                  "use a positive value, or 0 to turn the alert off")  # fmt: skip

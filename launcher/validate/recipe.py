@@ -30,7 +30,7 @@ from pretrain.launcher.validate.layout import (
     check_parallel,
     check_runnable,
 )
-from pretrain.launcher.validate.logs import check_logging
+from pretrain.launcher.validate.logs import check_logging, check_stability
 from pretrain.launcher.validate.moe import check_moe
 from pretrain.launcher.validate.precision import check_precision
 from pretrain.launcher.validate.rundir import check_run_dir
@@ -67,6 +67,7 @@ def validate(
     check_env(c, cfg)
     check_job(c, cfg)
     check_logging(c, cfg)
+    check_stability(c, cfg)
     check_parallel(c, cfg, model_ok, batch_ok, cluster_ok)
     check_precision(c, cfg)
     check_moe(c, cfg, for_launch)

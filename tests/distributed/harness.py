@@ -158,6 +158,18 @@ def read_curve(path: Path) -> Curve:
     )
 
 
+def logged_rows(run_dir: Path, prefixes: tuple[str, ...]) -> dict[int, dict[str, float]]:
+    """{step: {metric: value}} of the metrics whose names start with one of `prefixes`, at
+    the steps that logged any (a step logged again after a resume counts last)."""
+    rows: dict[int, dict[str, float]] = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        picked = {k: v for k, v in row.items() if k.startswith(prefixes)}
+        if picked:
+            rows[row["step"]] = picked
+    return rows
+
+
 def grad_norm_tolerance(reference: Curve, reordered: Curve) -> float:
     """The bound on a layout's gradient norm after step 1, derived from the reference and the
     reference trained again with REORDERED sums: GRAD_NORM_SPREAD_MULTIPLE x

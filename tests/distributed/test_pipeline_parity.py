@@ -9,7 +9,13 @@ from __future__ import annotations
 
 import pytest
 
-from tests.distributed.harness import assert_same_curve, run_pretrain
+from tests.distributed.harness import (
+    FP32_TOLERANCE,
+    assert_same_curve,
+    logged_rows,
+    max_relative_difference,
+    run_pretrain,
+)
 
 pytestmark = pytest.mark.distributed
 
@@ -35,7 +41,6 @@ def reference(harness_reference):
             ["parallel.pp=2", "parallel.pp_layers=[1,3]", "recompute=full", "recompute.every=2"],
             2,
         ),
-        ("1f1b_pp2_tp2_sp", ["parallel.pp=2", "parallel.tp=2", "parallel.sp=true"], 4),
         # DDP under a pipeline runs on FSDP2's replicate (ZeRO-3 with pp: the 3-D tests).
         ("1f1b_pp2_ddp_dp2", ["parallel.pp=2", "parallel.zero=0"], 4),
     ],
@@ -60,3 +65,30 @@ def test_tied_embeddings_under_pp2_match_the_single_process_run(
     v_shape = ["parallel.vpp=2", "parallel.pp_schedule=zbv"]
     curve = run_pretrain(workdir / "tied_pp2_zbv", [*tied, "parallel.pp=2", *v_shape], nproc=2)
     assert_same_curve(curve, reference, grad_norm_tolerance)
+
+
+def test_pp2_tp2_sp_matches_the_reference_in_its_task_scores_and_monitors_too(
+    workdir, reference, harness_reference_dir, monitored_overrides, grad_norm_tolerance
+) -> None:
+    """Pipeline, tensor and sequence parallelism at once score the downstream task (the
+    vocab-parallel log-softmax, forward only through the stages) and sample the stability
+    monitors (norms summed over shards and stages, block outputs over sequence shards, the
+    z-mean over vocabulary shards) as one process does."""
+    layout = ["parallel.pp=2", "parallel.tp=2", "parallel.sp=true"]
+    curve = run_pretrain(workdir / "1f1b_pp2_tp2_sp", [*layout, *monitored_overrides], nproc=4)
+    assert_same_curve(curve, reference, grad_norm_tolerance)
+    prefixes = ("eval/", "stability/")
+    expected = logged_rows(harness_reference_dir, prefixes)
+    measured = logged_rows(workdir / "1f1b_pp2_tp2_sp", prefixes)
+    assert sorted(expected) == sorted(measured) == [4, 8]
+    for step, values in expected.items():
+        assert measured[step].keys() == values.keys()
+        scores = {k: v for k, v in values.items() if k.startswith("eval/")}
+        assert scores and {k: measured[step][k] for k in scores} == scores
+    # The monitors at their first sample (step 4), where the weights have moved apart by
+    # three steps' rounding only: the forward's values and the weights agree as the losses
+    # do, the gradient and the update derived from it as the gradient norm does.
+    for name, value in expected[4].items():
+        gradient = "grad_norm" in name or "update_ratio" in name
+        bound = grad_norm_tolerance if gradient else FP32_TOLERANCE
+        assert max_relative_difference([measured[4][name]], [value]) <= bound, name

@@ -13,7 +13,7 @@ import pytest
 
 from pretrain.launcher.dashboard import SECTIONS, STEP, workspace
 from tests.distributed.harness import BASE_OVERRIDES
-from tests.helpers import pretrain, wandb_records
+from tests.helpers import pairs_corpus_and_task, pretrain, wandb_records
 
 pytestmark = pytest.mark.e2e
 
@@ -36,7 +36,9 @@ def logged_keys(run_dir: Path) -> set[str]:
 def test_the_workspace_is_built_offline_with_a_section_per_topic() -> None:
     pytest.importorskip("wandb_workspaces", reason="pip install -e '.[dev]'")
     built = workspace("my-team", "pretrain", "pretrain")
-    assert [s.name for s in built.sections] == ["Throughput", "Loss", "Memory", "MoE", "Goodput"]
+    assert [s.name for s in built.sections] == [
+        "Throughput", "Loss", "Memory", "MoE", "Downstream", "Stability", "Goodput"
+    ]  # fmt: skip
     for section, panels in zip(built.sections, SECTIONS.values(), strict=True):
         assert [p.title for p in section.panels] == [p.title for p in panels]
         for built_panel, panel in zip(section.panels, panels, strict=True):
@@ -66,19 +68,34 @@ def test_the_plan_predictions_the_panels_plot_are_in_a_gpu_recipes_plan(tmp_path
 
 
 @pytest.mark.slow
-def test_every_plotted_key_is_logged_by_a_real_moe_run(tmp_path: Path) -> None:
+def test_every_plotted_key_is_logged_by_a_real_moe_run_and_a_spike_raises_a_wandb_alert(
+    tmp_path: Path,
+) -> None:
+    """The run scores a downstream task and samples the stability monitors at every step;
+    its second step's loss (and gradients) are made 20 times larger, so the largest layer's
+    gradient norm crosses the threshold there, and only there: a warning line and a W&B
+    alert."""
     run_dir = tmp_path / "run"
+    _, task = pairs_corpus_and_task(tmp_path / "task", pairs=4)
     replaced = ("train.steps", "eval.every", "logging.wandb", "model.ffn_dim", "model.n_layers")
     shrunk = [o for o in BASE_OVERRIDES if not o.startswith(replaced)]
     result = pretrain("--config-name", "tiny_moe", *shrunk, "model.n_layers=2", "train.steps=2",
                       "eval.every=2", "logging.wandb=offline", "parallel.ep=1",
-                      "cluster.gpus_per_node=1", f"run.dir={run_dir}", cwd=tmp_path,
-                      timeout=300)  # fmt: skip
+                      f"eval.tasks=[{task}]", "eval.tasks_every=2", "logging.stability_every=1",
+                      "logging.stability_alerts.grad_norm_max=5", "cluster.gpus_per_node=1",
+                      f"run.dir={run_dir}", cwd=tmp_path, timeout=300,
+                      env={"PRETRAIN_FAULT_SPIKE_STEPS": "2"})  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     # On CPU the plan predicts no MFU or tokens/s (no peak): those come from a GPU's plan,
     # checked above.
     cpu_unpredicted = {"plan/mfu", "plan/tokens_per_s"}
     assert PLOTTED - FP16_ONLY - cpu_unpredicted <= logged_keys(run_dir)
+    warnings = [line for line in result.stdout.splitlines() if "[stability] warning" in line]
+    assert len(warnings) == 1 and "step 2: stability/grad_norm_max" in warnings[0]
+    [history] = (run_dir / "wandb").glob("offline-run-*/run-*.wandb")
+    alerts = [r.alert for r in wandb_records(history) if r.HasField("alert")]
+    assert [a.title for a in alerts] == ["grad_norm_max above 5"]
+    assert alerts[0].level == "WARN" and "step 2" in alerts[0].text
 
 
 def test_creating_the_workspace_online() -> None:

@@ -11,6 +11,7 @@ import pytest
 
 from pretrain.core.layout import resolve_degrees
 from pretrain.core.run.durations import format_duration
+from pretrain.core.run.metric_names import flat_name
 from pretrain.core.schema import LoggingConfig, RecipeConfig
 from pretrain.trainer.observe.loggers import (
     WANDB_ID_FILE,
@@ -127,6 +128,18 @@ def test_console_line_shows_progress_and_mfu_as_a_percentage() -> None:
     assert f"{METRICS['tokens_per_s']:,.0f} tok/s" in line
     assert f"MFU {100 * METRICS['mfu']:.1f}%" in line
     assert console_line(5, 10, {**METRICS, "mfu": None}).endswith("MFU n/a")
+
+
+def test_console_line_shows_task_accuracy_and_the_sampled_monitors() -> None:
+    sampled = {**METRICS, "eval/arc/acc": 0.5, "eval/arc/acc_norm": 0.0,
+               "stability/attn_logit_max": 12.5, "stability/z_mean": 40.25}  # fmt: skip
+    line = console_line(5, 10, sampled)
+    assert "arc acc 0.500 (norm 0.000)" in line
+    assert line.endswith("max attn logit 12.5, z-mean 40.2")
+    # Their W&B keys are their names, and pretrain-report reads them back.
+    assert wandb_key("eval/arc/acc") == "eval/arc/acc" and flat_name("stability/z_mean") == (
+        "stability/z_mean"
+    )
 
 
 def test_wandb_keys_come_from_one_table_and_unknown_names_go_under_train() -> None:

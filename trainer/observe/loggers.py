@@ -143,6 +143,15 @@ def _plain(value: Any) -> Any:
     return value.item() if hasattr(value, "item") else value
 
 
+STABILITY_CONSOLE = (
+    ("max attn logit", "attn_logit_max"),
+    ("z-mean", "z_mean"),
+    ("max update/weight", "update_ratio_max"),
+    ("max act rms", "act_rms_max"),
+)
+"""The stability summaries a sampled step's console line shows (label, monitor)."""
+
+
 def console_line(step: int, total_steps: int, metrics: dict[str, Any]) -> str:
     """The one-line console summary of a logged step."""
 
@@ -179,6 +188,18 @@ def console_line(step: int, total_steps: int, metrics: dict[str, Any]) -> str:
         )
     if has("loss_scale"):
         parts.append(f"loss scale {metrics['loss_scale']:g} ({metrics['skipped_steps']} skipped)")
+    for key, value in metrics.items():
+        if key.startswith("eval/") and key.endswith("/acc") and value is not None:
+            norm = metrics.get(key + "_norm")
+            normed = f" (norm {norm:.3f})" if norm is not None else ""
+            parts.append(f"{key[5:-4]} acc {value:.3f}{normed}")
+    stability = [
+        (label, metrics.get(f"stability/{name}"))
+        for label, name in STABILITY_CONSOLE
+        if metrics.get(f"stability/{name}") is not None
+    ]
+    if stability:
+        parts.append(", ".join(f"{label} {value:.3g}" for label, value in stability))
     return " | ".join(parts)
 
 
@@ -356,6 +377,20 @@ class MetricsLogger:
             except Exception as exc:  # losing W&B mid-run must not stop training
                 self.console.print(f"[yellow]W&B log failed, W&B disabled: {escape(str(exc))}")
                 self._wandb_run = None
+
+    def alert(self, step: int, title: str, text: str) -> None:
+        """A monitor crossed its threshold (main rank): a warning line, and a W&B alert
+        (WARN; W&B sends one of a title at most every minute)."""
+        if not self.is_main:
+            return
+        self.console.print(f"[stability] warning: {text}", markup=False)
+        if self._wandb_run is not None:
+            try:
+                import wandb
+
+                self._wandb_run.alert(title=title[:63], text=text, level=wandb.AlertLevel.WARN)
+            except Exception as exc:  # losing W&B mid-run must not stop training
+                self.console.print(f"[yellow]W&B alert failed: {escape(str(exc))}")
 
     def _smoothed_step_time(self, values: dict[str, Any]) -> float | None:
         """The median of the last ETA_WINDOW logged step times, this row's included."""

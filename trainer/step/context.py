@@ -25,6 +25,7 @@ from pretrain.parallel.pipeline.stages import in_context
 from pretrain.parallel.precision import forward_context
 from pretrain.parallel.tensor import vocab_parallel_loss
 from pretrain.trainer.faults.step_guard import StepGuard
+from pretrain.trainer.step.scoring import row_scores
 from pretrain.trainer.step.state import MicroBatches, TrainState
 
 
@@ -86,6 +87,18 @@ class StepContext:
         """The loss of whole sequences: context-parallel ranks each hold two chunks of every
         sequence, and the loss is their mean."""
         return loss if self.state.context is None else self.state.context.mean(loss)
+
+    def context_sum(self, value: torch.Tensor) -> torch.Tensor:
+        """A sum over whole sequences of `value`, summed over their chunks under context
+        parallelism (the scores of `row_scores`)."""
+        return value if self.state.context is None else self.state.context.sum(value)
+
+    def row_scores(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The task scores of this rank's chunk of each row (`trainer/step/scoring.py`): the
+        head applied here, in loss chunks, where the loss applies it."""
+        chunked = self.state.chunked_losses
+        head = chunked[0].head if chunked else None
+        return row_scores(output, targets, head, self.cfg.train.loss_chunks)
 
     # The pipelined steps: one batch through a schedule of `pipeline_microbatches` parts.
 

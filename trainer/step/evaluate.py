@@ -1,5 +1,6 @@
 """The validation loss: every `eval.every` steps and at the end of the run, forward only,
-through the run's own step (so under the same DP, TP, PP and EP layout as training).
+through the run's own step (so under the same DP, TP, PP and EP layout as training); and
+the downstream tasks when theirs are due (`trainer/evals/`), through the same step.
 
 Each evaluation reads the same `eval.batches` global batches of validation sequences (in
 order, split over the data-parallel ranks as training batches are), so successive values
@@ -9,7 +10,9 @@ statistics of the metrics window are kept out of it.
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -18,11 +21,25 @@ from torch import nn
 
 from pretrain.models.moe import moe_modules
 from pretrain.trainer.data.loader import DataLoader
+from pretrain.trainer.evals.tasks import TaskEvaluator
 from pretrain.trainer.step.state import Stepper
 
 
+@contextlib.contextmanager
+def routing_stats_kept(model: nn.Module) -> Iterator[None]:
+    """Leave the MoE routing statistics of the metrics window as they were: evaluation
+    forwards route tokens too, and must not count as training's."""
+    saved = [(m.stats.totals, m.stats.forwards) for m in moe_modules(model)]
+    try:
+        yield
+    finally:
+        for module, (totals, forwards) in zip(moe_modules(model), saved, strict=True):
+            module.stats.totals, module.stats.forwards = totals, forwards
+
+
 class Evaluator:
-    """Decides when to evaluate and returns the validation metrics (empty when it did not)."""
+    """Decides when to evaluate and returns the validation and task metrics (empty when it
+    did not)."""
 
     def __init__(
         self,
@@ -34,8 +51,10 @@ class Evaluator:
         dp_group: dist.ProcessGroup,
         model: nn.Module,
         device: torch.device,
+        tasks: TaskEvaluator | None = None,
     ) -> None:
         self.every = every if loader is not None else 0
+        self.tasks = tasks or TaskEvaluator(0, [], lambda requests: [])
         self.batches = batches
         self.stepper = stepper
         self.loader = loader
@@ -48,21 +67,20 @@ class Evaluator:
         return self.every > 0 and (step % self.every == 0 or last)
 
     def after_step(self, step: int, last: bool, stop: bool) -> dict[str, Any]:
-        """{val_loss, val_ppl} when `step` is due (collective), else {}; a run asked to stop
-        saves instead."""
-        if stop or not self.due(step, last):
+        """{val_loss, val_ppl} when `step` is due, and the tasks' metrics when theirs are
+        (collective), else {}; a run asked to stop saves instead."""
+        val, tasks = self.due(step, last), self.tasks.due(step, last)
+        if stop or not (val or tasks):
             return {}
-        return self.evaluate()
+        with routing_stats_kept(self.model):
+            return {**(self.evaluate() if val else {}), **(self.tasks.evaluate() if tasks else {})}
 
     def evaluate(self) -> dict[str, Any]:
         """The mean loss over the validation batches, on every rank (collective)."""
         assert self.loader is not None
-        saved = [(m.stats.totals, m.stats.forwards) for m in moe_modules(self.model)]
         total = torch.zeros((), device=self.device)
         for batch in range(self.batches):
             total += self.stepper.evaluate(self.loader.batches(batch))
-        for module, (totals, forwards) in zip(moe_modules(self.model), saved, strict=True):
-            module.stats.totals, module.stats.forwards = totals, forwards
         dist.all_reduce(total, group=self.dp_group)
         loss = total.item() / (self.batches * dist.get_world_size(self.dp_group))
         if not math.isfinite(loss):

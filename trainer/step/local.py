@@ -1,6 +1,6 @@
 """One optimizer step: the LM loss, forward and backward over the accumulation micro-batches,
 then unscale, clip, agree on bad steps, update and advance the LR schedule; and the
-forward-only loss of validation micro-batches.
+forward-only loss of validation micro-batches and scores of task rows.
 
 A mixture-of-experts model closes its routing counts after the update (the balancing biases
 move by the step's loads), and a dropless expert-parallel dispatch whose slots overflowed
@@ -16,6 +16,7 @@ holds the hooks they share. The pipelined steps (`trainer/step/pipeline.py`,
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -106,20 +107,44 @@ def _forward_backward(ctx: StepContext, micro_batches: MicroBatches) -> torch.Te
     return ctx.context_mean(loss_sum / accum)
 
 
-@torch.no_grad()
-def eval_loss(ctx: StepContext, micro_batches: MicroBatches) -> torch.Tensor:
-    """This rank's mean LM loss over `micro_batches`, forward only: no gradient, no update."""
+def _forward_only(
+    ctx: StepContext,
+    micro_batches: MicroBatches,
+    measure: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+) -> list[torch.Tensor]:
+    """`measure(output, targets)` of each micro-batch, forward only (no gradient)."""
     state = ctx.state
-    total = torch.zeros((), device=ctx.device)
+    measured = []
     for inputs, targets in micro_batches:
         inputs, targets = inputs.to(ctx.device), targets.to(ctx.device)
         kwargs = ctx.model_kwargs(inputs)
         inputs, targets = ctx.split(inputs, targets)
         with ctx.autocast():
-            logits = state.model(inputs, **kwargs)
+            output = state.model(inputs, **kwargs)
         with ctx.loss_parallel():
-            total += local_value(state.eval_loss_fn(logits, targets))
+            measured.append(measure(output, targets))
+    return measured
+
+
+@torch.no_grad()
+def eval_loss(ctx: StepContext, micro_batches: MicroBatches) -> torch.Tensor:
+    """This rank's mean LM loss over `micro_batches`, forward only: no gradient, no update."""
+
+    def loss(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        # Every TP rank holds the same (replicated) loss.
+        return local_value(ctx.state.eval_loss_fn(output, targets))
+
+    total = torch.zeros((), device=ctx.device)
+    for value in _forward_only(ctx, micro_batches, loss):
+        total += value
     return ctx.context_mean(total / len(micro_batches))
+
+
+@torch.no_grad()
+def score_rows(ctx: StepContext, micro_batches: MicroBatches) -> torch.Tensor:
+    """[rows, 2]: the task scores (`trainer/step/scoring.py`) of every row of this rank's
+    `micro_batches`, in order, forward only."""
+    return ctx.context_sum(torch.cat(_forward_only(ctx, micro_batches, ctx.row_scores)))
 
 
 @dataclass
@@ -136,6 +161,10 @@ class LocalStep:
         """This rank's mean validation loss over `micro_batches` (forward only)."""
         return eval_loss(self.ctx, micro_batches)
 
+    def score(self, micro_batches: MicroBatches) -> torch.Tensor:
+        """The task scores of every row of `micro_batches` (forward only)."""
+        return score_rows(self.ctx, micro_batches)
+
 
 def apply_gradients(
     state: TrainState,
@@ -151,6 +180,7 @@ def apply_gradients(
     applies no update, and under fp16 neither does a step whose gradients overflowed.
     """
     state.scaler.unscale_(state.plain.parameters())
+    state.stability.gradients(state.plain)
     norm = clip_grad_norm_(
         state.plain.parameters(), cfg.optim.grad_clip, extra_group, head_copies(state.plain)
     )
@@ -169,9 +199,10 @@ def step_optimizer(state: TrainState, cfg: RecipeConfig, update: bool) -> None:
     """Apply the (unscaled, clipped) gradients if `update`, then advance the LR schedule and
     clear the gradients: a skipped step still consumes its data and its place in the LR
     schedule. The MoE routing counts of the step close either way."""
-    if update:
-        state.optimizer.step()
-        after_optimizer_step(state.plain, cfg.precision)
+    with state.stability.update(state.plain, applied=update):
+        if update:
+            state.optimizer.step()
+            after_optimizer_step(state.plain, cfg.precision)
     finish_routing_step(state.plain, state.routing_group, update)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step", UserWarning)

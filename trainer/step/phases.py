@@ -32,8 +32,11 @@ class StepPhases:
         self._events: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
 
     @contextlib.contextmanager
-    def phase(self, name: str) -> Iterator[None]:
-        """Time the enclosed block as region `name` (nested regions count twice: don't)."""
+    def phase(self, name: str, within: bool = False) -> Iterator[None]:
+        """Time the enclosed block as region `name`. A region `within` another (the stability
+        monitors' share of a forward or an optimizer step) is a part of that one's time: it
+        adds nothing to the blocked time, which the enclosing region counts. Other regions
+        must not nest: they would count twice."""
         if not self.enabled:
             yield
             return
@@ -53,7 +56,8 @@ class StepPhases:
             wall = time.perf_counter() - wall
             cpu = time.thread_time() - cpu
             self._totals[name] += wall
-            self._totals["blocked"] += max(0.0, wall - cpu)
+            if not within:
+                self._totals["blocked"] += max(0.0, wall - cpu)
 
     def take(self, steps: int) -> dict[str, float]:
         """Seconds per step of each region timed since the last call (`time_<region>_s`,

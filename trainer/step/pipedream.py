@@ -47,7 +47,7 @@ from pretrain.parallel.pipeline.tied_embedding import (
 from pretrain.parallel.tensor import local_value
 from pretrain.trainer.step.context import StepContext
 from pretrain.trainer.step.local import step_optimizer
-from pretrain.trainer.step.pipeline_eval import evaluate_pipeline
+from pretrain.trainer.step.pipeline_eval import evaluate_pipeline, score_pipeline
 from pretrain.trainer.step.state import MicroBatches, StepResult
 
 
@@ -151,6 +151,7 @@ class PipeDreamStep:
         if self.tied_sums:
             self.tied_sums.pop(0).wait()
         norm = (flags[0] / self.replicas).sqrt()
+        state.stability.gradients(state.plain)
         clip_to_norm(state.plain.parameters(), norm, self.ctx.cfg.optim.grad_clip)
         scaled_ok = state.scaler.update(norm)
         bad = bool(flags[1] > 0) or (scaled_ok and not bool(torch.isfinite(norm)))
@@ -194,6 +195,12 @@ class PipeDreamStep:
         own, beside the backwards still in flight, which it leaves as they are."""
         self._head_of(self.engine.running)
         return evaluate_pipeline(self.ctx, [self.engine.running.module], micro_batches)
+
+    def score(self, micro_batches: MicroBatches) -> torch.Tensor:
+        """The task scores of this pipeline's micro-batches under the weights the next step
+        runs on, as `evaluate` takes its loss."""
+        self._head_of(self.engine.running)
+        return score_pipeline(self.ctx, [self.engine.running.module], micro_batches)
 
     def drain(self) -> None:
         """Run the backwards still in flight and apply the last step's gradient: the state

@@ -32,7 +32,7 @@ from pretrain.parallel.tensor import local_value
 from pretrain.trainer.step.context import StepContext
 from pretrain.trainer.step.local import SLOT_RETRIES, apply_gradients, run_again_for_slots
 from pretrain.trainer.step.pipedream import PipeDreamStep
-from pretrain.trainer.step.pipeline_eval import evaluate_pipeline
+from pretrain.trainer.step.pipeline_eval import evaluate_pipeline, score_pipeline
 from pretrain.trainer.step.state import MicroBatches, StepResult
 
 
@@ -115,3 +115,7 @@ class PipelineStep:
         """The mean validation loss of this pipeline's micro-batches (forward only, outside
         the schedule: `trainer/step/pipeline_eval.py`), on every stage."""
         return evaluate_pipeline(self.ctx, list(self.state.model), micro_batches)
+
+    def score(self, micro_batches: MicroBatches) -> torch.Tensor:
+        """The task scores of this pipeline's micro-batches (forward only, as `evaluate`)."""
+        return score_pipeline(self.ctx, list(self.state.model), micro_batches)

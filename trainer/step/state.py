@@ -14,6 +14,7 @@ from torch import nn
 
 from pretrain.parallel.context import ContextSplit
 from pretrain.parallel.precision import LossScaler
+from pretrain.trainer.observe import stability
 from pretrain.trainer.step.chunked_loss import ChunkedLMLoss
 from pretrain.trainer.step.phases import OFF, StepPhases
 
@@ -41,6 +42,8 @@ class TrainState:
     stage that holds the LM head), whose head PipeDream-2BW points at the running version."""
     phases: StepPhases = OFF
     """Times the step's forward, backward and optimizer (read by the metrics window)."""
+    stability: stability.StabilityMonitor = stability.OFF
+    """Handed the gradients and the update of a sampled step (`logging.stability_every`)."""
     routing_group: dist.ProcessGroup | None = None
     """The ranks that route tokens of their own (dp x cp), whose loads the MoE balancing
     biases and routing metrics sum (None: one rank)."""
@@ -76,3 +79,9 @@ class Stepper(Protocol):
     def step(self, micro_batches: MicroBatches) -> StepResult: ...
 
     def evaluate(self, micro_batches: MicroBatches) -> torch.Tensor: ...
+
+    def score(self, micro_batches: MicroBatches) -> torch.Tensor:
+        """[rows, 2]: each row's summed log-likelihood of its scored targets and how many of
+        them were not the argmax (`trainer/step/scoring.py`), every row of this rank's
+        `micro_batches` in order, on every rank of the pipeline (forward only)."""
+        ...

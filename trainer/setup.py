@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from pretrain.core.inputs.reading import ReadError
 from pretrain.core.layout import Degrees, grad_accum_steps, resolve_degrees
@@ -138,21 +141,12 @@ def setup(cfg: RecipeConfig, rank: RankInfo) -> Run:
         get_logger().info("resumed from the checkpoint of step %d", start)
     cache = Path(os.path.expanduser(cfg.data.cache_dir))
     peak = resolve_peak_flops(rank.device, peak_dtype(cfg.precision), cfg.hardware, cache)
-    window = MetricsWindow(
-        _throughput_meter(cfg, rank, peak),
-        state=state,
-        guard=guard,
-        device=rank.device,
-        dp_group=mesh.dp.get_group(),
-        log_every=cfg.logging.log_every,
-        straggler_lag=cfg.faults.straggler_lag,
-        stage=mesh.world["pp"].get_local_rank() if degrees.pp > 1 else 0,
-        moe_pp_group=moe_pp_group,
+    window = _metrics_window(
+        cfg, rank, state, guard, mesh, moe_pp_group, peak,
         data_metrics=lambda step: tokens_seen(
             training.sampler, data.labels, cfg.train.seq_len, step
         ),
-        system_every_s=cfg.logging.system_every_s,
-    )
+    )  # fmt: skip
     metrics = _metrics_logger(cfg, rank, run_dir, degrees)
     recovery = _recovery(cfg, rank, metrics, guard, loader, start)
     _announce(cfg, rank, degrees, state, data, peak)
@@ -300,6 +294,32 @@ def _prefetching(
         pin = rank.device.type == "cuda"
         return PrefetchingLoader(loader, depth=cfg.data.prefetch, pin_memory=pin)
     return loader
+
+
+def _metrics_window(
+    cfg: RecipeConfig,
+    rank: RankInfo,
+    state: TrainState,
+    guard: StepGuard,
+    mesh: JobMesh,
+    moe_pp_group: dist.ProcessGroup | None,
+    peak: PeakFlops,
+    data_metrics: Callable[[int], dict[str, Any]],
+) -> MetricsWindow:
+    """The window that gathers and reduces each logging interval's metrics on this rank."""
+    return MetricsWindow(
+        _throughput_meter(cfg, rank, peak),
+        state=state,
+        guard=guard,
+        device=rank.device,
+        dp_group=mesh.dp.get_group(),
+        log_every=cfg.logging.log_every,
+        straggler_lag=cfg.faults.straggler_lag,
+        stage=mesh.world["pp"].get_local_rank(),  # 0 without a pipeline
+        moe_pp_group=moe_pp_group,
+        data_metrics=data_metrics,
+        system_every_s=cfg.logging.system_every_s,
+    )
 
 
 def _throughput_meter(cfg: RecipeConfig, rank: RankInfo, peak: PeakFlops) -> ThroughputMeter:

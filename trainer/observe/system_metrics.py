@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from pretrain.core.hardware import GIB
+from pretrain.core.inputs.reading import ReadError, read_text
 
 FIELDS = (
     "cpu_util",
@@ -39,8 +40,8 @@ _HOST_CHARS = re.compile(r"[^A-Za-z0-9_.-]+")
 def _cpu_times() -> tuple[int, int] | None:
     """(busy, total) jiffies of all CPUs since boot, None where /proc/stat is missing."""
     try:
-        first = Path("/proc/stat").read_text().splitlines()[0].split()
-    except (OSError, IndexError):
+        first = read_text(Path("/proc/stat"), "the kernel's CPU counters").splitlines()[0].split()
+    except (ReadError, IndexError):
         return None
     ticks = [int(x) for x in first[1:]]
     idle = ticks[3] + (ticks[4] if len(ticks) > 4 else 0)  # idle + iowait
@@ -49,8 +50,8 @@ def _cpu_times() -> tuple[int, int] | None:
 
 def _mem_used_gib() -> float:
     try:
-        lines = Path("/proc/meminfo").read_text().splitlines()
-    except OSError:
+        lines = read_text(Path("/proc/meminfo"), "the kernel's memory counters").splitlines()
+    except ReadError:
         return math.nan
     kib = {line.split(":")[0]: int(line.split()[1]) for line in lines if line.count(" ") >= 1}
     if "MemTotal" not in kib or "MemAvailable" not in kib:

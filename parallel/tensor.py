@@ -1,9 +1,17 @@
 """Tensor and sequence parallelism: a plan over DTensor for the plain Llama model.
 
 Within each block, Q/K/V and the SwiGLU gate/up projections are split column-wise (each TP
-rank holds whole heads, and whole KV heads: validation requires both head counts divisible
-by tp, so GQA with fewer KV heads than tp is refused rather than replicated); the attention
-output and the down projection are split row-wise, so each half-block ends in one reduction.
+rank holds whole heads, and whole KV heads); the attention output and the down projection
+are split row-wise, so each half-block ends in one reduction.
+
+Grouped-query attention with fewer key/value heads than tp (tp a multiple of them, as
+Megatron allows: Llama 3 70B's 8 KV heads at TP 16) replicates the KV heads: the K and V
+weights stay whole on every rank (plain tensors, like MLA's latent projections), and each
+rank computes only the one KV head its query heads share (rank r takes head r // (tp /
+kv_heads)). Its input's gradient joins the query projection's partial sum, reduced once
+with it; the weights' gradient, nonzero in the rows of this rank's head, is summed over tp,
+so every rank holds the full gradient of the whole weights. Under FP8 these two projections
+run in the compute dtype.
 The token embedding is split row-wise over the vocabulary and the LM head column-wise, and
 the loss is computed vocab-parallel (`loss_parallel`), so full logits never sit on one rank.
 
@@ -33,6 +41,7 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import (
@@ -77,8 +86,14 @@ def apply_tensor_parallel(model: nn.Module, mesh: JobMesh, parallel: ParallelCon
     sp = parallel.sp
     # Between blocks the residual stream is sequence-sharded with SP, replicated without.
     residual = Shard(1) if sp else Replicate()
+    tp_rank, tp = tp_mesh.get_local_rank(), mesh.degrees.tp
+    replicated_kv = model.cfg.attention != "mla" and model.cfg.kv_heads < tp
     for block in model.layers.values():
-        plan = _attention_plan(block.attention, residual)
+        plan = _attention_plan(block.attention, residual, replicated_kv)
+        if replicated_kv:
+            head = tp_rank // (tp // model.cfg.kv_heads)
+            for linear in (block.attention.wk, block.attention.wv):
+                linear.forward = _OneKVHead(linear, head, model.cfg.head_dim, tp_mesh)
         if isinstance(block.attention, MultiHeadLatentAttention):
             block.attention.shared_key.register_forward_hook(_SumGradient(tp_mesh))
         elif block.attention.q_norm is not None:
@@ -127,8 +142,11 @@ def apply_tensor_parallel(model: nn.Module, mesh: JobMesh, parallel: ParallelCon
         model.output.register_forward_hook(_VocabMask(model.cfg.vocab_size, tp_mesh))
 
 
-def _attention_plan(attention: nn.Module, residual: Placement) -> dict[str, ParallelStyle]:
-    """The attention's styles, keyed by path within the block (GQA or MLA)."""
+def _attention_plan(
+    attention: nn.Module, residual: Placement, replicated_kv: bool = False
+) -> dict[str, ParallelStyle]:
+    """The attention's styles, keyed by path within the block (GQA or MLA); with
+    `replicated_kv` the K and V projections keep their whole weights (`_OneKVHead`)."""
     latent = isinstance(attention, MultiHeadLatentAttention)
     plan: dict[str, ParallelStyle] = {
         "attention": PrepareModuleInput(
@@ -144,9 +162,27 @@ def _attention_plan(attention: nn.Module, residual: Placement) -> dict[str, Para
         plan[query] = ColwiseParallel()
         plan["attention.wkv_b"] = ColwiseParallel()
     else:
-        for name in ("wq", "wk", "wv"):
+        for name in ("wq",) if replicated_kv else ("wq", "wk", "wv"):
             plan[f"attention.{name}"] = ColwiseParallel()
     return plan
+
+
+class _OneKVHead:
+    """Forward of a K or V projection whose heads are fewer than tp: this rank's one head,
+    from the whole weight every rank holds (see the module's docstring)."""
+
+    def __init__(self, linear: nn.Linear, head: int, head_dim: int, tp_mesh: DeviceMesh) -> None:
+        self.linear = linear
+        self.rows = slice(head * head_dim, (head + 1) * head_dim)
+        self.summed = _SumGradient(tp_mesh)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        # The input's gradient from this head is this rank's share of a sum over tp, as
+        # the column-parallel query projection's is: both are reduced together.
+        local = x.to_local(grad_placements=[Partial()]) if isinstance(x, DTensor) else x
+        weight = self.summed.of(self.linear.weight)[self.rows]
+        bias = self.linear.bias
+        return F.linear(local, weight, None if bias is None else self.summed.of(bias)[self.rows])
 
 
 def _pad_vocab(model: nn.Module, tp: int) -> None:

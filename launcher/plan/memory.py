@@ -244,11 +244,14 @@ def stepped_per_parameter(optim: OptimConfig) -> bool:
     return optim.name in ("lion", "muon") or (optim.name == "adamw" and optim.state_dtype != "fp32")
 
 
-def tp_replicated(m: ModelConfig) -> int:
+def tp_replicated(m: ModelConfig, tp: int = 1) -> int:
     """Weights of one block that tensor parallelism leaves whole on every rank: the norms,
-    and MLA's latent down-projections and their norms."""
+    MLA's latent down-projections and their norms, and K and V when their heads are fewer
+    than tp (parallel/tensor.py replicates them)."""
     if not m.is_mla:
-        return 2 * m.dim
+        kv = m.kv_heads * m.head_dim
+        replicated_kv = 2 * kv * (m.dim + (1 if m.attn_bias else 0)) if m.kv_heads < tp else 0
+        return 2 * m.dim + replicated_kv
     latent = m.dim * (m.kv_rank + m.rope_dim) + m.kv_rank
     return 2 * m.dim + latent + m.mla_q_rank * (m.dim + 1)
 
@@ -477,7 +480,7 @@ def _rank_shape(cfg: RecipeConfig, degrees: Degrees, microbatches: int, pp_rank:
     expert_fsdp = fsdp and n > degrees.ep  # one rank per set of experts: not sharded
     # Norms (and MLA's latent down-projections) are replicated over tp; the rest is split.
     final_norm = m.dim if last else 0
-    replicated = tp_replicated(m) * blocks + final_norm
+    replicated = tp_replicated(m, t) * blocks + final_norm
     return _RankShape(
         cfg=cfg,
         degrees=degrees,

@@ -3,7 +3,6 @@ stages, micro-batches against the schedule, SLURM's fields, and what the trainer
 
 from __future__ import annotations
 
-import math
 import re
 
 from pretrain.core.layout import grad_accum_steps, resolve_degrees, world_size
@@ -264,17 +263,24 @@ def _check_pipeline_microbatches(c: Checks, cfg: RecipeConfig, dp: int, accum: i
 def _check_model_split(c: Checks, cfg: RecipeConfig, max_tp: int | None) -> None:
     """Heads over tp and layers over pipeline stages; the model's shape is known to be sound."""
     p, m = cfg.parallel, cfg.model
-    if m.n_heads % p.tp or m.kv_heads % p.tp:
+    # Fewer key/value heads than tp are replicated (parallel/tensor.py) when tp is a
+    # multiple of them: each rank's query heads then share one.
+    kv_split = m.kv_heads % p.tp == 0 or (not m.is_mla and p.tp % m.kv_heads == 0)
+    if m.n_heads % p.tp or not kv_split:
         heads, what = (
             (m.n_heads, "attention heads") if m.n_heads % p.tp else (m.kv_heads, "key/value heads")
         )
         options = [
-            d for d in divisors(math.gcd(m.n_heads, m.kv_heads)) if max_tp is None or d <= max_tp
+            d
+            for d in divisors(m.n_heads)
+            if (m.kv_heads % d == 0 or (not m.is_mla and d % m.kv_heads == 0))
+            and (max_tp is None or d <= max_tp)
         ]
         c.add(
             "parallel.tp",
             p.tp,
-            f"{heads} {what} are not divisible by {p.tp}",
+            f"{heads} {what} are not divisible by {p.tp}"
+            + ("" if m.n_heads % p.tp else ", nor is tp a multiple of them (replicated heads)"),
             f"use {or_list(options)}",
         )
     stages = p.pp * p.vpp

@@ -1,9 +1,11 @@
 """Tensor and sequence parallelism reproduce the single-process loss and gradient norm.
 
 FP32 on CPU, within the harness's tolerances, as for data parallelism. TP=2 runs against
-the harness's model; TP=4 needs 4 key/value heads, so its reference has them, and it also
-pads a vocabulary of 510 to 512 with a tied LM head: padded logits that leaked into the
-softmax would raise the very first loss by about log(512/510) = 4e-3. Document-aware
+the harness's model; TP=4 replicates its 2 key/value heads (each shared by the query heads
+of 2 ranks: a weight gradient not summed over tp, or an input gradient reduced twice, moves
+the first step's gradient norm), and it also pads a vocabulary of 510 to 512 with a tied
+LM head: padded logits that leaked into the softmax would raise the very first loss by
+about log(512/510) = 4e-3. Document-aware
 attention (data.doc_mask, on a corpus of short documents: `doc_mask_overrides`) under TP + SP
 matches its own one-process run. Multi-head latent
 attention (with a query latent) splits its heads over tp and keeps its latent projections
@@ -25,7 +27,7 @@ from tests.distributed.harness import (
 
 pytestmark = pytest.mark.distributed
 
-TP4_MODEL = ["model.n_kv_heads=4", "model.vocab_size=510", "model.tie_embeddings=true"]
+TP4_MODEL = ["model.vocab_size=510", "model.tie_embeddings=true"]
 GELU = ["model.mlp=gelu"]
 
 

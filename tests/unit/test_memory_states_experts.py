@@ -54,3 +54,12 @@ def test_mla_keeps_its_latent_down_projections_whole_under_tp() -> None:
     tp2 = breakdown({"model.attention": "mla", "model.n_kv_heads": 0, "parallel.tp": 2}).params
     replicated = tp_replicated(m) * m.n_layers + m.dim
     assert tp2 == pytest.approx((tp1 - 4 * replicated) / 2 + 4 * replicated, rel=1e-3)
+
+
+def test_key_value_weights_fewer_heads_than_tp_are_counted_whole_on_every_rank() -> None:
+    """Llama 3 70B at TP 16: its 8 KV heads are replicated (parallel/tensor.py), so each
+    rank holds both 1024 x 8192 matrices besides its norms; at TP 8 they split."""
+    from tests.helpers import LLAMA3_70B
+
+    assert tp_replicated(LLAMA3_70B, 8) == 2 * 8192
+    assert tp_replicated(LLAMA3_70B, 16) == 2 * 8192 + 2 * 1024 * 8192

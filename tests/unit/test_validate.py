@@ -25,9 +25,10 @@ CASES = [
     # layout and world size
     ({"parallel.tp": 3}, "parallel.tp", "32 attention heads are not divisible by 3",
      "use 1, 2, 4 or 8"),
-    ({"parallel.tp": 16, "cluster.nodes": 2, "parallel.allow_tp_across_nodes": True,
-      "model.n_heads": 16, "model.n_kv_heads": 4},
-     "parallel.tp", "4 key/value heads are not divisible by 16", "use 1, 2 or 4"),
+    ({"parallel.tp": 8, "model.n_heads": 24, "model.n_kv_heads": 6, "model.dim": 480},
+     "parallel.tp",
+     "6 key/value heads are not divisible by 8, nor is tp a multiple of them",
+     "use 1, 2, 3 or 6"),
     ({"parallel.tp": 16, "cluster.nodes": 2}, "parallel.tp", "larger than one node's 8 GPUs",
      "allow_tp_across_nodes=true"),
     ({"parallel.dp_shard": 4}, "parallel.dp_shard", "= 4 but the world size is 8",

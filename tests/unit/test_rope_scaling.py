@@ -147,3 +147,14 @@ def test_import_then_export_of_a_scaled_llama_is_bit_exact_and_reloads(tmp_path:
     tokens = torch.randint(0, 300, (1, 40))
     with torch.no_grad():
         torch.testing.assert_close(reloaded(tokens).logits, hf(tokens).logits, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", sorted(SCALINGS))
+def test_the_latent_attentions_softmax_factor_equals_transformers(name: str) -> None:
+    """DeepSeek's attention multiplies its softmax scale by mscale_all_dim's factor squared."""
+    from pretrain.models.rope import softmax_mscale
+
+    scaling = SCALINGS[name]
+    assert softmax_mscale(scaling) == pytest.approx(
+        rope_utils.yarn_apply_mscale(scaling, 1.0), rel=1e-12
+    )

@@ -33,11 +33,12 @@ from pathlib import Path
 
 import torch.distributed as dist
 from safetensors.torch import save_file
+from tokenizers import Tokenizer
 from torch import nn
 
 from pretrain import models
-from pretrain.core.hf_llama import FAMILIES, config_json, family
-from pretrain.core.hf_moe import export_problems
+from pretrain.core.hf_export import export_refusal
+from pretrain.core.hf_llama import config_json
 from pretrain.core.layout import expert_node_groups
 from pretrain.core.run.rundir import CHECKPOINTS_DIR, CONFIG_FILE
 from pretrain.core.schema import RecipeConfig, load_config
@@ -88,30 +89,9 @@ def hf_config(cfg: RecipeConfig, eos: int | None) -> dict:
 def refuse_unexportable(cfg: RecipeConfig) -> None:
     """Raise ExportError for a model no Hugging Face family this exporter writes holds,
     naming what stands in the way."""
-    if cfg.model.mlp != "swiglu":
-        raise ExportError(
-            f"model.mlp={cfg.model.mlp}: Llama's and Mixtral's MLPs are SwiGLU (gate, up and "
-            "down projections), so a one-input MLP has no place there; this run's checkpoints "
-            "can be resumed but not exported"
-        )
-    problems = export_problems(cfg.model, expert_node_groups(cfg))
-    if problems:
-        name = FAMILIES[family(cfg.model)]
-        raise ExportError(
-            f"{cfg.name} cannot be exported as a Hugging Face {name}:\n" + "\n".join(problems)
-        )
-    if cfg.model.qk_norm and cfg.model.attn_bias:
-        raise ExportError(
-            "model.qk_norm=true with model.attn_bias=true: Qwen3 (the family with query/key "
-            "norms) puts a bias on the output projection too when it has biases, and Qwen2 "
-            "has no norms; export a model trained with one of the two"
-        )
-    if cfg.model.sliding_window and (cfg.model.qk_norm or cfg.model.attn_bias):
-        raise ExportError(
-            f"model.sliding_window={cfg.model.sliding_window} with Qwen's attention options: "
-            "Mistral (the family with one window on every layer) has neither biases nor "
-            "query/key norms; export a model trained without one or the other"
-        )
+    refusal = export_refusal(cfg.model, expert_node_groups(cfg))
+    if refusal is not None:
+        raise ExportError(f"{cfg.name} {refusal}")
 
 
 HF_FILES = (
@@ -178,18 +158,30 @@ def export(run_dir: Path, out_dir: Path, step: int | None = None, overwrite: boo
         if name == "output.weight" and cfg.model.tie_embeddings:
             continue  # Hugging Face ties lm_head to embed_tokens itself
         tensors.update(to_hf(name, tensor, cfg.model))
-    tokenizer = (
-        None if cfg.data.tokenizer == "none" else load_tokenizer(cfg.data, cfg.model.vocab_size)
-    )
-    eos = eos_id(tokenizer) if tokenizer is not None else None
+    tokenizer = run_tokenizer(cfg)
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     readable_by_all(out_dir / "model.safetensors")
+    write_hf_config(out_dir, cfg, tokenizer)
+    return out_dir
+
+
+def run_tokenizer(cfg: RecipeConfig) -> Tokenizer | None:
+    """The run's tokenizer; None for pre-tokenized data."""
+    if cfg.data.tokenizer == "none":
+        return None
+    return load_tokenizer(cfg.data, cfg.model.vocab_size)
+
+
+def write_hf_config(out_dir: Path, cfg: RecipeConfig, tokenizer: Tokenizer | None) -> None:
+    """Beside a Hugging Face folder's weights: config.json, generation_config.json and the
+    tokenizer (tokenizer.json, tokenizer_config.json) when the run has one."""
+    eos = eos_id(tokenizer) if tokenizer is not None else None
     (out_dir / "config.json").write_text(json.dumps(hf_config(cfg, eos), indent=2) + "\n")
     generation = {"bos_token_id": eos, "eos_token_id": eos}
     (out_dir / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
     if tokenizer is None:
-        return out_dir  # pre-tokenized data: there is no tokenizer to ship
+        return  # pre-tokenized data: there is no tokenizer to ship
     tokenizer.save(str(out_dir / "tokenizer.json"))
     eos_token = tokenizer.id_to_token(eos)
     tokenizer_config = {
@@ -199,7 +191,6 @@ def export(run_dir: Path, out_dir: Path, step: int | None = None, overwrite: boo
         "model_max_length": cfg.model.max_seq_len,
     }
     (out_dir / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
-    return out_dir
 
 
 def main(argv: list[str] | None = None) -> None:

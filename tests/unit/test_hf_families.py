@@ -139,3 +139,29 @@ def test_a_family_the_trainer_cannot_build_is_refused_by_name() -> None:
     config = transformers.GemmaConfig(**SHAPE).to_dict()
     problems = config_mismatches(config, ModelConfig(**model_fields(config)))
     assert any("model_type 'gemma' is a family this trainer does not build" in p for p in problems)
+
+
+@pytest.mark.parametrize(
+    ("recipe", "architecture"),
+    [("tiny_moe", "Qwen2MoeForCausalLM"), ("deepseek_v2_lite", "DeepseekV2ForCausalLM")],
+)
+def test_the_shipped_moe_recipes_export_to_a_config_transformers_builds_with_our_parameters(
+    recipe: str, architecture: str
+) -> None:
+    """tiny_moe (GQA, a shared expert without a gate, a dense first layer) is a Qwen2-MoE and
+    deepseek_v2_lite a DeepSeek-V2: nothing refused, and transformers' model of the exported
+    config.json has as many parameters as ours (tiny_moe's plus Qwen2-MoE's zero gates)."""
+    from pretrain.core.hf_export import export_refusal
+    from pretrain.models.flops import count_params
+    from tests.helpers import compose_recipe
+
+    cfg = compose_recipe(recipe, [])
+    assert export_refusal(cfg.model, 1) is None
+    config = hf_config(cfg, None)
+    assert config["architectures"] == [architecture]
+    hf_class = getattr(transformers, architecture)
+    with torch.device("meta"):
+        hf = hf_class(hf_class.config_class.from_dict(config))
+    ungated = architecture == "Qwen2MoeForCausalLM" and not cfg.model.moe_shared_gate
+    gates = cfg.model.n_moe_layers * cfg.model.dim if ungated else 0
+    assert sum(p.numel() for p in hf.parameters()) == count_params(cfg.model).total + gates

@@ -1,16 +1,17 @@
-"""The Hugging Face layout of our dense model: tensor names, shapes, config.json.
+"""The Hugging Face layout of our model: tensor names, shapes, config.json.
 
-The families share Llama's names: Llama (3.0-3.3), Qwen2 (`model.attn_bias`: q/k/v biases)
-Qwen3 (`model.qk_norm`: per-head query and key norms; `model.head_dim` apart from
-dim / n_heads), Mistral (`model.sliding_window`) and Mixtral (every layer a mixture of
-experts, its stacked experts one tensor per expert). Any other `model_type` is refused by
-name.
+The dense families share Llama's names: Llama (3.0-3.3), Qwen2 (`model.attn_bias`: q/k/v
+biases), Qwen3 (`model.qk_norm`: per-head query and key norms; `model.head_dim` apart from
+dim / n_heads) and Mistral (`model.sliding_window`). The mixture-of-experts and latent
+attention families (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V2/V3) add their own names and
+config keys (core/hf_moe.py). Any other `model_type` is refused by name.
 
 One name mapping serves export (`pretrain-export`) and import (`init.from_hf`). A directory
 is checked against a recipe before any job starts by reading config.json and the
 safetensors headers (an 8-byte length, then JSON), so no tensor is loaded and no torch is
 needed. Our rotary embedding is the half-split layout Hugging Face's Llama uses: the
-attention weights are copied unpermuted both ways.
+attention weights are copied unpermuted both ways (DeepSeek's interleaved rotary rows are
+permuted, trainer/checkpoint/hf_tensors.py).
 """
 
 from __future__ import annotations
@@ -20,6 +21,17 @@ import struct
 from pathlib import Path
 from typing import Any
 
+from pretrain.core.hf_moe import (
+    DEEPSEEK,
+    MOE_FAMILIES,
+    block_names,
+    mla_shapes,
+    moe_config,
+    moe_family,
+    moe_fields,
+    moe_shapes,
+    refusals,
+)
 from pretrain.core.inputs.reading import ReadError, mapping, read_mapping, read_span
 from pretrain.core.model_config import ModelConfig
 
@@ -40,92 +52,74 @@ BLOCK_NAMES = {
     "feed_forward.w2.weight": "mlp.down_proj.weight",
 }
 """Our parameter names after "layers.{i}." -> Hugging Face Llama's after "model.layers.{i}."."""
-MOE_NAMES = {"feed_forward.router.weight": "block_sparse_moe.gate.weight"}
-"""The same for a MoE layer's router, in Mixtral's layout (its stacked experts are split
-into one tensor per expert by the exporter)."""
 TOP_NAMES = {
     "tok_embeddings.weight": "model.embed_tokens.weight",
     "norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-FAMILIES = {
+DENSE_FAMILIES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "mistral": "MistralForCausalLM",
-    "mixtral": "MixtralForCausalLM",
 }
-"""config.json model_type -> architecture of the dense families that load and export."""
+FAMILIES = DENSE_FAMILIES | MOE_FAMILIES
+"""config.json model_type -> architecture of every family that loads and exports."""
+WINDOWED = ("mistral", "mixtral")
+"""Families with one sliding window on every layer (config.json's sliding_window)."""
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 
 
-EXPERT_WEIGHTS = ("w1", "w2", "w3")
-"""Stacked [experts, ...] weights under feed_forward.experts; Mixtral names them alike."""
-MIXTRAL_FIELDS = {
-    "num_local_experts": "moe_experts",
-    "num_experts_per_tok": "moe_top_k",
-    "intermediate_size": "moe_ffn_dim",
-}
-"""Mixtral's config.json key -> our model field."""
-MIXTRAL_SHAPE = {
-    "moe_shared_experts": 0,
-    "moe_layers": "all",
-    "moe_router": "softmax",
-    "moe_normalize_topk": True,
-}
-"""What every Mixtral is: no shared experts, every layer MoE, renormalized softmax top-k."""
-
-
 def hf_names(name: str, m: ModelConfig) -> list[str]:
-    """The Hugging Face tensors one of our parameters is made of: one per expert for a
-    stacked expert weight, else the one of `hf_name`."""
+    """The Hugging Face tensors one of our parameters (or balancing biases) is made of in
+    this model's family: one per expert for a stacked expert weight."""
     if name.startswith("layers."):
         _, index, rest = name.split(".", 2)
-        stacked, _, weight = rest.rpartition(".")
-        if stacked == "feed_forward.experts" and weight in EXPERT_WEIGHTS:
-            prefix = f"model.layers.{index}.block_sparse_moe.experts"
-            return [f"{prefix}.{j}.{weight}.weight" for j in range(m.moe_experts)]
+        found = block_names(rest, index, m)
+        if found is not None:
+            return [f"model.layers.{index}.{each}" for each in found]
     return [hf_name(name)]
 
 
 def hf_name(name: str) -> str:
-    """The Hugging Face Llama (or Mixtral) name of one of our parameters that is not a
-    stacked expert weight."""
+    """The Hugging Face name of one of our parameters the dense families share."""
     if name in TOP_NAMES:
         return TOP_NAMES[name]
     _, index, rest = name.split(".", 2)
-    return f"model.layers.{index}.{BLOCK_NAMES.get(rest) or MOE_NAMES[rest]}"
+    return f"model.layers.{index}.{BLOCK_NAMES[rest]}"
 
 
 def expected_shapes(m: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Our model's parameter names and shapes (the LM head left out when tied)."""
+    """Our model's parameter (and balancing bias) names and shapes (the LM head left out
+    when tied)."""
     q, kv = m.n_heads * m.head_dim, m.kv_heads * m.head_dim
-    block: dict[str, tuple[int, ...]] = {
-        "attention_norm.weight": (m.dim,),
+    attention: dict[str, tuple[int, ...]] = {
         "attention.wq.weight": (q, m.dim),
         "attention.wk.weight": (kv, m.dim),
         "attention.wv.weight": (kv, m.dim),
         "attention.wo.weight": (m.dim, q),
-        "ffn_norm.weight": (m.dim,),
+    }
+    if m.attn_bias:
+        attention |= {
+            "attention.wq.bias": (q,),
+            "attention.wk.bias": (kv,),
+            "attention.wv.bias": (kv,),
+        }
+    if m.qk_norm:
+        attention |= {
+            "attention.q_norm.weight": (m.head_dim,),
+            "attention.k_norm.weight": (m.head_dim,),
+        }
+    norms = {"attention_norm.weight": (m.dim,), "ffn_norm.weight": (m.dim,)}
+    moe = norms | (mla_shapes(m) if m.is_mla else attention)
+    block = moe | {
         "feed_forward.w1.weight": (m.ffn_dim, m.dim),
         "feed_forward.w3.weight": (m.ffn_dim, m.dim),
         "feed_forward.w2.weight": (m.dim, m.ffn_dim),
     }
-    if m.attn_bias:
-        block |= {"attention.wq.bias": (q,), "attention.wk.bias": (kv,), "attention.wv.bias": (kv,)}
-    if m.qk_norm:
-        block |= {
-            "attention.q_norm.weight": (m.head_dim,),
-            "attention.k_norm.weight": (m.head_dim,),
-        }
-    e, ffn = m.moe_experts, m.expert_ffn_dim
-    moe = {k: v for k, v in block.items() if not k.startswith("feed_forward.")} | {
-        "feed_forward.router.weight": (e, m.dim),
-        "feed_forward.experts.w1": (e, ffn, m.dim),
-        "feed_forward.experts.w3": (e, ffn, m.dim),
-        "feed_forward.experts.w2": (e, m.dim, ffn),
-    }
+    if m.moe_experts:
+        moe |= moe_shapes(m)
     shapes: dict[str, tuple[int, ...]] = {"tok_embeddings.weight": (m.vocab_size, m.dim)}
     for i in range(m.n_layers):
         layer = moe if m.is_moe_layer(i) else block
@@ -179,13 +173,14 @@ def same_scaling(theirs: dict[str, Any], ours: dict[str, Any]) -> bool:
     return theirs.keys() == ours.keys() and all(same_value(theirs[k], ours[k]) for k in theirs)
 
 
-def config_json(m: ModelConfig, eos: int | None) -> dict[str, Any]:
-    """config.json of the equivalent LlamaForCausalLM, Qwen2ForCausalLM or Qwen3ForCausalLM."""
+def config_json(m: ModelConfig, eos: int | None, groups: int = 1) -> dict[str, Any]:
+    """config.json of the equivalent model of this model's family (`groups`: the expert
+    groups its router limits each token to, 1 without a limit)."""
     kind = family(m)
     extra: dict[str, Any] = {"use_sliding_window": False} if kind.startswith("qwen") else {}
     if kind == "mistral":
         extra["sliding_window"] = m.sliding_window
-    return {
+    config = {
         "architectures": [FAMILIES[kind]],
         "model_type": kind,
         **extra,
@@ -208,13 +203,17 @@ def config_json(m: ModelConfig, eos: int | None) -> dict[str, Any]:
         "bos_token_id": eos,
         "eos_token_id": eos,
         "torch_dtype": "float32",
-    }
+    } | moe_config(m, groups)
+    if kind in DEEPSEEK:
+        del config["head_dim"]  # DeepSeek's is its rotary width, which it sets itself
+    return config
 
 
 def family(m: ModelConfig) -> str:
-    """The Hugging Face model_type of our dense model's attention options."""
-    if m.moe_experts:
-        return "mixtral"
+    """The Hugging Face model_type of our model's options."""
+    kind = moe_family(m)
+    if kind is not None:
+        return kind
     if m.qk_norm:
         return "qwen3"
     if m.attn_bias:
@@ -223,8 +222,14 @@ def family(m: ModelConfig) -> str:
 
 
 def same_family(kind: Any, m: ModelConfig) -> bool:
-    """Whether config.json's model_type holds our model (Mistral without a window is Llama)."""
-    return kind == family(m) or (kind, family(m)) == ("mistral", "llama")
+    """Whether config.json's model_type may hold our model: its family, Mistral without a
+    window for Llama, or any MoE family for a MoE model (their fields then decide)."""
+    ours = family(m)
+    return (
+        kind == ours
+        or (kind, ours) == ("mistral", "llama")
+        or (kind in MOE_FAMILIES and ours in MOE_FAMILIES)
+    )
 
 
 def hf_head_dim(hf: dict[str, Any]) -> int | None:
@@ -250,14 +255,48 @@ def model_fields(hf: dict[str, Any]) -> dict[str, Any]:
     if hf_head_dim(hf) is not None:
         fields["head_dim"] = hf_head_dim(hf)
     kind = hf.get("model_type")
+    fields["attention"] = "gqa"
     fields["qk_norm"] = kind == "qwen3"
     fields["attn_bias"] = kind == "qwen2"
-    fields["sliding_window"] = (hf.get("sliding_window") or 0) if kind == "mistral" else 0
+    fields["sliding_window"] = (hf.get("sliding_window") or 0) if kind in WINDOWED else 0
     fields["moe_experts"] = 0
-    if kind == "mixtral":
-        fields |= {ours: hf[key] for key, ours in MIXTRAL_FIELDS.items() if key in hf}
-        fields |= MIXTRAL_SHAPE
+    fields |= moe_fields(hf)
+    if kind in DEEPSEEK:
+        fields.pop("head_dim", None)  # DeepSeek's head_dim is its rotary width: mla_rope_dim
     return fields
+
+
+def _ours(m: ModelConfig, name: str) -> Any:
+    """The value of model field `name` as it acts (0 read as the width it stands for)."""
+    widths = {
+        "moe_ffn_dim": m.expert_ffn_dim,
+        "mla_kv_rank": m.kv_rank,
+        "mla_rope_dim": m.rope_dim,
+        "mla_nope_dim": m.nope_dim,
+        "mla_v_dim": m.v_head_dim,
+        "n_kv_heads": m.kv_heads,
+    }
+    return widths.get(name, getattr(m, name))
+
+
+def moe_mismatches(hf: dict[str, Any], m: ModelConfig) -> list[str]:
+    """How a MoE or DeepSeek config.json's own fields differ from the model, one phrase each."""
+    kind = str(hf.get("model_type"))
+    name = FAMILIES[kind].removesuffix("ForCausalLM")
+    fields = {"attention": "mla" if kind in DEEPSEEK else "gqa"} | moe_fields(hf)
+    found = refusals(hf)
+    for field, theirs in fields.items():
+        if field == "moe_balance":
+            if not m.balance_bias:
+                found.append(
+                    f"{name} routes by a balancing bias (e_score_correction_bias), "
+                    f"model.moe_balance={m.moe_balance} has none; use bias or both"
+                )
+        elif not same_value(theirs, _ours(m, field)):
+            found.append(f"{name} has model.{field}={theirs!r}, this model {_ours(m, field)!r}")
+    if m.balance_bias and "moe_balance" not in fields:
+        found.append(f"model.moe_balance={m.moe_balance}: {name}'s router has no bias")
+    return found
 
 
 def config_mismatches(hf: dict[str, Any], m: ModelConfig) -> list[str]:
@@ -276,18 +315,13 @@ def config_mismatches(hf: dict[str, Any], m: ModelConfig) -> list[str]:
             f"model_type {kind!r} there, {family(m)!r} here (model.qk_norm={m.qk_norm}, "
             f"model.attn_bias={m.attn_bias})"
         )
-    if hf_head_dim(hf) not in (None, m.head_dim):
+    if kind not in DEEPSEEK and hf_head_dim(hf) not in (None, m.head_dim):
         found.append(f"head_dim={hf_head_dim(hf)} there, model.head_dim={m.head_dim} here")
     if hf.get("use_sliding_window"):
         found.append("use_sliding_window=true there; Qwen's windows on some layers are not built")
-    if kind == "mixtral":
-        for name, theirs in model_fields(hf).items():
-            ours = m.expert_ffn_dim if name == "moe_ffn_dim" else getattr(m, name)
-            if name.startswith("moe_") and not same_value(theirs, ours):
-                found.append(f"Mixtral has model.{name}={theirs!r}, this model {ours!r}")
-        if m.balance_bias:
-            found.append(f"model.moe_balance={m.moe_balance}: Mixtral's router has no bias")
-    window = (hf.get("sliding_window") or 0) if kind == "mistral" else 0
+    if kind in MOE_FAMILIES:
+        found += moe_mismatches(hf, m)
+    window = (hf.get("sliding_window") or 0) if kind in WINDOWED else 0
     if window != m.sliding_window:
         found.append(f"sliding_window={window} there, model.sliding_window={m.sliding_window} here")
     for key, ours in CONFIG_FIELDS.items():
@@ -295,7 +329,7 @@ def config_mismatches(hf: dict[str, Any], m: ModelConfig) -> list[str]:
         if not same_value(theirs, getattr(m, ours)):
             found.append(f"{key}={theirs!r} there, model.{ours}={getattr(m, ours)!r} here")
     kv = hf.get("num_key_value_heads", hf.get("num_attention_heads"))
-    if kv != m.kv_heads:
+    if kind not in DEEPSEEK and kv != m.kv_heads:
         found.append(f"num_key_value_heads={kv!r} there, {m.kv_heads} key/value heads here")
     for key in ("attention_bias", "mlp_bias"):
         if hf.get(key):

@@ -181,9 +181,12 @@ def ep_nodes(ep: int, stride: int, gpus_per_node: int) -> int | None:
 
 
 def expert_node_groups(cfg: RecipeConfig) -> int:
-    """Expert groups the router limits each token to `model.moe_node_limit` of: one per
-    node the ep group spans (1 without the limit, or when validation would refuse it)."""
+    """Expert groups the router limits each token to `model.moe_node_limit` of: the model's
+    `moe_groups`, else one per node the ep group spans (1 without the limit, or when
+    validation would refuse it)."""
     if cfg.model.moe_node_limit < 1:
         return 1
+    if cfg.model.moe_groups > 0:
+        return cfg.model.moe_groups
     p = cfg.parallel
     return ep_nodes(p.ep, p.tp * p.cp, cfg.cluster.gpus_per_node) or 1

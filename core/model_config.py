@@ -118,6 +118,16 @@ class ModelConfig:
     node the ep group spans (cluster.gpus_per_node ranks each; one group when ep fits in a
     node); each group scores the sum of its two best affinities, the best moe_node_limit
     groups are kept and the top-k is taken among their experts. 0 = off."""
+    moe_groups: int = 0
+    """Expert groups of group-limited routing, fixed by the model (DeepSeek-V3's n_group, with
+    moe_node_limit its topk_group): the experts form this many contiguous groups whatever the
+    layout. 0 means one group per node the ep group spans (node-limited routing, above)."""
+    moe_route_scale: float = 1.0
+    """Factor on the routed experts' weights after the top-k (and its renormalization), not
+    on the shared experts' (DeepSeek's routed_scaling_factor: V2 16, V3 2.5)."""
+    moe_shared_gate: bool = False
+    """A sigmoid gate on the shared experts' output, sigmoid(w . x) with one weight per hidden
+    unit (Qwen2-MoE's shared_expert_gate); without it the shared experts are added as they are."""
     moe_gemm: str = one_of("grouped", MOE_GEMMS)
     """How the experts compute: grouped (one `torch._grouped_mm` per projection over all local
     experts, no host sync; falls back to the loop where the device lacks the kernel for the

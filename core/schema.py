@@ -498,6 +498,11 @@ class CheckpointConfig:
     async_mode: str = one_of("none", ASYNC_MODES)
     """none (training waits for the save), thread or process (shards are written in the
     background while training continues; marked complete when written)."""
+    hf_every: int = 0
+    """Also write a Hugging Face folder (safetensors shards and their index, config.json, the
+    tokenizer) every this many steps, under RUN_DIR/hf/step_N, each rank its own tensors
+    (never the model gathered on one rank); the newest `keep` are kept. 0: never (export a
+    checkpoint with `pretrain export` instead)."""
 
 
 @dataclass

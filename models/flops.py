@@ -94,7 +94,8 @@ def count_params(cfg: ModelConfig) -> ParamCount:
     embedding = cfg.vocab_size * h
     expert = 3 * h * cfg.expert_ffn_dim
     router = h * cfg.moe_experts
-    shared = cfg.moe_shared_experts * expert
+    gate = h if cfg.moe_shared_gate and cfg.moe_shared_experts else 0
+    shared = cfg.moe_shared_experts * expert + gate
     moe = router + cfg.moe_experts * expert + shared
     moe_active = router + cfg.moe_top_k * expert + shared
     return ParamCount(
@@ -170,7 +171,9 @@ def _block_terms(cfg: ModelConfig, seq_len: int) -> tuple[int, int, int, int]:
     keys = min(seq_len, cfg.sliding_window) if cfg.sliding_window else seq_len
     scores = 2 * keys * cfg.n_heads * (cfg.qk_head_dim + cfg.v_head_dim)
     mlp = mlp_matrices(cfg) * 2 * h * cfg.ffn_dim
-    # A MoE layer: the router's logits plus the k routed and the shared experts' SwiGLUs.
+    # A MoE layer: the router's logits plus the k routed and the shared experts' SwiGLUs
+    # (and the shared experts' gate, one logit).
     experts = cfg.moe_top_k + cfg.moe_shared_experts
-    moe_mlp = 2 * h * cfg.moe_experts + experts * 3 * 2 * h * cfg.expert_ffn_dim
+    gate = 2 * h if cfg.moe_shared_gate and cfg.moe_shared_experts else 0
+    moe_mlp = 2 * h * cfg.moe_experts + experts * 3 * 2 * h * cfg.expert_ffn_dim + gate
     return projections, scores, mlp, moe_mlp

@@ -48,6 +48,7 @@ _LINEAR_SUFFIXES = (
     "feed_forward.experts.w3",
     "feed_forward.shared.w1.weight",
     "feed_forward.shared.w3.weight",
+    "feed_forward.shared_gate.weight",
 )
 
 

@@ -10,6 +10,10 @@ projected directly (DeepSeek-V2-Lite) or through their own latent (`mla_q_rank` 
     [c | k_rope] = W_kva x;  [k_nope | v] = W_kvb norm(c) per head
     attention(q=[q_nope | rot(q_rope)], k=[k_nope | rot(k_rope)], v), scale 1/sqrt(nope+rope)
 
+Under a scaled RoPE with `mscale_all_dim` (DeepSeek's YaRN configs) the scale is multiplied by
+`softmax_mscale` as DeepSeek's attention does; the queries carry that factor, so every core
+(SDPA, FlexAttention, context parallelism's ring) keeps its own 1/sqrt(nope + rope).
+
 The rotary halves use this repo's half-split layout (models/layers.py). Like `Attention`, the
 module infers its local heads from the projections' output shapes, so tensor parallelism
 splits W_q (or W_qb), W_kvb column-wise and W_o row-wise, and leaves the small latent
@@ -37,6 +41,7 @@ from pretrain.models.layers import (
     apply_rope,
     compiled_flex_attention,
 )
+from pretrain.models.rope import softmax_mscale
 
 
 class MultiHeadLatentAttention(nn.Module):
@@ -60,6 +65,7 @@ class MultiHeadLatentAttention(nn.Module):
         self.wo = nn.Linear(heads * self.v_dim, h, bias=False)
         self.shared_key = nn.Identity()
         self.scale = qk**-0.5
+        self.query_scale = softmax_mscale(cfg.rope_scaling)
         self.core = self._causal
         self.probe: AttentionProbe | None = None
         """As `Attention.probe`: handed the decompressed queries and keys."""
@@ -85,6 +91,8 @@ class MultiHeadLatentAttention(nn.Module):
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
         heads = kv.shape[2]
         q = torch.cat([q_nope, apply_rope(q_rope, cos, sin)], dim=-1)
+        if self.query_scale != 1:
+            q = q * self.query_scale
         # One rotary key for all heads.
         k_rope = self.shared_key(apply_rope(k_rope.unsqueeze(2), cos, sin))
         k_rope = k_rope.expand(-1, -1, heads, -1)

@@ -1,7 +1,9 @@
 """A mixture-of-experts feed-forward: top-k router, N routed SwiGLU experts, shared experts.
 
 Routing, per token: router logits -> softmax (or sigmoid) scores -> the k best experts,
-their scores (optionally renormalized to sum to 1) weight the experts' outputs. Every
+their scores (optionally renormalized to sum to 1, then times `moe_route_scale`) weight the
+experts' outputs; the shared experts' output is added, through a sigmoid gate of its own
+with `moe_shared_gate` (Qwen2-MoE). Every
 decision that could depend on which tokens share a rank is taken per sequence, so the model
 computes the same function under any data- or expert-parallel layout:
 
@@ -18,7 +20,8 @@ computes the same function under any data- or expert-parallel layout:
   It is a buffer, not a parameter: no gradient, but saved in checkpoints;
 - node-limited routing (`moe_node_limit` M, DeepSeek-V3): the experts form one contiguous
   group per node the ep group spans (`node_groups`, from the recipe's layout, so one process
-  computes what the ep ranks do); each token keeps its M best groups (by the sum of a
+  computes what the ep ranks do; or `moe_groups` of them, the model's own, as DeepSeek-V3's
+  n_group); each token keeps its M best groups (by the sum of a
   group's two best scores, biased when balancing by bias) and takes its k among them. The
   weights are gathered from the scores, so the router's gradient flows through the kept ones.
 
@@ -292,8 +295,11 @@ class MoEFeedForward(nn.Module):
         self.router = nn.Linear(cfg.dim, cfg.moe_experts, bias=False)
         self.experts = GroupedExperts(cfg.moe_experts, cfg.dim, ffn, cfg.moe_gemm)
         self.shared: nn.Module | None = None
+        self.shared_gate: nn.Linear | None = None
         if cfg.moe_shared_experts:
             self.shared = FeedForward(cfg.dim, cfg.moe_shared_experts * ffn)
+            if cfg.moe_shared_gate:
+                self.shared_gate = nn.Linear(cfg.dim, 1, bias=False)
         if cfg.balance_bias:
             # Only models that balance by bias carry it, so other checkpoints keep their keys.
             self.register_buffer("expert_bias", torch.zeros(cfg.moe_experts))
@@ -303,7 +309,8 @@ class MoEFeedForward(nn.Module):
         self.sequence: WholeSequence = WholeSequence()
         # Expert groups of node-limited routing, one per node the ep group spans: set from
         # the recipe (`set_node_groups`), not from process groups, so any layout routes alike.
-        self.node_groups = 1
+        # The model's own groups (moe_groups) need no layout.
+        self.node_groups = cfg.moe_groups or 1
 
     def _local_dispatch(self, grouped: Grouped) -> torch.Tensor:
         # The dropped (zero) rows at the end join the last expert's group: they add nothing.
@@ -348,6 +355,8 @@ class MoEFeedForward(nn.Module):
         weights = scores.gather(-1, experts)
         if cfg.moe_normalize_topk:
             weights = weights / weights.sum(-1, keepdim=True)
+        if cfg.moe_route_scale != 1:
+            weights = weights * cfg.moe_route_scale
         return experts, weights, scores, logits
 
     def _losses(
@@ -401,7 +410,10 @@ class MoEFeedForward(nn.Module):
         routed = self.dispatch(Grouped(rows, keys, counts, slot_rows))
         out = torch.zeros_like(tokens).index_add(0, token_ids, routed * gate[:, None].to(routed))
         if self.shared is not None:
-            out = out + self.shared(tokens)
+            shared = self.shared(tokens)
+            if self.shared_gate is not None:
+                shared = torch.sigmoid(self.shared_gate(tokens)) * shared
+            out = out + shared
         return out.view(b, s, h)
 
 

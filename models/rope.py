@@ -49,6 +49,17 @@ def yarn_attention_factor(s: Mapping[str, Any]) -> float:
     return mscale(factor)
 
 
+def softmax_mscale(s: Mapping[str, Any] | None) -> float:
+    """The factor DeepSeek's multi-head latent attention multiplies its softmax scale by
+    under a scaled RoPE with `mscale_all_dim`: (0.1 mscale_all_dim ln(factor) + 1)^2, for
+    every query and key dim, rotary or not (1 otherwise)."""
+    s = s or {}
+    factor, all_dim = s.get("factor") or 1.0, s.get("mscale_all_dim")
+    if s.get("rope_type", "default") == "default" or not all_dim or factor <= 1:
+        return 1.0
+    return float((0.1 * all_dim * math.log(factor) + 1.0) ** 2)
+
+
 def _yarn(inv_freq: torch.Tensor, s: Mapping[str, Any], dim: int, theta: float) -> torch.Tensor:
     factor, old_len = s["factor"], s["original_max_position_embeddings"]
     beta_fast, beta_slow = s.get("beta_fast") or 32, s.get("beta_slow") or 1

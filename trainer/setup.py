@@ -29,6 +29,7 @@ from pretrain.models.flops import count_params, flops_per_token
 from pretrain.parallel.mesh import JobMesh, build_mesh
 from pretrain.trainer.build import build_train_state
 from pretrain.trainer.checkpoint.checkpointer import Checkpointer
+from pretrain.trainer.checkpoint.hf_every import HFWriter
 from pretrain.trainer.checkpoint.hf_import import load_hf_weights
 from pretrain.trainer.checkpoint.run_state import run_states
 from pretrain.trainer.data.loader import (
@@ -132,9 +133,15 @@ def setup(cfg: RecipeConfig, rank: RankInfo) -> Run:
     loader = _prefetching(cfg, training, rank)
     evaluator = _evaluator(cfg, data, mesh, degrees, rank, stepper, state)
     states = run_states(state, loader, run_dir, rank.is_main, guard.spikes)
-    checkpointer = Checkpointer(
-        run_dir, cfg.checkpoint, states, rank=rank.rank, world_size=rank.world_size, faults=faults
+    hf = (
+        HFWriter(run_dir, cfg, states.sharded["model"].state_dict)
+        if cfg.checkpoint.hf_every
+        else None
     )
+    checkpointer = Checkpointer(
+        run_dir, cfg.checkpoint, states, rank=rank.rank, world_size=rank.world_size,
+        faults=faults, hf=hf,
+    )  # fmt: skip
     start, load_s = _restore(checkpointer, run_dir, rank)
     CLOCK.mark("loaders and checkpoint")
     if start:

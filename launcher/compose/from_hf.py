@@ -102,8 +102,8 @@ def adopt_hf_model(cfg: RecipeConfig, overrides: list[str]) -> list[str]:
     for name, theirs in model_fields(hf).items():
         # n_kv_heads=0 means n_heads: compare the count of key/value heads, not the spelling.
         ours = cfg.model.kv_heads if name == "n_kv_heads" else getattr(cfg.model, name)
-        if _same(theirs, ours):
-            continue
+        if _same(theirs, ours) or (name, theirs, ours) == ("moe_balance", "bias", "both"):
+            continue  # `both` balances by the bias too (and trains on the loss)
         field = f"model.{name}"
         # head_dim reads back as the width: whether a recipe set it is its raw value.
         changed = (

@@ -11,7 +11,8 @@ TP rank routes its cp share of the whole sequence. The ep ranks are tp x cp apar
 splits the flattened data-parallel index, inner), so the exchange stays inside a node when
 tp x cp x ep ranks fit one.
 
-Node-limited routing (`model.moe_node_limit` M) bounds the nodes one token's rows reach:
+Node-limited routing (`model.moe_node_limit` M; over `model.moe_groups` of the model's own,
+as many nodes as those M groups span) bounds the nodes one token's rows reach:
 `inter_node_bytes` counts one row per token and remote node it reaches (the most a dispatch
 that sends a token once per node and fans it out inside the node carries, DeepSeek-V3's),
 min(k, M) nodes per token of which (G - 1) / G are other nodes at balanced load, for an ep
@@ -54,9 +55,20 @@ def ep_communication(cfg: RecipeConfig, degrees: Degrees) -> EPComm | None:
     row_bytes = m.dim * COMPUTE_BYTES[cfg.precision.dtype]
     sent = rows * row_bytes * (ep - 1) / ep
     nodes = ep_nodes(ep, degrees.tp * degrees.cp, cfg.cluster.gpus_per_node) or 1
-    reach = min(m.moe_top_k, m.moe_node_limit or nodes, nodes)
+    reach = min(m.moe_top_k, _groups_reach(m.moe_node_limit, m.moe_groups, nodes), nodes)
     remote = tokens * reach * row_bytes * (nodes - 1) / nodes
     return EPComm(sent, degrees.tp * degrees.cp, reach, remote)
+
+
+def _groups_reach(limit: int, groups: int, nodes: int) -> int:
+    """The most nodes the kept expert groups of one token span: `limit` node groups, or
+    `limit` of the model's own `groups` (each inside a node when groups divide over the
+    nodes, each over nodes / groups nodes when the nodes divide over them)."""
+    if not limit:
+        return nodes
+    if not groups or groups % nodes == 0:
+        return limit
+    return limit * nodes // groups if nodes % groups == 0 else nodes
 
 
 def all_to_alls(cfg: RecipeConfig, layers: tuple[int, ...]) -> int:

@@ -201,7 +201,7 @@ def _warnings(cfg: RecipeConfig, plan: Plan, gpu: str) -> list[str]:
     makes moot, and a peak over the device's memory with the levers that lower it (for long
     sequences, in the order to pull them)."""
     found = []
-    if cfg.model.moe_node_limit and expert_node_groups(cfg) == 1:
+    if cfg.model.moe_node_limit and not cfg.model.moe_groups and expert_node_groups(cfg) == 1:
         found.append(
             f"model.moe_node_limit={cfg.model.moe_node_limit} is moot: the ep group "
             f"(parallel.ep={cfg.parallel.ep}) fits in one node of {cfg.cluster.gpus_per_node} "

@@ -68,14 +68,6 @@ def check_rope_scaling(c: Checks, cfg: RecipeConfig) -> None:
             f"must exceed low_freq_factor={low} (the band between them is interpolated)",
             "Llama 3.1 uses low_freq_factor=1.0, high_freq_factor=4.0",
         )
-    if kind == "yarn" and m.is_mla:
-        c.add(
-            f"{at}.rope_type",
-            kind,
-            "yarn under multi-head latent attention also rescales the attention's softmax "
-            "(DeepSeek's mscale), which this model does not compute",
-            "use model.attention=gqa, or model.rope_scaling={} for plain RoPE",
-        )
 
 
 def check_attention(c: Checks, cfg: RecipeConfig, model_ok: bool) -> None:

@@ -120,6 +120,18 @@ def checkpoints_at_once(cfg: RecipeConfig) -> int:
     return max(1, min(cfg.checkpoint.keep + 1, saves))
 
 
+def hf_folder_bytes(cfg: RecipeConfig) -> float:
+    """Bytes the Hugging Face folders of `checkpoint.hf_every` take on disk at the peak: the
+    weights of those kept, and twice those of the one being written (its shards and the
+    files assembled from them)."""
+    every = cfg.checkpoint.hf_every
+    saves = cfg.train.steps // every if every > 0 else 0
+    if saves == 0:
+        return 0.0
+    kept = min(cfg.checkpoint.keep, saves - 1)
+    return (kept + 2) * count_params(cfg.model).total * WEIGHT_BYTES
+
+
 def check_disk_room(c: Checks, cfg: RecipeConfig) -> None:
     """The run dir's file system holds the checkpoints the run keeps at once (a refusal:
     the trainer would otherwise fail at its first save that does not fit, hours in)."""
@@ -134,11 +146,13 @@ def check_disk_room(c: Checks, cfg: RecipeConfig) -> None:
         return  # the run dir's own rules say why it cannot be used
     count, size = checkpoints_at_once(cfg), checkpoint_bytes(cfg) * DISK_MARGIN
     new = max(1, count - held)
-    if free < new * size:
+    hf = hf_folder_bytes(cfg) * DISK_MARGIN
+    also = f" and Hugging Face folders of {hf / GIB:,.2f} GiB (checkpoint.hf_every)" if hf else ""
+    if free < new * size + hf:
         c.add("checkpoint.keep", cfg.checkpoint.keep,
               f"{count} checkpoint(s) of {size / GIB:,.2f} GiB are on disk at once (those kept "
-              f"and the one being written); {new} more need {new * size / GIB:,.2f} GiB, but "
-              f"the file system of run.dir={cfg.run.dir} has {free / GIB:,.2f} GiB free",
+              f"and the one being written); {new} more need {new * size / GIB:,.2f} GiB{also}, "
+              f"but the file system of run.dir={cfg.run.dir} has {free / GIB:,.2f} GiB free",
               "free space there, lower checkpoint.keep, or pick a run.dir on a larger file "
               "system")  # fmt: skip
 

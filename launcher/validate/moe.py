@@ -31,12 +31,21 @@ def check_moe(c: Checks, cfg: RecipeConfig, for_launch: bool) -> None:
     def add(field: str, value: object, reason: str, fix: str) -> None:
         c.add(f"model.{field}" if "." not in field else field, value, reason, fix)
 
-    if m.moe_node_limit and m.moe_experts <= 0:
+    for name in ("moe_node_limit", "moe_groups"):
+        if getattr(m, name) and m.moe_experts <= 0:
+            add(
+                name,
+                getattr(m, name),
+                "group-limited routing needs a mixture-of-experts model (model.moe_experts=0)",
+                f"set model.{name}=0, or model.moe_experts > 0",
+            )
+    if m.moe_shared_gate and m.moe_shared_experts <= 0:
         add(
-            "moe_node_limit",
-            m.moe_node_limit,
-            "node-limited routing needs a mixture-of-experts model (model.moe_experts=0)",
-            "set model.moe_node_limit=0, or model.moe_experts > 0",
+            "moe_shared_gate",
+            True,
+            "gates the shared experts' output, and this model has none (moe_shared_experts="
+            f"{m.moe_shared_experts})",
+            "set model.moe_shared_gate=false, or model.moe_shared_experts >= 1",
         )
     if m.moe_experts < 0:
         add("moe_experts", m.moe_experts, "must be >= 0", "use 0 (dense) or the number of experts")
@@ -62,6 +71,13 @@ def check_moe(c: Checks, cfg: RecipeConfig, for_launch: bool) -> None:
     for f in ("moe_shared_experts", "moe_ffn_dim", "moe_aux_loss_coef", "moe_z_loss_coef"):
         if getattr(m, f) < 0:
             add(f, getattr(m, f), "must be >= 0", "use a value >= 0")
+    if m.moe_route_scale <= 0:
+        add(
+            "moe_route_scale",
+            m.moe_route_scale,
+            "must be > 0: it multiplies the routed experts' weights",
+            "use 1 (the weights as routed), or a published factor such as 2.5 (DeepSeek-V3)",
+        )
     if m.balance_bias and m.moe_bias_rate <= 0:
         add(
             "moe_bias_rate",
@@ -88,8 +104,50 @@ def check_moe(c: Checks, cfg: RecipeConfig, for_launch: bool) -> None:
             f"{m.moe_experts} experts cannot be split evenly over {ep} ranks",
             f"use a divisor of {m.moe_experts}: {or_list(divisors(m.moe_experts))}",
         )
-    if m.moe_node_limit and m.moe_top_k >= 1 and not c.reported("parallel.ep"):
+    if m.moe_groups:
+        check_groups(c, cfg)
+    elif m.moe_node_limit and m.moe_top_k >= 1 and not c.reported("parallel.ep"):
         check_node_limit(c, cfg)
+
+
+def check_groups(c: Checks, cfg: RecipeConfig) -> None:
+    """`model.moe_groups` (the model's own expert groups) against the experts, the limit of
+    groups per token and the top-k."""
+    m, field = cfg.model, "model.moe_groups"
+    groups, limit = m.moe_groups, m.moe_node_limit
+    if groups < 0:
+        c.add(field, groups, "must be >= 0", "use 0 (one group per node) or DeepSeek-V3's n_group")
+    elif m.moe_experts % groups:
+        c.add(
+            field,
+            groups,
+            f"{m.moe_experts} experts do not split into {groups} equal groups",
+            f"use a divisor of {m.moe_experts}: {or_list(divisors(m.moe_experts))}",
+        )
+    elif limit <= 0:
+        c.add(
+            field,
+            groups,
+            "expert groups only matter to group-limited routing, and model.moe_node_limit=0 "
+            "keeps every group (plain top-k)",
+            "set model.moe_node_limit to the groups each token keeps, or model.moe_groups=0",
+        )
+    elif limit > groups:
+        c.add(
+            "model.moe_node_limit",
+            limit,
+            f"a token cannot keep more than the model.moe_groups={groups} groups there are",
+            f"use 1 <= moe_node_limit <= {groups}",
+        )
+    elif m.moe_top_k > limit * (m.moe_experts // groups):
+        per_group = m.moe_experts // groups
+        c.add(
+            "model.moe_node_limit",
+            limit,
+            f"{limit} group(s) of {per_group} experts each hold fewer than moe_top_k="
+            f"{m.moe_top_k} experts",
+            f"use moe_node_limit >= {-(-m.moe_top_k // per_group)}, or a smaller moe_top_k",
+        )
 
 
 def check_node_limit(c: Checks, cfg: RecipeConfig) -> None:

@@ -15,6 +15,8 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
+from pretrain.core.hf_export import export_refusal
+from pretrain.core.layout import expert_node_groups
 from pretrain.core.problems import Checks, divisors, nearby_multiples, or_list
 from pretrain.core.schedules import SCHEDULES
 from pretrain.core.schema import RecipeConfig, choice_fields, field_value
@@ -234,12 +236,37 @@ def _check_checkpoint(c: Checks, cfg: RecipeConfig) -> None:
     """Checkpoint cadence and the fault limits."""
     c.at_least("checkpoint.every", cfg.checkpoint.every, 0)
     c.at_least("checkpoint.keep", cfg.checkpoint.keep, 1)
+    if c.at_least("checkpoint.hf_every", cfg.checkpoint.hf_every, 0) and cfg.checkpoint.hf_every:
+        check_hf_every(c, cfg)
     c.at_least("cluster.max_restarts", cfg.cluster.max_restarts, 0)
     c.at_least("faults.max_bad_steps", cfg.faults.max_bad_steps, 1)
     c.positive("faults.collective_timeout_s", cfg.faults.collective_timeout_s)
     c.positive("faults.straggler_lag", cfg.faults.straggler_lag)
     _check_timeouts(c, cfg)
     _check_recovery(c, cfg)
+
+
+def check_hf_every(c: Checks, cfg: RecipeConfig) -> None:
+    """A model that a Hugging Face folder can hold, written from shards it can be cut into."""
+    every = cfg.checkpoint.hf_every
+    refusal = export_refusal(cfg.model, expert_node_groups(cfg))
+    if refusal is not None:
+        c.add(
+            "checkpoint.hf_every",
+            every,
+            "the model " + refusal.replace(":\n", ": ", 1).replace("\n", "; "),
+            "set checkpoint.hf_every=0 (resume-only checkpoints), or change the model",
+        )
+    tp = cfg.parallel.tp
+    if tp > 1 and cfg.model.vocab_size % tp:
+        c.add(
+            "checkpoint.hf_every",
+            every,
+            f"parallel.tp={tp} pads the vocabulary of {cfg.model.vocab_size} to a multiple of "
+            "it, and the ranks write the embedding's shards as they hold them, padding and all",
+            "export a checkpoint with `pretrain export` (it drops the padding), or use a "
+            f"vocabulary divisible by {tp}",
+        )
 
 
 def _check_timeouts(c: Checks, cfg: RecipeConfig) -> None:

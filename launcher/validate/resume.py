@@ -61,6 +61,8 @@ def _expert_groups(flat: dict[str, Any]) -> int | None:
     """The router's expert groups a node-limited config routes over (None: no limit)."""
     if not flat.get("model.moe_node_limit"):
         return None
+    if flat.get("model.moe_groups"):
+        return int(flat["model.moe_groups"])  # the model's own: no layout decides them
     stride = flat.get("parallel.tp", 1) * flat.get("parallel.cp", 1)
     return ep_nodes(flat.get("parallel.ep", 1), stride, flat.get("cluster.gpus_per_node", 1))
 

@@ -2,8 +2,8 @@
 logits of fixed tokens (gathered from the tensor-parallel shards, or computed stage by stage
 through the pipeline) from the rank that holds them, one list entry per config. Without a
 pipeline, the gradients of the per-head query/key norm weights (which every tensor-parallel
-rank holds whole but applies to its own heads only) of loss_of(logits) come with them, by
-Hugging Face name.
+rank holds whole but applies to its own heads only) and of latent attention's latent norms
+(replicated over tensor parallelism) of loss_of(logits) come with them, by Hugging Face name.
 
     torchrun --nproc-per-node N -m tests.distributed.hf_logits OUT.pt RUN_DIR/config.yaml ...
 
@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from pretrain.core.hf_llama import hf_name
+from pretrain.core.hf_llama import hf_names
 from pretrain.core.layout import resolve_degrees
 from pretrain.core.schema import RecipeConfig, load_config
 from pretrain.parallel.mesh import build_mesh
@@ -51,9 +51,9 @@ def logits_of(
             logits = logits.full_tensor()
         loss_of(logits, cfg.model.vocab_size).backward()
         grads = {
-            hf_name(name): param.grad.clone()
+            hf_names(name, cfg.model)[0]: param.grad.clone()
             for name, param in state.plain.named_parameters()
-            if name.endswith(("q_norm.weight", "k_norm.weight"))
+            if name.endswith(("q_norm.weight", "k_norm.weight", "kv_norm.weight"))
         }
         return (logits.detach(), grads) if dist.get_rank() == 0 else None
     with torch.no_grad():

@@ -1,5 +1,5 @@
 """Which checkpoints count as complete, the Hugging Face names of our parameters (and which MoE
-models Mixtral cannot hold), and how a straggler is named."""
+models no family holds), and how a straggler is named."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from pretrain import models
+from pretrain.core.hf_llama import hf_name, hf_names
 from pretrain.core.schema import RecipeConfig, dump_config
 from pretrain.trainer.checkpoint.checkpointer import (
     DCP_METADATA,
@@ -17,7 +18,8 @@ from pretrain.trainer.checkpoint.checkpointer import (
     find_checkpoint,
     step_dir,
 )
-from pretrain.trainer.checkpoint.export import ExportError, export, hf_name, hf_tensors
+from pretrain.trainer.checkpoint.export import ExportError, export
+from pretrain.trainer.checkpoint.hf_tensors import to_hf
 from pretrain.trainer.faults.step_guard import slowest_rank, stragglers
 
 
@@ -77,32 +79,57 @@ def test_stacked_experts_become_one_mixtral_tensor_per_expert() -> None:
     cfg = models.ModelConfig(n_layers=2, moe_experts=4, moe_ffn_dim=16)
     assert models.build(cfg).layers["1"].feed_forward.experts.w1.shape == (4, 16, cfg.dim)
     w1 = torch.randn(4, 16, cfg.dim)
-    tensors = hf_tensors("layers.1.feed_forward.experts.w1", w1)
+    tensors = to_hf("layers.1.feed_forward.experts.w1", w1, cfg)
     prefix = "model.layers.1.block_sparse_moe.experts"
     assert list(tensors) == [f"{prefix}.{j}.w1.weight" for j in range(4)]
     assert all(torch.equal(tensors[f"{prefix}.{j}.w1.weight"], w1[j]) for j in range(4))
-    assert hf_name("layers.0.feed_forward.router.weight") == (
+    assert hf_names("layers.0.feed_forward.router.weight", cfg) == [
         "model.layers.0.block_sparse_moe.gate.weight"
-    )
+    ]
 
 
-def test_a_moe_model_mixtral_cannot_hold_is_refused_before_anything_is_written(
-    tmp_path: Path,
+REFUSED = {
+    "mixtral": (
+        {"moe_layers": "after:1", "moe_normalize_topk": False},
+        "MixtralForCausalLM",
+        ["model.moe_layers=after:1: 1 of 4 layers are dense", "model.moe_normalize_topk=false"],
+    ),
+    "qwen2_moe": (
+        {"moe_shared_experts": 1, "moe_router": "sigmoid", "moe_node_limit": 1},
+        "Qwen2MoeForCausalLM",
+        ["model.moe_router=sigmoid", "model.moe_node_limit=1: each token's experts come from"],
+    ),
+    "qwen3_moe": (
+        {"qk_norm": True, "moe_shared_experts": 1, "moe_route_scale": 2.5},
+        "Qwen3MoeForCausalLM",
+        ["Qwen3-MoE (the MoE family with query/key norms) has no shared", "moe_route_scale=2.5"],
+    ),
+    "deepseek_v2": (
+        {"attention": "mla", "moe_shared_experts": 1, "moe_balance": "bias"},
+        "DeepseekV2ForCausalLM",
+        ["model.norm_eps=1e-05: DeepSeek's latent norms", "model.moe_normalize_topk=true with",
+         "model.moe_balance=bias: DeepSeek-V2's router has no balancing bias"],
+    ),
+}  # fmt: skip
+"""A MoE model's options -> the family its options point to, and what keeps it out."""
+
+
+@pytest.mark.parametrize("kind", sorted(REFUSED))
+def test_a_moe_model_its_family_cannot_hold_is_refused_before_anything_is_written(
+    tmp_path: Path, kind: str
 ) -> None:
-    cfg = RecipeConfig(name="tiny_moe")
-    m = cfg.model
-    m.moe_experts, m.moe_shared_experts, m.moe_layers, m.moe_router = 8, 1, "after:1", "sigmoid"
-    m.moe_node_limit = 1
+    options, architecture, reasons = REFUSED[kind]
+    cfg = RecipeConfig(name=kind)
+    cfg.model.moe_experts = 8
+    for field, value in options.items():
+        setattr(cfg.model, field, value)
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "config.yaml").write_text(dump_config(cfg))
     with pytest.raises(ExportError) as err:
         export(tmp_path / "run", tmp_path / "hf")
     message = str(err.value)
-    assert message.startswith("tiny_moe cannot be exported as a Hugging Face MixtralForCausalLM")
-    assert "model.moe_shared_experts=1: Mixtral has no shared experts" in message
-    assert "model.moe_layers=after:1: 1 of 4 layers are dense" in message
-    assert "model.moe_router=sigmoid" in message
-    assert "model.moe_node_limit=1: each token's experts come from its best node" in message
+    assert message.startswith(f"{kind} cannot be exported as a Hugging Face {architecture}:")
+    assert all(reason in message for reason in reasons), message
     assert not (tmp_path / "hf").exists()
 
 

@@ -14,6 +14,7 @@ from pretrain.launcher.validate.recipe import validate
     [
         ("checkpoint", "every", -1, r"checkpoint\.every=-1: must be >= 0"),
         ("checkpoint", "keep", 0, r"checkpoint\.keep=0: must be >= 1"),
+        ("checkpoint", "hf_every", -1, r"checkpoint\.hf_every=-1: must be >= 0"),
         ("checkpoint", "async_mode", "fork", r"checkpoint\.async_mode=fork: unknown value.*"),
         ("cluster", "max_restarts", -1, r"cluster\.max_restarts=-1: must be >= 0"),
         ("faults", "max_bad_steps", 0, r"faults\.max_bad_steps=0: must be >= 1"),
@@ -55,4 +56,34 @@ def test_spike_policies_are_refused_under_a_schedule_that_agrees_a_step_late() -
     cfg.cluster.gpus_per_node, cfg.parallel.pp, cfg.parallel.pp_schedule = 2, 2, "2bw"
     cfg.faults.on_spike = "skip"
     with pytest.raises(RecipeError, match=r"faults\.on_spike=skip: parallel\.pp_schedule=2bw"):
+        validate(cfg)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            {("model", "mlp"): "gelu"},
+            r"checkpoint\.hf_every=5: the model cannot be exported: model\.mlp=gelu",
+        ),
+        (
+            {("model", "moe_experts"): 8, ("model", "moe_router"): "sigmoid"},
+            r"hf_every=5: the model cannot be exported as a Hugging Face MixtralForCausalLM: "
+            r"model\.moe_router=sigmoid",
+        ),
+        (
+            {("model", "vocab_size"): 4095, ("parallel", "tp"): 2, ("cluster", "gpus_per_node"): 2},
+            r"hf_every=5: parallel\.tp=2 pads the vocabulary of 4095",
+        ),
+    ],
+)
+def test_a_hugging_face_folder_every_n_steps_is_refused_for_a_model_no_family_holds(
+    overrides, message
+) -> None:
+    cfg = RecipeConfig()
+    cfg.checkpoint.hf_every = 5
+    validate(cfg)
+    for (section, field), value in overrides.items():
+        setattr(getattr(cfg, section), field, value)
+    with pytest.raises(RecipeError, match=message):
         validate(cfg)

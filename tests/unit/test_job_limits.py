@@ -132,3 +132,23 @@ def test_a_disk_that_cannot_hold_the_checkpoints_is_refused_before_the_run(
     assert "3 checkpoint(s)" in problem.reason and "lower checkpoint.keep" in problem.fix
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(0, 0, int(need) + 1))
     assert found(check_disk_room, cfg) == []
+
+
+def test_the_hugging_face_folders_of_hf_every_count_towards_the_room_needed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from pretrain.models.flops import count_params
+
+    cfg = base()
+    cfg.run.dir = str(tmp_path / "run")
+    cfg.train.steps, cfg.checkpoint.every, cfg.checkpoint.keep = 1000, 100, 2
+    cfg.checkpoint.hf_every = 250
+    weights = count_params(cfg.model).total * 4
+    assert job_limits.hf_folder_bytes(cfg) == 4 * weights  # 2 kept, 1 written twice over
+    usage = namedtuple("usage", "total used free")
+    need = (3 * checkpoint_bytes(cfg) + 4 * weights) * job_limits.DISK_MARGIN
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(0, 0, int(need) - 1))
+    [problem] = found(check_disk_room, cfg)
+    assert "Hugging Face folders of" in problem.reason
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(0, 0, int(need) + 1))
+    assert found(check_disk_room, cfg) == []

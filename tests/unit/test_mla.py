@@ -88,8 +88,10 @@ def test_keys_share_one_rotary_part_across_heads() -> None:
     assert seen[0].shape == (2, 5, 1, cfg.rope_dim)
 
 
-def test_export_refuses_mla_with_the_reason() -> None:
+def test_export_refuses_an_mla_model_whose_latent_norms_deepseek_cannot_hold() -> None:
     cfg = RecipeConfig()
-    cfg.model = ModelConfig(**SMALL)
-    with pytest.raises(ValueError, match="DeepSeek-V2's, not Llama's"):
+    cfg.model = ModelConfig(**SMALL, norm_eps=1e-5)
+    with pytest.raises(ValueError, match=r"DeepseekV2ForCausalLM:\nmodel\.norm_eps=1e-05: Dee"):
         refuse_unexportable(cfg)
+    cfg.model.norm_eps = 1e-6
+    refuse_unexportable(cfg)

@@ -143,6 +143,30 @@ def test_parameter_counts_match_the_module_and_active_counts_k_plus_shared_exper
     assert counts.experts == cfg.n_moe_layers * N * expert
 
 
+def test_a_gated_shared_expert_counts_its_gate_weights_and_flops() -> None:
+    cfg = moe_config(moe_shared_experts=1, moe_shared_gate=True)
+    model = models.build(cfg)
+    assert count_params(cfg).total == sum(p.numel() for p in model.parameters())
+    ungated = flops_per_token(moe_config(moe_shared_experts=1), 16).mlp
+    assert flops_per_token(cfg, 16).mlp == ungated + cfg.n_moe_layers * 2 * H
+
+
+def test_the_route_scale_weighs_the_routed_experts_and_the_gate_the_shared_ones() -> None:
+    """Identity experts: the output is route_scale x the input, plus sigmoid(gate) x the
+    shared expert's (DeepSeek's routed_scaling_factor, Qwen2-MoE's shared_expert_gate)."""
+    torch.manual_seed(0)
+    block = MoEFeedForward(
+        moe_config(moe_route_scale=2.5, moe_shared_experts=1, moe_shared_gate=True)
+    )
+    for param in block.parameters():
+        nn.init.normal_(param, std=0.3)
+    block.dispatch = lambda grouped: grouped.rows
+    x = torch.randn(3, 5, H)
+    gate = torch.sigmoid(x @ block.shared_gate.weight.T)
+    expected = 2.5 * x + gate * block.shared(x)
+    torch.testing.assert_close(block(x), expected)
+
+
 def test_flops_follow_active_experts_and_the_router() -> None:
     dense = flops_per_token(moe_config(moe_experts=0), 16)
     moe = flops_per_token(moe_config(moe_shared_experts=1), 16)

@@ -169,3 +169,28 @@ def test_the_plan_warns_that_a_limit_inside_one_node_is_moot() -> None:
     assert any("model.moe_node_limit=1 is moot" in w for w in warnings)
     spanning = {**one_node, "cluster.nodes": 2, "parallel.ep": 8}
     assert not any("moot" in w for w in make_plan(configure(spanning)).warnings)
+
+
+def test_the_models_own_groups_route_without_a_layout_and_bound_the_nodes_reached() -> None:
+    """model.moe_groups (DeepSeek-V3's n_group): a block routes over them as built, with no
+    recipe layout; the plan's bound on the nodes a token reaches follows where groups lie."""
+    from pretrain.launcher.plan.ep_comm import ep_communication
+
+    moe = MoEFeedForward(
+        ModelConfig(
+            vocab_size=64, dim=H, n_heads=2, ffn_dim=16, n_layers=1, moe_experts=N,
+            moe_top_k=4, moe_ffn_dim=12, moe_node_limit=1, moe_groups=4,
+        )
+    )  # fmt: skip
+    nn.init.normal_(moe.router.weight)
+    assert moe.node_groups == 4
+    assert nodes_reached(moe.route(torch.randn(2, 32, H))[0], 4).max().item() == 1
+    shape = {"model.moe_experts": 16, "model.moe_top_k": 8, "model.moe_node_limit": 2,
+             "cluster.nodes": 4, "cluster.gpus_per_node": 4, "parallel.ep": 16}  # fmt: skip
+    reach = {
+        groups: ep_communication(cfg, resolve_degrees(cfg)).nodes_per_token
+        for groups in (8, 2, 16)
+        for cfg in [configure({**shape, "model.moe_groups": groups})]
+    }
+    # 8 or 16 groups lie two or four to a node: 2 groups, 2 nodes; 2 groups span 2 nodes each.
+    assert reach == {8: 2, 2: 4, 16: 2}

@@ -37,6 +37,21 @@ def test_a_moe_recipe_with_ep_dividing_experts_and_dp_is_valid_for_launch() -> N
             "model.moe_bias_rate",
             "it never balances",
         ),
+        ({"model.moe_route_scale": 0.0}, "model.moe_route_scale", "must be > 0"),
+        ({"model.moe_shared_gate": True}, "model.moe_shared_gate", "this model has none"),
+        ({"model.moe_groups": 3, "model.moe_node_limit": 1}, "model.moe_groups", "8 experts"),
+        ({"model.moe_groups": 4}, "model.moe_groups", "model.moe_node_limit=0 keeps every"),
+        ({"model.moe_groups": -1}, "model.moe_groups", "must be >= 0"),
+        (
+            {"model.moe_groups": 4, "model.moe_node_limit": 5},
+            "model.moe_node_limit",
+            "more than the model.moe_groups=4 groups",
+        ),
+        (
+            {"model.moe_groups": 4, "model.moe_node_limit": 1, "model.moe_top_k": 3},
+            "model.moe_node_limit",
+            "1 group(s) of 2 experts each hold fewer than moe_top_k=3",
+        ),
     ],
 )
 def test_bad_moe_value_is_refused_with_its_reason(overrides, field, message) -> None:
@@ -96,3 +111,12 @@ def test_bad_node_limit_is_refused_with_its_reason(overrides, message) -> None:
     ]
     assert len(found) == 1
     assert message in found[0].reason
+
+
+def test_the_models_own_expert_groups_need_no_layout_that_spans_nodes() -> None:
+    """DeepSeek-V3's n_group / topk_group on one node: valid, and the router's groups."""
+    from pretrain.core.layout import expert_node_groups
+
+    cfg = configure({**MOE, "model.moe_groups": 4, "model.moe_node_limit": 2})
+    validate(cfg, for_launch=True)
+    assert expert_node_groups(cfg) == 4

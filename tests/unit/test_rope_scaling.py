@@ -121,7 +121,7 @@ def test_import_then_export_of_a_scaled_llama_is_bit_exact_and_reloads(tmp_path:
     from safetensors.torch import load_file, save_file
 
     from pretrain.core.hf_llama import config_json
-    from pretrain.trainer.checkpoint.export import hf_tensors
+    from pretrain.trainer.checkpoint.hf_tensors import to_hf
 
     torch.manual_seed(0)
     hf = transformers.LlamaForCausalLM(hf_llama_config(SCALINGS["llama3"])).eval()
@@ -133,7 +133,7 @@ def test_import_then_export_of_a_scaled_llama_is_bit_exact_and_reloads(tmp_path:
     written = {}
     for name, tensor in ours.state_dict().items():
         if name != "output.weight":  # tied: transformers ties lm_head itself
-            written.update(hf_tensors(name, tensor))
+            written.update(to_hf(name, tensor, cfg))
     original = load_file(tmp_path / "in" / "model.safetensors")
     assert written.keys() == original.keys()
     assert all(torch.equal(written[k], original[k]) for k in original)
@@ -147,3 +147,14 @@ def test_import_then_export_of_a_scaled_llama_is_bit_exact_and_reloads(tmp_path:
     tokens = torch.randint(0, 300, (1, 40))
     with torch.no_grad():
         torch.testing.assert_close(reloaded(tokens).logits, hf(tokens).logits, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", sorted(SCALINGS))
+def test_the_latent_attentions_softmax_factor_equals_transformers(name: str) -> None:
+    """DeepSeek's attention multiplies its softmax scale by mscale_all_dim's factor squared."""
+    from pretrain.models.rope import softmax_mscale
+
+    scaling = SCALINGS[name]
+    assert softmax_mscale(scaling) == pytest.approx(
+        rope_utils.yarn_apply_mscale(scaling, 1.0), rel=1e-12
+    )

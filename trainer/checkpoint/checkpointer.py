@@ -26,7 +26,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -70,6 +70,18 @@ class States:
     """Called before a save: brings the objects to a state a checkpoint can hold."""
 
 
+class FolderWriter(Protocol):
+    """Writes another kind of folder on its own cadence (trainer/checkpoint/hf_every.py)."""
+
+    def due(self, step: int) -> bool:
+        """Whether a folder is written after `step`."""
+        ...
+
+    def save(self, step: int) -> Path:
+        """Write the folder of `step`; collective."""
+        ...
+
+
 def _loaded(obj: Any, state: Any) -> None:
     """Give `obj` its state from a checkpoint, or tell it there is none (`state` None)."""
     if state is not None:
@@ -103,6 +115,7 @@ class Checkpointer:
         rank: int,
         world_size: int,
         faults: FaultInjector | None = None,
+        hf: FolderWriter | None = None,
     ):
         self.root = Path(run_dir) / CHECKPOINTS_DIR
         self.cfg = cfg
@@ -110,6 +123,8 @@ class Checkpointer:
         self.world_size = world_size
         self.faults = faults
         self.states = states
+        self.hf = hf
+        """Writes the Hugging Face folders of checkpoint.hf_every (None: there are none)."""
         self.saved_step = 0
         """The step of the newest checkpoint written or restored."""
         self._pending: _Pending | None = None
@@ -122,10 +137,15 @@ class Checkpointer:
 
     def after_step(self, step: int, stop: bool) -> None:
         """Finalize a finished background save, and save `step` when it is a periodic save
-        point or the job was asked to stop; collective."""
+        point or the job was asked to stop, and its Hugging Face folder when one is due;
+        collective."""
         self.poll()
         if self.due(step) or stop:
             self.save(step)
+        if self.hf is not None and self.hf.due(step):
+            if self.states.settle is not None:
+                self.states.settle()
+            self.hf.save(step)
 
     def finish(self, step: int) -> None:
         """Save the final `step` unless it already was, and wait until it is on disk."""

@@ -1,13 +1,15 @@
 """`init.from_hf=DIR`: start from a Hugging Face checkpoint (Llama, Qwen2/3, Mistral,
-Mixtral), under any layout.
+Mixtral, Qwen2/3-MoE, DeepSeek-V2/V3), under any layout.
 
 After the model is materialized (`parallel/materialize.py`), every parameter this rank holds
-is overwritten with the checkpoint's tensor of the same name (`core/hf_llama.py`
-maps the names), cast to the parameter's dtype; a sharded (DTensor) parameter keeps only
-its own slice, so TP, PP, FSDP and their mixes all start from the same weights. Tensors are
-read one at a time from the safetensors files (memory-mapped), never the whole model at
-once. Vocabulary rows that tensor parallelism pads are zeros, as at initialization. The
-directory is checked against the recipe first (config.json and every tensor's shape).
+(and a MoE layer's balancing bias, DeepSeek-V3's e_score_correction_bias) is overwritten with
+the checkpoint's tensor of the same name (`core/hf_llama.py` maps the names,
+`hf_tensors.py` the layouts), cast to the parameter's dtype; a sharded (DTensor) parameter
+keeps only its own slice, so TP, PP, FSDP and their mixes all start from the same weights.
+Tensors are read one at a time from the safetensors files (memory-mapped), never the whole
+model at once. Vocabulary rows that tensor parallelism pads are zeros, as at
+initialization. The directory is checked against the recipe first (config.json and every
+tensor's shape).
 """
 
 from __future__ import annotations
@@ -19,8 +21,11 @@ from safetensors import safe_open
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from pretrain.core.hf_llama import checkpoint_problems, hf_name, hf_names, safetensors_files
+from pretrain.core.hf_llama import checkpoint_problems, hf_name, safetensors_files
+from pretrain.core.hf_moe import rotary_interleaved
+from pretrain.core.inputs.reading import read_mapping
 from pretrain.core.model_config import ModelConfig
+from pretrain.trainer.checkpoint.hf_tensors import from_hf
 
 
 def _fit_rows(full: torch.Tensor, shape: torch.Size) -> torch.Tensor:
@@ -32,24 +37,29 @@ def _fit_rows(full: torch.Tensor, shape: torch.Size) -> torch.Tensor:
 
 @torch.no_grad()
 def load_hf_weights(model: nn.Module, cfg: ModelConfig, folder: str | Path) -> int:
-    """Overwrite `model`'s parameters (a plain model, a pipeline stage view, sharded or not)
-    with the checkpoint's; returns how many were loaded."""
+    """Overwrite `model`'s parameters and balancing biases (a plain model, a pipeline stage
+    view, sharded or not) with the checkpoint's; returns how many were loaded."""
     folder = Path(folder).expanduser()
     problems = checkpoint_problems(folder, cfg)
     if problems:
         raise ValueError(f"init.from_hf={folder}: " + "; ".join(problems))
+    interleaved = rotary_interleaved(read_mapping(folder / "config.json", "a config.json"))
     handles = [
         safe_open(str(path), framework="pt", device="cpu") for path in safetensors_files(folder)
     ]
     where = {name: handle for handle in handles for name in handle.keys()}  # noqa: SIM118
+
+    def read(source: str) -> torch.Tensor:
+        return where[source].get_tensor(source)
+
+    biases = [(n, b) for n, b in model.named_buffers() if n.endswith("feed_forward.expert_bias")]
     loaded = 0
-    for name, param in model.named_parameters():
+    for name, param in [*model.named_parameters(), *biases]:
         # A pipeline's last stage holds its own copy of a tied head: the embedding's rows.
-        tied = name == "output.weight" and cfg.tie_embeddings
-        sources = [hf_name("tok_embeddings.weight")] if tied else hf_names(name, cfg)
-        tensors = [where[source].get_tensor(source) for source in sources]
-        # A stacked expert weight is read one expert at a time, as Mixtral stores them.
-        full = torch.stack(tensors) if ".experts." in name else tensors[0]
+        if name == "output.weight" and cfg.tie_embeddings:
+            full = read(hf_name("tok_embeddings.weight"))
+        else:
+            full = from_hf(name, read, cfg, interleaved)
         full = _fit_rows(full, param.shape).to(device=param.device, dtype=param.dtype)
         if isinstance(param, DTensor):
             # Every rank read the same full tensor: slice locally, no communication.

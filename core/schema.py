@@ -215,6 +215,29 @@ class ScheduleConfig:
 
 
 @dataclass
+class BatchStage:
+    """One stage of `train.batch_schedule`."""
+
+    global_batch: int = 0
+    """Sequences per optimizer step during the stage (below train.global_batch)."""
+    until_tokens: int = 0
+    """The stage lasts until this many tokens were trained: the first step that starts at or
+    past it runs the next stage (train.global_batch after the last)."""
+
+
+@dataclass
+class SeqLenStage:
+    """One stage of `train.seq_len_schedule`."""
+
+    seq_len: int = 0
+    """Tokens per sequence during the stage: a divisor of train.seq_len below it, so each
+    full-length sequence of the data order is cut into train.seq_len / seq_len pieces."""
+    until_tokens: int = 0
+    """The stage lasts until this many tokens were trained: the first step that starts at or
+    past it runs the next stage (train.seq_len after the last)."""
+
+
+@dataclass
 class TrainConfig:
     """Batching and length of the run."""
 
@@ -230,6 +253,15 @@ class TrainConfig:
     """Compute the LM head and cross-entropy in this many sequence chunks, each recomputed
     in backward, so the full logits and their gradient never exist at once (costs one more
     head matmul per step); 1 computes them whole. Must divide seq_len."""
+    batch_schedule: list[BatchStage] = field(default_factory=list)
+    """A batch-size ramp (GPT-3's, OLMo's): smaller global batches first, in stages of growing
+    batch, each until a number of tokens trained; train.global_batch after the last. The data
+    order is the same stream of sequences cut into other batches. Empty: train.global_batch
+    throughout. Under any ramp the LR schedule runs by tokens (core/data_order/ramps.py)."""
+    seq_len_schedule: list[SeqLenStage] = field(default_factory=list)
+    """A sequence-length warm-up: shorter sequences first, in stages of growing seq_len, each
+    until a number of tokens trained; train.seq_len after the last. Empty: train.seq_len
+    throughout."""
 
 
 @dataclass
@@ -268,6 +300,22 @@ def default_cache_dir() -> str:
 
 
 @dataclass
+class MixturePhase:
+    """One phase of `data.mixture_schedule`."""
+
+    name: str = ""
+    """Label of the phase in the log and the plan (e.g. anneal); empty: phase N."""
+    from_tokens: int = 0
+    """The phase begins once this many tokens were trained (the first phase at 0)."""
+    weights: list[float] = field(default_factory=list)
+    """Each source's weight during the phase, one per data.sources entry in order (0 leaves a
+    source out); normalized to shares of every global batch."""
+    blend: bool = False
+    """Move the shares linearly with the tokens trained, from this phase's to the next
+    phase's (reached at its start): a piecewise-linear schedule. false holds them."""
+
+
+@dataclass
 class DataConfig:
     """Training corpus, tokenizer, preparation and the validation split.
 
@@ -303,6 +351,12 @@ class DataConfig:
     sources: list[SourceConfig] = field(default_factory=list)
     """A weighted mixture: each global batch draws from every source in proportion to its
     weight. Empty: the one source above (data.source and its fields)."""
+    mixture_schedule: list[MixturePhase] = field(default_factory=list)
+    """Weights of data.sources that change with the tokens trained, in phases (a final anneal
+    on the best data, or shares that move linearly); each step draws by the shares at its
+    first token, and every source's count stays within a sequence or two of its shares'
+    running total. Empty: the sources' own weights throughout; they still mix the validation
+    batches either way."""
     val_fraction: float = 0.0
     """Documents held out for validation, at the end of each token shard of every source."""
     val_source: str = ""

@@ -100,7 +100,7 @@ def execute(cfg: RecipeConfig, launched: dict | None = None) -> float | None:
     from pretrain.launcher.compose.nanogpt_split import nanogpt_val_lines
     from pretrain.launcher.plan.plan import make_plan, plan_to_dict
     from pretrain.launcher.plan.render import render_plan, render_summary
-    from pretrain.launcher.validate.short_run import fit_schedule_to_run
+    from pretrain.launcher.validate.schedules import fit_schedule_to_run
 
     overrides = (launched or {}).get("overrides", [])
     try:

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from pretrain import models
+from pretrain.core.data_order.ramps import Ramp
 from pretrain.core.layout import expert_node_groups
 from pretrain.core.schedules import SCHEDULES
 from pretrain.core.schema import RecipeConfig
@@ -127,7 +128,9 @@ def build_train_state(cfg: RecipeConfig, mesh: JobMesh, device: torch.device) ->
             global_batch=cfg.train.global_batch,
             device=torch.device(optimizer_device_type(cfg.parallel, device.type)),
         )
-    scheduler = build_lr_scheduler(optimizer, cfg.optim, cfg.schedule, cfg.train.steps)
+    scheduler = build_lr_scheduler(
+        optimizer, cfg.optim, cfg.schedule, cfg.train.steps, Ramp(cfg.train)
+    )
     # The vocab-parallel loss works on DTensor logits under loss_parallel: left eager.
     loss_fn = compile_loss(lm_loss, cfg.compile) if degrees.tp == 1 else lm_loss
     eval_fn = lm_loss

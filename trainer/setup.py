@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from pretrain.core.data_order.ramps import Ramp
 from pretrain.core.inputs.reading import ReadError
 from pretrain.core.layout import Degrees, grad_accum_steps, resolve_degrees
 from pretrain.core.precision import peak_dtype
@@ -37,11 +38,13 @@ from pretrain.trainer.data.loader import (
     RunData,
     open_datasets,
     packed_data,
+    source_val_loaders,
     tokens_seen,
     train_loader,
     val_loader,
 )
 from pretrain.trainer.data.prefetch import PrefetchingLoader
+from pretrain.trainer.data.schedule_metrics import phase_lines, ramp_metrics, step_work
 from pretrain.trainer.dist import RankInfo
 from pretrain.trainer.evals.tasks import task_evaluator
 from pretrain.trainer.faults.injection import FaultInjector
@@ -149,11 +152,8 @@ def setup(cfg: RecipeConfig, rank: RankInfo) -> Run:
     cache = Path(os.path.expanduser(cfg.data.cache_dir))
     peak = resolve_peak_flops(rank.device, peak_dtype(cfg.precision), cfg.hardware, cache)
     window = _metrics_window(
-        cfg, rank, state, guard, mesh, moe_pp_group, peak,
-        data_metrics=lambda step: tokens_seen(
-            training.sampler, data.labels, cfg.train.seq_len, step
-        ),
-    )  # fmt: skip
+        cfg, rank, state, guard, mesh, moe_pp_group, peak, _data_metrics(cfg, training, data)
+    )
     metrics = _metrics_logger(cfg, rank, run_dir, degrees)
     recovery = _recovery(cfg, rank, metrics, guard, loader, start)
     _announce(cfg, rank, degrees, state, data, peak)
@@ -176,6 +176,17 @@ def setup(cfg: RecipeConfig, rank: RankInfo) -> Run:
         load_s,
         recovery,
     )
+
+
+def _data_metrics(
+    cfg: RecipeConfig, training: DataLoader, data: RunData
+) -> Callable[[int], dict[str, Any]]:
+    """What the data adds to a logged step's metrics: the tokens each source supplied, and
+    under a ramp the step's batch, length and tokens trained."""
+    return lambda step: {
+        **tokens_seen(training.sampler, data.labels, cfg.train.seq_len, step),
+        **ramp_metrics(training.sampler.ramp, step),
+    }
 
 
 def _restore(checkpointer: Checkpointer, run_dir: Path, rank: RankInfo) -> tuple[int, float]:
@@ -290,6 +301,7 @@ def _evaluator(
         model=state.plain,
         device=rank.device,
         tasks=task_evaluator(cfg, tokenizer, stepper, mesh.dp),
+        sources=source_val_loaders(cfg, data, mesh.dp.get_local_rank(), degrees.dp),
     )
 
 
@@ -330,9 +342,11 @@ def _metrics_window(
 
 
 def _throughput_meter(cfg: RecipeConfig, rank: RankInfo, peak: PeakFlops) -> ThroughputMeter:
-    """MFU counts the model's FLOPs per token; HFU adds the recomputed forwards."""
+    """MFU counts the model's FLOPs per token; HFU adds the recomputed forwards. Under a
+    ramp each step counts its own batch and sequence length."""
     flops = flops_per_token(cfg.model, cfg.train.seq_len)
     blocks = recomputed_blocks(cfg.recompute, cfg.model.n_layers)
+    ramp = Ramp(cfg.train)
     return ThroughputMeter(
         tokens_per_step=cfg.train.global_batch * cfg.train.seq_len,
         model_flops_per_token=flops.train,
@@ -341,6 +355,7 @@ def _throughput_meter(cfg: RecipeConfig, rank: RankInfo, peak: PeakFlops) -> Thr
         ),
         devices=rank.world_size,
         peak=peak,
+        step_work=step_work(cfg, ramp) if ramp.active else None,
     )
 
 
@@ -379,3 +394,5 @@ def _announce(
         peak.source,
     )
     log.info("%s", kernels_line(cfg, state, rank.device))
+    for line in phase_lines(cfg, Ramp(cfg.train), data.labels):
+        log.info("%s", line)

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from pretrain.core.data_order.ramps import Ramp
 from pretrain.core.run import run_lock
 from pretrain.core.run.checkpoint_files import find_checkpoint
 from pretrain.core.run.rundir import CHECKPOINTS_DIR
@@ -103,7 +104,7 @@ def train(run: Run, watchdog: Watchdog) -> None:
         run.checkpointer.close()
         run.goodput.end("finished")
         metrics.print_summary(
-            tokens=total * run.cfg.train.global_batch * run.cfg.train.seq_len,
+            tokens=Ramp(run.cfg.train).tokens_before(total),
             wall_s=time.time() - started,
             checkpoint=find_checkpoint(run.run_dir / CHECKPOINTS_DIR),
             goodput=run.goodput.breakdown() if run.rank.is_main else None,

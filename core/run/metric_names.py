@@ -33,8 +33,9 @@ WANDB_KEYS = {
 }
 """Flat metric name -> W&B key; names not listed go under their prefix's section
 (WANDB_PREFIXES) or train/."""
-WANDB_PREFIXES = {"tokens_seen_": "data/"}
-"""Flat metric name prefix -> W&B section (tokens_seen_fineweb -> data/tokens_seen_fineweb)."""
+WANDB_PREFIXES = {"tokens_seen_": "data/", "val_loss_": "val/"}
+"""Flat metric name prefix -> W&B section (tokens_seen_fineweb -> data/tokens_seen_fineweb,
+a source's validation loss val_loss_fineweb -> val/val_loss_fineweb)."""
 SECTION_PREFIXES = {"goodput_": "goodput/", "timeout_": "timeout/"}
 """Flat metric name prefix -> W&B section, the prefix dropped (goodput_productive_s ->
 goodput/productive_s: core/run/goodput.py; timeout_step_s -> timeout/step_s, the limits

@@ -38,6 +38,12 @@ from pretrain.launcher.plan.memory import (
     textbook_activations,
     textbook_model_states,
 )
+from pretrain.launcher.plan.phases import (
+    MixturePhasePlan,
+    PhasePlan,
+    mixture_phases,
+    ramp_phases,
+)
 from pretrain.launcher.plan.tp_comm import TPComm, tp_communication
 from pretrain.models.flops import count_params, flops_per_token
 
@@ -115,6 +121,11 @@ class Plan:
     """One layer's context-parallel ring exchanges per step and rank (None without CP)."""
     ep_comm: EPComm | None = None
     """One MoE layer's all-to-all per micro-batch and rank (None without EP)."""
+    phases: list[PhasePlan] = field(default_factory=list)
+    """Each phase of a batch-size ramp or sequence-length warm-up, planned (the figures
+    above are the last and largest stage's); empty without a ramp."""
+    mixture_phases: list[MixturePhasePlan] = field(default_factory=list)
+    """Each phase of data.mixture_schedule: its first step and shares."""
 
     @property
     def memory_gib(self) -> float:
@@ -191,6 +202,13 @@ def make_plan(cfg: RecipeConfig) -> Plan:
     if degrees.pp > 1:
         plan.pipeline = schedule_sim.summary(
             cfg.parallel.pp_schedule, degrees.pp, micro, cfg.parallel.vpp, segment_steps(cfg)
+        )
+    plan.phases = ramp_phases(cfg, degrees)
+    plan.mixture_phases = mixture_phases(cfg)
+    if plan.phases:
+        plan.assumptions.append(
+            "ramp: memory, step time and MFU are the last stage's (train.global_batch x "
+            "seq_len, the largest); the Phases table plans each at its own batch and seq_len"
         )
     plan.warnings += _warnings(cfg, plan, spec.name)
     return plan

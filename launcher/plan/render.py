@@ -67,6 +67,10 @@ def render_plan(plan: Plan, with_warnings: bool = True) -> str:
                 ("leaving the node, a row per token and node", _bytes(ep.inter_node_bytes)),
             ],
         )
+    if plan.phases:
+        console.print(_phases_table(plan))
+    if plan.mixture_phases:
+        console.print(_mixture_table(plan))
     if plan.memory is not None:
         console.print(_breakdown_table(plan, plan.memory))
     console.print(_zero_paper_table(plan))
@@ -142,6 +146,49 @@ def _zero_paper_table(plan: Plan) -> Table:
             _bytes(states.total + plan.activations),
         )
     return memory
+
+
+def _phases_table(plan: Plan) -> Table:
+    """Each phase of the ramp at its own batch and seq_len."""
+    from rich.table import Table
+
+    table = Table(
+        title="Phases (train.batch_schedule, train.seq_len_schedule; LR by tokens)",
+        title_justify="left",
+        min_width=60,
+    )
+    columns = ("steps", "from tokens", "batch x seq_len", "accum", "memory", "step time", "MFU")
+    for column in columns:
+        table.add_column(column, justify="right")
+    for ph in plan.phases:
+        table.add_row(
+            f"{ph.first_step}-{ph.last_step}",
+            f"{ph.tokens_before:,}",
+            f"{ph.global_batch} x {ph.seq_len}",
+            str(ph.grad_accum),
+            f"{ph.memory_gib:.2f} GiB",
+            _maybe(ph.step_time_s, "{:.3g} s"),
+            _maybe(ph.mfu, "{:.1%}"),
+        )
+    return table
+
+
+def _mixture_table(plan: Plan) -> Table:
+    """Each phase of the mixture schedule: where it starts and its shares there."""
+    from rich.table import Table
+
+    table = Table(title="Mixture phases (data.mixture_schedule)", title_justify="left")
+    for column in ("phase", "from step", "from tokens", "shares"):
+        table.add_column(column, justify="left")
+    for ph in plan.mixture_phases:
+        shares = ", ".join(f"{label} {q:.3g}" for label, q in ph.shares.items())
+        table.add_row(
+            ph.name,
+            "not reached" if ph.first_step is None else str(ph.first_step),
+            f"{ph.from_tokens:,}",
+            shares + (", blending into the next" if ph.blend else ""),
+        )
+    return table
 
 
 def _fit_rows(plan: Plan) -> list[tuple[str, str]]:
@@ -286,5 +333,10 @@ def render_summary(plan: Plan) -> str:
         f"{_maybe(plan.step_time_s, '{:.3g} s')} | MFU {_maybe(plan.mfu, '{:.1%}')} | "
         f"tokens/s {_maybe(plan.tokens_per_s, '{:,.0f}')}",
     ]
+    if plan.phases:
+        stages = ", ".join(
+            f"{ph.first_step}-{ph.last_step} {ph.global_batch}x{ph.seq_len}" for ph in plan.phases
+        )
+        lines.append(f"  ramp (steps batch x seq_len): {stages}; the figures above: the last")
     lines.append("  (the whole plan: action=plan, or plan.before_run=full)")
     return "\n".join(lines)

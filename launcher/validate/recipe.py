@@ -17,7 +17,14 @@ from typing import Any
 
 from pretrain.core.hf_export import export_refusal
 from pretrain.core.layout import expert_node_groups
-from pretrain.core.problems import Checks, divisors, nearby_multiples, or_list
+from pretrain.core.problems import (
+    Checks,
+    Problem,
+    RecipeError,
+    divisors,
+    nearby_multiples,
+    or_list,
+)
 from pretrain.core.schedules import SCHEDULES
 from pretrain.core.schema import RecipeConfig, choice_fields, field_value
 from pretrain.launcher.validate.attention import check_attention
@@ -36,6 +43,7 @@ from pretrain.launcher.validate.logs import check_logging, check_stability
 from pretrain.launcher.validate.moe import check_moe
 from pretrain.launcher.validate.precision import check_precision
 from pretrain.launcher.validate.rundir import check_run_dir
+from pretrain.launcher.validate.schedules import check_schedules
 
 MAX_SEED = 2**32 - 1
 """Seeds are 32-bit (numpy's limit)."""
@@ -83,6 +91,7 @@ def validate(
     for latency in ("intra_node_latency_us", "inter_node_latency_us"):
         c.at_least(f"hardware.{latency}", getattr(cfg.hardware, latency), 0)
     check_data(c, cfg, for_launch)
+    check_schedules(c, cfg, _problems_of if batch_ok and model_ok and cluster_ok else None)
     if here:
         check_local_device(c, cfg)
     if run_dir:
@@ -101,6 +110,15 @@ def validate(
         if not c.reported(path):
             c.finite(path, value)
     c.raise_if_any()
+
+
+def _problems_of(cfg: RecipeConfig) -> list[Problem]:
+    """Every problem `validate` finds in `cfg` (none: an empty list)."""
+    try:
+        validate(cfg)
+    except RecipeError as error:
+        return error.problems
+    return []
 
 
 def _floats(node: Any, prefix: str = "") -> Iterator[tuple[str, float]]:

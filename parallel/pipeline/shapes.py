@@ -5,7 +5,9 @@ the pipeline on whether every stage knows its shapes (a few bytes), each stage r
 forward of the first micro-batch and sends the next its outputs' metadata as pickled
 objects (and the gradients' back). Every shape follows from the recipe, so each stage is
 given examples of its inputs and outputs here (on the meta device: no storage); the vote
-then finds them all known and the first step starts with real work.
+then finds them all known and the first step starts with real work. A batch-size ramp or a
+sequence-length warm-up changes them between stages: the pipelined step builds its schedule
+again, with the stage's shapes, when a step's differ (`trainer/step/pipeline.py`).
 
 Per micro-batch of the schedule, on this rank:
 
@@ -78,11 +80,19 @@ class StageShapes:
         return torch.empty(shape, dtype=dtype, device="meta", requires_grad=grad)
 
 
-def stage_shapes(cfg: RecipeConfig, degrees: Degrees, n_microbatches: int) -> StageShapes:
+def stage_shapes(
+    cfg: RecipeConfig,
+    degrees: Degrees,
+    n_microbatches: int,
+    sequences: int | None = None,
+    seq_len: int | None = None,
+) -> StageShapes:
     """The shapes of `cfg`'s pipeline stages when each rank's batch (micro_batch times the
-    accumulation count) runs as `n_microbatches` micro-batches of the schedule."""
-    sequences = cfg.train.micro_batch * grad_accum_steps(cfg)
-    tokens = cfg.train.seq_len // degrees.cp
+    accumulation count, or `sequences` of `seq_len` under a ramp's stage) runs as
+    `n_microbatches` micro-batches of the schedule."""
+    if sequences is None:
+        sequences = cfg.train.micro_batch * grad_accum_steps(cfg)
+    tokens = (seq_len or cfg.train.seq_len) // degrees.cp
     sp = cfg.parallel.sp and degrees.tp > 1
     hidden_tokens = tokens // degrees.tp if sp else tokens
     low = compute_dtype(cfg.precision)

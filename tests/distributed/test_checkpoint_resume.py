@@ -5,6 +5,11 @@ written (PRETRAIN_FAULT_CRASH_IN_SAVE): steps 5-6 were trained, step 6's checkpo
 incomplete, so the resumed run must start from step 4 and replay 5-8. Under the same layout
 the FP32 losses (and gradient norms) must equal the uninterrupted run's bit for bit; under
 another layout they must match within the parity tolerance.
+
+Every run here trains through a batch-size ramp, a sequence-length warm-up and a mixture
+schedule (SCHEDULES), so every resume is one in the middle of them: from step 4, with step 5
+still in the ramp and the mixture's anneal ahead, under the same layout or another (one rank,
+ZeRO stages, tp, and pipeline stages, whose schedule is built again at each stage).
 """
 
 from __future__ import annotations
@@ -29,12 +34,34 @@ from pretrain.core.run.rundir import LEDGER_FILE
 from pretrain.trainer.checkpoint.export import export, load_model
 from pretrain.trainer.step.state import lm_loss
 from tests.distributed.harness import BASE_OVERRIDES, FP32_TOLERANCE, read_curve
+from tests.golden.cases import CORPUS
 
 pytestmark = pytest.mark.distributed
 
 STEPS = 8
 CRASH_STEP = 6
 CHECKPOINTING = ["checkpoint.every=2", "checkpoint.keep=3"]
+SCHEDULES = [
+    # Steps 1-2 of 4 sequences of 32 tokens, 3-5 of 4 x 64, then the harness's 8 x 64.
+    "train.batch_schedule=[{global_batch:4,until_tokens:1024}]",
+    "train.seq_len_schedule=[{seq_len:32,until_tokens:256}]",
+    # Two sources (the harness's and the golden curves' corpus), drawn by a's alone at
+    # first, blending into half and half by 512 tokens, then by b's alone from 1,536.
+    f"data.sources=[{{source:stdlib,name:a,max_bytes:400000}},{{source:{CORPUS},name:b}}]",
+    "data.mixture_schedule=[{weights:[1,0],blend:true},{from_tokens:512,weights:[1,1]},"
+    "{name:anneal,from_tokens:1536,weights:[0,1]}]",
+]
+TOKENS = [128, 256, 512, 768, 1024, 1536, 2048, 2560]
+"""Tokens trained through each step."""
+TOKENS_SEEN = {
+    "a": [128, 256, 448, 576, 704, 960, 960, 960],
+    "b": [0, 0, 64, 192, 320, 576, 1088, 1600],
+}
+"""Tokens each source supplied through each step, by hand: a step of U sequences of 64
+tokens (the data order's; 2 a step of 4 x 32) draws by the shares at its first token, and
+source b's j-th sequence falls due where its running share reaches j + 1/2. b's share is 0,
+1/8 (at 128 tokens), 1/4 (256: 0.25 + 4 x 1/4 = 1.25 due, 1 drawn), 1/2 from 512 (3.25, 5.25,
+9.25) and 1 from 1,536 (17.25, 25.25)."""
 
 
 def launch(
@@ -49,6 +76,7 @@ def launch(
         "tiny",
         *BASE_OVERRIDES,
         *CHECKPOINTING,
+        *SCHEDULES,
         f"cluster.gpus_per_node={nproc}",
         f"run.dir={run_dir}",
         *overrides,
@@ -72,10 +100,15 @@ def crash_during_save(run_dir: Path, overrides: list[str], nproc: int) -> None:
     assert names == ["step_00000002", "step_00000004", f"step_{CRASH_STEP:08d}.tmp"]
 
 
+def rows(run_dir: Path) -> dict[int, dict]:
+    """Each step's metrics from metrics.jsonl; a step logged again after a resume counts last."""
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return {row["step"]: row for row in map(json.loads, lines)}
+
+
 def losses(run_dir: Path) -> dict[int, float]:
     """Loss per step from metrics.jsonl; a step logged again after a resume counts last."""
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {row["step"]: row["loss"] for row in rows}
+    return {step: row["loss"] for step, row in rows(run_dir).items()}
 
 
 def max_relative(a: dict[int, float], b: dict[int, float]) -> float:
@@ -109,6 +142,22 @@ def test_resume_after_a_crash_during_a_save_is_bit_exact(
     assert after == uninterrupted
     metrics = [resumed / "metrics.jsonl", workdir / "uninterrupted" / "metrics.jsonl"]
     assert read_curve(metrics[0]).grad_norm == read_curve(metrics[1]).grad_norm
+    # The ramp, the LR by tokens and the mixture resume where they were, bit for bit.
+    again, first = rows(resumed), rows(workdir / "uninterrupted")
+    same = ("lr", "tokens", "global_batch", "seq_len", "tokens_seen_a", "tokens_seen_b")
+    same += ("val_loss", "val_loss_a", "val_loss_b")
+    assert [[again[k].get(m) for m in same] for k in again] == [
+        [first[k].get(m) for m in same] for k in again
+    ]
+    assert [first[k]["tokens"] for k in range(1, STEPS + 1)] == TOKENS
+    assert [(first[k]["global_batch"], first[k]["seq_len"]) for k in (1, 3, 6)] == [
+        (4, 32), (4, 64), (8, 64),
+    ]  # fmt: skip
+    for source, seen in TOKENS_SEEN.items():
+        assert [first[k][f"tokens_seen_{source}"] for k in range(1, STEPS + 1)] == seen
+    # Each source's validation loss, on its own held-out documents.
+    for step in (4, 8):
+        assert first[step]["val_loss_a"] != first[step]["val_loss_b"]
     complete = sorted(p.name for p in (resumed / "checkpoints").iterdir())
     assert complete == ["step_00000004", "step_00000006", "step_00000008"]
 

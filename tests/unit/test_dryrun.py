@@ -98,8 +98,8 @@ def test_a_stage_given_wrong_shapes_fails_the_dry_run(monkeypatch):
     from pretrain.trainer.dryrun.run import DryRunFailure, dry_run
     from pretrain.trainer.step import pipeline
 
-    def too_wide(cfg, degrees, n_microbatches):
-        return replace(stage_shapes(cfg, degrees, n_microbatches), dim=cfg.model.dim * 2)
+    def too_wide(cfg, *args):
+        return replace(stage_shapes(cfg, *args), dim=cfg.model.dim * 2)
 
     monkeypatch.setattr(pipeline, "stage_shapes", too_wide)
     with pytest.raises(DryRunFailure, match=r"running the training step: .*Stage 0 forward"):

@@ -13,7 +13,7 @@ from pretrain.core.problems import Checks, Problem
 from pretrain.core.schema import RecipeConfig
 from pretrain.launcher.validate.env import HIDDEN, check_env, check_local_device
 from pretrain.launcher.validate.rundir import check_run_dir
-from pretrain.launcher.validate.short_run import fit_schedule_to_run
+from pretrain.launcher.validate.schedules import fit_schedule_to_run
 
 
 def env_problems(cfg: RecipeConfig, environ: dict[str, str] | None = None) -> list[Problem]:

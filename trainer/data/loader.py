@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from pretrain.core.data_order.ramps import Ramp
 from pretrain.core.schema import RecipeConfig
 from pretrain.dataprep.cache_lock import holder_detail, holder_fraction
 from pretrain.dataprep.dataset_manifest import read_manifest
@@ -152,23 +153,36 @@ class DataLoader:
         self.dp_size = dp_size
         self.micro_batch = micro_batch
         self.step = start_step
+        self._shorter: dict[tuple[int, int], PackedSequences] = {}
 
     def batches(self, step: int) -> Batches:
         """(inputs, targets) per accumulation micro-batch of `step`, each of shape
-        (micro_batch, seq_len)."""
+        (micro_batch, the step's seq_len)."""
+        pieces = self.sampler.seq_len_pieces(step)
         out = []
         for sources, indices in self.sampler.rank_micro_batches(
             step, self.dp_rank, self.dp_size, self.micro_batch
         ):
             rows = np.stack(
                 [
-                    self.sources[int(s)].sequence(int(i))
+                    self._sequences(int(s), pieces).sequence(int(i))
                     for s, i in zip(sources, indices, strict=True)
                 ]
             )
             seqs = torch.from_numpy(rows)
             out.append((seqs[:, :-1].contiguous(), seqs[:, 1:].contiguous()))
         return out
+
+    def _sequences(self, source: int, pieces: int) -> PackedSequences:
+        """Source `source`'s sequences cut `pieces` from each full-length one (shorter ones
+        over the same tokens under a sequence-length warm-up)."""
+        full = self.sources[source]
+        if pieces == 1:
+            return full
+        key = (source, pieces)
+        if key not in self._shorter:
+            self._shorter[key] = PackedSequences(full.stream, full.seq_len // pieces, full.name)
+        return self._shorter[key]
 
     def next_step(self) -> Batches:
         """The next step's micro-batches; advances the position by one step."""
@@ -178,27 +192,32 @@ class DataLoader:
 
     def state_dict(self) -> dict[str, Any]:
         """The position (the next step) and what it is valid for; the same on every rank."""
-        return {
+        state = {
             "step": self.step,
             "seed": self.sampler.seed,
             "global_batch": self.sampler.global_batch,
             "sequences": list(self.sampler.sizes),
             "weights": list(self.sampler.weights),
         }
+        schedule = self.sampler.schedule()
+        if schedule:  # only runs with a schedule save one: earlier checkpoints stay valid
+            state["schedule"] = schedule
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume at a saved position; refuses one saved for another data order."""
         expected = self.state_dict()
         mismatches = [
-            f"{key}: saved {state.get(key)}, now {expected[key]}"
-            for key in ("seed", "global_batch", "sequences", "weights")
-            if state.get(key) != expected[key]
+            f"{key}: saved {state.get(key)}, now {expected.get(key)}"
+            for key in ("seed", "global_batch", "sequences", "weights", "schedule")
+            if state.get(key) != expected.get(key)
         ]
         if mismatches:
             raise ValueError(
                 "data loader state was saved for a different data order ("
                 + "; ".join(mismatches)
-                + "); resume with the same seed, train.global_batch, data and seq_len, "
+                + "); resume with the same seed, train.global_batch, data, seq_len and "
+                "schedules (train.batch_schedule, seq_len_schedule, data.mixture_schedule), "
                 "or start a new run"
             )
         self.step = int(state["step"])
@@ -207,7 +226,12 @@ class DataLoader:
 def train_loader(cfg: RecipeConfig, run: RunData, dp_rank: int, dp_size: int) -> DataLoader:
     """This rank's loader of the training sequences, mixed by the sources' weights."""
     sampler = MixtureSampler(
-        [len(s) for s in run.train], run.weights, cfg.train.global_batch, cfg.seed
+        [len(s) for s in run.train],
+        run.weights,
+        cfg.train.global_batch,
+        cfg.seed,
+        ramp=Ramp(cfg.train),
+        phases=cfg.data.mixture_schedule,
     )
     return DataLoader(
         run.train, sampler, dp_rank=dp_rank, dp_size=dp_size, micro_batch=cfg.train.micro_batch
@@ -226,6 +250,25 @@ def val_loader(cfg: RecipeConfig, run: RunData, dp_rank: int, dp_size: int) -> D
     return DataLoader(
         run.val, sampler, dp_rank=dp_rank, dp_size=dp_size, micro_batch=cfg.train.micro_batch
     )
+
+
+def source_val_loaders(
+    cfg: RecipeConfig, run: RunData, dp_rank: int, dp_size: int
+) -> dict[str, DataLoader]:
+    """Each source's own validation loader (in order), by its label, when the run mixes
+    several sources that each hold out a validation split; empty otherwise."""
+    if len(run.train) < 2 or len(run.val) != len(run.train):
+        return {}
+    return {
+        label: DataLoader(
+            [val],
+            MixtureSampler([len(val)], [1.0], cfg.train.global_batch, cfg.seed, shuffle=False),
+            dp_rank=dp_rank,
+            dp_size=dp_size,
+            micro_batch=cfg.train.micro_batch,
+        )
+        for label, val in zip(run.labels, run.val, strict=True)
+    }
 
 
 def tokens_seen(

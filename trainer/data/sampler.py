@@ -7,19 +7,29 @@ smallest even number of bits that covers n, with a splitmix64 round function key
 n or above is encrypted again; at most 4x the domain, so a few rounds on average). Each
 index is computed where it is needed: O(1) memory for any n, vectorized over a batch.
 
-A mixture draws its global batches from the sources in proportion to their weights, exactly
-and deterministically: of the first N sequences of the run, source s supplies
-floor(N * W_s / W) - floor(N * W_(s-1) / W), with W_s the cumulative weight (exact
-fractions, so no rounding differs between machines). Step k's batch is positions
-[k*G, (k+1)*G) of that stream, whatever the layout: the data order is the same under any
-parallelism and a run resumes from its step alone.
+A mixture draws its global batches from the sources by their shares, exactly and
+deterministically (`core/data_order/mixture.py`): the shares are fixed by the weights or
+scheduled over the tokens trained (`data.mixture_schedule`), and of the first N sequences of
+the run source s supplies the count of its sequences among the N that fall due first, where
+its j-th falls due as its running total of shares reaches j + 1/2 (exact fractions, so no
+rounding differs between machines). Step k's batch is the sequences [N_k, N_(k+1)) of that
+order, N_k the sequences before step k: k x global_batch, or under a batch-size ramp or
+sequence-length warm-up (`core/data_order/ramps.py`) what the ramp's steps before k read. A
+step of shorter sequences cuts each of its full-length sequences into train.seq_len /
+seq_len pieces, in order. So the data order is the same under any parallelism and a run
+resumes from its step alone.
 """
 
 from __future__ import annotations
 
-from fractions import Fraction
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
+
+from pretrain.core.data_order.mixture import Mixture
+from pretrain.core.data_order.ramps import Ramp
+from pretrain.core.schema import MixturePhase, TrainConfig
 
 FEISTEL_ROUNDS = 4
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
@@ -72,21 +82,27 @@ class MixtureSampler:
         global_batch: int,
         seed: int,
         shuffle: bool = True,
+        *,
+        ramp: Ramp | None = None,
+        phases: Sequence[MixturePhase] = (),
     ) -> None:
-        """`sizes[s]` sequences of source s drawn in proportion to `weights[s]`;
+        """`sizes[s]` full-length sequences of source s drawn in proportion to `weights[s]`
+        (or by `phases`, data.mixture_schedule), `global_batch` a step (or as `ramp` says);
         without `shuffle` each source's sequences come in order (the validation batches)."""
         if not sizes or len(sizes) != len(weights) or min(sizes) < 1 or global_batch < 1:
             raise ValueError(
                 f"need a positive global batch and at least one sequence per source, got "
                 f"sizes={sizes}, weights={weights}, global_batch={global_batch}"
             )
-        exact = [Fraction(str(w)) for w in weights]
-        if min(exact) <= 0:
+        if min(weights) <= 0:
             raise ValueError(f"mixture weights must be positive, got {weights}")
-        total = sum(exact)
-        self.bounds = [sum(exact[: s + 1]) / total for s in range(len(exact))]
+        self.ramp = ramp if ramp is not None else Ramp(TrainConfig(global_batch=global_batch))
+        self.mixture = Mixture(weights, self.ramp, phases)
+        if self.mixture.sources != len(sizes):
+            raise ValueError(f"{self.mixture.sources} mixture weights for {len(sizes)} sources")
         self.sizes = sizes
         self.weights = weights
+        self.phases = list(phases)
         self.global_batch = global_batch
         self.seed = seed
         self.shuffle = shuffle
@@ -94,9 +110,7 @@ class MixtureSampler:
 
     def drawn(self, positions: int) -> list[int]:
         """How many of the first `positions` sequences of the run each source supplies."""
-        upper = [int(positions * b) for b in self.bounds]
-        upper[-1] = positions
-        return [u - lower for u, lower in zip(upper, [0, *upper[:-1]], strict=True)]
+        return self.mixture.drawn(positions)
 
     def _permutation(self, source: int, epoch: int) -> FeistelPermutation:
         key = (source, epoch)
@@ -120,31 +134,49 @@ class MixtureSampler:
         return out
 
     def global_batch_pairs(self, step: int) -> tuple[np.ndarray, np.ndarray]:
-        """(source, sequence index) of each of step's `global_batch` sequences, by source."""
-        before = self.drawn(step * self.global_batch)
-        after = self.drawn((step + 1) * self.global_batch)
+        """(source, full-length sequence index) of each sequence of the data order that
+        `step` reads, by source."""
+        before = self.mixture.drawn_before(step)
+        after = self.mixture.drawn_before(step + 1)
         sources, indices = [], []
         for s, (first, stop) in enumerate(zip(before, after, strict=True)):
             sources.append(np.full(stop - first, s, dtype=np.int64))
             indices.append(self._source_indices(s, first, stop))
         return np.concatenate(sources), np.concatenate(indices)
 
+    def seq_len_pieces(self, step: int) -> int:
+        """How many of `step`'s sequences are cut from one full-length sequence (1 unless a
+        sequence-length warm-up shortens them)."""
+        return self.ramp.phase(step).pieces
+
+    def step_pairs(self, step: int) -> tuple[np.ndarray, np.ndarray]:
+        """(source, sequence index) of each of `step`'s global batch, the index among the
+        source's sequences of the step's length: a full-length sequence i of r pieces gives
+        sequences i*r ... i*r + r-1, which cover its tokens in order."""
+        sources, indices = self.global_batch_pairs(step)
+        r = self.seq_len_pieces(step)
+        if r == 1:
+            return sources, indices
+        pieces = np.arange(r, dtype=np.int64)
+        return np.repeat(sources, r), (indices[:, None] * r + pieces).reshape(-1)
+
     def rank_micro_batches(
         self, step: int, dp_rank: int, dp_size: int, micro_batch: int
     ) -> list[tuple[np.ndarray, np.ndarray]]:
         """This data-parallel rank's share of `step`'s global batch, as its accumulation
         micro-batches of (sources, indices); all ranks' shares make the global batch."""
+        global_batch = self.ramp.phase(step).global_batch
         per_step = dp_size * micro_batch
-        if self.global_batch % per_step != 0:
+        if global_batch % per_step != 0:
             raise ValueError(
-                f"train.global_batch={self.global_batch} is not divisible by dp_size "
+                f"step {step}'s global_batch={global_batch} is not divisible by dp_size "
                 f"({dp_size}) x micro_batch ({micro_batch}) = {per_step}; make it a multiple"
             )
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank={dp_rank} is outside [0, dp_size={dp_size})")
-        accum = self.global_batch // per_step
+        accum = global_batch // per_step
         share = accum * micro_batch
-        sources, indices = self.global_batch_pairs(step)
+        sources, indices = self.step_pairs(step)
         mine = slice(dp_rank * share, (dp_rank + 1) * share)
         sources, indices = sources[mine], indices[mine]
         return [
@@ -155,6 +187,17 @@ class MixtureSampler:
             for i in range(accum)
         ]
 
+    def schedule(self) -> dict[str, list[list[Any]]]:
+        """What a ramp and a mixture schedule make of the data order (empty without them):
+        each phase's first step, global batch and seq_len; each mixture phase's first token,
+        weights and blend."""
+        found: dict[str, list[list[Any]]] = {}
+        if self.ramp.active:
+            found["ramp"] = [[p.first_step, p.global_batch, p.seq_len] for p in self.ramp.phases]
+        if self.phases:
+            found["mixture"] = [[p.from_tokens, list(p.weights), p.blend] for p in self.phases]
+        return found
+
     def sequences_seen(self, steps: int) -> list[int]:
-        """Sequences each source supplied to the first `steps` steps."""
-        return self.drawn(steps * self.global_batch)
+        """Full-length sequences each source supplied to the first `steps` steps."""
+        return self.mixture.drawn_before(steps)

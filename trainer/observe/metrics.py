@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import resource
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -73,7 +74,9 @@ class ThroughputMeter:
     """Turns the wall time of a window of steps into throughput metrics for one configuration.
 
     `tokens_per_step` counts the global batch (all data-parallel ranks); `devices` is the world
-    size, so per-device figures divide the whole job's work over every device.
+    size, so per-device figures divide the whole job's work over every device. Under a
+    batch-size ramp or sequence-length warm-up `step_work` gives each step's own tokens and
+    FLOPs, so a window's MFU is that of the stage it ran.
     """
 
     tokens_per_step: int
@@ -83,18 +86,31 @@ class ThroughputMeter:
     """Model FLOPs plus recomputation (`FlopsPerToken.with_recompute`): what HFU counts."""
     devices: int
     peak: PeakFlops
+    step_work: Callable[[int], tuple[int, float, float]] | None = None
+    """Tokens, model FLOPs and hardware FLOPs of 0-based step k, where steps differ."""
 
     def measure(
-        self, steps: int, elapsed_s: float, data_wait_s: float = 0.0
+        self,
+        steps: int,
+        elapsed_s: float,
+        data_wait_s: float = 0.0,
+        last_step: int | None = None,
     ) -> dict[str, float | None]:
         """Metrics of `steps` steps that took `elapsed_s` (of which `data_wait_s` waiting for
-        data) in total; times are reported per step, mfu and hfu are None without a peak, and
-        the peak they divide by is named (`peak_tflops`, `peak_dtype`, `peak_source`)."""
+        data) in total, the last of them the `last_step`-th; times are reported per step,
+        mfu and hfu are None without a peak, and the peak they divide by is named
+        (`peak_tflops`, `peak_dtype`, `peak_source`)."""
         step_time_s = elapsed_s / steps
         tokens_per_s = self.tokens_per_step / step_time_s
         per_device = tokens_per_s / self.devices
         model_flops = self.model_flops_per_token * per_device
         hardware_flops = self.hardware_flops_per_token * per_device
+        if self.step_work is not None and last_step is not None:
+            work = [self.step_work(k) for k in range(last_step - steps, last_step)]
+            tokens_per_s = sum(w[0] for w in work) / elapsed_s
+            per_device = tokens_per_s / self.devices
+            model_flops = sum(w[1] for w in work) / elapsed_s / self.devices
+            hardware_flops = sum(w[2] for w in work) / elapsed_s / self.devices
         peak = None if self.peak.tflops is None else self.peak.tflops * 1e12
         # MFU = model FLOPs per token x tokens/s per device / peak FLOP/s (HFU: hardware FLOPs).
         mfu = None if peak is None else model_flops / peak

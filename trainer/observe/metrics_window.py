@@ -130,7 +130,9 @@ class MetricsWindow:
             "lr": self._lr,
             # An overflowed fp16 step has no norm; None keeps metrics.jsonl strict JSON.
             "grad_norm": norm.item() if torch.isfinite(norm) else None,
-            **self.meter.measure(steps=self._steps, elapsed_s=elapsed, data_wait_s=self._data_wait),
+            **self.meter.measure(
+                steps=self._steps, elapsed_s=elapsed, data_wait_s=self._data_wait, last_step=step
+            ),
             **self.state.phases.take(self._steps),
             "mem_peak_gib": peak_memory_gib(self.device),
             **self.state.scaler.metrics(),

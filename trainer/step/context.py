@@ -54,9 +54,13 @@ class StepContext:
     """The end-of-sequence id when data.doc_mask is on: attention stays in a document."""
     weights_cast: bool = field(init=False)
     """Whether FSDP's mixed-precision policy already casts the weights (no autocast then)."""
+    accumulation: int = field(init=False)
+    """This rank's micro-batches in the batch the pipeline runs now: the recipe's
+    accumulation count, or under a batch-size ramp the step's (set by the pipelined step)."""
 
     def __post_init__(self) -> None:
         self.weights_cast = uses_fsdp(self.cfg.parallel, self.degrees)
+        self.accumulation = grad_accum_steps(self.cfg)
 
     def autocast(self) -> contextlib.AbstractContextManager:
         """The context a forward runs in: autocast where FSDP does not cast (and TE's FP8)."""
@@ -118,7 +122,7 @@ class StepContext:
     def pipeline_microbatches(self) -> int:
         """The parts a pipeline schedule splits this rank's batch into (by default the
         accumulation count, so the micro-batches are those of the unpipelined run)."""
-        return self.cfg.parallel.pp_microbatches or grad_accum_steps(self.cfg)
+        return self.cfg.parallel.pp_microbatches or self.accumulation
 
     def whole_batch(self, micro_batches: MicroBatches) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's micro-batches as one (inputs, targets) pair on the device, split over

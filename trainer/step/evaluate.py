@@ -4,8 +4,10 @@ the downstream tasks when theirs are due (`trainer/evals/`), through the same st
 
 Each evaluation reads the same `eval.batches` global batches of validation sequences (in
 order, split over the data-parallel ranks as training batches are), so successive values
-are comparable and equal under every layout. val_ppl is exp(val_loss). The MoE routing
-statistics of the metrics window are kept out of it.
+are comparable and equal under every layout. val_ppl is exp(val_loss). A run that mixes
+several sources, each with its validation split, also evaluates each split alone over as
+many batches (val_loss_NAME). The MoE routing statistics of the metrics window are kept out
+of it.
 """
 
 from __future__ import annotations
@@ -52,9 +54,12 @@ class Evaluator:
         model: nn.Module,
         device: torch.device,
         tasks: TaskEvaluator | None = None,
+        sources: dict[str, DataLoader] | None = None,
     ) -> None:
+        """`sources`: each source's own validation loader, by its label in the metrics."""
         self.every = every if loader is not None else 0
         self.tasks = tasks or TaskEvaluator(0, [], lambda requests: [])
+        self.sources = sources or {}
         self.batches = batches
         self.stepper = stepper
         self.loader = loader
@@ -76,13 +81,21 @@ class Evaluator:
             return {**(self.evaluate() if val else {}), **(self.tasks.evaluate() if tasks else {})}
 
     def evaluate(self) -> dict[str, Any]:
-        """The mean loss over the validation batches, on every rank (collective)."""
+        """The mean loss over the validation batches, on every rank (collective); each
+        source's own too, where `sources` holds them."""
         assert self.loader is not None
+        loss = self._mean_loss(self.loader)
+        per_source = {f"val_loss_{label}": self._mean_loss(s) for label, s in self.sources.items()}
+        if loss is None:
+            return {"val_loss": None, "val_ppl": None, **per_source}
+        return {"val_loss": loss, "val_ppl": math.exp(min(loss, 700.0)), **per_source}
+
+    def _mean_loss(self, loader: DataLoader) -> float | None:
+        """The mean loss over `loader`'s first batches, on every rank (collective); None
+        when it is not finite."""
         total = torch.zeros((), device=self.device)
         for batch in range(self.batches):
-            total += self.stepper.evaluate(self.loader.batches(batch))
+            total += self.stepper.evaluate(loader.batches(batch))
         dist.all_reduce(total, group=self.dp_group)
         loss = total.item() / (self.batches * dist.get_world_size(self.dp_group))
-        if not math.isfinite(loss):
-            return {"val_loss": None, "val_ppl": None}
-        return {"val_loss": loss, "val_ppl": math.exp(min(loss, 700.0))}
+        return loss if math.isfinite(loss) else None

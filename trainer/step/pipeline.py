@@ -16,7 +16,9 @@ MFU needs nothing special: model FLOPs per token are the same, and the bubble is
 measured step time, so it never counts as work. Under `data.doc_mask` every stage's forward
 takes its micro-batch's document ids (torch splits the keyword arguments of `step` as it
 splits the tokens, and hands them to every stage); the validation loss is a forward-only
-pass outside the schedule (`trainer/step/pipeline_eval.py`).
+pass outside the schedule (`trainer/step/pipeline_eval.py`). Under a batch-size ramp or a
+sequence-length warm-up the schedule is built again, with the stage's micro-batch count
+and shapes, at the first step of a stage (and after a rollback across one).
 """
 
 from __future__ import annotations
@@ -60,17 +62,39 @@ class PipelineStep:
             ctx.prepare_stage(chunk)
         self.embedding_group = embedding_group(ctx.cfg, ctx.degrees)
         self.stages = stages
-        self.shapes = stage_shapes(ctx.cfg, ctx.degrees, self.n_microbatches)
+        self.built: tuple[int, int, int] = (0, 0, 0)
+        self._build(self.n_microbatches, ctx.accumulation * ctx.cfg.train.micro_batch)
+
+    def _build(self, n_microbatches: int, sequences: int, seq_len: int | None = None) -> None:
+        """The schedule of `n_microbatches` micro-batches over this rank's `sequences` of
+        `seq_len` (the recipe's by default): the stages' shapes are fixed in it."""
+        seq_len = seq_len or self.ctx.cfg.train.seq_len
+        self.n_microbatches = n_microbatches
+        self.shapes = stage_shapes(
+            self.ctx.cfg, self.ctx.degrees, n_microbatches, sequences, seq_len
+        )
         self.schedule = build_schedule(
             list(self.state.model),
             self.stages,
             self.ctx.cfg.parallel,
-            self.n_microbatches,
+            n_microbatches,
             self._loss,
             self.group,
             self.ctx.device,
             self.shapes,
         )
+        self.built = (n_microbatches, sequences, seq_len)
+
+    def _fit(self, micro_batches: MicroBatches) -> None:
+        """Build the schedule again when a ramp's stage changes this rank's batch: its count
+        of micro-batches, its sequences or their length (every stage of the pipeline reads
+        the same micro-batches, so all of them rebuild at the same step)."""
+        ctx = self.ctx
+        ctx.accumulation = len(micro_batches)
+        sequences = sum(len(x) for x, _ in micro_batches)
+        key = (ctx.pipeline_microbatches, sequences, micro_batches[0][0].shape[1])
+        if key != self.built:
+            self._build(*key)
 
     def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         loss = self.state.loss_fn(logits, targets)
@@ -83,6 +107,7 @@ class PipelineStep:
         optimizer; returns the step's mean loss (on every stage), the global grad norm and
         what all ranks agreed (bad, stop), as `train_step` does."""
         ctx = self.ctx
+        self._fit(micro_batches)
         inputs, targets = ctx.whole_batch(micro_batches)
         args = (inputs,) if self.has_first else ()
         # Every stage's attention takes the documents (torch splits them as the tokens).
@@ -114,6 +139,7 @@ class PipelineStep:
     def evaluate(self, micro_batches: MicroBatches) -> torch.Tensor:
         """The mean validation loss of this pipeline's micro-batches (forward only, outside
         the schedule: `trainer/step/pipeline_eval.py`), on every stage."""
+        self.ctx.accumulation = len(micro_batches)
         return evaluate_pipeline(self.ctx, list(self.state.model), micro_batches)
 
     def score(self, micro_batches: MicroBatches) -> torch.Tensor:

@@ -43,6 +43,7 @@ from pretrain.trainer.faults.recovery import Recovery
 from pretrain.trainer.faults.step_guard import StepGuard, clear_preempted
 from pretrain.trainer.kernels import kernels_line
 from pretrain.trainer.log import get_logger, setup_logging
+from pretrain.trainer.observe.compile_watch import CompileWatch
 from pretrain.trainer.observe.goodput import GoodputLedger
 from pretrain.trainer.observe.loggers import MetricsLogger
 from pretrain.trainer.observe.metrics import PeakFlops, ThroughputMeter, resolve_peak_flops
@@ -147,6 +148,7 @@ def setup(cfg: RecipeConfig, rank: RankInfo) -> Run:
         data_metrics=lambda step: tokens_seen(
             training.sampler, data.labels, cfg.train.seq_len, step
         ),
+        compile_watch=CompileWatch(cfg.compile.enabled),
     )
     metrics = _metrics_logger(cfg, rank, run_dir, degrees)
     recovery = _recovery(cfg, rank, metrics, guard, loader, start)
@@ -292,7 +294,7 @@ def _announce(
     active = f" ({params.active / 1e6:.2f}M active)" if params.moe_layers else ""
     log = get_logger()
     log.info(
-        "%s: %.2fM parameters%s, world %d (dp %d, zero %d, tp %d, pp %d%s, ep %d), "
+        "%s: %.2fM parameters%s, world %d (dp %d, zero %d, tp %d%s, pp %d, ep %d), "
         "grad accum %d, %s sequences%s; %s peak %s TFLOP/s (%s)",
         cfg.name,
         params.total / 1e6,
@@ -301,8 +303,8 @@ def _announce(
         degrees.dp,
         cfg.parallel.zero,
         degrees.tp,
-        degrees.pp,
         " with sp" if cfg.parallel.sp else "",
+        degrees.pp,
         degrees.ep,
         grad_accum_steps(cfg),
         "+".join(f"{len(s):,}" for s in data.train),

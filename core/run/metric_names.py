@@ -35,10 +35,11 @@ WANDB_KEYS = {
 (WANDB_PREFIXES) or train/."""
 WANDB_PREFIXES = {"tokens_seen_": "data/"}
 """Flat metric name prefix -> W&B section (tokens_seen_fineweb -> data/tokens_seen_fineweb)."""
-SECTION_PREFIXES = {"goodput_": "goodput/", "timeout_": "timeout/"}
+SECTION_PREFIXES = {"goodput_": "goodput/", "timeout_": "timeout/", "compile_": "compile/"}
 """Flat metric name prefix -> W&B section, the prefix dropped (goodput_productive_s ->
 goodput/productive_s: core/run/goodput.py; timeout_step_s -> timeout/step_s, the limits
-in force: trainer/faults/timeouts.py)."""
+in force: trainer/faults/timeouts.py; compile_graphs -> compile/graphs:
+trainer/observe/compile_watch.py)."""
 
 
 def wandb_key(name: str) -> str:

@@ -31,6 +31,7 @@ from torch import nn
 
 from pretrain.trainer.faults.step_guard import StepGuard, gather_compute, stragglers
 from pretrain.trainer.log import get_logger
+from pretrain.trainer.observe.compile_watch import CompileWatch
 from pretrain.trainer.observe.metrics import ThroughputMeter, peak_memory_gib
 from pretrain.trainer.observe.moe_metrics import expert_load_metrics
 from pretrain.trainer.step.state import MicroBatches, Stepper, StepResult, TrainState
@@ -55,6 +56,7 @@ class MetricsWindow:
         stage: int = 0,
         moe_pp_group: dist.ProcessGroup | None = None,
         data_metrics: Callable[[int], dict[str, Any]] = lambda step: {},
+        compile_watch: CompileWatch | None = None,
     ) -> None:
         self.meter = meter
         self.state = state
@@ -66,6 +68,7 @@ class MetricsWindow:
         self.straggler_lag = straggler_lag
         self.moe_pp_group = moe_pp_group
         self.data_metrics = data_metrics
+        self.compile_watch = compile_watch or CompileWatch(enabled=False)
         self.stage = stage
         self.hosts = _hosts()
         self._model: nn.Module = state.plain
@@ -102,7 +105,7 @@ class MetricsWindow:
         """Run one optimizer step, timing this rank's own compute in it; count the step and
         keep its loss and gradient norm for the log."""
         start = time.thread_time()
-        result = stepper.step(micro_batches)
+        result = self.compile_watch.step(lambda: stepper.step(micro_batches))
         self._compute += time.thread_time() - start
         self._steps += 1
         self._last = result
@@ -135,6 +138,7 @@ class MetricsWindow:
                 self._model, self.state.routing_group, self._steps, self.moe_pp_group
             ),
             **self.data_metrics(step),
+            **self.compile_watch.metrics(),
         }
         self._reset()
         return metrics

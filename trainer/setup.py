@@ -149,6 +149,7 @@ def setup(cfg: RecipeConfig, rank: RankInfo) -> Run:
             training.sampler, data.labels, cfg.train.seq_len, step
         ),
         compile_watch=CompileWatch(cfg.compile.enabled),
+        pp_group=mesh.world["pp"].get_group() if degrees.pp > 1 else None,
     )
     metrics = _metrics_logger(cfg, rank, run_dir, degrees)
     recovery = _recovery(cfg, rank, metrics, guard, loader, start)

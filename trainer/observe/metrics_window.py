@@ -57,6 +57,7 @@ class MetricsWindow:
         moe_pp_group: dist.ProcessGroup | None = None,
         data_metrics: Callable[[int], dict[str, Any]] = lambda step: {},
         compile_watch: CompileWatch | None = None,
+        pp_group: dist.ProcessGroup | None = None,
     ) -> None:
         self.meter = meter
         self.state = state
@@ -69,6 +70,7 @@ class MetricsWindow:
         self.moe_pp_group = moe_pp_group
         self.data_metrics = data_metrics
         self.compile_watch = compile_watch or CompileWatch(enabled=False)
+        self.pp_group = pp_group
         self.stage = stage
         self.hosts = _hosts()
         self._model: nn.Module = state.plain
@@ -130,7 +132,7 @@ class MetricsWindow:
             # An overflowed fp16 step has no norm; None keeps metrics.jsonl strict JSON.
             "grad_norm": norm.item() if torch.isfinite(norm) else None,
             **self.meter.measure(steps=self._steps, elapsed_s=elapsed, data_wait_s=self._data_wait),
-            **self.state.phases.take(self._steps),
+            **self._step_breakdown(),
             "mem_peak_gib": peak_memory_gib(self.device),
             **self.state.scaler.metrics(),
             "skipped_steps": self.guard.skipped + self.state.scaler.skipped_steps,
@@ -142,6 +144,21 @@ class MetricsWindow:
         }
         self._reset()
         return metrics
+
+    def _step_breakdown(self) -> dict[str, float]:
+        """This rank's `time_*_s` regions per step; in a pipeline, every pipeline rank's too,
+        as `time_stage<r>_*_s` (collective over the pipeline group)."""
+        mine = self.state.phases.take(self._steps)
+        if self.pp_group is None:
+            return mine
+        stages: list[dict[str, float]] = [{} for _ in range(dist.get_world_size(self.pp_group))]
+        dist.all_gather_object(stages, mine, group=self.pp_group)
+        per_stage = {
+            f"time_stage{rank}_{name.removeprefix('time_')}": seconds
+            for rank, regions in enumerate(stages)
+            for name, seconds in regions.items()
+        }
+        return {**mine, **per_stage}
 
     def _report_stragglers(self, step: int, compute_s: float) -> None:
         """Name each rank whose compute lags its peers' median by more than the lag."""

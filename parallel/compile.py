@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -86,3 +86,35 @@ def compile_loss(loss_fn: Callable, cfg: CompileConfig) -> Callable:
     if not (cfg.enabled and cfg.loss):
         return loss_fn
     return GuardedCompile("the loss", loss_fn, cfg)
+
+
+class CompileCounts(NamedTuple):
+    """What dynamo has compiled in this process so far."""
+
+    graphs: int
+    """Graphs compiled (each region once per guard set; a recompile adds one)."""
+    graph_breaks: int
+    """Graph breaks met while tracing (a fullgraph region raises instead)."""
+    seconds: float
+    """Time spent compiling: tracing, AOTAutograd and the backend, forward and backward."""
+
+
+COMPILE_TIMERS = ("_compile.compile_inner", "compile_fx.<locals>.bw_compiler")
+"""dynamo's timers of one compilation (`torch._dynamo.utils.compilation_time_metrics`):
+the frame's (tracing, AOTAutograd, the forward's backend compile) and the backward graph's,
+which inductor compiles at the first backward."""
+
+
+def compile_counts() -> CompileCounts:
+    """Dynamo's counters for this process: zeros where dynamo was never imported (a run
+    without compile does not pay for the import)."""
+    if "torch._dynamo" not in sys.modules:
+        return CompileCounts(0, 0, 0.0)
+    from torch._dynamo.utils import compilation_time_metrics, counters
+
+    seconds = sum(sum(compilation_time_metrics.get(key, ())) for key in COMPILE_TIMERS)
+    return CompileCounts(
+        graphs=counters["stats"]["unique_graphs"],
+        graph_breaks=sum(counters["graph_break"].values()),
+        seconds=seconds,
+    )

@@ -137,6 +137,8 @@ def apply_tensor_parallel(model: nn.Module, mesh: JobMesh, parallel: ParallelCon
         # Each style distributed its own copy; the embedding's and head's shards coincide
         # (both Shard(0) over the vocabulary), so the head can share the embedding's.
         model.output.weight = model.tok_embeddings.weight
+    if model.tok_embeddings is not None:
+        model.tok_embeddings.register_forward_hook(_resolved)
     padded = padded_vocab(model.cfg.vocab_size, mesh.degrees.tp) != model.cfg.vocab_size
     if padded and model.output is not None:
         model.output.register_forward_hook(_VocabMask(model.cfg.vocab_size, tp_mesh))
@@ -196,6 +198,18 @@ def _pad_vocab(model: nn.Module, tp: int) -> None:
     if model.output is not None:
         device = model.output.weight.device
         model.output = nn.Linear(model.cfg.dim, vocab, bias=False, device=device)
+
+
+def _resolved(module: nn.Module, inputs: tuple, output: torch.Tensor) -> torch.Tensor:
+    """Forward hook on the token embedding: its output as a plain tensor.
+
+    The embedding's reduction leaves its output an AsyncCollectiveTensor (the wait is
+    deferred to its first use). A compiled block would be traced for that type at layer 0
+    and again for the plain tensors the later blocks get, and under AOTAutograd the
+    gradient of that input would return plain where the reduction's backward expects a
+    DTensor. A non-view op waits and returns a plain tensor that autograd links as usual.
+    """
+    return output.clone() if type(output) is not torch.Tensor else output
 
 
 class _SumGradient:

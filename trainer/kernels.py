@@ -15,6 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from pretrain.core.model_config import ModelConfig
 from pretrain.models.moe import grouped_mm_supported
 from pretrain.parallel.offload import offloaded_modules
+from pretrain.trainer.allocator import freed_memory_kept
 
 if TYPE_CHECKING:
     from pretrain.core.schema import RecipeConfig
@@ -90,6 +91,7 @@ def kernels_line(cfg: RecipeConfig, state: TrainState, device: torch.device) -> 
         f"{states}, {experts_path(cfg, device, dtype)}compile {compile_text}, "
         f"data prefetch {prefetch}, gradient reduction {cfg.precision.reduce_dtype}"
         + (f", {host} FSDP units offloaded to host memory" if host else "")
+        + (", freed host memory kept for reuse" if freed_memory_kept() else "")
     )
 
 

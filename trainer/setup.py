@@ -53,6 +53,7 @@ from pretrain.trainer.faults.step_guard import StepGuard, clear_preempted
 from pretrain.trainer.kernels import kernels_line
 from pretrain.trainer.log import get_logger, setup_logging
 from pretrain.trainer.observe.activation_probes import ActivationProbes
+from pretrain.trainer.observe.compile_watch import CompileWatch
 from pretrain.trainer.observe.goodput import GoodputLedger
 from pretrain.trainer.observe.loggers import MetricsLogger
 from pretrain.trainer.observe.metrics import PeakFlops, ThroughputMeter, resolve_peak_flops
@@ -338,6 +339,8 @@ def _metrics_window(
         moe_pp_group=moe_pp_group,
         data_metrics=data_metrics,
         system_every_s=cfg.logging.system_every_s,
+        compile_watch=CompileWatch(cfg.compile.enabled),
+        pp_group=mesh.world["pp"].get_group() if cfg.parallel.pp > 1 else None,
     )
 
 
@@ -374,7 +377,7 @@ def _announce(
     active = f" ({params.active / 1e6:.2f}M active)" if params.moe_layers else ""
     log = get_logger()
     log.info(
-        "%s: %.2fM parameters%s, world %d (dp %d, zero %d, tp %d, pp %d%s, ep %d), "
+        "%s: %.2fM parameters%s, world %d (dp %d, zero %d, tp %d%s, pp %d, ep %d), "
         "grad accum %d, %s sequences%s; %s peak %s TFLOP/s (%s)",
         cfg.name,
         params.total / 1e6,
@@ -383,8 +386,8 @@ def _announce(
         degrees.dp,
         cfg.parallel.zero,
         degrees.tp,
-        degrees.pp,
         " with sp" if cfg.parallel.sp else "",
+        degrees.pp,
         degrees.ep,
         grad_accum_steps(cfg),
         "+".join(f"{len(s):,}" for s in data.train),

@@ -22,6 +22,7 @@ from pretrain.core.run import run_lock
 from pretrain.core.run.checkpoint_files import find_checkpoint
 from pretrain.core.run.rundir import CHECKPOINTS_DIR
 from pretrain.core.schema import RecipeConfig, load_config
+from pretrain.trainer.allocator import keep_freed_memory
 from pretrain.trainer.dist import RankInfo, init_distributed
 from pretrain.trainer.faults.step_guard import (
     install_stop_handlers,
@@ -139,6 +140,8 @@ def main(config_path: str) -> None:
     CLOCK.mark("imports")
     install_stop_handlers()
     cfg = load_config(config_path)
+    if cfg.cluster.device == "cpu":
+        keep_freed_memory()
     run_dir = Path(cfg.run.dir)
     enable_flight_recorder(run_dir, cfg.cluster.device)
     timeouts = PhaseTimeouts(cfg.faults, measure_saves=cfg.checkpoint.async_mode == "none")

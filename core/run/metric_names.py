@@ -36,10 +36,11 @@ WANDB_KEYS = {
 WANDB_PREFIXES = {"tokens_seen_": "data/", "val_loss_": "val/"}
 """Flat metric name prefix -> W&B section (tokens_seen_fineweb -> data/tokens_seen_fineweb,
 a source's validation loss val_loss_fineweb -> val/val_loss_fineweb)."""
-SECTION_PREFIXES = {"goodput_": "goodput/", "timeout_": "timeout/"}
+SECTION_PREFIXES = {"goodput_": "goodput/", "timeout_": "timeout/", "compile_": "compile/"}
 """Flat metric name prefix -> W&B section, the prefix dropped (goodput_productive_s ->
 goodput/productive_s: core/run/goodput.py; timeout_step_s -> timeout/step_s, the limits
-in force: trainer/faults/timeouts.py)."""
+in force: trainer/faults/timeouts.py; compile_graphs -> compile/graphs:
+trainer/observe/compile_watch.py)."""
 
 
 OWN_KEY_SECTIONS = ("eval", "stability")

@@ -26,6 +26,7 @@ memory so `run_local` can drive every stage's engine in one process (tests, benc
 
 from __future__ import annotations
 
+import contextlib
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -187,14 +188,18 @@ class PipeDream:
         transport,
         update: Update,
         gradient_ready: GradientReady | None = None,
+        timed: Callable[[str], contextlib.AbstractContextManager] | None = None,
     ) -> None:
-        """`versions`: (the one the next step runs, the newest); equal at the start."""
+        """`versions`: (the one the next step runs, the newest); equal at the start.
+        `timed(name)`: a context around each backward's compute (the trainer's step
+        breakdown; the receive it waits for stays outside it)."""
         self.versions = list(versions)
         self.current = 0
         self.pp, self.rank, self.m = pp, rank, microbatches
         self.first, self.last = rank == 0, rank == pp - 1
         self.loss_fn, self.transport, self.update = loss_fn, transport, update
         self.gradient_ready = gradient_ready
+        self.timed = timed or (lambda name: contextlib.nullcontext())
         self.step_in_segment = 0
         self.inflight: dict[int, tuple[Version, torch.Tensor | None, torch.Tensor]] = {}
         self.inputs: list = []
@@ -273,14 +278,14 @@ class PipeDream:
 
     def _backward(self, mb: int) -> None:
         version, x, out = self.inflight.pop(mb)  # the graph remembers the version
-        if self.last:
-            out.backward()
-        else:
-            out.backward(self.transport.recv_backward(mb, out))
+        grad = None if self.last else self.transport.recv_backward(mb, out)
+        with self.timed("backward"):
+            out.backward(grad)
         if x is not None:
             self.transport.send_backward(mb, x.grad)
         if self.gradient_ready is not None and (mb + 1) % self.m == 0:
-            self.gradient_ready(version)
+            with self.timed("backward"):
+                self.gradient_ready(version)
 
 
 def run_local(engines: list[PipeDream], ops: list[list[tuple[str, int]]]) -> None:

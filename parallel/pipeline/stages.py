@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -94,9 +95,11 @@ def build_schedule(
     group: torch.distributed.ProcessGroup,
     device: torch.device,
     shapes: StageShapes,
+    on_stage: Callable[[Any], None] = lambda stage: None,
 ):
     """The schedule over this rank's stage modules (wrapped for data parallelism), each
     stage given its input and output shapes (`shapes`), so none is inferred at the first step.
+    `on_stage` is called with each `PipelineStage` built (the trainer times its backwards).
 
     Gradients are not scaled by the schedule: `loss_fn` divides by the micro-batch count, as
     gradient accumulation does, so the fp16 loss scale and the mean stay in one place.
@@ -107,11 +110,11 @@ def build_schedule(
     pipeline_stages = []
     for chunk, index in zip(chunks, stages, strict=True):
         inputs, outputs = shapes.examples(index, total)
-        pipeline_stages.append(
-            PipelineStage(
-                chunk, index, total, device, input_args=inputs, output_args=outputs, group=group
-            )
+        stage = PipelineStage(
+            chunk, index, total, device, input_args=inputs, output_args=outputs, group=group
         )
+        on_stage(stage)
+        pipeline_stages.append(stage)
     schedule_class = schedule_classes()[parallel.pp_schedule]
     if parallel.pp_schedule in MULTI_STAGE:
         return schedule_class(

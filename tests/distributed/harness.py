@@ -198,6 +198,34 @@ def assert_same_curve(curve: Curve, expected: Curve, grad_norm_tolerance: float)
     assert max_relative_difference(curve.val_loss, expected.val_loss) <= FP32_TOLERANCE
 
 
+STEP_REGIONS = ("forward", "backward", "optimizer", "blocked")
+"""The step breakdown every CPU run logs (`time_<region>_s`, trainer/step/phases.py)."""
+PIPELINE_REGIONS = (*STEP_REGIONS, "bubble")
+"""A pipelined run's: also the bubble, and every region per pipeline rank."""
+
+
+def step_breakdown_keys(pp: int) -> set[str]:
+    """Every `time_*` key a CPU run with `pp` pipeline ranks logs at each logged step (W&B
+    `time/*`, with `data_wait_s`)."""
+    if pp == 1:
+        return {f"time_{region}_s" for region in STEP_REGIONS}
+    per_stage = {f"time_stage{r}_{region}_s" for r in range(pp) for region in PIPELINE_REGIONS}
+    return {f"time_{region}_s" for region in PIPELINE_REGIONS} | per_stage
+
+
+def assert_step_breakdown(run_dir: Path, pp: int) -> None:
+    """Every logged step of the run holds the whole step breakdown, the data wait and, in a
+    pipeline, a bubble on every pipeline rank (each waits for the other's first activation
+    or last gradient)."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert rows
+    for row in rows:
+        assert {key for key in row if key.startswith("time_")} == step_breakdown_keys(pp)
+        assert row["data_wait_s"] >= 0
+        assert row["time_forward_s"] > 0 and row["time_backward_s"] > 0
+        assert all(row[f"time_stage{r}_bubble_s"] > 0 for r in range(pp) if pp > 1)
+
+
 def max_relative_difference(a: list[float], b: list[float]) -> float:
     """Largest |a - b| / |b| over steps; the curves must have the same length."""
     assert len(a) == len(b), f"curves differ in length: {len(a)} vs {len(b)}"

@@ -36,6 +36,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from pretrain.core.schema import load_config
 from tests.distributed.harness import (
     FP32_TOLERANCE,
+    assert_step_breakdown,
     launch,
     max_relative_difference,
     run_pretrain,
@@ -76,6 +77,7 @@ def test_distributed_2bw_equals_the_one_process_schedule(workdir: Path, uninterr
     assert max_relative_difference(uninterrupted.grad_norm[1:], norms) <= FP32_TOLERANCE
     assert len(val) == 2
     assert max_relative_difference(uninterrupted.val_loss, val) <= FP32_TOLERANCE
+    assert_step_breakdown(workdir / "2bw", pp=2)
 
 
 def test_d_resume_restores_both_weight_versions_exactly(

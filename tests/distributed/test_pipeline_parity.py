@@ -2,7 +2,9 @@
 
 FP32 on CPU, the harness's 4-layer model (pp=2 x vpp=2 gives one layer per stage): the
 global batch, data order and initial weights are those of the reference, so the curves must
-agree within the same relative 1e-5 as the data-parallel layouts.
+agree within the same relative 1e-5 as the data-parallel layouts. Every layout, and the
+one-process reference, logs the whole step breakdown at every step: forward, backward,
+optimizer and blocked time, and in a pipeline the bubble, each also per pipeline rank.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import pytest
 from tests.distributed.harness import (
     FP32_TOLERANCE,
     assert_same_curve,
+    assert_step_breakdown,
     logged_rows,
     max_relative_difference,
     run_pretrain,
@@ -50,6 +53,11 @@ def test_pipeline_layout_matches_reference(
 ) -> None:
     curve = run_pretrain(workdir / label, overrides, nproc=nproc)
     assert_same_curve(curve, reference, grad_norm_tolerance)
+    assert_step_breakdown(workdir / label, pp=2)
+
+
+def test_the_one_process_run_logs_the_step_breakdown(harness_reference_dir) -> None:
+    assert_step_breakdown(harness_reference_dir, pp=1)
 
 
 def test_tied_embeddings_under_pp2_match_the_single_process_run(

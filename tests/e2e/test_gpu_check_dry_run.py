@@ -44,7 +44,7 @@ def test_dry_run_trains_bf16_and_emulated_fp8_and_reports_only_what_it_measured(
         assert (row["mfu"], row["peak_source"], row["mem_gib"]) == (None, "", None)
         assert row["plan_error"] is None and row["compile"] == "off"
         # The kernels the step ran, as the trainer's start-up line names them.
-        assert row["sdpa"] == "flash (CPU)" and row["optimizer"] == "foreach"
+        assert row["sdpa"] == "flash (CPU)" and row["optimizer"] == "fused"
     te = rows["fp8-te"]
     assert te["tokens_per_s"] is None and te["status"].startswith("skipped")
     if not backend_installed("te"):

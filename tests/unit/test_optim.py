@@ -85,13 +85,15 @@ def test_scaled_lr_without_base_batch_is_an_error() -> None:
         scaled_lr(OptimConfig(lr_scaling="linear", base_batch=0), global_batch=64)
 
 
-def test_adamw_is_fused_on_cuda_and_foreach_elsewhere() -> None:
+def test_adamw_is_fused_on_cuda_and_cpu_and_foreach_elsewhere() -> None:
     cfg = OptimConfig(name="adamw", betas=[0.8, 0.9], eps=1e-6)
     cls, cuda_kwargs = optimizer_spec(cfg, torch.device("cuda"))
     _, cpu_kwargs = optimizer_spec(cfg, torch.device("cpu"))
+    _, meta_kwargs = optimizer_spec(cfg, torch.device("meta"))
     assert cls is torch.optim.AdamW
     assert cuda_kwargs == {"lr": cfg.lr, "betas": (0.8, 0.9), "eps": 1e-6, "fused": True}
-    assert cpu_kwargs == {"lr": cfg.lr, "betas": (0.8, 0.9), "eps": 1e-6, "foreach": True}
+    assert cpu_kwargs == cuda_kwargs
+    assert meta_kwargs == {"lr": cfg.lr, "betas": (0.8, 0.9), "eps": 1e-6, "foreach": True}
 
 
 def test_sgd_uses_momentum_and_lion_is_the_in_repo_class() -> None:

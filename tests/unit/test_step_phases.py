@@ -46,3 +46,25 @@ def test_a_disabled_recorder_times_nothing() -> None:
 )
 def test_breakdown_goes_under_time_in_wandb(name: str, key: str) -> None:
     assert wandb_key(name) == key
+
+
+def test_a_pipeline_region_reports_its_time_outside_forward_and_backward_as_bubble() -> None:
+    phases = StepPhases(torch.device("cpu"))
+    with phases.phase("pipeline"):
+        time.sleep(0.03)  # waiting for a peer's activation
+        with phases.phase("forward"):
+            _busy(0.02)
+        with phases.phase("backward"):
+            time.sleep(0.01)  # a collective inside the backward: exposed communication
+    with phases.phase("backward"):  # after the schedule: not inside it
+        _busy(0.01)
+    times = phases.take(steps=1)
+    assert set(times) == {
+        "time_forward_s", "time_backward_s", "time_bubble_s", "time_blocked_s",
+    }  # fmt: skip
+    assert times["time_bubble_s"] >= 0.03
+    assert times["time_backward_s"] >= 0.02
+    # The backward's sleep is blocked time; the bubble's wait is not (blocked time lies
+    # within the forward and backward regions, which the bubble is outside of).
+    regions = times["time_forward_s"] + times["time_backward_s"]
+    assert 0.01 <= times["time_blocked_s"] <= regions

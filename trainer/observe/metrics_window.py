@@ -32,6 +32,7 @@ from torch import nn
 
 from pretrain.trainer.faults.step_guard import StepGuard, gather_compute, stragglers
 from pretrain.trainer.log import get_logger
+from pretrain.trainer.observe.compile_watch import CompileWatch
 from pretrain.trainer.observe.metrics import ThroughputMeter, peak_memory_gib
 from pretrain.trainer.observe.moe_metrics import expert_load_metrics
 from pretrain.trainer.observe.system_metrics import NodeSampler, host_metrics
@@ -58,6 +59,8 @@ class MetricsWindow:
         moe_pp_group: dist.ProcessGroup | None = None,
         data_metrics: Callable[[int], dict[str, Any]] = lambda step: {},
         system_every_s: float = 0.0,
+        compile_watch: CompileWatch | None = None,
+        pp_group: dist.ProcessGroup | None = None,
     ) -> None:
         self.meter = meter
         self.state = state
@@ -69,6 +72,8 @@ class MetricsWindow:
         self.straggler_lag = straggler_lag
         self.moe_pp_group = moe_pp_group
         self.data_metrics = data_metrics
+        self.compile_watch = compile_watch or CompileWatch(enabled=False)
+        self.pp_group = pp_group
         self.stage = stage
         self.hosts = _hosts()
         self.sampler = NodeSampler(device, system_every_s)
@@ -106,7 +111,7 @@ class MetricsWindow:
         """Run one optimizer step, timing this rank's own compute in it; count the step and
         keep its loss and gradient norm for the log."""
         start = time.thread_time()
-        result = stepper.step(micro_batches)
+        result = self.compile_watch.step(lambda: stepper.step(micro_batches))
         self._compute += time.thread_time() - start
         self._steps += 1
         self._last = result
@@ -133,7 +138,7 @@ class MetricsWindow:
             **self.meter.measure(
                 steps=self._steps, elapsed_s=elapsed, data_wait_s=self._data_wait, last_step=step
             ),
-            **self.state.phases.take(self._steps),
+            **self._step_breakdown(),
             "mem_peak_gib": peak_memory_gib(self.device),
             **self.state.scaler.metrics(),
             "skipped_steps": self.guard.skipped + self.state.scaler.skipped_steps,
@@ -142,9 +147,25 @@ class MetricsWindow:
             ),
             **self.data_metrics(step),
             **system,
+            **self.compile_watch.metrics(),
         }
         self._reset()
         return metrics
+
+    def _step_breakdown(self) -> dict[str, float]:
+        """This rank's `time_*_s` regions per step; in a pipeline, every pipeline rank's too,
+        as `time_stage<r>_*_s` (collective over the pipeline group)."""
+        mine = self.state.phases.take(self._steps)
+        if self.pp_group is None:
+            return mine
+        stages: list[dict[str, float]] = [{} for _ in range(dist.get_world_size(self.pp_group))]
+        dist.all_gather_object(stages, mine, group=self.pp_group)
+        per_stage = {
+            f"time_stage{rank}_{name.removeprefix('time_')}": seconds
+            for rank, regions in enumerate(stages)
+            for name, seconds in regions.items()
+        }
+        return {**mine, **per_stage}
 
     def _report_stragglers(self, step: int, compute_s: float) -> dict[str, float]:
         """Name each rank whose compute lags its peers' median by more than the lag; return

@@ -158,8 +158,20 @@ class StepContext:
         return self.scaled_term(torch.ones((), device=self.device))
 
     def prepare_stage(self, chunk: nn.Module) -> None:
-        """Make a pipeline stage's forward run in `autocast` and attach its MoE router
-        losses to its output."""
+        """Make a pipeline stage's forward run in `autocast`, timed as the step's forward
+        (with gradients: a training forward, not the validation pass), and attach its MoE
+        router losses to its output."""
         inner = getattr(chunk, "module", chunk)  # inside DDP, which calls it
-        in_context(inner, self.autocast)
+        in_context(inner, self._stage_forward)
         attach_router_losses(inner, self.term_weight)
+
+    def _stage_forward(self) -> contextlib.AbstractContextManager:
+        stack = contextlib.ExitStack()
+        if torch.is_grad_enabled():
+            stack.enter_context(self.state.phases.phase("forward"))
+        stack.enter_context(self.autocast())
+        return stack
+
+    def timed(self, region: str) -> contextlib.AbstractContextManager:
+        """A region of the step breakdown (`trainer/step/phases.py`)."""
+        return self.state.phases.phase(region)

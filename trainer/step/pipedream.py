@@ -81,6 +81,7 @@ class PipeDreamStep:
             transport,
             self._update,
             self._gradient_ready,
+            timed=ctx.timed,
         )
         # Tied embeddings: the first and the last rank sum their copies' gradients.
         self.embedding_group = embedding_group(ctx.cfg, degrees)
@@ -102,7 +103,8 @@ class PipeDreamStep:
     def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         # Called by the engine right after the forward of the version it runs.
         self._head_of(self.engine.running)
-        loss = self.state.loss_fn(logits, targets)
+        with self.ctx.timed("forward"):
+            loss = self.state.loss_fn(logits, targets)
         self._losses.append(local_value(loss.detach()))
         return self.ctx.scaled_term(loss)
 
@@ -167,15 +169,18 @@ class PipeDreamStep:
         self.result, self._losses = None, []
         engine = self.engine
         with ctx.loss_parallel():
-            ops = engine.begin(
-                list(torch.tensor_split(inputs, self.n_microbatches)) if engine.first else [],
-                list(torch.tensor_split(targets, self.n_microbatches)) if engine.last else [],
-                ctx.microbatch_kwargs(inputs),
-            )
-            for op in ops:
-                engine.run(*op)
+            # This rank's forwards and backwards are timed inside; the rest is its bubble.
+            with ctx.timed("pipeline"):
+                ops = engine.begin(
+                    list(torch.tensor_split(inputs, self.n_microbatches)) if engine.first else [],
+                    list(torch.tensor_split(targets, self.n_microbatches)) if engine.last else [],
+                    ctx.microbatch_kwargs(inputs),
+                )
+                for op in ops:
+                    engine.run(*op)
             loss = ctx.pipeline_mean(self._losses if engine.last else [])
-            engine.end()
+            with ctx.timed("optimizer"):  # the previous step's update
+                engine.end()
         if self.result is not None:  # this step applied the previous step's gradient
             return StepResult(loss, *self.result)
         # A segment's first step applies none: it reports the update of the drain before

@@ -82,6 +82,7 @@ class PipelineStep:
             self.group,
             self.ctx.device,
             self.shapes,
+            on_stage=self._time_backwards,
         )
         self.built = (n_microbatches, sequences, seq_len)
 
@@ -96,8 +97,21 @@ class PipelineStep:
         if key != self.built:
             self._build(*key)
 
+    def _time_backwards(self, stage) -> None:
+        """Time a stage's backwards (input and, split off by zero-bubble schedules, weight
+        gradients) as the step's backward region."""
+        for name in ("backward_one_chunk", "backward_weight_one_chunk"):
+            run = getattr(stage, name)
+
+            def timed(*args, run=run, **kwargs):
+                with self.ctx.timed("backward"):
+                    return run(*args, **kwargs)
+
+            setattr(stage, name, timed)
+
     def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        loss = self.state.loss_fn(logits, targets)
+        with self.ctx.timed("forward"):
+            loss = self.state.loss_fn(logits, targets)
         # Every TP rank holds the same (replicated) loss.
         self.losses.append(local_value(loss.detach()))
         return self.ctx.scaled_term(loss)
@@ -115,7 +129,8 @@ class PipelineStep:
         phases = self.state.phases
         for _ in range(SLOT_RETRIES):
             self.losses = []
-            with phases.phase("forward_backward"), ctx.loss_parallel():
+            # This rank's forwards and backwards are timed inside; the rest is its bubble.
+            with phases.phase("pipeline"), ctx.loss_parallel():
                 # The last stage's outputs (the logits) are not merged and kept to the end.
                 self.schedule.step(
                     *args,
@@ -127,7 +142,7 @@ class PipelineStep:
                 break
         else:
             raise RuntimeError(f"the MoE dispatch slots overflowed {SLOT_RETRIES} runs of one step")
-        with phases.phase("forward_backward"):
+        with phases.phase("backward"):
             reduce_expert_grads(self.state.plain)
             reduce_tied_grads(self.state.plain, self.embedding_group)
         loss = ctx.pipeline_mean(self.losses[-self.n_microbatches :] if self.has_last else [])

@@ -49,6 +49,7 @@ from pretrain.trainer.observe.metrics import PeakFlops, ThroughputMeter, resolve
 from pretrain.trainer.observe.metrics_window import MetricsWindow
 from pretrain.trainer.observe.run_identity import run_identity
 from pretrain.trainer.observe.startup import CLOCK
+from pretrain.trainer.optim.distributed_muon import split_line
 from pretrain.trainer.step.context import StepContext
 from pretrain.trainer.step.evaluate import Evaluator
 from pretrain.trainer.step.local import LocalStep
@@ -312,3 +313,6 @@ def _announce(
         peak.source,
     )
     log.info("%s", kernels_line(cfg, state, rank.device))
+    split = split_line(state.optimizer)
+    if split:
+        log.info("%s", split)

@@ -38,6 +38,7 @@ from pretrain.launcher.plan.memory import (
     textbook_activations,
     textbook_model_states,
 )
+from pretrain.launcher.plan.muon_work import MuonWork, muon_work
 from pretrain.launcher.plan.tp_comm import TPComm, tp_communication
 from pretrain.models.flops import count_params, flops_per_token
 
@@ -115,6 +116,8 @@ class Plan:
     """One layer's context-parallel ring exchanges per step and rank (None without CP)."""
     ep_comm: EPComm | None = None
     """One MoE layer's all-to-all per micro-batch and rank (None without EP)."""
+    muon: MuonWork | None = None
+    """Muon's Newton-Schulz work and traffic per step on the busiest rank (None without Muon)."""
 
     @property
     def memory_gib(self) -> float:
@@ -188,6 +191,7 @@ def make_plan(cfg: RecipeConfig) -> Plan:
     plan.tp_comm = tp_communication(cfg, degrees)
     plan.cp_comm = cp_communication(cfg, degrees)
     plan.ep_comm = ep_communication(cfg, degrees)
+    plan.muon = muon_work(cfg, degrees)
     if degrees.pp > 1:
         plan.pipeline = schedule_sim.summary(
             cfg.parallel.pp_schedule, degrees.pp, micro, cfg.parallel.vpp, segment_steps(cfg)

@@ -118,6 +118,17 @@ class ModelConfig:
     node the ep group spans (cluster.gpus_per_node ranks each; one group when ep fits in a
     node); each group scores the sum of its two best affinities, the best moe_node_limit
     groups are kept and the top-k is taken among their experts. 0 = off."""
+    mtp_layers: int = 0
+    """Multi-token prediction (DeepSeek-V3's MTP modules, Megatron's --mtp-num-layers): D
+    modules after the last block, the k-th predicting the token k + 1 positions after the next
+    one. Each normalizes the embedding of the token k positions ahead and the previous depth's
+    hidden state (the last block's for k = 1), projects their concatenation back to dim,
+    runs one transformer block (dense, with the model's MLP) and its own final norm, and
+    shares the embedding and the LM head with the model; models/mtp.py. 0 = off."""
+    mtp_loss_weight: float = 0.1
+    """Weight of the MTP loss: the mean over the D depths of each depth's cross-entropy,
+    times this, is added to the objective (DeepSeek-V3: 0.3 for its first 10T tokens, then
+    0.1; Megatron's default 0.1). The reported loss stays the next-token loss."""
     moe_gemm: str = one_of("grouped", MOE_GEMMS)
     """How the experts compute: grouped (one `torch._grouped_mm` per projection over all local
     experts, no host sync; falls back to the loop where the device lacks the kernel for the

@@ -6,6 +6,9 @@ by tp, so GQA with fewer KV heads than tp is refused rather than replicated); th
 output and the down projection are split row-wise, so each half-block ends in one reduction.
 The token embedding is split row-wise over the vocabulary and the LM head column-wise, and
 the loss is computed vocab-parallel (`loss_parallel`), so full logits never sit on one rank.
+Multi-token prediction modules (models/mtp.py) split their blocks as the model's; their
+norms and their projection of [embedding; hidden] stay replicated (sequence-parallel under
+SP, plain tensors without it, as the blocks' norms).
 
 With sequence parallelism the norms and residuals run on sequence-sharded activations: the
 reduction after attention and after the MLP becomes a reduce-scatter over the sequence, and
@@ -77,7 +80,8 @@ def apply_tensor_parallel(model: nn.Module, mesh: JobMesh, parallel: ParallelCon
     sp = parallel.sp
     # Between blocks the residual stream is sequence-sharded with SP, replicated without.
     residual = Shard(1) if sp else Replicate()
-    for block in model.layers.values():
+    mtp = list(model.mtp.values()) if model.mtp is not None else []
+    for block in [*model.layers.values(), *(module.block for module in mtp)]:
         plan = _attention_plan(block.attention, residual)
         if isinstance(block.attention, MultiHeadLatentAttention):
             block.attention.shared_key.register_forward_hook(_SumGradient(tp_mesh))
@@ -106,6 +110,9 @@ def apply_tensor_parallel(model: nn.Module, mesh: JobMesh, parallel: ParallelCon
             plan["attention_norm"] = SequenceParallel()
             plan["ffn_norm"] = SequenceParallel()
         parallelize_module(block, tp_mesh, plan)
+    if sp:
+        for module in mtp:
+            parallelize_module(module, tp_mesh, _mtp_plan())
     root_plan = {
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=residual),
         # Logits stay a vocab-sharded DTensor for the vocab-parallel loss.
@@ -147,6 +154,19 @@ def _attention_plan(attention: nn.Module, residual: Placement) -> dict[str, Para
         for name in ("wq", "wk", "wv"):
             plan[f"attention.{name}"] = ColwiseParallel()
     return plan
+
+
+def _mtp_plan() -> dict[str, ParallelStyle]:
+    """A multi-token prediction module's norms and projection under sequence parallelism:
+    replicated weights over the sequence-sharded embedding and hidden state (their gradients
+    are partial sums over tp, completed as the norms' are); the projection hands its block a
+    local shard, as a block hands the next."""
+    return {
+        "enorm": SequenceParallel(),
+        "hnorm": SequenceParallel(),
+        "eh_proj": SequenceParallel(use_local_output=True),
+        "norm": SequenceParallel(),
+    }
 
 
 def _pad_vocab(model: nn.Module, tp: int) -> None:

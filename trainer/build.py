@@ -40,6 +40,7 @@ from pretrain.trainer.optim.optimizers import (
     scaled_lr,
 )
 from pretrain.trainer.step.chunked_loss import ChunkedLMLoss
+from pretrain.trainer.step.mtp_loss import MultiTokenLoss, lm_loss_sum
 from pretrain.trainer.step.state import TrainState, lm_loss
 
 
@@ -134,6 +135,15 @@ def build_train_state(cfg: RecipeConfig, mesh: JobMesh, device: torch.device) ->
             ChunkedLMLoss(head, cfg.train.loss_chunks, lm_loss),
         )
         loss_fn, eval_fn = chunked
+    mtp = None
+    if cfg.model.mtp_layers:
+        ahead = compile_loss(lm_loss_sum, cfg.compile) if degrees.tp == 1 else lm_loss_sum
+        if chunked:
+            ahead = ChunkedLMLoss(chunked[0].head, cfg.train.loss_chunks, ahead, sums=True)
+        pp = mesh.world["pp"].get_group() if degrees.pp > 1 else None
+        weight = cfg.model.mtp_loss_weight
+        mtp = MultiTokenLoss(loss_fn, ahead, cfg.model.mtp_layers, weight, pp)
+        loss_fn = mtp
     return TrainState(
         model=model,
         plain=plain,
@@ -147,4 +157,5 @@ def build_train_state(cfg: RecipeConfig, mesh: JobMesh, device: torch.device) ->
         chunked_losses=chunked,
         context=context_split(mesh),
         stash=stash,
+        mtp=mtp,
     )

@@ -6,7 +6,8 @@ the layout search alike.
 
 - compute_r: the FLOPs pipeline rank r runs per micro-batch (its own blocks, with the
   recomputation of those that recompute, from `models.flops`, the functions MFU uses; the
-  last rank adds the LM head; the embedding costs no matmul) at COMPUTE_EFFICIENCY of the
+  last rank adds the LM head and the multi-token prediction modules, whose blocks' TP
+  collectives tp_r counts too; the embedding costs no matmul) at COMPUTE_EFFICIENCY of the
   GPU's dense peak. Uneven stages (`parallel.pp_layers`) give each rank its own share. A
   MoE layer's router and experts run whole on every TP rank (parallel/expert.py): tp does
   not divide their FLOPs.
@@ -204,7 +205,8 @@ def _rank_flops(
     replicated = sum(layers[i][2] for i in held)
     p = cfg.parallel
     if pp_rank == head_rank(p.pp, p.vpp, placement(p.pp_schedule) if p.pp > 1 else "loop"):
-        head = flops_per_token(cfg.model, cfg.train.seq_len).lm_head
+        flops = flops_per_token(cfg.model, cfg.train.seq_len)
+        head = flops.lm_head + flops.mtp  # the MTP modules run on the last stage, never again
         hardware, forward = hardware + 3 * head, forward + head
     return hardware, forward, replicated
 
@@ -240,6 +242,8 @@ def step_cost(
             passes = 2 * len(layers) + (
                 len(recomputed_blocks(cfg.recompute, layers)) if full else 0
             )
+            if r == head_rank(pp, p.vpp, placement(p.pp_schedule) if pp > 1 else "loop"):
+                passes += 2 * cfg.model.mtp_layers  # the MTP modules' blocks
             tp_time[r] = passes * 2 * (2 * (t - 1) / t * activation / bandwidth + steps)
     a2a = _all_to_all(cfg, degrees, links)
     chunks = p.vpp if SCHEDULES[p.pp_schedule].interleaved else 1

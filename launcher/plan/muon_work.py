@@ -2,7 +2,8 @@
 and without distributed Muon (`optim.distributed_muon`, trainer/optim/distributed_muon.py).
 
 The matrices are a pipeline rank's blocks' weight matrices (the ones Muon updates: attention
-and MLP projections, the router, each routed and shared expert's three), whole even under tp,
+and MLP projections, the router, each routed and shared expert's three; on the last stage
+the multi-token prediction modules' projections and blocks), whole even under tp,
 which shards them but orthogonalizes them whole; a rank holds N / ep routed experts of each
 MoE layer. FLOPs follow `core.optim_states` and the split is its `assign_owners`, the one the
 trainer runs, so the busiest rank's share is exact. Bytes are FP32 elements each rank
@@ -26,6 +27,7 @@ from pretrain.core.layout import Degrees
 from pretrain.core.model_config import ModelConfig
 from pretrain.core.optim_states import busiest_load, newton_schulz_flops
 from pretrain.core.schema import RecipeConfig
+from pretrain.core.stages import head_rank, placement
 from pretrain.launcher.plan.memory import rank_layers
 from pretrain.models.flops import mlp_matrices
 
@@ -57,9 +59,10 @@ class MuonWork:
         return self.bytes - self.bytes_unsplit
 
 
-def block_matrices(cfg: ModelConfig, layer: int) -> tuple[list[tuple[int, int]], int]:
+def block_matrices(cfg: ModelConfig, layer: int | None) -> tuple[list[tuple[int, int]], int]:
     """Block `layer`'s Muon matrices (rows, cols) besides its routed experts, and its routed
-    experts (0 for a dense layer; each has the three matrices of `expert_matrices`)."""
+    experts (0 for a dense layer; each has the three matrices of `expert_matrices`). Layer
+    None: an MTP module's dense block with its projection of [embedding; hidden]."""
     h = cfg.dim
     if cfg.is_mla:
         heads, qk = cfg.n_heads, cfg.qk_head_dim
@@ -73,10 +76,11 @@ def block_matrices(cfg: ModelConfig, layer: int) -> tuple[list[tuple[int, int]],
     else:
         q, kv = cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
         attention = [(q, h), (kv, h), (kv, h), (h, q)]
-    if not cfg.is_moe_layer(layer):
+    if layer is None or not cfg.is_moe_layer(layer):
         ffn = cfg.ffn_dim
         up = [(ffn, h)] * (mlp_matrices(cfg) - 1)
-        return [*attention, *up, (h, ffn)], 0
+        projection = [(h, 2 * h)] if layer is None else []
+        return [*projection, *attention, *up, (h, ffn)], 0
     e = cfg.expert_ffn_dim
     shared = [(e, h), (e, h), (h, e)] * cfg.moe_shared_experts
     return [*attention, (cfg.moe_experts, h), *shared], cfg.moe_experts
@@ -103,11 +107,16 @@ def muon_work(cfg: RecipeConfig, degrees: Degrees) -> MuonWork | None:
     expert_ranks = edp if split else 1
     if zero1:
         dense_ranks = expert_ranks = degrees.dp_shard
+    p = cfg.parallel
+    last = head_rank(p.pp, p.vpp, placement(p.pp_schedule) if p.pp > 1 else "loop")
     best: MuonWork | None = None
     for rank in range(degrees.pp):
         dense: list[tuple[int, int]] = []
         experts: list[tuple[int, int]] = []
-        for layer in rank_layers(cfg, rank):
+        layers: list[int | None] = list(rank_layers(cfg, rank))
+        if rank == last:
+            layers += [None] * cfg.model.mtp_layers  # the MTP modules, on the last stage
+        for layer in layers:
             matrices, count = block_matrices(cfg.model, layer)
             dense += matrices
             experts += expert_matrices(cfg.model) * (count // degrees.ep)

@@ -241,7 +241,15 @@ def export(run_dir: Path, out_dir: Path, step: int | None = None, overwrite: boo
     for name, tensor in model.state_dict().items():
         if name == "output.weight" and cfg.model.tie_embeddings:
             continue  # Hugging Face ties lm_head to embed_tokens itself
+        if name.startswith("mtp."):
+            continue  # no place in the Llama/Mixtral format: said below
         tensors.update(hf_tensors(name, tensor))
+    if cfg.model.mtp_layers:
+        print(
+            f"dropped the {cfg.model.mtp_layers} multi-token prediction module(s) "
+            "(model.mtp_layers): the Hugging Face Llama and Mixtral formats have no place "
+            "for them; the exported model predicts the next token only"
+        )
     tokenizer = (
         None if cfg.data.tokenizer == "none" else load_tokenizer(cfg.data, cfg.model.vocab_size)
     )

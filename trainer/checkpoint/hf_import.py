@@ -33,7 +33,8 @@ def _fit_rows(full: torch.Tensor, shape: torch.Size) -> torch.Tensor:
 @torch.no_grad()
 def load_hf_weights(model: nn.Module, cfg: ModelConfig, folder: str | Path) -> int:
     """Overwrite `model`'s parameters (a plain model, a pipeline stage view, sharded or not)
-    with the checkpoint's; returns how many were loaded."""
+    with the checkpoint's, all but the multi-token prediction modules'; returns how many were
+    loaded."""
     folder = Path(folder).expanduser()
     problems = checkpoint_problems(folder, cfg)
     if problems:
@@ -44,6 +45,8 @@ def load_hf_weights(model: nn.Module, cfg: ModelConfig, folder: str | Path) -> i
     where = {name: handle for handle in handles for name in handle.keys()}  # noqa: SIM118
     loaded = 0
     for name, param in model.named_parameters():
+        if name.startswith("mtp."):
+            continue  # the Llama format has no MTP modules: they keep their initialization
         # A pipeline's last stage holds its own copy of a tied head: the embedding's rows.
         tied = name == "output.weight" and cfg.tie_embeddings
         sources = [hf_name("tok_embeddings.weight")] if tied else hf_names(name, cfg)

@@ -128,6 +128,17 @@ class ModelConfig:
     moe_shared_gate: bool = False
     """A sigmoid gate on the shared experts' output, sigmoid(w . x) with one weight per hidden
     unit (Qwen2-MoE's shared_expert_gate); without it the shared experts are added as they are."""
+    mtp_layers: int = 0
+    """Multi-token prediction (DeepSeek-V3's MTP modules, Megatron's --mtp-num-layers): D
+    modules after the last block, the k-th predicting the token k + 1 positions after the next
+    one. Each normalizes the embedding of the token k positions ahead and the previous depth's
+    hidden state (the last block's for k = 1), projects their concatenation back to dim,
+    runs one transformer block (dense, with the model's MLP) and its own final norm, and
+    shares the embedding and the LM head with the model; models/mtp.py. 0 = off."""
+    mtp_loss_weight: float = 0.1
+    """Weight of the MTP loss: the mean over the D depths of each depth's cross-entropy,
+    times this, is added to the objective (DeepSeek-V3: 0.3 for its first 10T tokens, then
+    0.1; Megatron's default 0.1). The reported loss stays the next-token loss."""
     moe_gemm: str = one_of("grouped", MOE_GEMMS)
     """How the experts compute: grouped (one `torch._grouped_mm` per projection over all local
     experts, no host sync; falls back to the loop where the device lacks the kernel for the

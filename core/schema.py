@@ -199,6 +199,12 @@ class OptimConfig:
     """Dtype of the optimizer states (adamw, lion, muon): fp32; bf16; int8 or int4 (blocks of
     32 along the last dim with an FP32 scale each, dynamic code maps; trainer/optim/states.py).
     The update itself runs in FP32; checkpoints hold the states in FP32."""
+    distributed_muon: bool = True
+    """Muon with more than one data-parallel rank: split the Newton-Schulz work over them, each
+    matrix orthogonalized by one rank and the result sent to the others (under FSDP2 each
+    matrix's slices go to its owner and come back; under DDP and with TP an all-gather of the
+    results follows). The same update as without it; false makes every rank orthogonalize
+    every matrix it holds (trainer/optim/distributed_muon.py)."""
 
 
 @dataclass

@@ -11,6 +11,9 @@ Conventions (the same as `torch.utils.flop_counter.FlopCounterMode`):
 - A mixture-of-experts layer counts the router and the experts a token runs through (k routed
   plus the shared ones): FLOPs and active parameters follow those, total parameters count all
   N experts. Capacity dropping is not subtracted (MFU counts the model's nominal work).
+- Multi-token prediction (models/mtp.py) counts, per depth, its projection of the 2 x dim
+  concatenation to dim, its dense block and the shared LM head once more (its norms and the
+  embedding lookup of the tokens ahead are not matmuls).
 - Multi-head latent attention counts its latent projections (down to the latent, up to each
   head's key and value) and scores over query/key heads of nope + rope dims and value heads
   of v dims; its latent norms are parameters without FLOPs.
@@ -41,6 +44,9 @@ class ParamCount:
     """The same counting only the experts one token runs through (k routed + shared)."""
     routed_experts_per_layer: int = 0
     """Parameters of the N routed experts of one MoE layer."""
+    mtp: int = 0
+    """Parameters of the multi-token prediction modules (each: three norms, the projection
+    of [embedding; hidden] and a dense block; the embedding and head are shared)."""
 
     @property
     def layers(self) -> int:
@@ -48,7 +54,7 @@ class ParamCount:
 
     @property
     def total(self) -> int:
-        return self.embedding + self.layers + self.final_norm + self.lm_head
+        return self.embedding + self.layers + self.final_norm + self.lm_head + self.mtp
 
     @property
     def active(self) -> int:
@@ -62,7 +68,7 @@ class ParamCount:
 
     @property
     def non_embedding(self) -> int:
-        return self.layers + self.final_norm
+        return self.layers + self.final_norm + self.mtp
 
 
 def attention_weights(cfg: ModelConfig) -> tuple[int, int]:
@@ -98,6 +104,7 @@ def count_params(cfg: ModelConfig) -> ParamCount:
     shared = cfg.moe_shared_experts * expert + gate
     moe = router + cfg.moe_experts * expert + shared
     moe_active = router + cfg.moe_top_k * expert + shared
+    per_mtp = 3 * h + 2 * h * h + attention + mlp + norms
     return ParamCount(
         embedding=embedding,
         per_layer=attention + mlp + norms,
@@ -108,6 +115,7 @@ def count_params(cfg: ModelConfig) -> ParamCount:
         moe_extra=moe - mlp,
         moe_active_extra=moe_active - mlp,
         routed_experts_per_layer=cfg.moe_experts * expert,
+        mtp=cfg.mtp_layers * per_mtp,
     )
 
 
@@ -119,10 +127,13 @@ class FlopsPerToken:
     attention_scores: int
     mlp: int
     lm_head: int
+    mtp: int = 0
+    """The multi-token prediction modules: projection, dense block and LM head per depth."""
 
     @property
     def forward(self) -> int:
-        return self.attention_projections + self.attention_scores + self.mlp + self.lm_head
+        blocks = self.attention_projections + self.attention_scores + self.mlp
+        return blocks + self.lm_head + self.mtp
 
     @property
     def train(self) -> int:
@@ -147,12 +158,21 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> FlopsPerToken:
     """Forward FLOPs per token of a sequence of `seq_len` tokens (see module conventions)."""
     projections, scores, dense_mlp, moe_mlp = _block_terms(cfg, seq_len)
     n_layers, moe_layers = cfg.n_layers, cfg.n_moe_layers
+    head = 2 * cfg.dim * cfg.vocab_size
     return FlopsPerToken(
         attention_projections=n_layers * projections,
         attention_scores=n_layers * scores,
         mlp=(n_layers - moe_layers) * dense_mlp + moe_layers * moe_mlp,
-        lm_head=2 * cfg.dim * cfg.vocab_size,
+        lm_head=head,
+        mtp=mtp_flops_per_token(cfg, seq_len),
     )
+
+
+def mtp_flops_per_token(cfg: ModelConfig, seq_len: int) -> int:
+    """Forward FLOPs per token of the multi-token prediction modules (0 without them)."""
+    projections, scores, dense_mlp, _ = _block_terms(cfg, seq_len)
+    per_depth = 2 * (2 * cfg.dim) * cfg.dim + projections + scores + dense_mlp
+    return cfg.mtp_layers * (per_depth + 2 * cfg.dim * cfg.vocab_size)
 
 
 def block_flops_per_token(cfg: ModelConfig, seq_len: int, layer: int) -> FlopsPerToken:

@@ -23,6 +23,9 @@ _NORM_SUFFIXES = (
     "attention.q_norm.weight",
     "attention.k_norm.weight",
     "attention.kv_norm.weight",
+    ".enorm.weight",  # a multi-token prediction module's norms (models/mtp.py)
+    ".hnorm.weight",
+    ".norm.weight",
 )
 _BIAS_SUFFIXES = ("attention.wq.bias", "attention.wk.bias", "attention.wv.bias")
 """Biases start at zero (model.attn_bias)."""
@@ -49,6 +52,7 @@ _LINEAR_SUFFIXES = (
     "feed_forward.shared.w1.weight",
     "feed_forward.shared.w3.weight",
     "feed_forward.shared_gate.weight",
+    "eh_proj.weight",
 )
 
 

@@ -31,23 +31,25 @@ from pretrain.models.layers import (
 )
 from pretrain.models.mla import MultiHeadLatentAttention
 from pretrain.models.moe import MoEFeedForward, moe_modules
+from pretrain.models.mtp import mtp_modules, predict_ahead
 from pretrain.models.rope import rope_tables
 
 
 class TransformerBlock(nn.Module):
     """Pre-norm residual block: x + attention(norm(x)), then h + mlp(norm(h)).
 
-    The MLP is a mixture of experts (models/moe.py) on the layers `cfg.is_moe_layer` picks.
+    The MLP is a mixture of experts (models/moe.py) on the layers `cfg.is_moe_layer` picks;
+    `index` None makes it dense (a multi-token prediction module's block).
     """
 
-    def __init__(self, cfg: ModelConfig, index: int = 0) -> None:
+    def __init__(self, cfg: ModelConfig, index: int | None = 0) -> None:
         super().__init__()
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.attention: nn.Module = MultiHeadLatentAttention(cfg) if cfg.is_mla else Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.feed_forward: nn.Module = (
             MoEFeedForward(cfg)
-            if cfg.is_moe_layer(index)
+            if index is not None and cfg.is_moe_layer(index)
             else FeedForward(cfg.dim, cfg.ffn_dim, cfg.mlp)
         )
 
@@ -60,7 +62,8 @@ class TransformerBlock(nn.Module):
 
 
 class Transformer(nn.Module):
-    """The decoder: token embedding, `cfg.n_layers` blocks, final norm and LM head."""
+    """The decoder: token embedding, `cfg.n_layers` blocks, final norm and LM head, and
+    `cfg.mtp_layers` multi-token prediction modules (models/mtp.py) sharing the last two."""
 
     sequence_shards: int = 1
     """Parts the input's sequence arrives split into: a pipeline stage after the first under
@@ -72,6 +75,9 @@ class Transformer(nn.Module):
     """The attention mask of the documents of this rank's positions [b, s] (set by context
     parallelism, whose ring masks them itself); None means `document_mask`."""
 
+    keeps_embedding_copy: bool = False
+    """This pipeline stage holds a copy of the first stage's embedding for its multi-token
+    prediction modules (parallel/pipeline/tied_embedding.py keeps the two alike)."""
     head_in_loss: bool = False
     """The loss applies the LM head (in chunks, `train.loss_chunks`): forward returns the
     final norm's output instead of the logits."""
@@ -83,6 +89,7 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, i) for i in range(cfg.n_layers)})
         self.norm: RMSNorm | None = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output: nn.Linear | None = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.mtp: nn.ModuleDict | None = mtp_modules(cfg, lambda: TransformerBlock(cfg, None))
         self._tie_head()
         # Derived from the config, so not saved in checkpoints (persistent=False).
         cos, sin = rope_tables(
@@ -119,12 +126,21 @@ class Transformer(nn.Module):
         self._tie_head()
         return self
 
-    def forward(self, tokens: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        doc_ids: torch.Tensor | None = None,
+        mtp_tokens: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Logits [b, s, vocab] for token ids [b, s]; with `doc_ids` [b, s] (the document of
         each position) attention stays inside each document.
 
-        A pipeline stage without `tok_embeddings` takes hidden states [b, s, dim] instead;
-        one without `output` (or whose loss applies it) returns hidden states.
+        A pipeline stage after the first (without `tok_embeddings`, or with the copy the MTP
+        modules use) takes hidden states [b, s, dim] instead;
+        one without `output` (or whose loss applies it) returns hidden states. Given the
+        input token ids as `mtp_tokens`, a model (or last stage) with multi-token prediction
+        modules appends their outputs along the batch: [(1 + mtp_layers) b, s, ...], the
+        next-token part first.
         """
         # The input's length, not the embedding's: sequence parallelism may shard the latter.
         seq_len = tokens.shape[1] * self.sequence_shards
@@ -137,7 +153,8 @@ class Transformer(nn.Module):
         else:
             index = self.positions(seq_len, self.rope_cos.device)
             cos, sin = self.rope_cos[index], self.rope_sin[index]
-        h = tokens if self.tok_embeddings is None else self.tok_embeddings(tokens)
+        first = self.tok_embeddings is not None and not self.keeps_embedding_copy
+        h = self.tok_embeddings(tokens) if first else tokens
         mask = None
         if doc_ids is not None:
             mask = (self.documents or document_mask)(doc_ids)
@@ -146,8 +163,14 @@ class Transformer(nn.Module):
             mask = window_mask(seq_len, self.cfg.sliding_window, h.device)
         for layer in self.layers.values():
             h = layer(h, cos, sin, mask=mask)
+        ahead: list[torch.Tensor] = []
+        if mtp_tokens is not None and self.mtp is not None:
+            assert self.tok_embeddings is not None, "a stage with MTP modules keeps the embedding"
+            ahead = predict_ahead(self.mtp, self.tok_embeddings, h, mtp_tokens, cos, sin, mask)
         if self.norm is not None:
             h = self.norm(h)
+        if ahead:
+            h = torch.cat([h, *ahead])
         if self.output is not None and not self.head_in_loss:
             h = self.output(h)
         return h

@@ -110,6 +110,8 @@ def apply_fsdp(
         replicas.fsdp = True
     ignored = set(expert_parameters(model)) or None
     blocks = [model.layers[key] for key in sorted(model.layers.keys(), key=int)]
+    # Each multi-token prediction module is a unit of its own, after the blocks.
+    blocks += list(model.mtp.values()) if getattr(model, "mtp", None) is not None else []
     for block in blocks:
         fully_shard(
             block,

@@ -14,6 +14,9 @@ so every rank holds the full gradient of the whole weights. Under FP8 these two 
 run in the compute dtype.
 The token embedding is split row-wise over the vocabulary and the LM head column-wise, and
 the loss is computed vocab-parallel (`loss_parallel`), so full logits never sit on one rank.
+Multi-token prediction modules (models/mtp.py) split their blocks as the model's; their
+norms and their projection of [embedding; hidden] stay replicated (sequence-parallel under
+SP, plain tensors without it, as the blocks' norms).
 
 With sequence parallelism the norms and residuals run on sequence-sharded activations: the
 reduction after attention and after the MLP becomes a reduce-scatter over the sequence, and
@@ -88,7 +91,8 @@ def apply_tensor_parallel(model: nn.Module, mesh: JobMesh, parallel: ParallelCon
     residual = Shard(1) if sp else Replicate()
     tp_rank, tp = tp_mesh.get_local_rank(), mesh.degrees.tp
     replicated_kv = model.cfg.attention != "mla" and model.cfg.kv_heads < tp
-    for block in model.layers.values():
+    mtp = list(model.mtp.values()) if model.mtp is not None else []
+    for block in [*model.layers.values(), *(module.block for module in mtp)]:
         plan = _attention_plan(block.attention, residual, replicated_kv)
         if replicated_kv:
             head = tp_rank // (tp // model.cfg.kv_heads)
@@ -121,6 +125,9 @@ def apply_tensor_parallel(model: nn.Module, mesh: JobMesh, parallel: ParallelCon
             plan["attention_norm"] = SequenceParallel()
             plan["ffn_norm"] = SequenceParallel()
         parallelize_module(block, tp_mesh, plan)
+    if sp:
+        for module in mtp:
+            parallelize_module(module, tp_mesh, _mtp_plan())
     root_plan = {
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=residual),
         # Logits stay a vocab-sharded DTensor for the vocab-parallel loss.
@@ -185,6 +192,19 @@ class _OneKVHead:
         weight = self.summed.of(self.linear.weight)[self.rows]
         bias = self.linear.bias
         return F.linear(local, weight, None if bias is None else self.summed.of(bias)[self.rows])
+
+
+def _mtp_plan() -> dict[str, ParallelStyle]:
+    """A multi-token prediction module's norms and projection under sequence parallelism:
+    replicated weights over the sequence-sharded embedding and hidden state (their gradients
+    are partial sums over tp, completed as the norms' are); the projection hands its block a
+    local shard, as a block hands the next."""
+    return {
+        "enorm": SequenceParallel(),
+        "hnorm": SequenceParallel(),
+        "eh_proj": SequenceParallel(use_local_output=True),
+        "norm": SequenceParallel(),
+    }
 
 
 def _pad_vocab(model: nn.Module, tp: int) -> None:

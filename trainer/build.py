@@ -3,7 +3,9 @@
 The order follows the design: plain model on meta -> pipeline split (this rank's stages) ->
 tensor/sequence -> context -> recompute -> compile -> FSDP -> materialize and initialize
 (same weights for any layout) -> DDP; then the optimizer (ZeRO-1 sharded when asked), the
-LR schedule and the (compiled, optionally chunked) loss.
+LR schedule and the (compiled, optionally chunked) loss. Muon's Newton-Schulz work is split
+over the data-parallel ranks (distributed Muon) unless ZeRO-1 already gives each rank its
+own matrices.
 """
 
 from __future__ import annotations
@@ -36,7 +38,9 @@ from pretrain.parallel.pipeline.tied_embedding import mark_head_copy
 from pretrain.parallel.precision import LossScaler, apply_precision
 from pretrain.parallel.recompute import apply_recompute
 from pretrain.parallel.tensor import apply_tensor_parallel
+from pretrain.trainer.optim.distributed_muon import muon_routes
 from pretrain.trainer.optim.lr_schedule import build_lr_scheduler
+from pretrain.trainer.optim.muon import Muon
 from pretrain.trainer.optim.optimizers import (
     build_optimizer,
     optimizer_spec,
@@ -44,6 +48,7 @@ from pretrain.trainer.optim.optimizers import (
     scaled_lr,
 )
 from pretrain.trainer.step.chunked_loss import ChunkedLMLoss
+from pretrain.trainer.step.mtp_loss import MultiTokenLoss, lm_loss_sum
 from pretrain.trainer.step.state import TrainState, lm_loss
 
 
@@ -128,6 +133,9 @@ def build_train_state(cfg: RecipeConfig, mesh: JobMesh, device: torch.device) ->
             global_batch=cfg.train.global_batch,
             device=torch.device(optimizer_device_type(cfg.parallel, device.type)),
         )
+    if isinstance(optimizer, Muon) and cfg.optim.distributed_muon and degrees.grad_replicas > 1:
+        matrices = [p for g in optimizer.param_groups if g["muon"] for p in g["params"]]
+        optimizer.split_work(muon_routes(plain, mesh, matrices))
     scheduler = build_lr_scheduler(
         optimizer, cfg.optim, cfg.schedule, cfg.train.steps, Ramp(cfg.train)
     )
@@ -142,6 +150,15 @@ def build_train_state(cfg: RecipeConfig, mesh: JobMesh, device: torch.device) ->
             ChunkedLMLoss(head, cfg.train.loss_chunks, lm_loss),
         )
         loss_fn, eval_fn = chunked
+    mtp = None
+    if cfg.model.mtp_layers:
+        ahead = compile_loss(lm_loss_sum, cfg.compile) if degrees.tp == 1 else lm_loss_sum
+        if chunked:
+            ahead = ChunkedLMLoss(chunked[0].head, cfg.train.loss_chunks, ahead, sums=True)
+        pp = mesh.world["pp"].get_group() if degrees.pp > 1 else None
+        weight = cfg.model.mtp_loss_weight
+        mtp = MultiTokenLoss(loss_fn, ahead, cfg.model.mtp_layers, weight, pp)
+        loss_fn = mtp
     return TrainState(
         model=model,
         plain=plain,
@@ -155,4 +172,5 @@ def build_train_state(cfg: RecipeConfig, mesh: JobMesh, device: torch.device) ->
         chunked_losses=chunked,
         context=context_split(mesh),
         stash=stash,
+        mtp=mtp,
     )

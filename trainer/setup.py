@@ -61,6 +61,7 @@ from pretrain.trainer.observe.metrics_window import MetricsWindow
 from pretrain.trainer.observe.run_identity import run_identity
 from pretrain.trainer.observe.stability import StabilityMonitor
 from pretrain.trainer.observe.startup import CLOCK
+from pretrain.trainer.optim.distributed_muon import split_line
 from pretrain.trainer.step.context import StepContext
 from pretrain.trainer.step.evaluate import Evaluator
 from pretrain.trainer.step.local import LocalStep
@@ -399,3 +400,6 @@ def _announce(
     log.info("%s", kernels_line(cfg, state, rank.device))
     for line in phase_lines(cfg, Ramp(cfg.train), data.labels):
         log.info("%s", line)
+    split = split_line(state.optimizer)
+    if split:
+        log.info("%s", split)

@@ -1,12 +1,13 @@
 """Estimated step time of a layout: one cost model, stated term by term, for the plan and
 the layout search alike.
 
-    step = m * max_r u_r + (sum_r u_r - max_r u_r) / v + dp exposed
+    step = m * max_r u_r + (sum_r u_r - max_r u_r) / v + dp exposed + muon
     u_r  = compute_r + tp_r + cp_r + ep_r + pp_p2p     (pipeline rank r, one micro-batch)
 
 - compute_r: the FLOPs pipeline rank r runs per micro-batch (its own blocks, with the
   recomputation of those that recompute, from `models.flops`, the functions MFU uses; the
-  last rank adds the LM head; the embedding costs no matmul) at COMPUTE_EFFICIENCY of the
+  last rank adds the LM head and the multi-token prediction modules, whose blocks' TP
+  collectives tp_r counts too; the embedding costs no matmul) at COMPUTE_EFFICIENCY of the
   GPU's dense peak. Uneven stages (`parallel.pp_layers`) give each rank its own share. A
   MoE layer's router and experts run whole on every TP rank (parallel/expert.py): tp does
   not divide their FLOPs.
@@ -46,6 +47,11 @@ states it),
   micro-batch's backward, parameter gathers the compute of every micro-batch, each up to
   DP_OVERLAP of that window; the rest is exposed.
 
+- muon: with optim.name=muon, the busiest rank's Newton-Schulz FLOPs (after the split over
+  data-parallel ranks, `pretrain.launcher.plan.muon_work`) at the compute rate, and the bytes
+  it receives to orthogonalize over the data-parallel link; exposed, as the optimizer step
+  follows the last backward.
+
 A group's collectives run at the GPU's intra-node bandwidth when the whole group sits in one
 node (mesh dims outer to inner: pp, dp_replicate, dp_shard, tp), else at its inter-node
 bandwidth (`pretrain.core.hardware.LINKS`, or the recipe's `hardware.*` figures), both at
@@ -70,6 +76,7 @@ from pretrain.core.stages import head_rank, placement
 from pretrain.launcher.plan.cp_comm import cp_communication
 from pretrain.launcher.plan.ep_comm import all_to_alls, ep_communication
 from pretrain.launcher.plan.memory import rank_layers, stage_experts, stage_params
+from pretrain.launcher.plan.muon_work import muon_work
 from pretrain.launcher.plan.schedule_sim import SIMULATED, bubble_fraction
 from pretrain.models.flops import block_flops_per_token, count_params, flops_per_token
 
@@ -99,10 +106,12 @@ class StepCost:
     """Context parallelism's ring traffic the attention does not hide."""
     ep: float = 0.0
     """Expert parallelism's all-to-alls (dispatch and combine), not overlapped."""
+    muon: float = 0.0
+    """Muon's Newton-Schulz and the traffic of its matrices, after the last backward."""
 
     @property
     def total(self) -> float:
-        return self.compute + self.exposed_communication + self.bubble
+        return self.compute + self.exposed_communication + self.bubble + self.muon
 
     @property
     def exposed_communication(self) -> float:
@@ -125,6 +134,7 @@ class StepCost:
             "pp p2p": self.pp_p2p,
             "bubble": self.bubble,
             "dp exposed": self.dp_exposed,
+            "muon": self.muon,
         }
 
 
@@ -195,7 +205,8 @@ def _rank_flops(
     replicated = sum(layers[i][2] for i in held)
     p = cfg.parallel
     if pp_rank == head_rank(p.pp, p.vpp, placement(p.pp_schedule) if p.pp > 1 else "loop"):
-        head = flops_per_token(cfg.model, cfg.train.seq_len).lm_head
+        flops = flops_per_token(cfg.model, cfg.train.seq_len)
+        head = flops.lm_head + flops.mtp  # the MTP modules run on the last stage, never again
         hardware, forward = hardware + 3 * head, forward + head
     return hardware, forward, replicated
 
@@ -231,6 +242,8 @@ def step_cost(
             passes = 2 * len(layers) + (
                 len(recomputed_blocks(cfg.recompute, layers)) if full else 0
             )
+            if r == head_rank(pp, p.vpp, placement(p.pp_schedule) if pp > 1 else "loop"):
+                passes += 2 * cfg.model.mtp_layers  # the MTP modules' blocks
             tp_time[r] = passes * 2 * (2 * (t - 1) / t * activation / bandwidth + steps)
     a2a = _all_to_all(cfg, degrees, links)
     chunks = p.vpp if SCHEDULES[p.pp_schedule].interleaved else 1
@@ -266,7 +279,20 @@ def step_cost(
         dp_exposed=dp_exposed,
         cp=microbatches * ring[slowest],
         ep=microbatches * a2a[slowest],
+        muon=_muon(cfg, degrees, links, rate),
     )
+
+
+def _muon(cfg: RecipeConfig, degrees: Degrees, links: Links, rate: float) -> float:
+    """Seconds of Muon's orthogonalization on the busiest rank (`pretrain.launcher.plan.
+    muon_work`): its Newton-Schulz FLOPs at the compute rate, its bytes over the
+    data-parallel link (dp ranks are tp x cp apart), exposed."""
+    work = muon_work(cfg, degrees)
+    if work is None:
+        return 0.0
+    gpn = cfg.cluster.gpus_per_node
+    bandwidth = group_bandwidth(links, gpn, degrees.tp * degrees.cp, degrees.dp)
+    return work.flops / rate + work.bytes / bandwidth
 
 
 def _all_to_all(cfg: RecipeConfig, degrees: Degrees, links: Links) -> list[float]:

@@ -352,13 +352,19 @@ def stage_params(
     style = _style(cfg)
     blocks = rank_layer_count(cfg.model.n_layers, p.pp, p.vpp, p.pp_layers, pp_rank, style)
     root = counts.embedding if pp_rank == 0 else 0
+    mtp = 0
     if pp_rank == head_rank(p.pp, p.vpp, style):
         # A tied LM head on a separate last stage keeps its own copy of the embedding (in
-        # a V too: the last stage is a chunk of its own beside the first).
-        head = counts.lm_head or (counts.embedding if p.pp > 1 else 0)
+        # a V too: the last stage is a chunk of its own beside the first), and so do the
+        # MTP modules (sharing a tied head's).
+        copy = counts.embedding if p.pp > 1 else 0
+        head = counts.lm_head or copy
+        if counts.mtp and counts.lm_head:
+            head += copy
         root += counts.final_norm + head
+        mtp = counts.mtp  # blocks and their norms and projections, counted as blocks'
     # MoE layers are spread evenly over the stages (exact with one stage).
-    return counts.layers * blocks // cfg.model.n_layers, root, blocks
+    return counts.layers * blocks // cfg.model.n_layers + mtp, root, blocks
 
 
 def stage_experts(cfg: RecipeConfig, pp_rank: int = 0, counts: ParamCount | None = None) -> int:
@@ -670,8 +676,10 @@ def _logits(r: _RankShape, notes: dict[str, str]) -> tuple[float, float]:
     # Per micro-batch in flight the last stage keeps the logits and the FP32 log-softmax
     # (the vocab-parallel loss one more FP32 shard); the start of backward adds its gradient
     # and the gradient of the logits (in FP32 before the cast back).
-    kept_logits = s * b * v / t * (r.compute + 4 + (4 if t > 1 else 0)) if r.last else 0.0
-    logit_grads = s * b * v / t * 8 if r.last else 0.0
+    # The MTP depths' logits come with the next-token ones, along the batch.
+    rows = s * b * (1 + r.cfg.model.mtp_layers)
+    kept_logits = rows * v / t * (r.compute + 4 + (4 if t > 1 else 0)) if r.last else 0.0
+    logit_grads = rows * v / t * 8 if r.last else 0.0
     chunks = r.cfg.train.loss_chunks
     if chunks > 1:
         # Chunked loss: no micro-batch keeps logits; one chunk's exist at a time, in the
@@ -765,7 +773,11 @@ def _activations(
         stage = blocks * whole
         note = "every block's saved tensors"
     if pp_rank == head_rank(degrees.pp, p.vpp, style):
-        stage += head_activations(m, s, b, compute, residual, t, sp)
+        head = head_activations(m, s, b, compute, residual, t, sp)
+        # Each MTP depth keeps a whole block's (never recomputed) and its norm's for the head.
+        stage += head + m.mtp_layers * (whole + head)
+        if m.mtp_layers:
+            note += f", + {m.mtp_layers} MTP module(s)"
     else:
         # The stage's output, kept by the schedule from its send until its backward.
         stage += s * b * m.dim * residual / (t if sp else 1)

@@ -38,6 +38,7 @@ from pretrain.launcher.plan.memory import (
     textbook_activations,
     textbook_model_states,
 )
+from pretrain.launcher.plan.muon_work import MuonWork, muon_work
 from pretrain.launcher.plan.phases import (
     MixturePhasePlan,
     PhasePlan,
@@ -126,6 +127,8 @@ class Plan:
     above are the last and largest stage's); empty without a ramp."""
     mixture_phases: list[MixturePhasePlan] = field(default_factory=list)
     """Each phase of data.mixture_schedule: its first step and shares."""
+    muon: MuonWork | None = None
+    """Muon's Newton-Schulz work and traffic per step on the busiest rank (None without Muon)."""
 
     @property
     def memory_gib(self) -> float:
@@ -199,6 +202,7 @@ def make_plan(cfg: RecipeConfig) -> Plan:
     plan.tp_comm = tp_communication(cfg, degrees)
     plan.cp_comm = cp_communication(cfg, degrees)
     plan.ep_comm = ep_communication(cfg, degrees)
+    plan.muon = muon_work(cfg, degrees)
     if degrees.pp > 1:
         plan.pipeline = schedule_sim.summary(
             cfg.parallel.pp_schedule, degrees.pp, micro, cfg.parallel.vpp, segment_steps(cfg)

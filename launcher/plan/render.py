@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from pretrain.core.hardware import GIB
 from pretrain.core.schedules import SCHEDULES
+from pretrain.launcher.plan.muon_work import MuonWork
 from pretrain.launcher.plan.plan import Plan
 
 if TYPE_CHECKING:
@@ -71,6 +72,8 @@ def render_plan(plan: Plan, with_warnings: bool = True) -> str:
         console.print(_phases_table(plan))
     if plan.mixture_phases:
         console.print(_mixture_table(plan))
+    if plan.muon is not None:
+        _section(console, "Muon Newton-Schulz per step (busiest rank)", _muon_rows(plan.muon))
     if plan.memory is not None:
         console.print(_breakdown_table(plan, plan.memory))
     console.print(_zero_paper_table(plan))
@@ -80,6 +83,19 @@ def render_plan(plan: Plan, with_warnings: bool = True) -> str:
     for line in plan.assumptions:
         console.print(f"assumed: {line}")
     return console.export_text()
+
+
+def _muon_rows(work: MuonWork) -> list[tuple[str, str]]:
+    split = f"over {work.ranks} ranks" if work.ranks > 1 else "not split"
+    extra = "more" if work.extra_bytes >= 0 else "fewer"
+    return [
+        ("work split", split),
+        ("FLOPs", f"{_flops(work.flops)} ({_flops(work.saved_flops)} fewer than unsplit)"),
+        (
+            "bytes received",
+            f"{_bytes(work.bytes)} ({_bytes(abs(work.extra_bytes))} {extra} than unsplit)",
+        ),
+    ]
 
 
 def _section(console: Console, title: str, rows: list[tuple[str, str]]) -> None:

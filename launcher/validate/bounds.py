@@ -33,6 +33,7 @@ BOUNDS: dict[str, tuple[int, str]] = {
     "model.mla_q_rank": (2**17, "MLA's query rank; never above model.dim"),
     "model.mla_kv_rank": (2**17, "MLA's key/value rank; never above model.dim"),
     "model.sliding_window": (2**24, "positions in the attention window"),
+    "model.mtp_layers": (64, "multi-token prediction depths; DeepSeek-V3 uses 1"),
     "parallel.pp_microbatches": (2**16, "micro-batches per step; the schedule simulator "
                                  "walks every one of every stage"),
     "parallel.vpp": (2048, "model chunks per pipeline rank; no more than the layers"),

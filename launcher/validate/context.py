@@ -1,6 +1,7 @@
 """Rules of context parallelism (`parallel.cp`) and of the V-shaped, zero-bubble and
 PipeDream-2BW pipeline schedules: what each needs of the sequence, the chunks and the
-micro-batches, and what the trainer cannot combine them with (each refusal says why)."""
+micro-batches, and what the trainer cannot combine them with (each refusal says why),
+multi-token prediction among them."""
 
 from __future__ import annotations
 
@@ -75,6 +76,43 @@ def check_schedule(c: Checks, cfg: RecipeConfig) -> None:
             f"{p.pp_schedule} places exactly two chunks on each rank, in a V (rank r holds "
             "stages r and 2pp-1-r)",
             f"set parallel.vpp={t.chunks_per_rank}",
+        )
+
+
+def check_mtp(c: Checks, cfg: RecipeConfig) -> None:
+    """Multi-token prediction (`model.mtp_layers`) rolls each sequence's tokens by its
+    depths, so it needs whole sequences on a rank (no cp), and its modules live on the last
+    pipeline stage, which keeps a copy of the embedding: not on the first stage's rank (the
+    V schedules), and not beside 2BW's two weight versions."""
+    m, p = cfg.model, cfg.parallel
+    if m.mtp_layers <= 0:
+        return
+    if p.cp > 1:
+        c.add(
+            "model.mtp_layers",
+            m.mtp_layers,
+            f"the tokens ahead of a position lie in other context-parallel chunks (cp={p.cp}), "
+            "which the rank does not hold",
+            "set parallel.cp=1, or model.mtp_layers=0",
+        )
+    t = SCHEDULES.get(p.pp_schedule)
+    if p.pp == 1 or t is None:
+        return
+    if t.placement == V:
+        c.add(
+            "model.mtp_layers",
+            m.mtp_layers,
+            f"{p.pp_schedule} puts the last stage on the first stage's rank, where its copy of "
+            "the embedding for the MTP modules would be a second module of the same name",
+            "use pp_schedule=1f1b, interleaved_1f1b or zero_bubble, or model.mtp_layers=0",
+        )
+    elif t.weight_versions > 1:
+        c.add(
+            "model.mtp_layers",
+            m.mtp_layers,
+            f"{p.pp_schedule} keeps two weight versions, and the MTP modules' copy of the "
+            "embedding is kept alike with the first stage's only at a flush",
+            "use pp_schedule=1f1b, interleaved_1f1b or zero_bubble, or model.mtp_layers=0",
         )
 
 

@@ -17,7 +17,12 @@ from pretrain.core.problems import (
 from pretrain.core.schedules import SCHEDULES, V
 from pretrain.core.schema import PP_SCHEDULES, ParallelConfig, RecipeConfig
 from pretrain.core.stages import balanced_split
-from pretrain.launcher.validate.context import check_context, check_schedule, runnable_problems
+from pretrain.launcher.validate.context import (
+    check_context,
+    check_mtp,
+    check_schedule,
+    runnable_problems,
+)
 
 MULTI_CHUNK = tuple(name for name, t in SCHEDULES.items() if t.multi_stage)
 """Schedules that run several chunks per rank."""
@@ -99,6 +104,7 @@ def check_parallel(
     the rules that read them."""
     degrees_ok = _check_degrees(c, cfg)
     check_schedule(c, cfg)
+    check_mtp(c, cfg)
     if not degrees_ok:
         return
     p = cfg.parallel

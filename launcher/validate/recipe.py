@@ -176,6 +176,16 @@ def _check_train(c: Checks, cfg: RecipeConfig) -> bool:
     ok = ok and c.at_most(
         "train.global_batch", t.global_batch, MAX_GLOBAL_BATCH, "sequences per optimizer step"
     )
+    m = cfg.model
+    if c.at_least("model.mtp_layers", m.mtp_layers, 0) and m.mtp_layers >= t.seq_len >= 1:
+        c.add(
+            "model.mtp_layers",
+            m.mtp_layers,
+            f"depth k predicts the token k + 1 ahead: a sequence of train.seq_len={t.seq_len} "
+            "leaves the deepest no target",
+            f"use model.mtp_layers < {t.seq_len} (DeepSeek-V3 uses 1)",
+        )
+    c.at_least("model.mtp_loss_weight", m.mtp_loss_weight, 0)
     if t.seq_len > cfg.model.max_seq_len:
         c.add(
             "train.seq_len",

@@ -32,6 +32,7 @@ CHANGEABLE = (
     "data.workers",
     "train.steps",
     "train.micro_batch",
+    "optim.distributed_muon",
 )
 """Dotted field names (or prefixes ending in '.') a resumed run may change."""
 

@@ -19,9 +19,10 @@ Per micro-batch of the schedule, on this rank:
   fp32);
 - the last stage returns this rank's local logits [b, s / cp, vocab / tp] (the padded
   vocabulary) or, when the loss applies the head (`train.loss_chunks` > 1), the final
-  norm's output, shaped as hidden states. torch sends the last stage's output nowhere and
-  reads only that it exists; its example is this rank's local part even where the value is
-  a DTensor.
+  norm's output, shaped as hidden states; with multi-token prediction the modules' outputs
+  follow along the batch, (1 + mtp_layers) b sequences. torch sends the last stage's output
+  nowhere and reads only that it exists; its example is this rank's local part even where
+  the value is a DTensor.
 """
 
 from __future__ import annotations
@@ -58,6 +59,9 @@ class StageShapes:
     """Positions of each sequence in the last stage's output."""
     head_dtype: torch.dtype
     """dtype of the last stage's output."""
+    head_batch: int = 0
+    """Sequences in the last stage's output: `batch`, times 1 + mtp_layers with multi-token
+    prediction (0: `batch`)."""
 
     def examples(
         self, stage: int, n_stages: int
@@ -69,7 +73,7 @@ class StageShapes:
         else:
             inputs = hidden
         if stage == n_stages - 1:
-            shape = (self.batch, self.head_tokens, self.head_width)
+            shape = (self.head_batch or self.batch, self.head_tokens, self.head_width)
             outputs = self._meta(shape, self.head_dtype)
         else:
             outputs = hidden
@@ -104,6 +108,7 @@ def stage_shapes(
         vocab = padded_vocab(cfg.model.vocab_size, degrees.tp) // degrees.tp
         head = (vocab, tokens, low or torch.float32)
     return StageShapes(
+        head_batch=sequences // n_microbatches * (1 + cfg.model.mtp_layers),
         batch=sequences // n_microbatches,
         tokens=tokens,
         hidden_tokens=hidden_tokens,

@@ -10,6 +10,8 @@ stage is told its shapes (`parallel/pipeline/shapes.py`), so torch infers none.
 
 With tied embeddings the last stage's head is its own copy of the embedding, whose
 gradient is summed with the first stage's every step (`parallel/pipeline/tied_embedding.py`).
+Multi-token prediction modules live on the last stage, which keeps a copy of the embedding
+for them (the tied head then shares that copy), kept alike the same way.
 """
 
 from __future__ import annotations
@@ -56,11 +58,16 @@ def split_stage(model: nn.Module, stage: int, parallel: ParallelConfig) -> nn.Mo
     keep = {str(i) for i in stages[stage]}
     for key in [k for k in model.layers if k not in keep]:
         del model.layers[key]
-    if stage != 0:
+    last = stage == len(stages) - 1
+    if stage != 0 and not (last and model.mtp is not None):
         model.tok_embeddings = None
-    if stage != len(stages) - 1:
+    elif stage != 0:
+        # The multi-token prediction modules embed the tokens ahead: a copy, kept alike.
+        model.keeps_embedding_copy = True
+    if not last:
         model.norm = None
         model.output = None
+        model.mtp = None
     if parallel.sp and parallel.tp > 1 and stage != 0:
         # Hidden states arrive sequence-sharded: the rotary tables need the full length.
         model.sequence_shards = parallel.tp
@@ -138,7 +145,7 @@ class StageView(nn.Module):
         self.chunks = list(chunks)
         self.layers = nn.ModuleDict()
         for chunk in chunks:
-            for name in ("tok_embeddings", "norm", "output"):
+            for name in ("tok_embeddings", "norm", "output", "mtp"):
                 if getattr(chunk, name, None) is not None:
                     setattr(self, name, getattr(chunk, name))
             for key, block in chunk.layers.items():

@@ -12,6 +12,11 @@ PipeDream-2BW sums each weight version's two gradients the same way, asynchronou
 
 Both copies are laid out alike: the same vocab-sharded placement under TP and the same
 FSDP shard of the stage's root, so their local shards are summed element by element.
+
+Multi-token prediction (models/mtp.py) embeds the tokens ahead on the last stage, which
+therefore keeps a copy of the embedding itself, under the embedding's own name
+(`keeps_embedding_copy`): the same sum keeps it equal to the first stage's, a checkpoint holds
+both under one name, and a tied head there is that copy.
 """
 
 from __future__ import annotations
@@ -26,14 +31,22 @@ from pretrain.core.schema import RecipeConfig
 from pretrain.core.stages import placement, rank_stages
 
 HEAD_COPY = "embedding_copy"
-"""Attribute set on a stage's LM head that is a copy of an embedding held elsewhere."""
+"""Attribute set on a module of a stage whose weight copies an embedding held elsewhere (a
+last stage's tied LM head, or the embedding it keeps for its MTP modules)."""
 
 
 def mark_head_copy(stage: nn.Module) -> None:
-    """Flag the LM head of a stage that holds it without the embedding it is tied to."""
+    """Flag the LM head of a stage that holds it without the embedding it is tied to, and
+    the embedding a later stage keeps for its multi-token prediction modules."""
     tied = stage.cfg.tie_embeddings
     if tied and stage.output is not None and stage.tok_embeddings is None:
         setattr(stage.output, HEAD_COPY, True)
+    if getattr(stage, "keeps_embedding_copy", False):
+        setattr(stage.tok_embeddings, HEAD_COPY, True)
+
+
+def _is_copy(module: nn.Module | None) -> bool:
+    return getattr(module, HEAD_COPY, False)
 
 
 def head_copies(model: nn.Module) -> list[nn.Parameter]:
@@ -44,7 +57,7 @@ def head_copies(model: nn.Module) -> list[nn.Parameter]:
 def embedding_group(cfg: RecipeConfig, degrees: Degrees) -> dist.ProcessGroup | None:
     """The group of this rank's pipeline ranks that hold the first and the last stage, when
     they are two (every rank must call this, in the same order: it creates the groups)."""
-    if not cfg.model.tie_embeddings or degrees.pp == 1:
+    if not (cfg.model.tie_embeddings or cfg.model.mtp_layers) or degrees.pp == 1:
         return None
     p = cfg.parallel
     last, style = p.pp * p.vpp - 1, placement(p.pp_schedule)
@@ -71,7 +84,7 @@ def reduce_tied_grads(model: nn.Module, group: dist.ProcessGroup | None) -> None
     pipeline)."""
     embedding = getattr(model, "tok_embeddings", None)
     held = head_copies(model)
-    if embedding is not None and (group is not None or held):
+    if embedding is not None and not _is_copy(embedding) and (group is not None or held):
         held.insert(0, embedding.weight)
     grads = [_local(p.grad) for p in held if p.grad is not None]
     if len(grads) == 2:
@@ -90,7 +103,8 @@ def start_tied_grad_sum(model: nn.Module, group: dist.ProcessGroup | None) -> di
     if group is None:
         return None
     embedding = getattr(model, "tok_embeddings", None)
-    held = [embedding.weight] if embedding is not None else head_copies(model)
+    held = [embedding.weight] if embedding is not None and not _is_copy(embedding) else []
+    held = held or head_copies(model)
     if not held or held[0].grad is None:
         return None
     return dist.all_reduce(_local(held[0].grad), group=group, async_op=True)

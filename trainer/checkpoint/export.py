@@ -157,7 +157,15 @@ def export(run_dir: Path, out_dir: Path, step: int | None = None, overwrite: boo
     for name, tensor in model.state_dict().items():
         if name == "output.weight" and cfg.model.tie_embeddings:
             continue  # Hugging Face ties lm_head to embed_tokens itself
+        if name.startswith("mtp."):
+            continue  # no place in the exported formats: said below
         tensors.update(to_hf(name, tensor, cfg.model))
+    if cfg.model.mtp_layers:
+        print(
+            f"dropped the {cfg.model.mtp_layers} multi-token prediction module(s) "
+            "(model.mtp_layers): the exported Hugging Face formats have no place for "
+            "them; the exported model predicts the next token only"
+        )
     tokenizer = run_tokenizer(cfg)
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})

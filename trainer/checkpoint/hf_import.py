@@ -38,7 +38,8 @@ def _fit_rows(full: torch.Tensor, shape: torch.Size) -> torch.Tensor:
 @torch.no_grad()
 def load_hf_weights(model: nn.Module, cfg: ModelConfig, folder: str | Path) -> int:
     """Overwrite `model`'s parameters and balancing biases (a plain model, a pipeline stage
-    view, sharded or not) with the checkpoint's; returns how many were loaded."""
+    view, sharded or not) with the checkpoint's, all but the multi-token prediction
+    modules'; returns how many were loaded."""
     folder = Path(folder).expanduser()
     problems = checkpoint_problems(folder, cfg)
     if problems:
@@ -55,6 +56,8 @@ def load_hf_weights(model: nn.Module, cfg: ModelConfig, folder: str | Path) -> i
     biases = [(n, b) for n, b in model.named_buffers() if n.endswith("feed_forward.expert_bias")]
     loaded = 0
     for name, param in [*model.named_parameters(), *biases]:
+        if name.startswith("mtp."):
+            continue  # the imported formats have no MTP modules: they keep their initialization
         # A pipeline's last stage holds its own copy of a tied head: the embedding's rows.
         if name == "output.weight" and cfg.tie_embeddings:
             full = read(hf_name("tok_embeddings.weight"))

@@ -2,9 +2,10 @@
 
 The loop tells the window when a step waits for data and runs the step through it; at a
 logging step `collect` averages the loss over the data-parallel ranks, turns the window's
-wall time into throughput (`ThroughputMeter`), adds memory, loss-scaler, skipped-step and MoE
-routing metrics, names stragglers, adds each node's system figures when it sampled them
-(`system_metrics.py`, in the same gather), and starts the next window.
+wall time into throughput (`ThroughputMeter`), adds memory, loss-scaler, skipped-step, MoE
+routing and multi-token prediction metrics, names stragglers, adds each node's system
+figures when it sampled them (`system_metrics.py`, in the same gather), and starts the next
+window.
 
 A straggler is found by each rank's own compute, not its step time: every rank waits in the
 step's blocking collectives for the slowest, so their step times are all alike. The compute
@@ -149,6 +150,8 @@ class MetricsWindow:
             **system,
             **self.compile_watch.metrics(),
         }
+        if self.state.mtp is not None:
+            metrics.update(self.state.mtp.metrics(self.device, self.dp_group))
         self._reset()
         return metrics
 

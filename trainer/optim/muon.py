@@ -13,11 +13,13 @@ the blocks' 2-D weights (attention and MLP projections, the router, each expert'
 of a stacked [N, A, B] tensor), AdamW for embeddings, the LM head, norms and biases.
 
 The orthogonalization needs whole matrices. A parameter sharded by FSDP2 or tensor
-parallelism (a DTensor) is gathered over the mesh dims that split its matrix dims, every
-rank orthogonalizes the same full matrix and keeps its own slice (no second collective);
-dims that only split a stack of experts (expert parallelism) stay sharded, since each rank
-holds whole expert matrices. Newton-Schulz runs in FP32 (the master gradients' dtype), so
-every layout computes what one process does.
+parallelism (a DTensor) is gathered over the mesh dims that split its matrix dims
+(trainer/optim/whole_matrices.py). Over data-parallel ranks the work is split
+(`optim.distributed_muon`, trainer/optim/distributed_muon.py): each matrix is orthogonalized
+by one rank, its owner, and the result sent to the others; without the split, or with one
+data-parallel rank, every rank orthogonalizes every matrix it holds in full and keeps its own
+slice. Newton-Schulz runs in FP32 (the master gradients' dtype), so every layout computes
+what one process does.
 """
 
 from __future__ import annotations
@@ -27,13 +29,15 @@ from collections.abc import Callable, Iterable
 from typing import Any, ClassVar
 
 import torch
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor
 
+from pretrain.core.optim_states import NS_STEPS
+from pretrain.trainer.optim.distributed_muon import Route, orthogonalize_routed
 from pretrain.trainer.optim.states import StoredStateOptimizer, adamw_update, local_grad
+from pretrain.trainer.optim.whole_matrices import gather_whole, keep_local, splits_matrices
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 """The quintic Newton-Schulz coefficients of Keller Jordan's Muon (and torch.optim.Muon)."""
-NS_STEPS = 5
 NS_EPS = 1e-7
 
 
@@ -58,34 +62,15 @@ def orthogonalize(update: torch.Tensor, dtype: torch.dtype = torch.float32) -> t
     return x.mT if tall else x
 
 
-def _batch_shard(placement: Any, ndim: int) -> bool:
-    # A plain shard of a dim before the matrix dims (experts of a stacked tensor).
-    return type(placement) is Shard and placement.dim < ndim - 2
-
-
 def orthogonalized_local(
     param: torch.Tensor, update: torch.Tensor, dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
     """The orthogonalized update of `param`'s local shard, from the local shard `update`:
     whole matrices are gathered first where a mesh dim splits them."""
-    if not isinstance(param, DTensor):
+    if not splits_matrices(param):
         return orthogonalize(update, dtype)
-    mesh, placements, ndim = param.device_mesh, param.placements, param.ndim
-    if all(p.is_replicate() or _batch_shard(p, ndim) for p in placements):
-        return orthogonalize(update, dtype)
-    whole = DTensor.from_local(
-        update, mesh, placements, run_check=False, shape=param.shape, stride=param.stride()
-    )
-    if not any(_batch_shard(p, ndim) for p in placements):
-        full = orthogonalize(whole.full_tensor(), dtype)
-        return distribute_tensor(full, mesh, placements, src_data_rank=None).to_local()
-    keep = [p if _batch_shard(p, ndim) else Replicate() for p in placements]
-    result = orthogonalize(whole.redistribute(mesh, keep).to_local(), dtype)
-    gathered = DTensor.from_local(
-        result, mesh, keep, run_check=False, shape=param.shape, stride=param.stride()
-    )
-    # Replicate -> Shard keeps a local slice: no communication.
-    return gathered.redistribute(mesh, placements).to_local()
+    assert isinstance(param, DTensor)
+    return keep_local(param, orthogonalize(gather_whole(param, update), dtype))
 
 
 def muon_lr(lr: float, shape: torch.Size) -> float:
@@ -124,15 +109,28 @@ class Muon(StoredStateOptimizer):
             "muon": False,
         }
         super().__init__(params, defaults, state_dtype)
+        self.routes = {}
 
-    @torch.no_grad()
-    def _muon_update(self, param: torch.Tensor, group: dict[str, Any]) -> None:
-        mu, lr, wd = group["momentum"], group["lr"], group["weight_decay"]
+    routes: dict[int, Route]
+    """The parameters whose Newton-Schulz work is split over data-parallel ranks, by id (set
+    by `split_work`; empty: every rank orthogonalizes every matrix it holds)."""
+
+    def split_work(self, routes: dict[int, Route]) -> None:
+        """Orthogonalize the parameters of `routes` by their owners (distributed Muon)."""
+        self.routes = routes
+
+    def _nesterov_update(self, param: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
+        """Advance the momentum of `param`'s local shard; the local update to orthogonalize."""
+        mu = group["momentum"]
         grad = local_grad(param).float()
         buffer = self.stored(param, "momentum_buffer")
         momentum = buffer.get().lerp(grad, 1 - mu)
         buffer.set(momentum)
-        update = orthogonalized_local(param, grad.lerp(momentum, mu), self.ns_dtype)
+        return grad.lerp(momentum, mu)
+
+    @staticmethod
+    def _apply(param: torch.Tensor, group: dict[str, Any], update: torch.Tensor) -> None:
+        lr, wd = group["lr"], group["weight_decay"]
         local = param.to_local() if isinstance(param, DTensor) else param
         if wd:
             local.mul_(1 - lr * wd)
@@ -141,17 +139,26 @@ class Muon(StoredStateOptimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         """Apply one update to every parameter that has a gradient (in group order, so every
-        rank gathers the same matrices in the same order)."""
+        rank gathers and exchanges the same matrices in the same order)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        routed: list[tuple[torch.Tensor, dict[str, Any], torch.Tensor]] = []
         for group in self.param_groups:
             for param in group["params"]:
                 if param.grad is None:
                     continue
-                if group["muon"]:
-                    self._muon_update(param, group)
-                else:
+                if not group["muon"]:
                     adamw_update(self, param, group)
+                    continue
+                update = self._nesterov_update(param, group)
+                if id(param) in self.routes:
+                    routed.append((param, group, update))
+                else:
+                    self._apply(param, group, orthogonalized_local(param, update, self.ns_dtype))
+        pending = [(param, update, self.routes[id(param)]) for param, _, update in routed]
+        results = orthogonalize_routed(pending, orthogonalize, self.ns_dtype)
+        for (param, group, _), result in zip(routed, results, strict=True):
+            self._apply(param, group, result)
         return loss

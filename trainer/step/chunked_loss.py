@@ -33,12 +33,15 @@ LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 class ChunkedLMLoss:
     """Mean next-token loss of hidden states [b, s, dim] against targets [b, s], through
-    `head` in `chunks` equal sequence chunks; `loss_fn` is the loss of one chunk's logits."""
+    `head` in `chunks` equal sequence chunks; `loss_fn` is the loss of one chunk's logits.
+    With `sums` it is a sum over positions, and so is the result: the chunks' sums added
+    (a multi-token prediction depth's, whose chunks keep different numbers of positions)."""
 
-    def __init__(self, head: nn.Module, chunks: int, loss_fn: LossFn) -> None:
+    def __init__(self, head: nn.Module, chunks: int, loss_fn: LossFn, sums: bool = False) -> None:
         self.head = head
         self.chunks = chunks
         self.loss_fn = loss_fn
+        self.sums = sums
 
     def __call__(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         if hidden.shape[1] % self.chunks:
@@ -54,7 +57,7 @@ class ChunkedLMLoss:
             loss = checkpoint(self._chunk_loss, part, part_targets, self.head, use_reentrant=False)
             total = loss if total is None else total + loss
         assert total is not None
-        return total / self.chunks
+        return total if self.sums else total / self.chunks
 
     def _chunk_loss(
         self, hidden: torch.Tensor, targets: torch.Tensor, head: nn.Module

@@ -3,7 +3,8 @@
 `setup` builds one `StepContext`; the local step, the pipeline step over torch's schedules
 and the PipeDream-2BW step all consume it. A hook every step applies (the forward's
 autocast, the vocab-parallel loss, the context-parallel split of the sequences, the
-document mask, the pipeline's loss scaling per micro-batch) is written here once, so a new
+document mask, the tokens ahead of multi-token prediction, the pipeline's loss scaling per
+micro-batch) is written here once, so a new
 one goes in one place, not in each stepper.
 """
 
@@ -79,6 +80,15 @@ class StepContext:
         doc_ids = document_ids(inputs, self.doc_eos)
         split = self.state.context
         return {"doc_ids": doc_ids if split is None else split.shard(doc_ids)}
+
+    def train_kwargs(self, inputs: torch.Tensor) -> dict[str, torch.Tensor]:
+        """`model_kwargs` of a training forward: with multi-token prediction also the whole
+        `inputs` as `mtp_tokens`, whose tokens ahead the MTP modules embed (validation leaves
+        them out, so its loss is the next-token one)."""
+        kwargs = self.model_kwargs(inputs)
+        if self.cfg.model.mtp_layers:
+            kwargs["mtp_tokens"] = inputs
+        return kwargs
 
     def split(
         self, inputs: torch.Tensor, targets: torch.Tensor

@@ -54,6 +54,8 @@ def run_again_for_slots(state: TrainState, cfg: RecipeConfig, device: torch.devi
         return False
     state.optimizer.zero_grad(set_to_none=True)
     drop_routing_step(state.plain)
+    if state.mtp is not None:
+        state.mtp.drop_step()
     if dist.get_rank() == 0:
         print(
             "[trainer] a dropless MoE dispatch slot overflowed: slots grown, step rerun", flush=True
@@ -91,7 +93,7 @@ def _forward_backward(ctx: StepContext, micro_batches: MicroBatches) -> torch.Te
         # Asynchronous from pinned memory (the prefetching loader pins on CUDA).
         inputs = inputs.to(ctx.device, non_blocking=True)
         targets = targets.to(ctx.device, non_blocking=True)
-        kwargs = ctx.model_kwargs(inputs)
+        kwargs = ctx.train_kwargs(inputs)
         inputs, targets = ctx.split(inputs, targets)
         with gradient_sync(state.model, enabled=i == accum - 1):
             with state.phases.phase("forward"), ctx.autocast():
@@ -204,6 +206,8 @@ def step_optimizer(state: TrainState, cfg: RecipeConfig, update: bool) -> None:
             state.optimizer.step()
             after_optimizer_step(state.plain, cfg.precision)
     finish_routing_step(state.plain, state.routing_group, update)
+    if state.mtp is not None:
+        state.mtp.end_step()
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step", UserWarning)
         state.scheduler.step()

@@ -124,8 +124,9 @@ class PipelineStep:
         self._fit(micro_batches)
         inputs, targets = ctx.whole_batch(micro_batches)
         args = (inputs,) if self.has_first else ()
-        # Every stage's attention takes the documents (torch splits them as the tokens).
-        kwargs = ctx.model_kwargs(inputs)
+        # Every stage's attention takes the documents, and the last stage's multi-token
+        # prediction the tokens (torch splits them as the tokens).
+        kwargs = ctx.train_kwargs(inputs)
         phases = self.state.phases
         for _ in range(SLOT_RETRIES):
             self.losses = []

@@ -16,6 +16,7 @@ from pretrain.parallel.context import ContextSplit
 from pretrain.parallel.precision import LossScaler
 from pretrain.trainer.observe import stability
 from pretrain.trainer.step.chunked_loss import ChunkedLMLoss
+from pretrain.trainer.step.mtp_loss import MultiTokenLoss
 from pretrain.trainer.step.phases import OFF, StepPhases
 
 
@@ -52,6 +53,9 @@ class TrainState:
     stash: nn.Module | None = None
     """PipeDream-2BW: the other weight version (a stage view like `plain`, which is the
     newest); checkpoints save and restore both."""
+    mtp: MultiTokenLoss | None = None
+    """The multi-token prediction loss inside `loss_fn` (model.mtp_layers > 0, on every stage:
+    the last computes it, all take part in its metrics)."""
     settle: Callable[[], None] | None = None
     """Called before a checkpoint is written, to bring the step to a state a checkpoint can
     hold (2BW drains its pipeline and applies the last gradient)."""

@@ -88,6 +88,12 @@ class ParallelConfig:
     CPUOffloadPolicy); the device keeps the unsharded copies of the blocks in use."""
     ep: int = 1
     """Expert-parallel degree (MoE models), carved from the data-parallel ranks."""
+    etp: int = 1
+    """Expert tensor-parallel degree (MoE models): each routed expert's matrices are split
+    over etp ranks of the tp group (gate and up projections by column, the down projection
+    by row, the partial outputs summed over etp); 1 keeps every expert whole on each tp rank.
+    Must divide tp: the experts' mesh is (edp, ep, tp / etp, etp) beside attention's tp x cp
+    x dp, the tp / etp ranks holding the same shards."""
     allow_tp_across_nodes: bool = False
     """Permit tp larger than one node's GPUs (slow: TP traffic leaves NVLink)."""
     fsdp_prefetch: int = 1

@@ -28,6 +28,11 @@ zero rows), so nothing here waits for the host: `dispatch(Grouped)` runs them; l
 is `GroupedExperts` over cumulative row offsets on the device, and `parallel/expert.py`
 swaps in an all-to-all over the EP group.
 
+A rank may hold only a slice of each expert (expert tensor parallelism): then its experts'
+outputs are partial sums, and `MoEFeedForward.experts_split` (`WholeExperts` here;
+`parallel/expert.py` swaps in the etp group's) sums the combined output over the ranks that
+hold the other slices, and the gradients of what fed them (the tokens and the routing weights).
+
 A rank may hold only parts of each sequence (context parallelism): `MoEFeedForward.sequence`
 tells the block how many equal parts of every sequence it holds and gathers, per forward,
 the assignment counts of the other parts (`WholeSequence` here; `parallel/context.py` swaps
@@ -229,6 +234,20 @@ class WholeSequence:
         return torch.zeros_like(counts), counts.sum(1)
 
 
+class WholeExperts:
+    """How a MoE block sees its experts when it holds each of them whole: the routed output is
+    complete, nothing to sum. Expert tensor parallelism replaces it (`parallel/expert.py`)."""
+
+    def enter(self, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor`, an input of the experts' partial outputs, as it is; under expert tensor
+        parallelism its gradient is summed over the ranks holding the experts' slices."""
+        return tensor
+
+    def leave(self, partial: torch.Tensor) -> torch.Tensor:
+        """The routed output from this rank's share of it (here all of it)."""
+        return partial
+
+
 def z_loss(logits: torch.Tensor) -> torch.Tensor:
     """Mean over tokens of logsumexp(router logits)^2: keeps the router's logits small."""
     return torch.logsumexp(logits, dim=-1).pow(2).mean()
@@ -301,6 +320,7 @@ class MoEFeedForward(nn.Module):
         self.aux_loss: torch.Tensor | None = None
         self.stats = RoutingStats()
         self.sequence: WholeSequence = WholeSequence()
+        self.experts_split: WholeExperts = WholeExperts()
         # Expert groups of node-limited routing, one per node the ep group spans: set from
         # the recipe (`set_node_groups`), not from process groups, so any layout routes alike.
         self.node_groups = 1
@@ -384,6 +404,7 @@ class MoEFeedForward(nn.Module):
             self.stats.add(routed, (~keep).sum(), balance.detach(), zl.detach())
 
         tokens = x.reshape(-1, h)
+        split = self.experts_split
         flat_keep = keep.flatten()
         # Group the assignments by expert (stable: token order inside each expert), the
         # dropped ones last; shapes depend on b, s and k only.
@@ -391,8 +412,8 @@ class MoEFeedForward(nn.Module):
         order = torch.argsort(keys, stable=True)
         keys = keys[order]
         token_ids = torch.arange(b * s, device=x.device).repeat_interleave(k)[order]
-        gate = (weights.flatten() * flat_keep)[order]
-        rows = tokens[token_ids]
+        gate = split.enter((weights.flatten() * flat_keep)[order])
+        rows = split.enter(tokens)[token_ids]
         if limit is not None:
             rows = rows * (keys < n).unsqueeze(-1).to(rows.dtype)
         counts = torch.zeros(n + 1, dtype=torch.long, device=x.device)
@@ -400,6 +421,7 @@ class MoEFeedForward(nn.Module):
         slot_rows = None if limit is None else b * limit
         routed = self.dispatch(Grouped(rows, keys, counts, slot_rows))
         out = torch.zeros_like(tokens).index_add(0, token_ids, routed * gate[:, None].to(routed))
+        out = split.leave(out)
         if self.shared is not None:
             out = out + self.shared(tokens)
         return out.view(b, s, h)

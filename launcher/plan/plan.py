@@ -30,7 +30,7 @@ from pretrain.core.schedules import SCHEDULES, V
 from pretrain.core.schema import OptimConfig, RecipeConfig
 from pretrain.launcher.plan import cost, schedule_sim
 from pretrain.launcher.plan.cp_comm import CPComm, cp_communication
-from pretrain.launcher.plan.ep_comm import EPComm, ep_communication
+from pretrain.launcher.plan.ep_comm import EPComm, ETPComm, ep_communication, etp_communication
 from pretrain.launcher.plan.memory import (
     MemoryBreakdown,
     peak_breakdown,
@@ -115,6 +115,9 @@ class Plan:
     """One layer's context-parallel ring exchanges per step and rank (None without CP)."""
     ep_comm: EPComm | None = None
     """One MoE layer's all-to-all per micro-batch and rank (None without EP)."""
+    etp_comm: ETPComm | None = None
+    """One MoE layer's expert-tensor-parallel all-reduces per micro-batch and rank (None
+    without etp)."""
 
     @property
     def memory_gib(self) -> float:
@@ -131,9 +134,11 @@ def make_plan(cfg: RecipeConfig) -> Plan:
     counts = count_params(cfg.model)
     stages = [sum(stage_params(cfg, r)[:2]) for r in range(degrees.pp)]
     first, last = stages[0], stages[-1]
-    # Routed experts are split over ep rather than tp (parallel/expert.py).
+    # Routed experts are split over ep and etp rather than tp (parallel/expert.py).
     experts = counts.experts // degrees.pp
-    per_rank = math.ceil((max(stages) - experts) / degrees.tp + experts / degrees.ep)
+    per_rank = math.ceil(
+        (max(stages) - experts) / degrees.tp + experts / (degrees.ep * degrees.etp)
+    )
     fpt = flops_per_token(cfg.model, cfg.train.seq_len)
     fraction = len(recomputed_blocks(cfg.recompute, cfg.model.n_layers)) / cfg.model.n_layers
     on_gpu = cfg.cluster.device == "cuda"
@@ -188,6 +193,7 @@ def make_plan(cfg: RecipeConfig) -> Plan:
     plan.tp_comm = tp_communication(cfg, degrees)
     plan.cp_comm = cp_communication(cfg, degrees)
     plan.ep_comm = ep_communication(cfg, degrees)
+    plan.etp_comm = etp_communication(cfg, degrees)
     if degrees.pp > 1:
         plan.pipeline = schedule_sim.summary(
             cfg.parallel.pp_schedule, degrees.pp, micro, cfg.parallel.vpp, segment_steps(cfg)

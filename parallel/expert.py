@@ -49,10 +49,11 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from pretrain.core.model_config import ModelConfig
 from pretrain.core.schema import ParallelConfig
@@ -167,23 +168,51 @@ class AllToAllDispatch:
         return torch.cat([returned, returned.new_zeros(1, h)])[index]
 
 
+class _SumOverGroup(torch.autograd.Function):
+    """An all-reduce (sum) over `group` in forward and the identity in backward, or the
+    other way round (`in_forward=False`): the pair that joins ranks computing parts of one
+    replicated value, whose loss every rank computes alike. Functional collectives, so that
+    compiled and recomputed blocks trace them (a DTensor round trip would save its mesh
+    for backward, which AOTAutograd refuses)."""
+
+    @staticmethod
+    def forward(
+        ctx: torch.autograd.function.FunctionCtx,
+        tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        in_forward: bool,
+    ) -> torch.Tensor:
+        ctx.group, ctx.in_forward = group, in_forward  # type: ignore[attr-defined]
+        if in_forward:
+            return funcol.wait_tensor(funcol.all_reduce(tensor, "sum", group))
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(  # type: ignore[override]
+        ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor
+    ) -> tuple[torch.Tensor, None, None]:
+        if ctx.in_forward:  # type: ignore[attr-defined]
+            return grad, None, None
+        summed = funcol.all_reduce(grad.contiguous(), "sum", ctx.group)  # type: ignore[attr-defined]
+        return funcol.wait_tensor(summed), None, None
+
+
 class ExpertSlices(WholeExperts):
     """How a MoE block sees its experts when each rank of `mesh` (the etp group) holds a slice
     of every one: partial outputs summed, the gradients of their inputs summed too."""
 
     def __init__(self, mesh: DeviceMesh) -> None:
         self.mesh = mesh
+        self.group = mesh.get_group()
 
     def enter(self, tensor: torch.Tensor) -> torch.Tensor:
         """`tensor` (the same on every etp rank), its gradient summed over etp in backward:
         each rank's slice of the experts contributes a part of it."""
-        shared = DTensor.from_local(tensor, self.mesh, [Replicate()], run_check=False)
-        return shared.to_local(grad_placements=[Partial()])
+        return _SumOverGroup.apply(tensor, self.group, False)
 
     def leave(self, partial: torch.Tensor) -> torch.Tensor:
         """The sum over etp of the ranks' partial outputs (their gradient is the sum's)."""
-        summed = DTensor.from_local(partial, self.mesh, [Partial()], run_check=False)
-        return summed.redistribute(self.mesh, [Replicate()]).to_local()
+        return _SumOverGroup.apply(partial, self.group, True)
 
 
 def apply_expert_parallel(model: nn.Module, mesh: JobMesh) -> None:

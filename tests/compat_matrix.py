@@ -78,6 +78,7 @@ FEATURES: tuple[Feature, ...] = (
     _feature("fp8", "dtype", precision__dtype="fp8", precision__fp8_backend="torchao"),
     _feature("moe", "moe", **MOE),
     _feature("ep", "moe", **MOE, parallel__ep=2),
+    _feature("etp", "moe", **MOE, parallel__ep=2, parallel__tp=2, parallel__etp=2),
     _feature("mla", "attention", model__attention="mla", model__n_kv_heads=0, model__mla_q_rank=64),
     _feature("doc mask", "doc_mask", data__doc_mask=True),
     _feature("loss chunks", "loss_chunks", train__loss_chunks=2),

@@ -2,7 +2,7 @@
 tokenized corpora, a private temp dir, no W&B cloud, the `slow` mark on every test that
 launches torchrun or needs SLURM, the one single-process reference run of the harness model
 that every FP32 layout (local or on SLURM) compares against, and the gradient-norm bound
-derived from it (each once per test session, or per xdist worker)."""
+derived from it (each trained once per test session, whichever xdist worker asks first)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from tests.distributed.harness import (
     Curve,
     grad_norm_tolerance,
     read_curve,
-    run_pretrain,
+    trained_once,
 )
 
 REPO = Path(__file__).resolve().parent.parent
@@ -64,6 +64,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             # One test cluster of two nodes: under `-n 2 --dist loadgroup` its jobs run one
             # at a time, in one worker, while the other worker runs local tests.
             item.add_marker(pytest.mark.xdist_group("slurm"))
+        elif in_slow_dir:
+            # A distributed module's tests share module-scoped runs (references, the run a
+            # resume continues): split over two workers, each would train them again.
+            item.add_marker(pytest.mark.xdist_group(item.path.stem))
     # The SLURM group first: its jobs, one at a time, overlap the other worker's tests
     # instead of running alone at the end.
     items.sort(key=lambda item: item.get_closest_marker("slurm") is None)
@@ -72,9 +76,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(scope="session")
 def harness_reference_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The run dir of the harness model trained by one process."""
-    run_dir = tmp_path_factory.mktemp("reference") / "run"
-    run_pretrain(run_dir, [], nproc=1)
-    return run_dir
+    return trained_once(tmp_path_factory, "reference", [])
 
 
 @pytest.fixture(scope="session")
@@ -87,9 +89,7 @@ def harness_reference(harness_reference_dir: Path) -> Curve:
 def reordered_reference_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The run dir of the one-process reference trained again with its sums reordered
     (REORDERED in tests/distributed/harness.py)."""
-    run_dir = tmp_path_factory.mktemp("reordered_reference") / "run"
-    run_pretrain(run_dir, list(REORDERED), nproc=1)
-    return run_dir
+    return trained_once(tmp_path_factory, "reordered_reference", list(REORDERED))
 
 
 @pytest.fixture(scope="session", name="grad_norm_tolerance")

@@ -6,11 +6,14 @@ import contextlib
 import copy
 import io
 import os
+import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from filelock import FileLock
 
 from pretrain.core.model_config import ModelConfig
 from pretrain.core.problems import Problem, RecipeError
@@ -51,6 +54,31 @@ def validate_and_fit(cfg: RecipeConfig) -> None:
     """What `action=script` checks before writing anything: the rules, then the memory fit."""
     validate(cfg)
     check_fits(cfg)
+
+
+def shared_dir(factory: pytest.TempPathFactory) -> Path:
+    """A directory every xdist worker of this test session sees (the session's own temp
+    dir without xdist)."""
+    base = factory.getbasetemp()
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    shared = root / "shared"
+    shared.mkdir(exist_ok=True)
+    return shared
+
+
+def made_once(factory: pytest.TempPathFactory, name: str, make: Callable[[Path], None]) -> Path:
+    """`ROOT/name`, made by `make` once per test session: the first worker to ask makes it
+    while the others wait, then all read it. Something left half-made by a failed attempt
+    is made again."""
+    root = shared_dir(factory)
+    path, done = root / name, root / f"{name}.done"
+    with FileLock(root / f"{name}.lock"):
+        if not done.exists():
+            shutil.rmtree(path, ignore_errors=True)
+            path.unlink(missing_ok=True)
+            make(path)
+            done.touch()
+    return path
 
 
 def base() -> RecipeConfig:

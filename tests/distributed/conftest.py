@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.distributed.harness import MLA, Curve, read_curve, run_pretrain
+from tests.distributed.harness import MLA, Curve, read_curve, trained_once
 from tests.golden.cases import CORPUS
+from tests.helpers import made_once
 
 
 @pytest.fixture(scope="module")
@@ -28,9 +29,7 @@ MOE_REFERENCE = ["model.moe_ffn_dim=64"]
 @pytest.fixture(scope="session")
 def moe_reference_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The run dir of the harness model with tiny_moe's experts trained by one process."""
-    run_dir = tmp_path_factory.mktemp("moe_reference") / "run"
-    run_pretrain(run_dir, MOE_REFERENCE, nproc=1, recipe="tiny_moe")
-    return run_dir
+    return trained_once(tmp_path_factory, "moe_reference", MOE_REFERENCE, recipe="tiny_moe")
 
 
 @pytest.fixture(scope="session")
@@ -46,12 +45,16 @@ def doc_mask_overrides(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
     sequence of the harness's 64 tokens spans a document boundary. On the harness's own
     corpus (a dozen long files) a few steps see almost none, and a masked run trains exactly
     as an unmasked one."""
-    path = tmp_path_factory.mktemp("short_documents") / "paragraphs.jsonl"
-    with lzma.open(CORPUS, "rt", encoding="utf-8") as corpus, path.open("w") as out:
-        for line in corpus:
-            for paragraph in json.loads(line)["text"].split("\n\n"):
-                if paragraph.strip():
-                    out.write(json.dumps({"text": paragraph}) + "\n")
+
+    def cut(path: Path) -> None:
+        with lzma.open(CORPUS, "rt", encoding="utf-8") as corpus, path.open("w") as out:
+            for line in corpus:
+                for paragraph in json.loads(line)["text"].split("\n\n"):
+                    if paragraph.strip():
+                        out.write(json.dumps({"text": paragraph}) + "\n")
+
+    # One file for every worker: the prepared dataset is keyed by the file, so all share it.
+    path = made_once(tmp_path_factory, "paragraphs.jsonl", cut)
     return ["data.doc_mask=true", f"data.source={path}"]
 
 
@@ -59,12 +62,13 @@ def doc_mask_overrides(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
 def doc_mask_reference(tmp_path_factory: pytest.TempPathFactory, doc_mask_overrides) -> Curve:
     """The harness model with `doc_mask_overrides` trained by one process: what every
     layout with document masks must match."""
-    run_dir = tmp_path_factory.mktemp("doc_mask_reference") / "run"
-    return run_pretrain(run_dir, doc_mask_overrides, nproc=1)
+    run_dir = trained_once(tmp_path_factory, "doc_mask_reference", doc_mask_overrides)
+    return read_curve(run_dir / "metrics.jsonl")
 
 
 @pytest.fixture(scope="session")
 def mla_reference(tmp_path_factory: pytest.TempPathFactory) -> Curve:
     """The harness model under MLA trained by one process (tensor and context parallelism
     match it)."""
-    return run_pretrain(tmp_path_factory.mktemp("mla_reference") / "run", list(MLA), nproc=1)
+    run_dir = trained_once(tmp_path_factory, "mla_reference", list(MLA))
+    return read_curve(run_dir / "metrics.jsonl")

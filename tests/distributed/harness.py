@@ -13,6 +13,10 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
+
+from tests.helpers import made_once
+
 FP32_TOLERANCE = 1e-5
 """Relative per-step difference an FP32 layout may show against the one-process run in the
 loss and the validation loss, and in the gradient norm at step 1 (where every layout starts
@@ -186,3 +190,14 @@ def max_relative_difference(a: list[float], b: list[float]) -> float:
     """Largest |a - b| / |b| over steps; the curves must have the same length."""
     assert len(a) == len(b), f"curves differ in length: {len(a)} vs {len(b)}"
     return max(abs(x - y) / abs(y) for x, y in zip(a, b, strict=True))
+
+
+def trained_once(
+    factory: pytest.TempPathFactory, name: str, overrides: list[str], recipe: str = "tiny"
+) -> Path:
+    """The run dir of a one-process run of the harness model (`overrides` on `recipe`),
+    trained once per test session and shared by every worker: tests only read it."""
+    folder = made_once(
+        factory, name, lambda path: run_pretrain(path / "run", overrides, nproc=1, recipe=recipe)
+    )
+    return folder / "run"

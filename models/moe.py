@@ -90,8 +90,17 @@ def grouped_mm_supported(x: torch.Tensor, ffn_dim: int) -> bool:
     return _grouped_mm_runs(x.device.type, x.dtype)
 
 
+ExpertsKernel = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor
+]
+"""Runs the SwiGLU experts on grouped rows: (x [T, h], w1, w3, w2, ends [E] int32) -> [T, h]."""
+
+
 class GroupedExperts(nn.Module):
-    """N SwiGLU experts with stacked weights; runs rows already grouped by expert."""
+    """N SwiGLU experts with stacked weights; runs rows already grouped by expert.
+
+    `kernel`, when set (by `parallel/precision.py`: FP8 grouped GEMMs), runs them instead of
+    the grouped GEMM or the loop here."""
 
     def __init__(self, n_experts: int, dim: int, ffn_dim: int, gemm: str = "grouped") -> None:
         super().__init__()
@@ -99,6 +108,7 @@ class GroupedExperts(nn.Module):
         self.w1 = nn.Parameter(torch.empty(n_experts, ffn_dim, dim))
         self.w3 = nn.Parameter(torch.empty(n_experts, ffn_dim, dim))
         self.w2 = nn.Parameter(torch.empty(n_experts, dim, ffn_dim))
+        self.kernel: ExpertsKernel | None = None
 
     def uses_grouped_mm(self, x: torch.Tensor) -> bool:
         """Whether rows like `x` run through the grouped GEMM (else the reference loop)."""
@@ -114,6 +124,8 @@ class GroupedExperts(nn.Module):
         w1, w2, w3 = (_local(w).to(x.dtype) for w in (self.w1, self.w2, self.w3))
         if ends.numel() != w1.shape[0]:
             raise ValueError(f"{ends.numel()} expert groups for {w1.shape[0]} local experts")
+        if self.kernel is not None:
+            return self.kernel(x, w1, w3, w2, ends.to(torch.int32))
         if self.uses_grouped_mm(x):
             offs = ends.to(torch.int32)
             gate = torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs)

@@ -24,7 +24,7 @@ from pretrain.core.layout import (
 )
 from pretrain.core.optim_states import state_bytes, state_tensors
 from pretrain.core.pipedream import segment_steps
-from pretrain.core.precision import peak_dtype
+from pretrain.core.precision import fp8_experts, peak_dtype
 from pretrain.core.recompute import recomputed_blocks
 from pretrain.core.schedules import SCHEDULES, V
 from pretrain.core.schema import OptimConfig, RecipeConfig
@@ -204,9 +204,20 @@ def make_plan(cfg: RecipeConfig) -> Plan:
 
 def _warnings(cfg: RecipeConfig, plan: Plan, gpu: str) -> list[str]:
     """A context-parallel ring that leaves its node, a node limit an ep group inside one node
-    makes moot, and a peak over the device's memory with the levers that lower it (for long
-    sequences, in the order to pull them)."""
+    makes moot, routed experts that stay bf16 under fp8, and a peak over the device's memory
+    with the levers that lower it (for long sequences, in the order to pull them)."""
     found = []
+    p = cfg.precision
+    if p.dtype == "fp8" and cfg.model.moe_experts > 0 and not fp8_experts(p):
+        why = (
+            "this trainer swaps Transformer Engine's linear layers only"
+            if p.fp8_backend == "te"
+            else f"torchao has no FP8 grouped GEMM with {p.fp8_recipe} scaling"
+        )
+        found.append(
+            f"precision.fp8_recipe={p.fp8_recipe}: the routed experts run in bf16 ({why}); "
+            "torchao's rowwise, mxfp8 or blockwise scaling runs them in FP8"
+        )
     if cfg.model.moe_node_limit and expert_node_groups(cfg) == 1:
         found.append(
             f"model.moe_node_limit={cfg.model.moe_node_limit} is moot: the ep group "

@@ -15,12 +15,20 @@ gradient per block:
 Both take their operands in one dtype: under autocast (where FSDP does not cast the weights)
 the input and the FP32 weight are cast to the autocast dtype first, as autocast would cast
 them for a plain linear.
+
+Under tensor parallelism the weight is a DTensor sharded by rows (a column-wise layer: the
+input replicated, the output sharded on its last dim) or by columns (a row-wise layer: the
+input sharded on its last dim, the output partial sums): the local shards are multiplied
+and the output wrapped with that placement, and the replicated input's gradient is marked
+partial, so the tensor-parallel plan's own redistributions reduce it. The blocks a shard is
+quantized in are those of the whole matrix wherever each shard's width is whole blocks.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, Partial, Shard
 
 BLOCK = 128
 """The tile and block edge of the blockwise recipe."""
@@ -36,12 +44,30 @@ class BlockScaledLinear(nn.Linear):
         self.emulate = emulate
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self.weight
+        if isinstance(self.weight, DTensor):
+            return self._sharded(x, self.weight)
+        return self._local(x, self.weight, self.bias)
+
+    def _local(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
         if torch.is_autocast_enabled(x.device.type):
             dtype = torch.get_autocast_dtype(x.device.type)
             x, weight = x.to(dtype), weight.to(dtype)
         out = self._mm(x, weight)
-        return out if self.bias is None else out + self.bias.to(out.dtype)
+        return out if bias is None else out + bias.to(out.dtype)
+
+    def _sharded(self, x: torch.Tensor, weight: DTensor) -> DTensor:
+        (placement,) = weight.placements
+        columns = placement == Shard(0)  # rows of the weight: a column-wise layer
+        if not columns and self.bias is not None:
+            raise ValueError("a row-wise FP8 layer with a bias is not supported")
+        if isinstance(x, DTensor):
+            x = x.to_local(grad_placements=[Partial()] if columns else None)
+        bias = self.bias.to_local() if isinstance(self.bias, DTensor) else self.bias
+        out = self._local(x, weight.to_local(), bias)
+        placements = [Shard(out.ndim - 1)] if columns else [Partial()]
+        return DTensor.from_local(out, weight.device_mesh, placements, run_check=False)
 
     def _mm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if self.recipe == "mxfp8":

@@ -232,15 +232,26 @@ def _check_fp8_layout(c: Checks, cfg: RecipeConfig) -> None:
             f"{tokens}) to be a multiple of {multiple}",
             f"make micro_batch x seq_len a multiple of {multiple}",
         )
-    if p.fp8_backend == "torchao" and multiple != FP8_MULTIPLE and cfg.parallel.tp > 1:
-        c.add(
-            "parallel.tp",
-            cfg.parallel.tp,
-            f"torchao's {p.fp8_recipe} linear layers (parallel/fp8_linear.py) multiply plain "
-            "tensors, not tensor parallelism's DTensor shards",
-            "use parallel.tp=1 (ep and ZeRO split the model instead), or fp8_recipe=current "
-            "or rowwise",
-        )
+    tp = cfg.parallel.tp
+    whole = not any(c.reported(field) for field in widths)
+    if p.fp8_backend == "torchao" and multiple != FP8_MULTIPLE and tp > 1 and whole:
+        # Each rank quantizes its shard: the split widths must be whole blocks too.
+        split = {
+            "the query width": m.n_heads * m.head_dim,
+            "the key/value width": widths["model.n_kv_heads"],
+            "model.ffn_dim": m.ffn_dim,
+        }
+        broken = [
+            f"{name} {width} / {tp}" for name, width in split.items() if width % (tp * multiple)
+        ]
+        if broken:
+            c.add(
+                "parallel.tp",
+                tp,
+                f"splits the FP8 linear layers, whose shards must be whole {p.fp8_recipe} "
+                f"blocks of {multiple}: {', '.join(broken)} is not",
+                f"use a tp that leaves each shard a multiple of {multiple}, or parallel.tp=1",
+            )
     if p.fp8_backend == "te" and cfg.parallel.tp > 1:
         c.add(
             "parallel.tp",

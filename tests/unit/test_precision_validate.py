@@ -72,8 +72,9 @@ CASES = [
     ({**FP8_GPU, "precision.fp8_recipe": "blockwise", "train.seq_len": 64,
       "train.micro_batch": 1}, "train.micro_batch", "(micro_batch x seq_len = 64) to be a "
      "multiple of 128", "a multiple of 128"),
-    ({**FP8_GPU, "precision.fp8_recipe": "mxfp8", "parallel.tp": 2}, "parallel.tp",
-     "multiply plain tensors, not tensor parallelism's DTensor shards", "parallel.tp=1"),
+    ({**FP8_GPU, "cluster.gpu_type": "b200", "precision.fp8_recipe": "mxfp8",
+      "parallel.tp": 8}, "parallel.tp", "whose shards must be whole mxfp8 blocks of 32: the "
+     "key/value width 128 / 8 is not", "a tp that leaves each shard a multiple of 32"),
     ({**EMULATED, **MOE, "precision.fp8_recipe": "rowwise"}, "precision.fp8_recipe",
      "routed experts run torchao's rowwise FP8 grouped GEMM, which quantizes with triton "
      "kernels", "fp8_recipe=mxfp8 (its grouped GEMM emulates)"),
@@ -109,6 +110,8 @@ def test_bad_precision_is_refused_with_a_fix(overrides, field, reason, fix):
         {**FP8_GPU, **MOE, "cluster.gpu_type": "b200", "precision.fp8_recipe": "mxfp8"},
         {**FP8_GPU, **MOE, "precision.fp8_recipe": "blockwise", "train.seq_len": 256},
         {**FP8_GPU, "precision.fp8_backend": "te", "precision.fp8_recipe": "blockwise"},
+        {**EMULATED, **MOE, "precision.fp8_recipe": "mxfp8", "parallel.tp": 2,
+         "parallel.etp": 2, "parallel.ep": 2, "cluster.gpus_per_node": 4},
         {"precision.dtype": "fp16", "cluster.gpu_type": "v100_sxm_32gb"},
         {"precision.dtype": "fp16", "cluster.device": "cpu", "cluster.gpu_type": "cpu"},
     ],

@@ -67,6 +67,20 @@ def fp8_experts(precision: PrecisionConfig) -> bool:
     )
 
 
+def fp8_placement(precision: PrecisionConfig, moe: bool) -> str:
+    """What computes in FP8 under `precision` (for the plan), or "" when it is not fp8."""
+    if precision.dtype != "fp8":
+        return ""
+    where = "emulated" if precision.fp8_emulate else precision.fp8_backend
+    fp8 = "the blocks' linear layers"
+    rest = "attention scores, norms, embedding and LM head in bf16"
+    if moe:
+        experts = fp8_experts(precision)
+        fp8 += " and the routed experts' grouped GEMMs" if experts else ""
+        rest = ("" if experts else "the routed experts, ") + "the router, " + rest
+    return f"{precision.fp8_recipe} scaling ({where}): {fp8} in FP8; {rest}"
+
+
 def peak_dtype(precision: PrecisionConfig) -> str:
     """The column of the GPU table that MFU divides by: FP8 runs against the FP8 peak, except
     emulated FP8, whose matmuls run in bf16."""

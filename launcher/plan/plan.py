@@ -24,7 +24,7 @@ from pretrain.core.layout import (
 )
 from pretrain.core.optim_states import state_bytes, state_tensors
 from pretrain.core.pipedream import segment_steps
-from pretrain.core.precision import fp8_experts, peak_dtype
+from pretrain.core.precision import fp8_experts, fp8_placement, peak_dtype
 from pretrain.core.recompute import recomputed_blocks
 from pretrain.core.schedules import SCHEDULES, V
 from pretrain.core.schema import OptimConfig, RecipeConfig
@@ -115,6 +115,8 @@ class Plan:
     """One layer's context-parallel ring exchanges per step and rank (None without CP)."""
     ep_comm: EPComm | None = None
     """One MoE layer's all-to-all per micro-batch and rank (None without EP)."""
+    fp8: str = ""
+    """What computes in FP8 (`pretrain.core.precision.fp8_placement`); empty unless fp8."""
     etp_comm: ETPComm | None = None
     """One MoE layer's expert-tensor-parallel all-reduces per micro-batch and rank (None
     without etp)."""
@@ -194,6 +196,7 @@ def make_plan(cfg: RecipeConfig) -> Plan:
     plan.cp_comm = cp_communication(cfg, degrees)
     plan.ep_comm = ep_communication(cfg, degrees)
     plan.etp_comm = etp_communication(cfg, degrees)
+    plan.fp8 = fp8_placement(cfg.precision, cfg.model.moe_experts > 0)
     if degrees.pp > 1:
         plan.pipeline = schedule_sim.summary(
             cfg.parallel.pp_schedule, degrees.pp, micro, cfg.parallel.vpp, segment_steps(cfg)

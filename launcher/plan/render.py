@@ -139,7 +139,7 @@ def _compute_rows(plan: Plan) -> list[tuple[str, str]]:
         ("grad-accum steps", str(plan.grad_accum)),
         ("pipeline micro-batches", str(plan.pp_microbatches)),
         ("pipeline bubble", f"{plan.bubble_fraction:.1%}"),
-    ]
+    ] + ([("FP8", plan.fp8)] if plan.fp8 else [])
 
 
 def _zero_paper_table(plan: Plan) -> Table:

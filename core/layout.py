@@ -33,6 +33,8 @@ class Degrees:
     world: int
     cp: int = 1
     """Context-parallel degree: ranks that split each sequence."""
+    etp: int = 1
+    """Expert tensor-parallel degree: ranks of a tp group that split each expert (divides tp)."""
 
     @property
     def dp(self) -> int:
@@ -85,7 +87,7 @@ def resolve_degrees(cfg: RecipeConfig) -> Degrees:
                 f"choose pp*dp_replicate*cp*tp among the divisors of {world}: "
                 f"{or_list(divisors(world))}",
             )
-        return Degrees(p.pp, p.dp_replicate, world // fixed, p.tp, p.ep, world, p.cp)
+        return Degrees(p.pp, p.dp_replicate, world // fixed, p.tp, p.ep, world, p.cp, p.etp)
     if fixed * p.dp_shard != world:
         fill = f"dp_shard={world // fixed} or -1" if world % fixed == 0 else "-1 after fixing tp/pp"
         _fail(
@@ -94,7 +96,7 @@ def resolve_degrees(cfg: RecipeConfig) -> Degrees:
             f" = {fixed * p.dp_shard} but the world size is {world} ({where})",
             f"set parallel.{fill}, or change cluster.nodes/gpus_per_node",
         )
-    return Degrees(p.pp, p.dp_replicate, p.dp_shard, p.tp, p.ep, world, p.cp)
+    return Degrees(p.pp, p.dp_replicate, p.dp_shard, p.tp, p.ep, world, p.cp, p.etp)
 
 
 def _fail(value: object, reason: str, fix: str, field: str = "parallel.dp_shard") -> None:
@@ -102,11 +104,13 @@ def _fail(value: object, reason: str, fix: str, field: str = "parallel.dp_shard"
 
 
 def rank_groups(degrees: Degrees) -> dict[str, list[list[int]]]:
-    """Global ranks of every group along each mesh dim, plus `dp`, `dp_cp` and `ep`.
+    """Global ranks of every group along each mesh dim, plus `dp`, `dp_cp`, `ep` and `etp`.
 
     `dp` joins dp_replicate and dp_shard (the ranks that read different sequences); `dp_cp`
     adds cp to them (gradient reduction spans all three); `ep` splits each dp group into
-    consecutive chunks of ep members (expert parallelism borrows dp ranks).
+    consecutive chunks of ep members (expert parallelism borrows dp ranks); `etp` splits each
+    tp group into consecutive chunks of etp members (expert tensor parallelism borrows tp
+    ranks).
     """
     shape = degrees.mesh_shape
     strides = [1] * len(shape)
@@ -129,6 +133,9 @@ def rank_groups(degrees: Degrees) -> dict[str, list[list[int]]]:
     groups["dp_cp"] = groups_along((1, 2, 3))
     groups["ep"] = [
         g[i : i + degrees.ep] for g in groups["dp"] for i in range(0, len(g), degrees.ep)
+    ]
+    groups["etp"] = [
+        g[i : i + degrees.etp] for g in groups["tp"] for i in range(0, len(g), degrees.etp)
     ]
     return groups
 

@@ -24,7 +24,7 @@ ACTIONS = ("run", "plan", "script", "suggest", "prepare", "dryrun")
 PP_SCHEDULES = tuple(SCHEDULES)
 DTYPES = ("fp32", "bf16", "fp16", "fp8")
 FP8_BACKENDS = ("torchao", "te")
-FP8_SCALINGS = ("current", "rowwise", "delayed", "mxfp8")
+FP8_SCALINGS = ("current", "rowwise", "delayed", "mxfp8", "blockwise")
 REDUCE_DTYPES = ("fp32", "bf16")
 OFFLOAD_MODES = ("none", "params")
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
@@ -99,6 +99,12 @@ class ParallelConfig:
     CPUOffloadPolicy); the device keeps the unsharded copies of the blocks in use."""
     ep: int = 1
     """Expert-parallel degree (MoE models), carved from the data-parallel ranks."""
+    etp: int = 1
+    """Expert tensor-parallel degree (MoE models): each routed expert's matrices are split
+    over etp ranks of the tp group (gate and up projections by column, the down projection
+    by row, the partial outputs summed over etp); 1 keeps every expert whole on each tp rank.
+    Must divide tp: the experts' mesh is (edp, ep, tp / etp, etp) beside attention's tp x cp
+    x dp, the tp / etp ranks holding the same shards."""
     allow_tp_across_nodes: bool = False
     """Permit tp larger than one node's GPUs (slow: TP traffic leaves NVLink)."""
     fsdp_prefetch: int = 1
@@ -120,7 +126,11 @@ class PrecisionConfig:
     (NVIDIA Transformer Engine, the `te` extra; CUDA only)."""
     fp8_recipe: str = one_of("current", FP8_SCALINGS)
     """FP8 scaling: current (per-tensor scales from this step's amax), rowwise (torchao: a scale
-    per row), delayed (te: scales from an amax history) or mxfp8 (te: 32-element blocks)."""
+    per row), delayed (te: scales from an amax history), mxfp8 (MX block scaling: a power-of-two
+    scale per 32 elements; Blackwell, or torchao's emulation) or blockwise (DeepSeek-V3's:
+    activations in 1 x 128 tiles, weights in 128 x 128 blocks; Hopper and newer, CUDA only).
+    Under torchao the routed experts of a MoE model run their grouped GEMM in FP8 too where the
+    scaling has a grouped form (rowwise, mxfp8, blockwise); the router never runs in FP8."""
     fp8_amax_history: int = 1024
     """fp8_recipe=delayed: steps of amax history the scale is computed from."""
     fp8_margin: int = 0

@@ -31,6 +31,11 @@ zero rows), so nothing here waits for the host: `dispatch(Grouped)` runs them; l
 is `GroupedExperts` over cumulative row offsets on the device, and `parallel/expert.py`
 swaps in an all-to-all over the EP group.
 
+A rank may hold only a slice of each expert (expert tensor parallelism): then its experts'
+outputs are partial sums, and `MoEFeedForward.experts_split` (`WholeExperts` here;
+`parallel/expert.py` swaps in the etp group's) sums the combined output over the ranks that
+hold the other slices, and the gradients of what fed them (the tokens and the routing weights).
+
 A rank may hold only parts of each sequence (context parallelism): `MoEFeedForward.sequence`
 tells the block how many equal parts of every sequence it holds and gathers, per forward,
 the assignment counts of the other parts (`WholeSequence` here; `parallel/context.py` swaps
@@ -88,8 +93,17 @@ def grouped_mm_supported(x: torch.Tensor, ffn_dim: int) -> bool:
     return _grouped_mm_runs(x.device.type, x.dtype)
 
 
+ExpertsKernel = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor
+]
+"""Runs the SwiGLU experts on grouped rows: (x [T, h], w1, w3, w2, ends [E] int32) -> [T, h]."""
+
+
 class GroupedExperts(nn.Module):
-    """N SwiGLU experts with stacked weights; runs rows already grouped by expert."""
+    """N SwiGLU experts with stacked weights; runs rows already grouped by expert.
+
+    `kernel`, when set (by `parallel/precision.py`: FP8 grouped GEMMs), runs them instead of
+    the grouped GEMM or the loop here."""
 
     def __init__(self, n_experts: int, dim: int, ffn_dim: int, gemm: str = "grouped") -> None:
         super().__init__()
@@ -97,6 +111,7 @@ class GroupedExperts(nn.Module):
         self.w1 = nn.Parameter(torch.empty(n_experts, ffn_dim, dim))
         self.w3 = nn.Parameter(torch.empty(n_experts, ffn_dim, dim))
         self.w2 = nn.Parameter(torch.empty(n_experts, dim, ffn_dim))
+        self.kernel: ExpertsKernel | None = None
 
     def uses_grouped_mm(self, x: torch.Tensor) -> bool:
         """Whether rows like `x` run through the grouped GEMM (else the reference loop)."""
@@ -112,6 +127,8 @@ class GroupedExperts(nn.Module):
         w1, w2, w3 = (_local(w).to(x.dtype) for w in (self.w1, self.w2, self.w3))
         if ends.numel() != w1.shape[0]:
             raise ValueError(f"{ends.numel()} expert groups for {w1.shape[0]} local experts")
+        if self.kernel is not None:
+            return self.kernel(x, w1, w3, w2, ends.to(torch.int32))
         if self.uses_grouped_mm(x):
             offs = ends.to(torch.int32)
             gate = torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs)
@@ -232,6 +249,20 @@ class WholeSequence:
         return torch.zeros_like(counts), counts.sum(1)
 
 
+class WholeExperts:
+    """How a MoE block sees its experts when it holds each of them whole: the routed output is
+    complete, nothing to sum. Expert tensor parallelism replaces it (`parallel/expert.py`)."""
+
+    def enter(self, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor`, an input of the experts' partial outputs, as it is; under expert tensor
+        parallelism its gradient is summed over the ranks holding the experts' slices."""
+        return tensor
+
+    def leave(self, partial: torch.Tensor) -> torch.Tensor:
+        """The routed output from this rank's share of it (here all of it)."""
+        return partial
+
+
 def z_loss(logits: torch.Tensor) -> torch.Tensor:
     """Mean over tokens of logsumexp(router logits)^2: keeps the router's logits small."""
     return torch.logsumexp(logits, dim=-1).pow(2).mean()
@@ -307,6 +338,7 @@ class MoEFeedForward(nn.Module):
         self.aux_loss: torch.Tensor | None = None
         self.stats = RoutingStats()
         self.sequence: WholeSequence = WholeSequence()
+        self.experts_split: WholeExperts = WholeExperts()
         # Expert groups of node-limited routing, one per node the ep group spans: set from
         # the recipe (`set_node_groups`), not from process groups, so any layout routes alike.
         # The model's own groups (moe_groups) need no layout.
@@ -393,6 +425,7 @@ class MoEFeedForward(nn.Module):
             self.stats.add(routed, (~keep).sum(), balance.detach(), zl.detach())
 
         tokens = x.reshape(-1, h)
+        split = self.experts_split
         flat_keep = keep.flatten()
         # Group the assignments by expert (stable: token order inside each expert), the
         # dropped ones last; shapes depend on b, s and k only.
@@ -400,8 +433,8 @@ class MoEFeedForward(nn.Module):
         order = torch.argsort(keys, stable=True)
         keys = keys[order]
         token_ids = torch.arange(b * s, device=x.device).repeat_interleave(k)[order]
-        gate = (weights.flatten() * flat_keep)[order]
-        rows = tokens[token_ids]
+        gate = split.enter((weights.flatten() * flat_keep)[order])
+        rows = split.enter(tokens)[token_ids]
         if limit is not None:
             rows = rows * (keys < n).unsqueeze(-1).to(rows.dtype)
         counts = torch.zeros(n + 1, dtype=torch.long, device=x.device)
@@ -409,6 +442,7 @@ class MoEFeedForward(nn.Module):
         slot_rows = None if limit is None else b * limit
         routed = self.dispatch(Grouped(rows, keys, counts, slot_rows))
         out = torch.zeros_like(tokens).index_add(0, token_ids, routed * gate[:, None].to(routed))
+        out = split.leave(out)
         if self.shared is not None:
             shared = self.shared(tokens)
             if self.shared_gate is not None:

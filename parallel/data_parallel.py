@@ -11,8 +11,9 @@
   backward, and between accumulation micro-batches (one all-gather per step). BF16, FP16
   and FP8 (bf16 outside its FP8 matmuls) use a MixedPrecisionPolicy with FP32 master
   weights and FP32 reduction. Expert-parallel experts are their own FSDP2
-  unit inside their block, over the `edp` ranks that hold the same experts, sharded on dim 1
-  (dim 0 is the experts, already split by ep, often one per rank), their reduce-scatter
+  unit inside their block, over the `edp` ranks that hold the same experts, sharded along
+  the model width (dim 0 is the experts, already split by ep, often one per rank; the hidden
+  width may be split by etp), their reduce-scatter
   divided by dp rather than edp (parallel/expert.py says why); with a single such rank
   (dp = ep) they stay outside FSDP.
 
@@ -38,7 +39,12 @@ from torch.nn.parallel import DistributedDataParallel
 
 from pretrain.core.layout import Degrees
 from pretrain.core.schema import ParallelConfig, PrecisionConfig
-from pretrain.parallel.expert import expert_parameter_names, expert_parameters, expert_replicas
+from pretrain.parallel.expert import (
+    expert_parameter_names,
+    expert_parameters,
+    expert_replicas,
+    expert_width_dims,
+)
 from pretrain.parallel.mesh import JobMesh
 from pretrain.parallel.offload import offload_policy
 from pretrain.parallel.precision import compute_dtype
@@ -92,6 +98,7 @@ def apply_fsdp(
     dp_mesh = mesh.fsdp
     offload = offload_policy(parallel, dp_mesh.device_type)
     reshard = parallel.zero == 3
+    width_dims = expert_width_dims(model)
     for experts, replicas in expert_replicas(model):
         # With one rank per set of experts there is nothing to shard: they stay outside
         # FSDP and are reduced by parallel/expert.py, as under DDP.
@@ -101,7 +108,9 @@ def apply_fsdp(
             experts,
             mesh=replicas.mesh,
             reshard_after_forward=reshard,
-            shard_placement_fn=_shard_within_experts,
+            # Along the model width: dim 0 may hold a single expert, and etp splits the
+            # hidden width.
+            shard_placement_fn=lambda param: Shard(width_dims[id(param)]),
             mp_policy=mp_policy,
         )
         experts.set_gradient_divide_factor(float(replicas.dp))
@@ -134,11 +143,6 @@ def apply_fsdp(
         ignored_params=ignored,
     )
     set_fsdp_prefetch(blocks, parallel.fsdp_prefetch)
-
-
-def _shard_within_experts(param: nn.Parameter) -> Shard:
-    # Stacked experts [local experts, rows, cols]: dim 1, as dim 0 may hold a single expert.
-    return Shard(1)
 
 
 def set_fsdp_prefetch(blocks: list[nn.Module], depth: int) -> None:

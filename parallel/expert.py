@@ -29,6 +29,15 @@ dispatches its own chunks within the ep group of its cp index).
 - Tensor parallelism: a MoE layer is not split over tp (`parallel/tensor.py` hands it the
   full sequence, replicated): every TP rank routes the same tokens and dispatches within its
   own EP group, which holds the ranks of the same tp index.
+- Expert tensor parallelism (`parallel.etp`, dividing tp): each expert's matrices are split
+  over etp consecutive ranks of the tp group, w1 and w3 [N, f, h] by column (dim 1), w2
+  [N, h, f] by row (dim 2), as DTensors over (ep, etp). A rank's experts then output partial
+  sums: the MoE block sums its combined routed output over etp (one all-reduce of tokens x h
+  per layer and forward), and in backward the gradients of the tokens and the routing weights
+  that fed the experts (`ExpertSlices`). The tp / etp ranks holding the same slices compute
+  the same thing, as the tp ranks do at etp = 1; they are no gradient replicas (`edp` is
+  unchanged). The dispatch runs within the ep group of the rank's tp index, so each etp rank
+  exchanges whole token rows with the ranks holding the same slice of the other experts.
 - Balancing bias (`model.moe_balance=bias|both`): after each optimizer step the step's loads
   are summed over dp x cp and every rank nudges its layers' biases alike (`finish_routing_step`).
 """
@@ -40,6 +49,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
@@ -47,7 +57,14 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from pretrain.core.model_config import ModelConfig
 from pretrain.core.schema import ParallelConfig
-from pretrain.models.moe import Grouped, GroupedExperts, MoEFeedForward, moe_modules, router_losses
+from pretrain.models.moe import (
+    Grouped,
+    GroupedExperts,
+    MoEFeedForward,
+    WholeExperts,
+    moe_modules,
+    router_losses,
+)
 from pretrain.parallel.mesh import JobMesh
 
 SLOT_HEADROOM = 1.25
@@ -56,6 +73,12 @@ SLOT_START = 2.0
 """Dropless slots start at this multiple of the mean load per expert."""
 SLOT_ALIGN = 8
 """Slot rows are rounded up to a multiple of this (aligned grouped-GEMM groups)."""
+ETP_DIMS = {"w1": 1, "w3": 1, "w2": 2}
+"""The dim of each stacked expert weight that expert tensor parallelism splits: the experts'
+hidden width f, by column in w1 and w3 [N, f, h], by row in w2 [N, h, f]."""
+WIDTH_DIMS = {"w1": 2, "w3": 2, "w2": 1}
+"""The dim of each stacked expert weight that is the model width h, which neither ep (dim 0)
+nor etp splits: where ZeRO-2/3 shard the experts."""
 
 
 @dataclass
@@ -145,24 +168,78 @@ class AllToAllDispatch:
         return torch.cat([returned, returned.new_zeros(1, h)])[index]
 
 
+class _SumOverGroup(torch.autograd.Function):
+    """An all-reduce (sum) over `group` in forward and the identity in backward, or the
+    other way round (`in_forward=False`): the pair that joins ranks computing parts of one
+    replicated value, whose loss every rank computes alike. Functional collectives, so that
+    compiled and recomputed blocks trace them (a DTensor round trip would save its mesh
+    for backward, which AOTAutograd refuses)."""
+
+    @staticmethod
+    def forward(
+        ctx: torch.autograd.function.FunctionCtx,
+        tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        in_forward: bool,
+    ) -> torch.Tensor:
+        ctx.group, ctx.in_forward = group, in_forward  # type: ignore[attr-defined]
+        if in_forward:
+            return funcol.wait_tensor(funcol.all_reduce(tensor, "sum", group))
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(  # type: ignore[override]
+        ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor
+    ) -> tuple[torch.Tensor, None, None]:
+        if ctx.in_forward:  # type: ignore[attr-defined]
+            return grad, None, None
+        summed = funcol.all_reduce(grad.contiguous(), "sum", ctx.group)  # type: ignore[attr-defined]
+        return funcol.wait_tensor(summed), None, None
+
+
+class ExpertSlices(WholeExperts):
+    """How a MoE block sees its experts when each rank of `mesh` (the etp group) holds a slice
+    of every one: partial outputs summed, the gradients of their inputs summed too."""
+
+    def __init__(self, mesh: DeviceMesh) -> None:
+        self.mesh = mesh
+        self.group = mesh.get_group()
+
+    def enter(self, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor` (the same on every etp rank), its gradient summed over etp in backward:
+        each rank's slice of the experts contributes a part of it."""
+        return _SumOverGroup.apply(tensor, self.group, False)
+
+    def leave(self, partial: torch.Tensor) -> torch.Tensor:
+        """The sum over etp of the ranks' partial outputs (their gradient is the sum's)."""
+        return _SumOverGroup.apply(partial, self.group, True)
+
+
 def apply_expert_parallel(model: nn.Module, mesh: JobMesh) -> None:
-    """Shard every MoE layer's experts over ep and route through all-to-all (no-op at ep=1)."""
+    """Shard every MoE layer's experts over ep and etp, route through all-to-all under ep > 1
+    and sum the slices' outputs under etp > 1 (no-op at ep = etp = 1)."""
     emesh = mesh.expert
     if emesh is None or not moe_modules(model):
         return
-    ep_mesh = emesh["ep"]
+    degrees = mesh.degrees
+    dims = tuple(dim for dim, size in (("ep", degrees.ep), ("etp", degrees.etp)) if size > 1)
+    shard_mesh = emesh[dims] if len(dims) > 1 else emesh[dims[0]]
     for key, block in model.layers.items():
         moe = block.feed_forward
         if not isinstance(moe, MoEFeedForward):
             continue
         experts = moe.experts
         for name, param in list(experts.named_parameters(recurse=False)):
-            sharded = distribute_tensor(param.data, ep_mesh, [Shard(0)], src_data_rank=None)
+            placements = [Shard(0) if dim == "ep" else Shard(ETP_DIMS[name]) for dim in dims]
+            sharded = distribute_tensor(param.data, shard_mesh, placements, src_data_rank=None)
             setattr(experts, name, nn.Parameter(sharded))
         # The other gradients are averaged over dp x cp; the experts' over their edp
         # holders (dp / ep x cp) after ep summed them, so divide by the same dp x cp.
         experts.replicas = ExpertReplicas(emesh["edp"], mesh.dp_cp.size())
-        moe.dispatch = AllToAllDispatch(experts, ep_mesh, int(key))
+        if degrees.ep > 1:
+            moe.dispatch = AllToAllDispatch(experts, emesh["ep"], int(key))
+        if degrees.etp > 1:
+            moe.experts_split = ExpertSlices(emesh["etp"])
 
 
 def expert_replicas(model: nn.Module) -> list[tuple[GroupedExperts, ExpertReplicas]]:
@@ -203,6 +280,16 @@ def reduce_expert_grads(model: nn.Module) -> None:
             if dist.get_world_size(group) > 1:
                 dist.all_reduce(grad, group=group)
             grad.div_(replicas.dp)
+
+
+def expert_width_dims(model: nn.Module) -> dict[int, int]:
+    """By parameter id, the model-width dim of every stacked expert weight (`WIDTH_DIMS`)."""
+    return {
+        id(param): WIDTH_DIMS[name]
+        for module in model.modules()
+        if isinstance(module, GroupedExperts)
+        for name, param in module.named_parameters(recurse=False)
+    }
 
 
 def dropless_dispatch(model: ModelConfig, parallel: ParallelConfig) -> bool:

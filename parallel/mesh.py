@@ -6,10 +6,12 @@ TP is innermost so its ranks are consecutive and stay inside a node, and CP next
 flattened `dp` dim (dp_replicate x dp_shard) is the group the data loader splits sequences
 over; `dp_cp` adds the cp ranks, which read the same sequences (each its own chunks) and
 hold the same weights, so gradients are reduced over it (DDP) and FSDP shards over
-dp_shard x cp (hybrid sharding: replicated over dp_replicate). Expert parallelism carves
-its ep ranks out of dp: the expert mesh is (pp, edp, ep, tp) over the same ranks, where
-edp = dp / ep x cp joins the ranks that hold the same experts (the cp ranks of a sequence
-hold the same weights, experts included).
+dp_shard x cp (hybrid sharding: replicated over dp_replicate). The experts have a mesh of
+their own over the same ranks: expert parallelism carves its ep ranks out of dp and expert
+tensor parallelism its etp ranks out of tp, so the expert mesh is (pp, edp, ep, ep_tp, etp),
+where edp = dp / ep x cp joins the ranks that hold the same expert shards and reduce their
+gradients (the cp ranks of a sequence hold the same weights, experts included) and ep_tp =
+tp / etp the ranks of a tp group that hold the same shards and compute the same thing.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from pretrain.core.layout import MESH_DIMS, Degrees
 
-EXPERT_MESH_DIMS = ("ep_pp", "edp", "ep", "ep_tp")
+EXPERT_MESH_DIMS = ("ep_pp", "edp", "ep", "ep_tp", "etp")
 
 
 @dataclass(frozen=True)
@@ -40,8 +42,8 @@ class JobMesh:
     """What FSDP shards over: (replicate, shard) for hybrid sharding, else 1-D; the shard
     dim is dp_shard x cp."""
     expert: DeviceMesh | None = None
-    """The (pp, dp / ep x cp, ep, tp) mesh MoE layers shard their experts over (`ep`) and keep
-    their replicas on (`edp`); None when ep = 1."""
+    """The (pp, dp / ep x cp, ep, tp / etp, etp) mesh MoE layers shard their experts over
+    (`ep` and `etp`) and keep their replicas on (`edp`); None when ep = etp = 1."""
 
 
 def build_mesh(degrees: Degrees, device_type: str) -> JobMesh:
@@ -61,7 +63,7 @@ def build_mesh(degrees: Degrees, device_type: str) -> JobMesh:
             fsdp = dp_cp._unflatten(0, shape, ("fsdp_replicate", "dp_shard_cp"))
         else:
             fsdp = mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
-    expert = _expert_mesh(degrees, device_type) if degrees.ep > 1 else None
+    expert = _expert_mesh(degrees, device_type) if max(degrees.ep, degrees.etp) > 1 else None
     return JobMesh(degrees=degrees, world=mesh, dp=dp, dp_cp=dp_cp, fsdp=fsdp, expert=expert)
 
 
@@ -70,11 +72,12 @@ def _expert_mesh(degrees: Degrees, device_type: str) -> DeviceMesh:
 
 
 def expert_mesh_ranks(degrees: Degrees) -> torch.Tensor:
-    """The global ranks of the expert mesh, (pp, edp, ep, tp): ep splits the dp index (inner,
-    so an ep group shares its cp and tp index), and edp joins the rest of dp with cp."""
+    """The global ranks of the expert mesh, (pp, edp, ep, ep_tp, etp): ep splits the dp index
+    (inner, so an ep group shares its cp and tp index), edp joins the rest of dp with cp, and
+    etp splits the tp index (inner: consecutive ranks), ep_tp counting its chunks."""
     d = degrees
-    ranks = torch.arange(d.world).view(d.pp, d.dp // d.ep, d.ep, d.cp, d.tp)
-    return ranks.transpose(2, 3).reshape(d.pp, d.dp // d.ep * d.cp, d.ep, d.tp)
+    ranks = torch.arange(d.world).view(d.pp, d.dp // d.ep, d.ep, d.cp, d.tp // d.etp, d.etp)
+    return ranks.transpose(2, 3).reshape(d.pp, d.dp // d.ep * d.cp, d.ep, d.tp // d.etp, d.etp)
 
 
 def _fsdp_mesh(mesh: DeviceMesh, degrees: Degrees) -> DeviceMesh:

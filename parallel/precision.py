@@ -6,11 +6,15 @@
   backward, gradients are unscaled before clipping, and a step whose gradients overflowed is
   skipped while the scale backs off; after enough clean steps the scale grows again.
 - fp8: the transformer blocks' linear layers compute in FP8, everything else (embedding, norms,
-  attention softmax, LM head, master weights, optimizer) stays as bf16 runs it. Two backends:
-  torchao's float8 training (swaps in `Float8Linear`; composes with FSDP2, optionally
-  all-gathering FP8 weights; `emulate` runs it on CPU) and Transformer Engine (swaps in
-  `te.Linear` and runs the forward under `fp8_autocast`). Transformer Engine is imported only
-  when a recipe asks for it, so nothing here needs it on CPU.
+  attention softmax, LM head, a MoE layer's router, master weights, optimizer) stays as bf16
+  runs it. Two backends: torchao (per-tensor and rowwise scaling swap in its `Float8Linear`,
+  which composes with FSDP2, optionally all-gathering FP8 weights; MXFP8 and 128 x 128 block
+  FP8 its block-scaled matmuls, `parallel/fp8_linear.py`; `emulate` runs all but the block
+  FP8 on CPU)
+  and Transformer Engine (swaps in `te.Linear` and runs the forward under `fp8_autocast`
+  with the recipe's scaling). Under torchao the routed experts of a MoE model run through
+  its FP8 grouped GEMM where the scaling has one (`parallel/fp8_experts.py`). Transformer
+  Engine is imported only when a recipe asks for it, so nothing here needs it on CPU.
 """
 
 from __future__ import annotations
@@ -19,14 +23,23 @@ import contextlib
 import dataclasses
 import importlib
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from pretrain.core.precision import BACKEND_INSTALL, BACKEND_MODULES, FP8_MULTIPLE
+from pretrain.core.precision import (
+    BACKEND_INSTALL,
+    BACKEND_MODULES,
+    FP8_MULTIPLE,
+    fp8_experts,
+    scaling_multiple,
+)
 from pretrain.core.schema import PrecisionConfig
+from pretrain.models.moe import GroupedExperts
+from pretrain.parallel.fp8_experts import Fp8Experts
+from pretrain.parallel.fp8_linear import BlockScaledLinear
 
 COMPUTE_DTYPES = {
     "fp32": None,
@@ -54,36 +67,58 @@ def require_backend(precision: PrecisionConfig) -> None:
         ) from error
 
 
-def fp8_candidate(module: nn.Module, fqn: str) -> bool:
+ROUTER = "router"
+"""A MoE layer's router (models/moe.py): its logits pick the experts, so it never runs in FP8,
+whatever its shape."""
+
+
+def fp8_candidate(module: nn.Module, fqn: str, multiple: int = FP8_MULTIPLE) -> bool:
     """Whether `module` (at `fqn`) computes in FP8: the linear layers inside the transformer
-    blocks whose widths FP8 matmuls accept. The LM head and everything outside `layers` stay
-    in high precision."""
+    blocks whose widths are multiples of `multiple` (the scaling's, `scaling_multiple`),
+    less MoE routers. The LM head and everything outside `layers` stay in high precision."""
     return (
         isinstance(module, nn.Linear)
         and fqn.startswith("layers.")
-        and module.in_features % FP8_MULTIPLE == 0
-        and module.out_features % FP8_MULTIPLE == 0
+        and fqn.rpartition(".")[2] != ROUTER
+        and module.in_features % multiple == 0
+        and module.out_features % multiple == 0
     )
 
 
 def apply_precision(model: nn.Module, precision: PrecisionConfig) -> list[str]:
-    """Swap the blocks' linear layers for FP8 ones when `precision.dtype=fp8`, in place.
+    """Swap the blocks' linear layers for FP8 ones when `precision.dtype=fp8`, and give the
+    routed experts their FP8 grouped GEMM where the scaling has one, in place.
 
     Works on a meta-device model before any other parallelism; parameter names are kept, so
-    initialization and checkpoints do not depend on the precision. Returns the swapped names.
+    initialization and checkpoints do not depend on the precision. Returns the swapped
+    names: linear layers, and expert modules whose grouped GEMM runs in FP8.
     """
     if precision.dtype != "fp8":
         return []
     require_backend(precision)
-    names = [fqn for fqn, module in model.named_modules() if fp8_candidate(module, fqn)]
-    if precision.fp8_backend == "torchao":
-        _convert_torchao(model, precision)
+    multiple = scaling_multiple(precision.fp8_recipe)
+    names = [fqn for fqn, module in model.named_modules() if fp8_candidate(module, fqn, multiple)]
+    if precision.fp8_backend == "te":
+        import transformer_engine.pytorch as te
+
+        _swap_linears(model, names, lambda old: te.Linear(
+            old.in_features, old.out_features, bias=old.bias is not None,
+            params_dtype=old.weight.dtype, device=old.weight.device,
+        ))  # fmt: skip
+    elif precision.fp8_recipe in ("current", "rowwise"):
+        _convert_torchao_float8(model, precision)
     else:
-        _convert_te(model, names)
+        recipe, emulate = precision.fp8_recipe, precision.fp8_emulate
+        _swap_linears(model, names, lambda old: BlockScaledLinear(old, recipe, emulate))
+    if fp8_experts(precision):
+        for fqn, module in model.named_modules():
+            if isinstance(module, GroupedExperts):
+                module.kernel = Fp8Experts(precision.fp8_recipe, precision.fp8_emulate)
+                names.append(fqn)
     return names
 
 
-def _convert_torchao(model: nn.Module, precision: PrecisionConfig) -> None:
+def _convert_torchao_float8(model: nn.Module, precision: PrecisionConfig) -> None:
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     recipe = {"current": "tensorwise", "rowwise": "rowwise"}[precision.fp8_recipe]
@@ -97,21 +132,14 @@ def _convert_torchao(model: nn.Module, precision: PrecisionConfig) -> None:
     convert_to_float8_training(model, module_filter_fn=fp8_candidate, config=config)
 
 
-def _convert_te(model: nn.Module, names: list[str]) -> None:
-    import transformer_engine.pytorch as te
-
+def _swap_linears(
+    model: nn.Module, names: list[str], build: Callable[[nn.Linear], nn.Module]
+) -> None:
+    """Replace each linear layer named in `names` by `build(old)`."""
     for fqn in names:
         parent_name, _, child = fqn.rpartition(".")
         parent = model.get_submodule(parent_name)
-        old: nn.Linear = getattr(parent, child)
-        new = te.Linear(
-            old.in_features,
-            old.out_features,
-            bias=old.bias is not None,
-            params_dtype=old.weight.dtype,
-            device=old.weight.device,
-        )
-        setattr(parent, child, new)
+        setattr(parent, child, build(getattr(parent, child)))
 
 
 def _te_recipe(precision: PrecisionConfig):
@@ -126,6 +154,9 @@ def _te_recipe(precision: PrecisionConfig):
         )
     if precision.fp8_recipe == "mxfp8":
         return recipe.MXFP8BlockScaling()
+    if precision.fp8_recipe == "blockwise":
+        # DeepSeek-V3's: 1 x 128 activation tiles, 128 x 128 weight blocks.
+        return recipe.Float8BlockScaling()
     return recipe.Float8CurrentScaling(fp8_format=recipe.Format.HYBRID)
 
 

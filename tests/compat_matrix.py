@@ -76,8 +76,20 @@ FEATURES: tuple[Feature, ...] = (
     _feature("bf16", "dtype", precision__dtype="bf16"),
     _feature("fp16", "dtype", precision__dtype="fp16"),
     _feature("fp8", "dtype", precision__dtype="fp8", precision__fp8_backend="torchao"),
+    _feature(
+        "fp8 experts", "dtype", **MOE, precision__dtype="fp8", precision__fp8_recipe="rowwise"
+    ),
+    _feature(
+        "mxfp8",
+        "dtype",
+        precision__dtype="fp8",
+        precision__fp8_recipe="mxfp8",
+        cluster__gpu_type="b200",
+    ),
+    _feature("block fp8", "dtype", precision__dtype="fp8", precision__fp8_recipe="blockwise"),
     _feature("moe", "moe", **MOE),
     _feature("ep", "moe", **MOE, parallel__ep=2),
+    _feature("etp", "moe", **MOE, parallel__ep=2, parallel__tp=2, parallel__etp=2),
     _feature("mla", "attention", model__attention="mla", model__n_kv_heads=0, model__mla_q_rank=64),
     _feature("doc mask", "doc_mask", data__doc_mask=True),
     _feature("loss chunks", "loss_chunks", train__loss_chunks=2),

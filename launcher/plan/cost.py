@@ -10,12 +10,13 @@ the layout search alike.
   collectives tp_r counts too; the embedding costs no matmul) at COMPUTE_EFFICIENCY of the
   GPU's dense peak. Uneven stages (`parallel.pp_layers`) give each rank its own share. A
   MoE layer's router and experts run whole on every TP rank (parallel/expert.py): tp does
-  not divide their FLOPs.
+  not divide their FLOPs; etp divides the routed experts'.
 - tp_r: tensor parallelism's collectives, not overlapped. Per block and micro-batch, forward
   and backward each move two all-reduces of the block's s*b*h activations in the compute
   dtype (with SP, a reduce-scatter and an all-gather each: the same bytes); a fully
   recomputed block repeats the forward's. A ring moves 2(t-1)/t of the message per rank,
-  in 2(t-1) steps of one latency each.
+  in 2(t-1) steps of one latency each. Expert tensor parallelism adds its all-reduces over
+  the etp ranks of the tp group (`pretrain.launcher.plan.ep_comm.etp_all_reduces`).
 - ep_r: expert parallelism's all-to-alls (`pretrain.launcher.plan.ep_comm`): dispatch and combine,
   forward and backward, again under full recompute, not overlapped, over the link the ep
   group spans, one latency each.
@@ -74,7 +75,12 @@ from pretrain.core.schedules import SCHEDULES
 from pretrain.core.schema import RecipeConfig
 from pretrain.core.stages import head_rank, placement
 from pretrain.launcher.plan.cp_comm import cp_communication
-from pretrain.launcher.plan.ep_comm import all_to_alls, ep_communication
+from pretrain.launcher.plan.ep_comm import (
+    all_to_alls,
+    ep_communication,
+    etp_all_reduces,
+    etp_communication,
+)
 from pretrain.launcher.plan.memory import rank_layers, stage_experts, stage_params
 from pretrain.launcher.plan.muon_work import muon_work
 from pretrain.launcher.plan.schedule_sim import SIMULATED, bubble_fraction
@@ -174,41 +180,44 @@ def recipe_links(cfg: RecipeConfig, gpu_type: str) -> Links | None:
     )
 
 
-def _layer_flops(cfg: RecipeConfig) -> list[tuple[int, int, int]]:
-    """(hardware, forward, replicated) FLOPs per token of each block, recomputation
+def _layer_flops(cfg: RecipeConfig) -> list[tuple[int, int, int, int]]:
+    """(hardware, forward, replicated, routed) FLOPs per token of each block, recomputation
     included; `replicated` is the part of `hardware` that tp does not split (a MoE layer's
-    router and experts: parallel/expert.py hands every TP rank the whole layer)."""
+    router and experts: parallel/expert.py hands every TP rank the whole layer), `routed`
+    the part of it that etp splits (the routed experts)."""
     m, seq, policy = cfg.model, cfg.train.seq_len, cfg.recompute.policy
     # Every block of a dense model is the same, recomputed or not.
     dense = block_flops_per_token(m, seq, 0)
-    plain = (dense.with_recompute(policy, 0.0), dense.forward, 0)
-    again = (dense.with_recompute(policy, 1.0), dense.forward, 0)
+    plain = (dense.with_recompute(policy, 0.0), dense.forward, 0, 0)
+    again = (dense.with_recompute(policy, 1.0), dense.forward, 0, 0)
+    routed = m.moe_top_k * 3 * 2 * m.dim * m.expert_ffn_dim
     flops = []
     for layer in range(m.n_layers):
         recomputed = is_recomputed(cfg.recompute, layer)
         if m.moe_experts:
             block = block_flops_per_token(m, seq, layer)
-            moe = block.mlp if m.is_moe_layer(layer) else 0
+            moe = m.is_moe_layer(layer)
             moe_passes = 3 + (1 if recomputed and policy == "full" else 0)
             hardware = block.with_recompute(policy, float(recomputed))
-            flops.append((hardware, block.forward, moe_passes * moe))
+            replicated = moe_passes * block.mlp if moe else 0
+            flops.append((hardware, block.forward, replicated, moe_passes * routed * moe))
         else:
             flops.append(again if recomputed else plain)
     return flops
 
 
 def _rank_flops(
-    cfg: RecipeConfig, layers: list[tuple[int, int, int]], pp_rank: int
-) -> tuple[int, int, int]:
+    cfg: RecipeConfig, layers: list[tuple[int, int, int, int]], pp_rank: int
+) -> tuple[int, int, int, int]:
     held = rank_layers(cfg, pp_rank)
     hardware, forward = sum(layers[i][0] for i in held), sum(layers[i][1] for i in held)
-    replicated = sum(layers[i][2] for i in held)
+    replicated, routed = sum(layers[i][2] for i in held), sum(layers[i][3] for i in held)
     p = cfg.parallel
     if pp_rank == head_rank(p.pp, p.vpp, placement(p.pp_schedule) if p.pp > 1 else "loop"):
         flops = flops_per_token(cfg.model, cfg.train.seq_len)
         head = flops.lm_head + flops.mtp  # the MTP modules run on the last stage, never again
         hardware, forward = hardware + 3 * head, forward + head
-    return hardware, forward, replicated
+    return hardware, forward, replicated, routed
 
 
 def step_cost(
@@ -226,9 +235,10 @@ def step_cost(
 
     layer_flops = _layer_flops(cfg)
     work = [_rank_flops(cfg, layer_flops, r) for r in range(pp)]
+    etp = degrees.etp
     compute = [
-        mb_tokens * ((hardware - replicated) / t + replicated) / rate
-        for hardware, _, replicated in work
+        mb_tokens * ((hardware - replicated) / t + replicated - routed * (1 - 1 / etp)) / rate
+        for hardware, _, replicated, routed in work
     ]
     tp_time = [0.0] * pp
     if t > 1:
@@ -245,6 +255,8 @@ def step_cost(
             if r == head_rank(pp, p.vpp, placement(p.pp_schedule) if pp > 1 else "loop"):
                 passes += 2 * cfg.model.mtp_layers  # the MTP modules' blocks
             tp_time[r] = passes * 2 * (2 * (t - 1) / t * activation / bandwidth + steps)
+    etp_time = _etp_all_reduces(cfg, degrees, links)
+    tp_time = [tp_time[r] + etp_time[r] for r in range(pp)]
     a2a = _all_to_all(cfg, degrees, links)
     chunks = p.vpp if SCHEDULES[p.pp_schedule].interleaved else 1
     p2p = tied = 0.0
@@ -264,7 +276,7 @@ def step_cost(
     if p.pp_schedule in SIMULATED and pp > 1:
         fraction = bubble_fraction(p.pp_schedule, pp, microbatches, p.vpp, segment_steps(cfg))
         fill_drain = microbatches * per_rank[slowest] * fraction / (1 - fraction)
-    hardware, forward, _ = work[slowest]
+    hardware, forward, _, _ = work[slowest]
     # The gradient reduction overlaps the last micro-batch's backward (recomputation included).
     last_backward = compute[slowest] * (1 - forward / hardware) if hardware else 0.0
     dp_total, dp_exposed = _data_parallel(
@@ -306,6 +318,24 @@ def _all_to_all(cfg: RecipeConfig, degrees: Degrees, links: Links) -> list[float
     # The sends of one all-to-all are posted together: one step of latency.
     one = comm.message_bytes / bandwidth + group_latency(links, gpn, comm.stride, degrees.ep)
     return [all_to_alls(cfg, rank_layers(cfg, r)) * one for r in range(degrees.pp)]
+
+
+def _etp_all_reduces(cfg: RecipeConfig, degrees: Degrees, links: Links) -> list[float]:
+    """Per pipeline rank and micro-batch, the seconds of its MoE layers' all-reduces over the
+    etp ranks (consecutive ranks of a tp group), as a ring: 2(e-1)/e of each message in
+    2(e-1) steps; zeros without etp."""
+    comm = etp_communication(cfg, degrees)
+    if comm is None:
+        return [0.0] * degrees.pp
+    e, gpn = degrees.etp, cfg.cluster.gpus_per_node
+    bandwidth = group_bandwidth(links, gpn, 1, e)
+    steps = 2 * (e - 1) * group_latency(links, gpn, 1, e)
+    times = []
+    for r in range(degrees.pp):
+        outputs, gates = etp_all_reduces(cfg, rank_layers(cfg, r))
+        sent = outputs * comm.output_bytes + gates * comm.gate_bytes
+        times.append(2 * (e - 1) / e * sent / bandwidth + (outputs + gates) * steps)
+    return times
 
 
 def _ring(
@@ -353,13 +383,12 @@ def _data_parallel(
     shard, replicate = degrees.dp_shard * cp, degrees.dp_replicate
     own = (dense - experts) / t
     dense_traffic = _group_traffic(cfg, microbatches, links, own, t, shard, replicate)
-    # Routed experts: ep splits them, tp does not (every TP rank holds a MoE layer whole);
-    # their gradients reduce over the expert-data-parallel ranks holding the same ones:
-    # dp / ep of them (x cp), tp x cp x ep apart (parallel/expert.py).
+    # Routed experts: ep splits them and etp their hidden width, tp does not (every TP rank
+    # holds a MoE layer whole); their gradients reduce over the expert-data-parallel ranks
+    # holding the same ones: dp / ep of them (x cp), tp x cp x ep apart (parallel/expert.py).
     edp = degrees.dp // degrees.ep * cp
-    expert_traffic = _group_traffic(
-        cfg, microbatches, links, experts / degrees.ep, t * degrees.ep, edp, 1
-    )
+    local_experts = experts / (degrees.ep * degrees.etp)
+    expert_traffic = _group_traffic(cfg, microbatches, links, local_experts, t * degrees.ep, edp, 1)
     reduce, gather, after_step = (a + b for a, b in zip(dense_traffic, expert_traffic, strict=True))
     exposed = (
         max(0.0, reduce - DP_OVERLAP * last_backward)

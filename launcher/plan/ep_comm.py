@@ -18,6 +18,13 @@ that sends a token once per node and fans it out inside the node carries, DeepSe
 min(k, M) nodes per token of which (G - 1) / G are other nodes at balanced load, for an ep
 group over G nodes. The all-to-all here sends every assignment's row, so its time reads
 `message_bytes`.
+
+Expert tensor parallelism (`parallel.etp`) adds all-reduces over the etp ranks (consecutive
+ranks of a tp group): per MoE layer and micro-batch, the forward sums the combined routed
+output (tokens x dim in the compute dtype), the backward the gradient of the tokens that fed
+the expert slices (the same size) and of the routing weights (tokens x top_k, FP32), and a
+fully recomputed block sums its forward's output again (`etp_all_reduces`). The all-to-all's
+bytes do not change: each etp rank exchanges whole rows with the ep ranks of its tp index.
 """
 
 from __future__ import annotations
@@ -80,3 +87,38 @@ def all_to_alls(cfg: RecipeConfig, layers: tuple[int, ...]) -> int:
         if m.is_moe_layer(layer):
             count += 4 + (2 if full and is_recomputed(cfg.recompute, layer) else 0)
     return count
+
+
+@dataclass(frozen=True)
+class ETPComm:
+    """One MoE layer's expert-tensor-parallel all-reduces per micro-batch, on one rank."""
+
+    output_bytes: float
+    """Bytes of the routed output summed over etp (tokens x dim, compute dtype); the
+    tokens' gradient in backward is the same size."""
+    gate_bytes: float
+    """Bytes of the routing weights' gradient summed over etp in backward (tokens x top_k,
+    FP32)."""
+
+
+def etp_communication(cfg: RecipeConfig, degrees: Degrees) -> ETPComm | None:
+    """The etp all-reduces of one MoE layer and micro-batch; None without etp."""
+    m = cfg.model
+    if degrees.etp == 1 or not m.moe_experts:
+        return None
+    # Every tp rank routes its cp share of the whole sequence (gathered under SP).
+    tokens = cfg.train.seq_len // degrees.cp * cfg.train.micro_batch
+    return ETPComm(tokens * m.dim * COMPUTE_BYTES[cfg.precision.dtype], tokens * m.moe_top_k * 4)
+
+
+def etp_all_reduces(cfg: RecipeConfig, layers: tuple[int, ...]) -> tuple[int, int]:
+    """(output-sized, gate-sized) etp all-reduces per micro-batch of the MoE layers among
+    `layers`: the output in forward, the tokens' and the weights' gradients in backward,
+    and the output again in a fully recomputed block."""
+    m, full = cfg.model, cfg.recompute.policy == "full"
+    output = gate = 0
+    for layer in layers:
+        if m.is_moe_layer(layer):
+            output += 2 + (1 if full and is_recomputed(cfg.recompute, layer) else 0)
+            gate += 1
+    return output, gate

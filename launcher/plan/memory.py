@@ -19,11 +19,13 @@ The trainer's bookkeeping (stated, because it differs from the ZeRO paper's):
   backward, ZeRO-3 one block plus the prefetched next; the root's embedding, final norm
   and head stay unsharded through the step).
   Gradient accumulation without sync keeps FP32 unsharded gradients between micro-batches.
-- TP: RMSNorm weights (and MLA's latent down-projections) stay replicated; column-wise
+- TP: RMSNorm weights (and MLA's latent down-projections, and a MoE layer's router and
+  shared experts) stay replicated; column-wise
   projections keep their all-gathered input under SP; the vocab-parallel loss keeps one more
   FP32 logits shard.
-- Experts: split over ep; under ZeRO-2/3 also sharded over the dp*cp / ep ranks that hold the
-  same experts. Expert-parallel dispatch sends padded slots: ceil(c s k / N) per sequence
+- Experts: split over ep, and each one's hidden width over etp (a MoE layer is otherwise
+  whole on every tp rank); under ZeRO-2/3 also sharded over the dp*cp / ep ranks that hold
+  the same experts. Expert-parallel dispatch sends padded slots: ceil(c s k / N) per sequence
   with a capacity factor c, `DROPLESS_SLOTS` times the mean load when dropless.
 - Optimizer states: `state_tensors` per parameter of `optim.state_dtype`'s bytes (codes
   plus block scales for int8/int4); the in-repo optimizers (all but torch's FP32 AdamW and
@@ -204,21 +206,22 @@ def llama_block_activations(
     sp: bool,
     policy: str,
     padding: float = 1.0,
+    etp: int = 1,
 ) -> float:
     """Bytes one Llama block of models/llama.py saves for backward, per micro-batch.
 
     `compute` is the bytes of matmul outputs, `residual` of the residual stream (FP32 under
     autocast, whose additions promote). Head- and FFN-wide tensors split over tp; the norms'
     tensors split over tp only with sp. Column-parallel linears save their (gathered) input
-    whole, as DTensor's sequence parallelism does. `padding`: see `mlp_width`.
+    whole, as DTensor's sequence parallelism does. `padding` and `etp`: see `mlp_width`.
     """
     h = m.dim
     split, replicated, sdpa = attention_widths(m)
-    width = mlp_width(m, padding)
+    width = mlp_width(m, padding, t, etp)
     seq = t if sp else 1
     if policy == "selective":
         # Only the checkpoint's input and the outputs of the matmuls are kept.
-        kept = residual * h / seq + compute * ((split + 2 * width) / t + replicated + 2 * h / seq)
+        kept = residual * h / seq + compute * (split / t + 2 * width + replicated + 2 * h / seq)
         return s * b * kept
     # Each RMSNorm keeps its FP32 input, its inverse RMS and its normalized output (in the
     # residual dtype); the linears after it keep their input, one cast copy per linear under
@@ -235,13 +238,20 @@ def llama_block_activations(
         # The latents' norms keep their FP32 input and normalized output (the up-projections'
         # input) on every TP rank.
         attention += (4 + compute) * (m.kv_rank + m.mla_q_rank) + 8
-    mlp = compute * 4 * width / t  # w1 and w3 outputs, silu output, w2's input
+    mlp = compute * 4 * width  # w1 and w3 outputs, silu output, w2's input
     return s * b * (norms + linear_inputs + attention + mlp)
 
 
 def stepped_per_parameter(optim: OptimConfig) -> bool:
     """Whether the optimizer steps one parameter at a time (the in-repo ones)."""
     return optim.name in ("lion", "muon") or (optim.name == "adamw" and optim.state_dtype != "fp32")
+
+
+def moe_tp_replicated(m: ModelConfig) -> int:
+    """Weights of one MoE layer beside its routed experts that tensor parallelism leaves
+    whole on every rank (the layer is not split over tp): the router and the shared
+    experts."""
+    return m.dim * m.moe_experts + m.moe_shared_experts * 3 * m.dim * m.expert_ffn_dim
 
 
 def tp_replicated(m: ModelConfig, tp: int = 1) -> int:
@@ -268,21 +278,22 @@ def dispatch_padding(cfg: RecipeConfig) -> float:
     return cfg.model.moe_capacity_factor or DROPLESS_SLOTS
 
 
-def mlp_width(m: ModelConfig, padding: float = 1.0) -> float:
-    """The MLP's hidden width per token, averaged over the layers.
+def mlp_width(m: ModelConfig, padding: float = 1.0, tp: int = 1, etp: int = 1) -> float:
+    """The MLP's hidden width per token on one tp rank, averaged over the layers.
 
-    A MoE layer runs k routed and the shared experts, and its dispatch keeps about five
-    h-wide copies of each of the k assignments (gathered, sent, received, expert output,
+    A dense MLP is split over tp. A MoE layer is not: every tp rank runs its k routed
+    experts, each split over etp, and the shared experts whole, and its dispatch keeps about
+    five h-wide copies of each of the k assignments (gathered, sent, received, expert output,
     weighted), counted here as 5kh/4 of width; `padding` scales what runs on padded slots
     (the experts' hidden width and three of those copies).
     """
     k = m.moe_top_k
-    moe = (k * padding + m.moe_shared_experts) * m.expert_ffn_dim + (
+    moe = (k * padding / etp + m.moe_shared_experts) * m.expert_ffn_dim + (
         2 + 3 * padding
     ) * k * m.dim / 4
     layers = m.n_moe_layers
     # A one-input MLP (GeLU, squared ReLU) keeps half of SwiGLU's ffn-wide tensors.
-    dense = m.ffn_dim if m.mlp == "swiglu" else m.ffn_dim / 2
+    dense = (m.ffn_dim if m.mlp == "swiglu" else m.ffn_dim / 2) / tp
     return ((m.n_layers - layers) * dense + layers * moe) / m.n_layers
 
 
@@ -455,7 +466,7 @@ class _RankShape:
     """Of `local`, the parameters that are not a block's weight matrix (embedding, head,
     norms): Muon leaves them to AdamW's states."""
     expert_local: float
-    """Routed-expert parameters on the rank (split over ep)."""
+    """Routed-expert parameters on the rank (split over ep and etp)."""
     expert_fsdp: bool
     """Whether ZeRO-2/3 shards the experts over the dp / ep ranks holding the same ones."""
     expert_resident: float
@@ -479,14 +490,16 @@ def _rank_shape(cfg: RecipeConfig, degrees: Degrees, microbatches: int, pp_rank:
     counts = count_params(cfg.model)
     block_params, root_params, blocks = stage_params(cfg, pp_rank, counts)
     m = cfg.model
-    # Routed experts: split over ep, not over tp; ZeRO-2/3 shard them over dp / ep too.
+    # Routed experts: split over ep and etp, not over tp; ZeRO-2/3 shard them over dp / ep too.
     experts = counts.experts * blocks // m.n_layers if blocks else 0
     block_params -= experts
-    expert_local = experts / degrees.ep
+    expert_local = experts / (degrees.ep * degrees.etp)
     expert_fsdp = fsdp and n > degrees.ep  # one rank per set of experts: not sharded
     # Norms (and MLA's latent down-projections) are replicated over tp; the rest is split.
     final_norm = m.dim if last else 0
-    replicated = tp_replicated(m, t) * blocks + final_norm
+    # MoE layers are spread evenly over the stages, as in `stage_params`.
+    moe_whole = moe_tp_replicated(m) * m.n_moe_layers * blocks // m.n_layers if blocks else 0
+    replicated = tp_replicated(m, t) * blocks + final_norm + moe_whole
     return _RankShape(
         cfg=cfg,
         degrees=degrees,
@@ -535,7 +548,8 @@ def memory_breakdown(
             not r.expert_fsdp and cfg.precision.dtype != "fp32"
         )
         transients += r.compute * r.expert_local if unsharded else 0.0
-        notes["params"] += f", experts split over ep={degrees.ep}" + (
+        etp = f" x etp={degrees.etp}" if degrees.etp > 1 else ""
+        notes["params"] += f", experts split over ep={degrees.ep}{etp}" + (
             f" and dp*cp/ep={degrees.grad_replicas // degrees.ep}" if r.expert_fsdp else ""
         )
     versions = weight_versions(cfg)
@@ -587,7 +601,8 @@ def _step_temporaries(cfg: RecipeConfig, degrees: Degrees, stepped: float) -> fl
     m = cfg.model
     largest = max(m.dim * m.ffn_dim, m.dim * m.n_heads * m.qk_head_dim, m.dim * m.vocab_size)
     if m.moe_experts:
-        largest = max(largest, m.moe_experts // degrees.ep * m.dim * m.expert_ffn_dim)
+        experts = m.moe_experts // degrees.ep * m.dim * m.expert_ffn_dim // degrees.etp
+        largest = max(largest, experts)
     return 4 * 4 * largest
 
 
@@ -728,7 +743,7 @@ def _block_backward(cfg: RecipeConfig, degrees: Degrees, compute: int, fsdp: boo
     three hidden-wide gradients (of w2's input and of the gate and up outputs)."""
     t, sp = degrees.tp, cfg.parallel.sp
     per_token = _residual_bytes(cfg, fsdp) * cfg.model.dim / (t if sp else 1)
-    per_token += 3 * compute * mlp_width(cfg.model, dispatch_padding(cfg)) / t
+    per_token += 3 * compute * mlp_width(cfg.model, dispatch_padding(cfg), t, degrees.etp)
     tokens, b = local_tokens(cfg), cfg.train.micro_batch
     return tokens * b * per_token + _ring_backward(cfg, degrees, compute)
 
@@ -759,9 +774,10 @@ def _activations(
     blocks = rank_layer_count(m.n_layers, p.pp, p.vpp, p.pp_layers, pp_rank, style)
     policy = cfg.recompute.policy
     pad = dispatch_padding(cfg)
-    whole = llama_block_activations(m, s, b, compute, residual, t, sp, "none", pad)
+    etp = degrees.etp
+    whole = llama_block_activations(m, s, b, compute, residual, t, sp, "none", pad, etp)
     if policy == "selective":
-        kept = llama_block_activations(m, s, b, compute, residual, t, sp, "selective", pad)
+        kept = llama_block_activations(m, s, b, compute, residual, t, sp, "selective", pad, etp)
         stage = blocks * kept
         note = "selective: matmul outputs kept"
     elif policy == "full":

@@ -24,13 +24,13 @@ from pretrain.core.layout import (
 )
 from pretrain.core.optim_states import state_bytes, state_tensors
 from pretrain.core.pipedream import segment_steps
-from pretrain.core.precision import peak_dtype
+from pretrain.core.precision import fp8_experts, fp8_placement, peak_dtype
 from pretrain.core.recompute import recomputed_blocks
 from pretrain.core.schedules import SCHEDULES, V
 from pretrain.core.schema import OptimConfig, RecipeConfig
 from pretrain.launcher.plan import cost, schedule_sim
 from pretrain.launcher.plan.cp_comm import CPComm, cp_communication
-from pretrain.launcher.plan.ep_comm import EPComm, ep_communication
+from pretrain.launcher.plan.ep_comm import EPComm, ETPComm, ep_communication, etp_communication
 from pretrain.launcher.plan.memory import (
     MemoryBreakdown,
     peak_breakdown,
@@ -129,6 +129,11 @@ class Plan:
     """Each phase of data.mixture_schedule: its first step and shares."""
     muon: MuonWork | None = None
     """Muon's Newton-Schulz work and traffic per step on the busiest rank (None without Muon)."""
+    fp8: str = ""
+    """What computes in FP8 (`pretrain.core.precision.fp8_placement`); empty unless fp8."""
+    etp_comm: ETPComm | None = None
+    """One MoE layer's expert-tensor-parallel all-reduces per micro-batch and rank (None
+    without etp)."""
 
     @property
     def memory_gib(self) -> float:
@@ -145,9 +150,11 @@ def make_plan(cfg: RecipeConfig) -> Plan:
     counts = count_params(cfg.model)
     stages = [sum(stage_params(cfg, r)[:2]) for r in range(degrees.pp)]
     first, last = stages[0], stages[-1]
-    # Routed experts are split over ep rather than tp (parallel/expert.py).
+    # Routed experts are split over ep and etp rather than tp (parallel/expert.py).
     experts = counts.experts // degrees.pp
-    per_rank = math.ceil((max(stages) - experts) / degrees.tp + experts / degrees.ep)
+    per_rank = math.ceil(
+        (max(stages) - experts) / degrees.tp + experts / (degrees.ep * degrees.etp)
+    )
     fpt = flops_per_token(cfg.model, cfg.train.seq_len)
     fraction = len(recomputed_blocks(cfg.recompute, cfg.model.n_layers)) / cfg.model.n_layers
     on_gpu = cfg.cluster.device == "cuda"
@@ -203,6 +210,8 @@ def make_plan(cfg: RecipeConfig) -> Plan:
     plan.cp_comm = cp_communication(cfg, degrees)
     plan.ep_comm = ep_communication(cfg, degrees)
     plan.muon = muon_work(cfg, degrees)
+    plan.etp_comm = etp_communication(cfg, degrees)
+    plan.fp8 = fp8_placement(cfg.precision, cfg.model.moe_experts > 0)
     if degrees.pp > 1:
         plan.pipeline = schedule_sim.summary(
             cfg.parallel.pp_schedule, degrees.pp, micro, cfg.parallel.vpp, segment_steps(cfg)
@@ -220,9 +229,20 @@ def make_plan(cfg: RecipeConfig) -> Plan:
 
 def _warnings(cfg: RecipeConfig, plan: Plan, gpu: str) -> list[str]:
     """A context-parallel ring that leaves its node, a node limit an ep group inside one node
-    makes moot, and a peak over the device's memory with the levers that lower it (for long
-    sequences, in the order to pull them)."""
+    makes moot, routed experts that stay bf16 under fp8, and a peak over the device's memory
+    with the levers that lower it (for long sequences, in the order to pull them)."""
     found = []
+    p = cfg.precision
+    if p.dtype == "fp8" and cfg.model.moe_experts > 0 and not fp8_experts(p):
+        why = (
+            "this trainer swaps Transformer Engine's linear layers only"
+            if p.fp8_backend == "te"
+            else f"torchao has no FP8 grouped GEMM with {p.fp8_recipe} scaling"
+        )
+        found.append(
+            f"precision.fp8_recipe={p.fp8_recipe}: the routed experts run in bf16 ({why}); "
+            "torchao's rowwise, mxfp8 or blockwise scaling runs them in FP8"
+        )
     if cfg.model.moe_node_limit and not cfg.model.moe_groups and expert_node_groups(cfg) == 1:
         found.append(
             f"model.moe_node_limit={cfg.model.moe_node_limit} is moot: the ep group "

@@ -74,6 +74,16 @@ def render_plan(plan: Plan, with_warnings: bool = True) -> str:
         console.print(_mixture_table(plan))
     if plan.muon is not None:
         _section(console, "Muon Newton-Schulz per step (busiest rank)", _muon_rows(plan.muon))
+    if plan.etp_comm is not None:
+        etp = plan.etp_comm
+        _section(
+            console,
+            "ETP all-reduces per MoE layer per micro-batch (one rank)",
+            [
+                ("routed output (forward) and its input's gradient", _bytes(etp.output_bytes)),
+                ("routing weights' gradient (backward)", _bytes(etp.gate_bytes)),
+            ],
+        )
     if plan.memory is not None:
         console.print(_breakdown_table(plan, plan.memory))
     console.print(_zero_paper_table(plan))
@@ -115,7 +125,12 @@ def _layout_rows(plan: Plan) -> list[tuple[str, str]]:
         f"pp={d.pp} dp_replicate={d.dp_replicate} dp_shard={d.dp_shard} "
         f"cp={d.cp} tp={d.tp} ep={d.ep} (dp={d.dp})"
     )
-    return [("world", f"{d.world} ranks"), ("degrees", degrees)] + [
+    rows = [("world", f"{d.world} ranks"), ("degrees", degrees)]
+    if d.ep > 1 or d.etp > 1:
+        # The experts' own mesh over the same ranks (parallel/mesh.py).
+        same = f", {d.tp // d.etp} tp ranks per slice" if d.tp > d.etp else ""
+        rows.append(("expert mesh", f"ep={d.ep} x etp={d.etp} x edp={d.dp // d.ep * d.cp}{same}"))
+    return rows + [
         (f"{dim} groups", _groups(groups, plan.rank_group_counts[dim]))
         for dim, groups in plan.rank_groups.items()
         if len(groups[0]) > 1  # a dim of size 1 groups nothing
@@ -144,7 +159,7 @@ def _compute_rows(plan: Plan) -> list[tuple[str, str]]:
         ("grad-accum steps", str(plan.grad_accum)),
         ("pipeline micro-batches", str(plan.pp_microbatches)),
         ("pipeline bubble", f"{plan.bubble_fraction:.1%}"),
-    ]
+    ] + ([("FP8", plan.fp8)] if plan.fp8 else [])
 
 
 def _zero_paper_table(plan: Plan) -> Table:
@@ -334,7 +349,8 @@ def render_summary(plan: Plan) -> str:
     split = " ".join(
         f"{name}={size}"
         for name, size in (("pp", d.pp), ("dp_replicate", d.dp_replicate),
-                           ("dp_shard", d.dp_shard), ("cp", d.cp), ("tp", d.tp), ("ep", d.ep))
+                           ("dp_shard", d.dp_shard), ("cp", d.cp), ("tp", d.tp), ("ep", d.ep),
+                           ("etp", d.etp))
         if size > 1
     )  # fmt: skip
     gpu = f"of {plan.gpu_memory_gib:g} GiB" if plan.gpu_memory_gib else "(no device limit)"

@@ -41,6 +41,7 @@ BOUNDS: dict[str, tuple[int, str]] = {
     "parallel.cp": (2**16, "context-parallel ranks"),
     "parallel.pp": (2048, "pipeline stages; no more than the layers"),
     "parallel.ep": (2**14, "expert-parallel ranks; no more than the experts"),
+    "parallel.etp": (4096, "expert tensor-parallel ranks; no more than the tp ranks"),
     "parallel.dp_replicate": (MAX_WORLD, "data-parallel replicas; no more than the ranks"),
     "parallel.dp_shard": (MAX_WORLD, "data-parallel shards; no more than the ranks"),
     "cluster.nodes": (2**16, "nodes; the largest clusters have a few tens of thousands"),

@@ -180,7 +180,7 @@ def _check_degrees(c: Checks, cfg: RecipeConfig) -> bool:
     degrees_ok = all(
         [
             c.at_least(f"parallel.{f}", getattr(p, f), 1)
-            for f in ("tp", "cp", "pp", "vpp", "dp_replicate", "ep")
+            for f in ("tp", "cp", "pp", "vpp", "dp_replicate", "ep", "etp")
         ]
     )
     if p.dp_shard < 1 and p.dp_shard != -1:

@@ -58,6 +58,14 @@ def check_moe(c: Checks, cfg: RecipeConfig, for_launch: bool) -> None:
                 "expert parallelism needs a mixture-of-experts model (model.moe_experts=0)",
                 "set parallel.ep=1, or model.moe_experts to a multiple of ep",
             )
+        if cfg.parallel.etp > 1 and for_launch:
+            add(
+                "parallel.etp",
+                cfg.parallel.etp,
+                "expert tensor parallelism splits the experts of a mixture-of-experts model "
+                "(model.moe_experts=0)",
+                "set parallel.etp=1 (parallel.tp splits a dense model's MLP)",
+            )
         return
     if m.moe_top_k < 1:
         add("moe_top_k", m.moe_top_k, "every token needs at least one expert", "use k >= 1")
@@ -108,6 +116,30 @@ def check_moe(c: Checks, cfg: RecipeConfig, for_launch: bool) -> None:
         check_groups(c, cfg)
     elif m.moe_node_limit and m.moe_top_k >= 1 and not c.reported("parallel.ep"):
         check_node_limit(c, cfg)
+    check_expert_tp(c, cfg)
+
+
+def check_expert_tp(c: Checks, cfg: RecipeConfig) -> None:
+    """`parallel.etp` against the tp group it splits and the experts' hidden width."""
+    etp, tp, width = cfg.parallel.etp, cfg.parallel.tp, cfg.model.expert_ffn_dim
+    if etp <= 1 or tp < 1:
+        return  # below 1 the degree rules say why
+    if tp % etp:
+        c.add(
+            "parallel.etp",
+            etp,
+            f"splits each expert over ranks of the tp group, and tp={tp} is not divisible by it",
+            f"use a divisor of tp: {or_list(divisors(tp))}, or raise parallel.tp",
+        )
+    elif width % etp:
+        c.add(
+            "parallel.etp",
+            etp,
+            f"splits each expert's hidden width, and {width} (model.moe_ffn_dim, or ffn_dim "
+            "when 0) is not divisible by it",
+            f"use a divisor of {width} that divides tp={tp}: "
+            f"{or_list([d for d in divisors(width) if tp % d == 0])}",
+        )
 
 
 def check_groups(c: Checks, cfg: RecipeConfig) -> None:

@@ -1,6 +1,7 @@
 """The 70B recipe's shape on 8 CPU ranks: pp=2 x tp=2 (sequence parallel) x dp=2 reproduces the
-single process under ZeRO-2 and ZeRO-3, and so does a mixture-of-experts model with ep=2;
-their checkpoints (written by both async modes) resume under other layouts.
+single process under ZeRO-2 and ZeRO-3, and so does a mixture-of-experts model with ep=2 and
+its experts split over the tp ranks (etp=2); their checkpoints (written by both async modes)
+resume under other layouts.
 
 FP32 on CPU, within the harness's tolerances (loss and validation loss 1e-5, gradient norm
 1e-5 at the first step and the session's derived `grad_norm_tolerance` after it). A resumed
@@ -8,8 +9,8 @@ run replays steps 5-8 from the checkpoint of step 4 (the newer one is removed fi
 must match the reference's steps 5-8:
 
 - ZeRO-3 3-D run, saved in `process` mode, resumed under pp=1 x tp=2 x dp=4;
-- MoE 3-D run (ep=2), saved in `thread` mode, resumed under dp=2 with ep=1 (the experts
-  whole on every rank again).
+- MoE 3-D run (ep=2, etp=2), saved in `thread` mode, resumed under dp=2 with ep=etp=1 (the
+  experts whole on every rank again).
 
 The fast 3-D run also shows the straggler detector quiet when no rank is slow (at a lag of
 100%: eight ranks on two cores, beside another test, differ by more than the default 25%
@@ -97,8 +98,8 @@ def zero3_run(workdir: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def moe_run(workdir: Path) -> Path:
-    run_dir = workdir / "moe_3d_ep2"
-    overrides = [*MOE, *THREE_D, "parallel.ep=2", "parallel.zero=2", *SAVES]
+    run_dir = workdir / "moe_3d_ep2_etp2"
+    overrides = [*MOE, *THREE_D, "parallel.ep=2", "parallel.etp=2", "parallel.zero=2", *SAVES]
     train(run_dir, [*overrides, "checkpoint.async_mode=thread"], 8, recipe="tiny_moe")
     return run_dir
 
@@ -131,7 +132,7 @@ def test_a_process_mode_3d_checkpoint_resumes_under_pp1_tp2_dp4(
     assert_matches(resumed_steps(resumed), harness_reference, grad_norm_tolerance, first_step=5)
 
 
-def test_moe_pp2_tp2_sp_dp2_ep2_matches_one_process(
+def test_moe_pp2_tp2_sp_dp2_ep2_etp2_matches_one_process(
     moe_run, moe_reference, grad_norm_tolerance
 ) -> None:
     assert_matches(read_curve(moe_run / "metrics.jsonl"), moe_reference, grad_norm_tolerance)
@@ -140,7 +141,7 @@ def test_moe_pp2_tp2_sp_dp2_ep2_matches_one_process(
 def test_a_thread_mode_moe_checkpoint_resumes_under_another_ep_and_dp(
     workdir, moe_run, moe_reference, grad_norm_tolerance
 ) -> None:
-    resumed = workdir / "moe_3d_ep2_to_dp2_ep1"
+    resumed = workdir / "moe_3d_ep2_etp2_to_dp2_ep1"
     resume_from_step_4(moe_run, resumed)
     train(resumed, [*MOE, "parallel.zero=2"], 2, recipe="tiny_moe")
     assert "resumed from the checkpoint of step 4" in last_run_output(resumed)

@@ -13,7 +13,7 @@ from pretrain.launcher.validate.recipe import check_runnable, validate
 from pretrain.models.layers import document_mask
 from pretrain.models.moe import MoEFeedForward, expert_counts_per_sequence
 from pretrain.parallel.context import ContextRouting, HeadTailPositions, shard_sequence
-from pretrain.parallel.mesh import expert_mesh_ranks
+from pretrain.parallel.mesh import EXPERT_MESH_DIMS, expert_mesh_ranks
 from pretrain.parallel.ring_attention import (
     RingAttention,
     RingDocuments,
@@ -95,19 +95,38 @@ def test_cp_ranks_sit_between_dp_shard_and_tp_and_take_their_share_of_the_world(
         {"parallel.cp": 2, "parallel.ep": 2, "cluster.gpus_per_node": 8},
         {"parallel.cp": 2, "parallel.ep": 2, "parallel.tp": 2, "cluster.gpus_per_node": 16},
         {"parallel.cp": 2, "parallel.ep": 2, "parallel.pp": 2, "cluster.gpus_per_node": 16},
+        {
+            "parallel.cp": 2,
+            "parallel.ep": 2,
+            "parallel.tp": 4,
+            "parallel.etp": 2,
+            "cluster.gpus_per_node": 32,
+        },
     ],
 )
 def test_expert_groups_under_cp_are_the_planned_ones_and_replicas_span_cp(overrides) -> None:
-    """The trainer's ep groups are the plan's (dp ranks of one cp and tp index); the ranks
-    holding the same experts (edp) are the rest of dp times cp."""
+    """The trainer's ep and etp groups are the plan's (dp ranks of one cp and tp index;
+    consecutive ranks of a tp group); the ranks holding the same experts (edp) are the rest
+    of dp times cp."""
     degrees = resolve_degrees(configure({**overrides, "model.moe_experts": 8}))
     ranks = expert_mesh_ranks(degrees)
-    ep_groups = ranks.transpose(2, 3).reshape(-1, degrees.ep).tolist()
-    assert sorted(ep_groups) == sorted(rank_groups(degrees)["ep"])
-    edp_groups = ranks.transpose(1, 3).reshape(-1, ranks.shape[1]).tolist()
+    assert sorted(ranks.flatten().tolist()) == list(range(degrees.world))
+
+    def groups_along(dim: str) -> list[list[int]]:
+        at = EXPERT_MESH_DIMS.index(dim)
+        return ranks.movedim(at, -1).reshape(-1, ranks.shape[at]).tolist()
+
+    assert sorted(groups_along("ep")) == sorted(rank_groups(degrees)["ep"])
+    assert sorted(groups_along("etp")) == sorted(rank_groups(degrees)["etp"])
+    edp_groups = groups_along("edp")
     assert all(len(group) == degrees.dp // degrees.ep * degrees.cp for group in edp_groups)
     cp_of = {r: i for group in rank_groups(degrees)["cp"] for i, r in enumerate(group)}
     assert all({cp_of[r] for r in group} == set(range(degrees.cp)) for group in edp_groups)
+    # The ranks holding the same expert slices within a tp group (tp / etp of them) and the
+    # etp slices together make up the tp group.
+    tp_groups = {tuple(sorted(group)) for group in rank_groups(degrees)["tp"]}
+    within = ranks.movedim(EXPERT_MESH_DIMS.index("ep_tp"), -2)
+    assert {tuple(sorted(g)) for g in within.reshape(-1, degrees.tp).tolist()} == tp_groups
 
 
 def test_seq_len_must_split_into_2cp_chunks() -> None:

@@ -47,7 +47,7 @@ def recipe(model: ModelConfig, nodes: int, **parallel: int) -> RecipeConfig:
 def degrees(cfg: RecipeConfig) -> Degrees:
     p, world = cfg.parallel, cfg.cluster.nodes * cfg.cluster.gpus_per_node
     shard = world // (p.pp * p.dp_replicate * p.tp * p.cp)
-    return Degrees(p.pp, p.dp_replicate, shard, p.tp, p.ep, world, p.cp)
+    return Degrees(p.pp, p.dp_replicate, shard, p.tp, p.ep, world, p.cp, p.etp)
 
 
 def dp_total(cfg: RecipeConfig, microbatches: int) -> float:
@@ -133,6 +133,26 @@ def test_full_recompute_repeats_the_forward_dispatch_and_combine() -> None:
     again = dataclasses.replace(plain, recompute=full)
     first = step_cost(plain, degrees(plain), 1, PEAK, H100).ep
     assert step_cost(again, degrees(again), 1, PEAK, H100).ep == pytest.approx(1.5 * first)
+
+
+def test_expert_tensor_parallelism_splits_the_routed_experts_work_for_two_all_reduces() -> None:
+    """etp = tp = 8 splits each routed expert's three matmuls over the 8 ranks of a node
+    (Megatron-Core's expert tensor parallelism): the rank runs 1/8 of the k = 2 experts'
+    6 h f FLOPs per token in forward and backward (3 passes), and pays per MoE layer and
+    micro-batch two all-reduces of s x h BF16 (the routed output, its input's gradient) and
+    one of s x k FP32 (the routing weights' gradient), 2 (8-1)/8 of each over NVLink in 14
+    steps of 2 us."""
+    whole = recipe(MIXTRAL_8X22B, nodes=1, tp=8, pp=1, zero=3)
+    split = recipe(MIXTRAL_8X22B, nodes=1, tp=8, pp=1, zero=3, etp=8)
+    whole.train.global_batch = split.train.global_batch = 1
+    before = step_cost(whole, degrees(whole), 1, PEAK, H100)
+    after = step_cost(split, degrees(split), 1, PEAK, H100)
+    routed = 3 * 4096 * 2 * 6 * 6144 * 16384 * 7 / 8
+    assert before.compute - after.compute == pytest.approx(
+        56 * routed / (PEAK * 1e12 * 0.6), rel=1e-9
+    )
+    sent = (2 * 4096 * 6144 * 2 + 4096 * 2 * 4) * 2 * 7 / 8 / (450e9 * LINK_EFFICIENCY)
+    assert after.tp - before.tp == pytest.approx(56 * (sent + 3 * 14 * 2e-6), rel=1e-9)
 
 
 def test_pipeline_sends_cost_a_latency_each_however_small() -> None:

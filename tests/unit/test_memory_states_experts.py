@@ -1,4 +1,5 @@
-"""The memory model follows the optimizer-state dtype, Muon's split and ZeRO-sharded experts."""
+"""The memory model follows the optimizer-state dtype, Muon's split, ZeRO-sharded experts and
+the experts' own split over tp (none, or etp)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import pytest
 
 from pretrain.core.layout import resolve_degrees
 from pretrain.core.optim_states import state_bytes
-from pretrain.launcher.plan.memory import memory_breakdown, tp_replicated
+from pretrain.launcher.plan.memory import memory_breakdown, moe_tp_replicated, tp_replicated
 from pretrain.models.flops import count_params
 from tests.helpers import configure
 
@@ -44,6 +45,21 @@ def test_zero3_shards_experts_over_the_ranks_holding_the_same_ones() -> None:
     dense = count_params(cfg.model).total - experts
     rope = ddp.params - 4 * (dense + experts / 2)
     assert zero3.params - rope == pytest.approx(4 * (dense / 8 + experts / 2 / 4))
+
+
+def test_tp_leaves_a_moe_layer_whole_and_etp_splits_its_routed_experts() -> None:
+    """Under tp = 2 a MoE layer (router, shared and routed experts) stays whole on each rank
+    while the rest of the block splits; etp = 2 then halves the routed experts."""
+    shape = {**MOE, "model.moe_shared_experts": 1, "parallel.ep": 2}
+    cfg = configure(shape)
+    m, counts = cfg.model, count_params(cfg.model)
+    tp1 = breakdown(shape).params
+    tp2 = breakdown({**shape, "parallel.tp": 2}).params
+    etp2 = breakdown({**shape, "parallel.tp": 2, "parallel.etp": 2}).params
+    whole = tp_replicated(m) * m.n_layers + m.dim + moe_tp_replicated(m) * m.n_moe_layers
+    routed = 4 * counts.experts / 2  # ep = 2
+    assert tp2 == pytest.approx((tp1 - 4 * whole - routed) / 2 + 4 * whole + routed, rel=1e-3)
+    assert tp2 - etp2 == pytest.approx(routed / 2)
 
 
 def test_mla_keeps_its_latent_down_projections_whole_under_tp() -> None:

@@ -14,6 +14,10 @@ def test_a_moe_recipe_with_ep_dividing_experts_and_dp_is_valid_for_launch() -> N
     validate(configure({**MOE, "parallel.ep": 4}), for_launch=True)
 
 
+def test_expert_tensor_parallelism_within_tp_beside_ep_is_valid_for_launch() -> None:
+    validate(configure({**MOE, "parallel.ep": 2, "parallel.tp": 2, "parallel.etp": 2}), True)
+
+
 @pytest.mark.parametrize(
     ("overrides", "field", "message"),
     [
@@ -32,6 +36,13 @@ def test_a_moe_recipe_with_ep_dividing_experts_and_dp_is_valid_for_launch() -> N
         ({"model.moe_layers": "some"}, "model.moe_layers", "not a layer policy"),
         ({"model.moe_balance": "loss"}, "model.moe_balance", "unknown value 'loss'"),
         ({"model.moe_gemm": "bmm"}, "model.moe_gemm", "unknown value 'bmm'"),
+        ({"parallel.etp": 2}, "parallel.etp", "tp=1 is not divisible by it"),
+        (
+            {"parallel.tp": 2, "parallel.etp": 2, "model.moe_ffn_dim": 33},
+            "parallel.etp",
+            "33 (model.moe_ffn_dim, or ffn_dim when 0) is not divisible by it",
+        ),
+        ({"parallel.etp": 0}, "parallel.etp", "must be >= 1"),
         (
             {"model.moe_balance": "bias", "model.moe_bias_rate": 0.0},
             "model.moe_bias_rate",
@@ -65,6 +76,13 @@ def test_expert_parallelism_of_a_dense_model_plans_but_does_not_launch() -> None
     validate(cfg)
     found = [p for p in problems(cfg, for_launch=True) if p.field == "parallel.ep"]
     assert "needs a mixture-of-experts model" in found[0].reason
+
+
+def test_expert_tensor_parallelism_of_a_dense_model_plans_but_does_not_launch() -> None:
+    cfg = configure({"parallel.tp": 2, "parallel.etp": 2, "cluster.gpus_per_node": 2})
+    validate(cfg)
+    found = [p for p in problems(cfg, for_launch=True) if p.field == "parallel.etp"]
+    assert "splits the experts of a mixture-of-experts model" in found[0].reason
 
 
 def test_expert_parallelism_with_zero1_is_refused_for_launch() -> None:

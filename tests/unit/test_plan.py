@@ -82,6 +82,13 @@ def test_dp_groups_span_both_data_parallel_dims_and_ep_splits_them():
         assert sorted(r for g in groups[name] for r in g) == list(range(16))
 
 
+def test_etp_splits_each_tp_group_into_consecutive_chunks():
+    degrees = Degrees(pp=1, dp_replicate=1, dp_shard=2, tp=4, ep=2, world=8, etp=2)
+    groups = rank_groups(degrees)
+    assert groups["etp"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert groups["ep"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+
+
 def test_grad_accum_is_global_over_micro_batch_times_dp():
     cfg = recipe(LLAMA3_8B, nodes=2, tp=4)  # dp = 16 / 4 = 4
     assert grad_accum_steps(cfg) == 64 // (1 * 4)

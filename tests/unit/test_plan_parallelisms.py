@@ -1,5 +1,6 @@
-"""The plan of context parallelism, the V schedules and PipeDream-2BW: memory per rank, the
-ring's traffic and the link it crosses, bubbles, and the layout search for long sequences."""
+"""The plan of context parallelism, the V schedules, PipeDream-2BW and the experts' own layout:
+memory per rank, the ring's traffic and the link it crosses, bubbles, and the layout search
+for long sequences."""
 
 from __future__ import annotations
 
@@ -137,3 +138,20 @@ def test_the_rendered_plan_shows_the_ring_and_2bws_two_steps() -> None:
     text = render_plan(make_plan(two_bw))
     assert "over 100 steps between drains" in text
     assert "2 steps without a flush" in text
+
+
+def test_the_rendered_plan_shows_the_expert_layout_and_the_etp_all_reduces() -> None:
+    from pretrain.launcher.plan.render import render_plan
+
+    experts = {"model.moe_experts": 8, "model.moe_top_k": 2, "parallel.ep": 2}
+    layout = {**experts, "parallel.tp": 2, "parallel.etp": 2, "cluster.gpus_per_node": 16}
+    cfg = configure(layout)
+    plan = make_plan(cfg)
+    tokens = cfg.train.micro_batch * cfg.train.seq_len
+    assert plan.etp_comm is not None
+    assert plan.etp_comm.output_bytes == tokens * cfg.model.dim * 4  # FP32
+    assert plan.etp_comm.gate_bytes == tokens * 2 * 4  # top-2 weights, FP32
+    text = render_plan(plan)
+    assert "│ expert mesh     │ ep=2 x etp=2 x edp=4 " in text
+    assert "ETP all-reduces per MoE layer per micro-batch (one rank)" in text
+    assert make_plan(configure({**layout, "parallel.etp": 1})).etp_comm is None

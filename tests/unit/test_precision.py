@@ -1,8 +1,10 @@
-"""FP8 module swap and FP16 dynamic loss scaling, in one process on CPU."""
+"""FP8 module swap (linears, the experts' grouped GEMMs, never the router) and FP16 dynamic
+loss scaling, in one process on CPU."""
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 
 import pytest
@@ -14,6 +16,8 @@ from pretrain import models
 from pretrain.core.layout import Degrees
 from pretrain.core.model_config import ModelConfig
 from pretrain.core.schema import PrecisionConfig, RecipeConfig
+from pretrain.parallel.fp8_experts import Fp8Experts, aligned_groups, aligned_rows
+from pretrain.parallel.fp8_linear import BlockScaledLinear
 from pretrain.parallel.materialize import materialize
 from pretrain.parallel.precision import LossScaler, apply_precision
 from pretrain.trainer.faults.step_guard import StepGuard
@@ -61,6 +65,74 @@ def test_fp8_swaps_exactly_the_block_linears_and_keeps_the_rest_in_high_precisio
     assert len(norms) == 2 * cfg.model.n_layers + 1
     assert all(type(m).__name__ == "RMSNorm" for m in norms)
     assert [name for name, _ in model.named_parameters()] == names_before
+
+
+def moe_model() -> nn.Module:
+    """Two blocks, the second a MoE whose router (64 -> 16) FP8 matmuls would take."""
+    shape = dataclasses.replace(
+        recipe().model,
+        moe_experts=16,
+        moe_top_k=2,
+        moe_ffn_dim=64,
+        moe_shared_experts=1,
+        moe_layers="after:1",
+    )
+    return models.build(shape)
+
+
+@pytest.mark.parametrize(
+    ("scaling", "experts"), [("current", False), ("rowwise", True), ("mxfp8", True)]
+)
+def test_fp8_never_converts_the_router_and_runs_experts_in_fp8_where_torchao_can(scaling, experts):
+    pytest.importorskip("torchao")
+    model = moe_model()
+    precision = PrecisionConfig(dtype="fp8", fp8_recipe=scaling, fp8_emulate=True)
+    converted = apply_precision(model, precision)
+    moe = model.layers["1"].feed_forward
+    assert type(moe.router) is nn.Linear
+    assert "layers.1.feed_forward.router" not in converted
+    assert "layers.1.feed_forward.shared.w1" in converted  # the shared expert is a dense MLP
+    assert ("layers.1.feed_forward.experts" in converted) == experts
+    assert (moe.experts.kernel is not None) == experts
+
+
+def test_aligned_groups_start_every_expert_at_a_whole_block():
+    ends = torch.tensor([3, 3, 20, 21], dtype=torch.int32)  # groups of 3, 0, 17 and 1 rows
+    dest, offs = aligned_groups(ends, 21, 8)
+    assert dest.tolist() == [0, 1, 2, *range(8, 25), 32]
+    # 8 + 0 + 24 + 8 = 40 rows at most; the buffer holds 21 + 4 x 7 rounded up to 56.
+    assert offs.tolist() == [8, 8, 32, aligned_rows(21, 4, 8)] == [8, 8, 32, 56]
+
+
+def test_mxfp8_experts_and_linear_track_their_high_precision_results():
+    """torchao's MXFP8 emulation: E4M3 keeps 3 mantissa bits, so each product is off by a few
+    percent; the experts' rows arrive unaligned (groups of 5, 0 and 27) and every expert
+    with rows gets a gradient."""
+    pytest.importorskip("torchao")
+    torch.manual_seed(0)
+    x = torch.randn(32, 64, requires_grad=True)
+    w1, w3 = (torch.randn(3, 96, 64).mul(0.1).requires_grad_() for _ in range(2))
+    w2 = torch.randn(3, 64, 96).mul(0.1).requires_grad_()
+    ends = torch.tensor([5, 5, 32], dtype=torch.int32)
+    out = Fp8Experts("mxfp8", emulate=True)(x, w1, w3, w2, ends)
+    sizes = [5, 0, 27]
+    chunks = x.split(sizes)
+    reference = torch.cat(
+        [
+            (torch.nn.functional.silu(c @ w1[e].T) * (c @ w3[e].T)) @ w2[e].T
+            for e, c in enumerate(chunks)
+        ]
+    )
+    assert ((out - reference).norm() / reference.norm()).item() < 0.1
+    out.square().sum().backward()
+    assert w1.grad is not None and w1.grad[1].abs().max() == 0  # expert 1 had no rows
+    assert w1.grad[0].abs().max() > 0 and w2.grad[2].abs().max() > 0
+
+    linear = nn.Linear(64, 96, bias=False)
+    block = BlockScaledLinear(linear, "mxfp8", emulate=True)
+    assert block.weight is linear.weight
+    y = block(x)
+    assert ((y - linear(x)).norm() / linear(x).norm()).item() < 0.1
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])

@@ -10,6 +10,8 @@ from tests.helpers import configure, problems
 FP8_GPU = {"precision.dtype": "fp8", "cluster.backend": "slurm"}
 """FP8 on the base recipe's H100s; slurm, so whether a backend is installed here is not asked."""
 FP8_CPU = {**FP8_GPU, "cluster.device": "cpu", "cluster.gpu_type": "cpu"}
+EMULATED = {**FP8_CPU, "precision.fp8_emulate": True}
+MOE = {"model.moe_experts": 8, "model.moe_top_k": 2, "model.moe_ffn_dim": 256}
 
 # (overrides, field, words of the reason, words of the fix)
 CASES = [
@@ -27,7 +29,7 @@ CASES = [
      "precision.fp8_recipe", "MXFP8 needs compute capability >= 10.0", "current or delayed"),
     ({**FP8_GPU, "precision.fp8_recipe": "delayed"}, "precision.fp8_recipe",
      "fp8_backend=torchao has no 'delayed' scaling",
-     "use current or rowwise, or precision.fp8_backend=te"),
+     "use current, rowwise, mxfp8 or blockwise, or precision.fp8_backend=te"),
     ({**FP8_GPU, "precision.fp8_backend": "te", "precision.fp8_recipe": "rowwise"},
      "precision.fp8_recipe", "fp8_backend=te has no 'rowwise'", "precision.fp8_backend=torchao"),
     ({**FP8_GPU, "precision.fp8_backend": "apex"}, "precision.fp8_backend", "unknown value",
@@ -59,6 +61,29 @@ CASES = [
      "precision.loss_scale_growth", "must be >= 1", "2.0"),
     ({"precision.dtype": "fp16", "precision.loss_scale_interval": 0},
      "precision.loss_scale_interval", "must be >= 1", "2000"),
+    # Block scaling: where it runs, whole blocks, and the experts' grouped GEMMs.
+    ({**EMULATED, "precision.fp8_recipe": "blockwise"}, "precision.fp8_recipe",
+     "has no emulation, so fp8_emulate cannot run it on CPU", "fp8_recipe=mxfp8"),
+    ({**FP8_GPU, "cluster.gpu_type": "l40s", "precision.fp8_recipe": "blockwise"},
+     "precision.fp8_recipe", "128 x 128 block FP8 needs compute capability >= 9.0 (Hopper); "
+     "l40s has 8.9", "fp8_recipe=current or rowwise"),
+    ({**FP8_GPU, "precision.fp8_recipe": "mxfp8", "model.ffn_dim": 1008}, "model.ffn_dim",
+     "FP8 matmuls (mxfp8 scaling) need multiples of 32; the width is 1008", "multiple of 32"),
+    ({**FP8_GPU, "precision.fp8_recipe": "blockwise", "train.seq_len": 64,
+      "train.micro_batch": 1}, "train.micro_batch", "(micro_batch x seq_len = 64) to be a "
+     "multiple of 128", "a multiple of 128"),
+    ({**FP8_GPU, "cluster.gpu_type": "b200", "precision.fp8_recipe": "mxfp8",
+      "parallel.tp": 8}, "parallel.tp", "whose shards must be whole mxfp8 blocks of 32: the "
+     "key/value width 128 / 8 is not", "a tp that leaves each shard a multiple of 32"),
+    ({**EMULATED, **MOE, "precision.fp8_recipe": "rowwise"}, "precision.fp8_recipe",
+     "routed experts run torchao's rowwise FP8 grouped GEMM, which quantizes with triton "
+     "kernels", "fp8_recipe=mxfp8 (its grouped GEMM emulates)"),
+    ({**FP8_GPU, **MOE, "cluster.gpu_type": "l40s", "precision.fp8_recipe": "rowwise"},
+     "precision.fp8_recipe", "grouped GEMM, which needs compute capability >= 9.0; l40s "
+     "has 8.9", "the experts stay in bf16"),
+    ({**EMULATED, **MOE, "precision.fp8_recipe": "mxfp8", "model.moe_ffn_dim": 48},
+     "model.moe_ffn_dim", "needs widths in whole blocks of 32; each rank's slice of an expert "
+     "is 48 wide", "fp8_recipe=current"),
 ]  # fmt: skip
 
 
@@ -80,6 +105,13 @@ def test_bad_precision_is_refused_with_a_fix(overrides, field, reason, fix):
         {**FP8_GPU, "cluster.gpu_type": "l40s", "precision.fp8_recipe": "rowwise"},
         {**FP8_GPU, "parallel.zero": 3, "precision.fp8_all_gather": True},
         {**FP8_CPU, "precision.fp8_emulate": True},
+        {**EMULATED, **MOE, "precision.fp8_recipe": "mxfp8"},
+        {**EMULATED, **MOE, "precision.fp8_recipe": "current"},
+        {**FP8_GPU, **MOE, "cluster.gpu_type": "b200", "precision.fp8_recipe": "mxfp8"},
+        {**FP8_GPU, **MOE, "precision.fp8_recipe": "blockwise", "train.seq_len": 256},
+        {**FP8_GPU, "precision.fp8_backend": "te", "precision.fp8_recipe": "blockwise"},
+        {**EMULATED, **MOE, "precision.fp8_recipe": "mxfp8", "parallel.tp": 2,
+         "parallel.etp": 2, "parallel.ep": 2, "cluster.gpus_per_node": 4},
         {"precision.dtype": "fp16", "cluster.gpu_type": "v100_sxm_32gb"},
         {"precision.dtype": "fp16", "cluster.device": "cpu", "cluster.gpu_type": "cpu"},
     ],
@@ -114,3 +146,18 @@ def test_fp8_is_planned_against_the_fp8_peak_and_emulation_against_bf16():
     assert plan.step_cost.compute == pytest.approx(bf16.step_cost.compute / 2)
     assert plan.step_cost.dp_total == pytest.approx(bf16.step_cost.dp_total)
     assert plan.model_states_by_zero == bf16.model_states_by_zero
+
+
+def test_the_plan_warns_when_fp8_leaves_the_experts_in_bf16():
+    """torchao's per-tensor scaling has no grouped GEMM, and Transformer Engine's modules are
+    swapped for the linear layers only: the routed experts stay bf16, which the plan says."""
+    current = make_plan(configure({**FP8_GPU, **MOE})).warnings
+    assert any(
+        "the routed experts run in bf16 (torchao has no FP8 grouped GEMM" in w for w in current
+    )
+    te = configure({**FP8_GPU, **MOE, "precision.fp8_backend": "te"})
+    assert any("Transformer Engine's linear layers only" in w for w in make_plan(te).warnings)
+    mxfp8 = configure(
+        {**FP8_GPU, **MOE, "cluster.gpu_type": "b200", "precision.fp8_recipe": "mxfp8"}
+    )
+    assert not any("routed experts" in w for w in make_plan(mxfp8).warnings)

@@ -1,0 +1,44 @@
+"""The deepseek_v3 recipe: DeepSeek-V3's shape in the layout its report publishes, planned.
+
+DeepSeek-AI, "DeepSeek-V3 Technical Report" (arXiv 2412.19437): 671B parameters of which
+37B are active per token (section 4.2; the checkpoint's 685B add the 14B multi-token
+prediction module, not modelled here); 2,048 H800 GPUs with 16-way pipeline, 64-way expert
+parallelism over 8 nodes and ZeRO-1 data parallelism (section 3.2); a token's experts on at
+most 4 nodes (section 2.1.2); FP8 with 1 x 128 activation tiles and 128 x 128 weight blocks
+(section 3.3.2); 15,360 sequences of 4,096 tokens per step (section 4.2).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from pretrain.launcher.plan.plan import make_plan
+from pretrain.launcher.validate.recipe import validate
+from pretrain.models.flops import count_params
+from tests.helpers import compose_recipe
+
+
+@pytest.fixture(scope="module")
+def recipe():
+    cfg = compose_recipe("deepseek_v3", [])
+    validate(cfg)  # what action=plan checks (a launch also asks for 16 TB of disk)
+    return cfg
+
+
+def test_the_shape_has_the_reports_parameters(recipe) -> None:
+    counts = count_params(recipe.model)
+    assert round(counts.total / 1e9) == 671
+    assert round(counts.active / 1e9) in (37, 38)  # 37.55B: the report rounds to 37B
+
+
+def test_the_published_layout_fits_2048_gpus_of_80_gb_with_block_fp8_experts(recipe) -> None:
+    plan = make_plan(recipe)
+    d = plan.degrees
+    assert (d.world, d.pp, d.ep, d.tp, d.dp) == (2048, 16, 64, 1, 128)
+    assert plan.gpu_memory_gib == 80 and plan.memory is not None
+    assert plan.memory.total_gib < 80
+    assert not any("exceeds" in warning for warning in plan.warnings)
+    # The ep group spans 8 nodes, and each token reaches at most 4 of them.
+    assert plan.ep_comm is not None and plan.ep_comm.nodes_per_token == 4
+    assert "the routed experts' grouped GEMMs in FP8" in plan.fp8
+    assert plan.fp8.startswith("blockwise scaling")

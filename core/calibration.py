@@ -34,15 +34,26 @@ class Calibration:
     """(keys per query, TFLOP/s) of causal attention forward and backward, counted as
     FlashAttention's benchmarks count them."""
     memory_gbs: float
-    """GB/s an element-wise op at the run's activation size streams."""
+    """GB/s a block's element-wise work (a norm, SwiGLU's activation) streams at the run's
+    size, its bytes counted as the cost model counts them."""
+    loss_gbs: float
+    """GB/s the loss streams its FP32 logits at, counted likewise."""
     links: dict[str, float]
     """Achieved bus bandwidth (GB/s) and per-step latency (us) inside a node and, where the
     job spanned nodes, between them: the `hardware.*` link fields' names."""
     measured: str
     world: int
     layouts: list[dict[str, Any]] = field(default_factory=list)
-    """Layouts timed in the same job: {"overrides": [...], "step_s": [...]}."""
+    """Layouts timed in the same job: {"overrides": [...], "key": `layout_key`, "step_s":
+    [...], "ops": operators one step dispatched on rank 0}."""
+    op_s: float = 0.0
+    """Seconds one dispatched operator costs beyond its arithmetic (the framework's)."""
     path: Path | None = None
+
+    def step_ops(self, cfg: RecipeConfig) -> int:
+        """Operators a step of `cfg`'s layout dispatched here (0 where it was not timed)."""
+        key = layout_key(cfg)
+        return next((int(x.get("ops", 0)) for x in self.layouts if x.get("key") == key), 0)
 
 
 def calibration_path(cfg: RecipeConfig) -> Path:
@@ -70,15 +81,17 @@ def read_calibration(path: Path) -> Calibration | None:
         gemm = _points(data["gemm"])
         attention = _points(data["attention"])
         memory = float(data["memory_gbs"])
+        loss = float(data["loss_gbs"])
         links = {str(k): float(v) for k, v in dict(data["links"]).items()}
         layouts = [dict(x) for x in data.get("layouts", [])]
         world = int(data["world"])
+        op_s = float(data.get("op_s", 0.0))
     except (ReadError, KeyError, TypeError, ValueError):
         return None
-    if not gemm or not attention or memory <= 0:
+    if not gemm or not attention or memory <= 0 or loss <= 0:
         return None
-    return Calibration(gemm, attention, memory, links, str(data.get("measured", "")), world,
-                       layouts, path)  # fmt: skip
+    return Calibration(gemm, attention, memory, loss, links, str(data.get("measured", "")),
+                       world, layouts, op_s, path)  # fmt: skip
 
 
 def _points(value: Any) -> tuple[tuple[float, float], ...]:
@@ -102,6 +115,8 @@ def layout_variants(cfg: RecipeConfig) -> list[tuple[list[str], RecipeConfig]]:
     from pretrain.core.schema import to_recipe
 
     variants: list[tuple[list[str], RecipeConfig]] = [([], cfg)]
+    if not cfg.calibrate.layouts:
+        return variants
     base = OmegaConf.structured(cfg)
     for entry in cfg.calibrate.layouts:
         items = entry.split()
@@ -117,3 +132,14 @@ def layout_variants(cfg: RecipeConfig) -> list[tuple[list[str], RecipeConfig]]:
             raise ValueError(f"calibrate.layouts entry {entry!r}: {error}") from None
         variants.append((items, variant))
     return variants
+
+
+def layout_key(cfg: RecipeConfig) -> str:
+    """What makes two recipes' steps dispatch the same operators: the model, the layout and
+    the batch shapes."""
+    m, p = cfg.model, cfg.parallel
+    return json.dumps(
+        [m.name, m.dim, m.n_layers, m.moe_experts, cfg.train.micro_batch, cfg.train.seq_len,
+         cfg.train.global_batch, p.tp, p.sp, p.pp, p.vpp, p.pp_schedule, p.cp, p.ep, p.zero,
+         p.dp_replicate, p.dp_shard, cfg.recompute.policy, cfg.precision.dtype]
+    )  # fmt: skip

@@ -8,7 +8,12 @@ activation size, the messages) and which layouts to time (`calibration_layouts`)
 measures at once, as every rank computes at once in training; rank 0 writes the result to
 the machine's calibration file (`pretrain.core.calibration`). A layout is timed on synthetic
 token batches through the trainer's own build and stepper (no data, checkpoint or metrics),
-one untimed step first, each step ended by a barrier so its time is the slowest rank's.
+one untimed step first, each step's time the slowest rank's. On a CPU every time is the
+rank's CPU time (its own and its communication threads'), not the wall clock: the machine's
+other work preempts the ranks for as long as it runs, which neither rates nor steps should
+count;
+the probe runs again before each half of a layout's steps, so that the rates (their median
+over the rounds) and the steps (their median) see the same spread of load.
 """
 
 from __future__ import annotations
@@ -24,8 +29,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from pretrain.core.calibration import calibration_path, layout_variants, write_calibration
+from pretrain.core.calibration import (
+    calibration_path,
+    layout_key,
+    layout_variants,
+    write_calibration,
+)
 from pretrain.core.inputs.reading import read_mapping
 from pretrain.core.layout import resolve_degrees
 from pretrain.core.run.rundir import PLAN_FILE
@@ -42,10 +53,12 @@ from pretrain.trainer.step.phases import StepPhases
 from pretrain.trainer.step.pipeline import pipeline_step
 from pretrain.trainer.step.state import Stepper
 
-MIN_TIMED_S = 0.05
+MIN_TIMED_S = 0.02
 """Least time one measurement repeats its operation for."""
-REPEATS = 5
-"""Measurements per probe; their median is kept."""
+REPEATS = 3
+"""Measurements per probe and round; their median is kept."""
+ROUNDS = 2
+"""Rounds of the probe per layout, each followed by its share of the layout's timed steps."""
 ATTENTION_BACKWARD = 2.5
 """Attention's backward FLOPs over its forward's, as FlashAttention's benchmarks count."""
 
@@ -55,48 +68,111 @@ def calibrate(cfg: RecipeConfig, rank: RankInfo) -> None:
     plan = read_mapping(Path(cfg.run.dir) / PLAN_FILE, "the calibration job's plan.json")
     probe: dict[str, Any] = plan["calibration_probe"]
     device = rank.device
-    dtype = torch.float32 if cfg.precision.dtype == "fp32" else torch.bfloat16
     log = get_logger()
-    record: dict[str, Any] = {
+    variants = {tuple(o): v for o, v in layout_variants(cfg)}
+    per_round = max(1, math.ceil(cfg.calibrate.steps / ROUNDS))
+    rounds: list[dict[str, Any]] = []
+    layouts = []
+    for overrides in plan["calibration_layouts"]:
+        variant = variants[tuple(overrides)]
+        stepping = _Stepping(variant, device)
+        seconds: list[float] = []
+        # Rates and steps alternate, so that both medians see the same spread of load.
+        for _ in range(ROUNDS):
+            rounds.append(_rates(cfg, rank, probe, device))
+            seconds += stepping.time(per_round)
+        stepping.close()
+        layouts.append(
+            {
+                "overrides": overrides,
+                "key": layout_key(variant),
+                "step_s": seconds,
+                "ops": stepping.ops,
+            }
+        )
+        log.info("calibration: %s timed", " ".join(overrides) or "the recipe's layout")
+    record = {
         "measured": time.strftime("%F %T"),
         "world": rank.world_size,
         "device": device.type,
-        "gemm": [_gemm(m, n, k, dtype, device) for m, n, k in probe["gemms"]],
-        "attention": [_attention(*shape, dtype, device) for shape in probe["attention"]],
-        "memory_gbs": _memory(probe["elementwise_bytes"], dtype, device),
-        "links": _links(cfg, rank, probe, device),
+        **_medians(rounds),
+        "layouts": layouts,
     }
-    log.info("calibration: rates measured; timing %d layout(s)", len(plan["calibration_layouts"]))
-    variants = {tuple(o): v for o, v in layout_variants(cfg)}
-    record["layouts"] = [
-        {"overrides": overrides, "step_s": _steps(variants[tuple(overrides)], device)}
-        for overrides in plan["calibration_layouts"]
-    ]
     if rank.is_main:
         path = calibration_path(cfg)
         write_calibration(path, record)
         log.info("calibration written to %s", path)
 
 
+def _rates(
+    cfg: RecipeConfig, rank: RankInfo, probe: dict[str, Any], device: torch.device
+) -> dict[str, Any]:
+    """One round of the probe: GEMMs, attention, an element-wise op and the links."""
+    dtype = torch.float32 if cfg.precision.dtype == "fp32" else torch.bfloat16
+    return {
+        "gemm": [_gemm(m, n, k, dtype, device) for m, n, k in probe["gemms"]],
+        "attention": [_attention(*shape, dtype, device) for shape in probe["attention"]],
+        "memory_gbs": _elementwise(*probe["elementwise"], dtype, device),
+        "loss_gbs": _loss(*probe["loss"], device),
+        "op_s": _op_seconds(dtype, device),
+        "links": _links(cfg, rank, probe, device),
+    }
+
+
+def _medians(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each rate's median over the rounds."""
+    first = rounds[0]
+
+    def median_points(key: str) -> list[list[float]]:
+        return [
+            [point[0], statistics.median(r[key][i][1] for r in rounds)]
+            for i, point in enumerate(first[key])
+        ]
+
+    return {
+        "gemm": median_points("gemm"),
+        "attention": median_points("attention"),
+        "memory_gbs": statistics.median(r["memory_gbs"] for r in rounds),
+        "loss_gbs": statistics.median(r["loss_gbs"] for r in rounds),
+        "op_s": statistics.median(r["op_s"] for r in rounds),
+        "links": {k: statistics.median(r["links"][k] for r in rounds) for k in first["links"]},
+    }
+
+
+def _clock(device: torch.device) -> Callable[[], float]:
+    """The clock a rank measures with: wall time on a GPU (after synchronizing), the
+    process's CPU time on a CPU, so that other work on the machine's cores, which preempts
+    the ranks for as long as it runs, counts in neither the rates nor the steps."""
+    return time.process_time if device.type == "cpu" else time.perf_counter
+
+
+def _slowest(seconds: float, device: torch.device) -> float:
+    """The largest of every rank's `seconds`."""
+    value = torch.tensor([seconds], dtype=torch.float64, device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return float(value.item())
+
+
 def _timed(work: Callable[[], object], device: torch.device) -> float:
     """Median seconds of one `work()` over REPEATS measurements, each repeating it for at
     least MIN_TIMED_S, every rank measuring at the same time and as often (a collective
-    must be called as many times on every rank)."""
+    must be called as many times on every rank); each measurement the slowest rank's."""
+    clock = _clock(device)
     _sync(device)
-    start = time.perf_counter()
+    start = clock()
     work()  # warm-up: the kernels are chosen, the buffers allocated
     _sync(device)
-    once = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=device)
+    once = torch.tensor([clock() - start], dtype=torch.float64, device=device)
     dist.all_reduce(once, op=dist.ReduceOp.MAX)
     calls = max(1, math.ceil(MIN_TIMED_S / max(float(once.item()), 1e-6)))
     samples = []
     for _ in range(REPEATS):
         dist.barrier()
-        start = time.perf_counter()
+        start = clock()
         for _ in range(calls):
             work()
         _sync(device)
-        samples.append((time.perf_counter() - start) / calls)
+        samples.append(_slowest((clock() - start) / calls, device))
     return statistics.median(samples)
 
 
@@ -133,13 +209,41 @@ def _attention(
     return [float(seq), forward * (1 + ATTENTION_BACKWARD) / seconds / 1e12]
 
 
-def _memory(nbytes: int, dtype: torch.dtype, device: torch.device) -> float:
-    """GB/s of an element-wise add of two activations into a third (three streams)."""
-    elements = max(1, nbytes // torch.tensor([], dtype=dtype).element_size())
-    a, b = (torch.randn(elements, dtype=dtype, device=device) for _ in "ab")
-    out = torch.empty_like(a)
-    seconds = _timed(lambda: torch.add(a, b, out=out), device)
-    return 3 * a.nbytes / seconds / 1e9
+def _elementwise(
+    tokens: int, dim: int, ffn: int, dtype: torch.dtype, device: torch.device
+) -> float:
+    """GB/s of a block's element-wise work as the cost model counts its bytes
+    (launcher/plan/compute.py): an RMS norm over `dim` (a read and a write per element
+    forward, twice that backward) and SwiGLU's activation over `ffn` (two reads and a write
+    forward, twice that backward), forward and backward at the run's size."""
+    x = torch.randn(tokens, dim, dtype=dtype, device=device, requires_grad=True)
+    weight = torch.ones(dim, dtype=dtype, device=device, requires_grad=True)
+    gate, up = (
+        torch.randn(tokens, ffn, dtype=dtype, device=device, requires_grad=True) for _ in "gu"
+    )
+
+    def step() -> None:
+        normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * weight
+        normed.sum().backward()
+        (F.silu(gate) * up).sum().backward()
+
+    seconds = _timed(step, device)
+    size = x.element_size()
+    return tokens * size * (3 * 2 * dim + 3 * 3 * ffn) / seconds / 1e9
+
+
+def _loss(tokens: int, vocab: int, device: torch.device) -> float:
+    """GB/s of the loss over FP32 logits as the cost model counts its bytes (14 per logit:
+    written and read forward, read and its gradient written backward), forward and backward
+    at the run's size."""
+    logits = torch.randn(tokens, vocab, dtype=torch.float32, device=device, requires_grad=True)
+    target = torch.randint(0, vocab, (tokens,), device=device)
+
+    def step() -> None:
+        F.cross_entropy(logits, target).backward()
+
+    seconds = _timed(step, device)
+    return tokens * vocab * 14 / seconds / 1e9
 
 
 def _links(
@@ -209,26 +313,72 @@ def _send(nbytes: int, rank: RankInfo, device: torch.device) -> float:
     return 2 * buffer.nbytes / seconds / 1e9
 
 
-def _steps(cfg: RecipeConfig, device: torch.device) -> list[float]:
-    """Seconds of each of calibrate.steps steps of `cfg`'s layout, after an untimed one."""
-    degrees = resolve_degrees(cfg)
-    torch.manual_seed(cfg.seed)
-    mesh = build_mesh(degrees, device.type)
-    state = build_train_state(cfg, mesh, device)
-    state.phases = StepPhases(device)
-    guard = StepGuard(cfg.faults.max_bad_steps, device, cfg.faults)
-    ctx = StepContext(state, cfg, degrees, device, mesh, guard)
-    stepper: Stepper = pipeline_step(ctx) if degrees.pp > 1 else LocalStep(ctx)
-    batches = synthetic_batches(cfg, device)
-    seconds = []
-    for step in range(cfg.calibrate.steps + 1):
-        dist.barrier()
-        start = time.perf_counter()
-        stepper.step(batches)
-        _sync(device)
-        dist.barrier()
-        if step:
-            seconds.append(time.perf_counter() - start)
-    del stepper, ctx, state
-    gc.collect()
-    return seconds
+class _OpCounter(TorchDispatchMode):
+    """Counts the operators dispatched while active (each one a kernel launch on a GPU, an
+    eager call through the dispatcher on a CPU)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _op_seconds(dtype: torch.dtype, device: torch.device) -> float:
+    """Seconds one dispatched operator costs beyond its arithmetic: a two-layer MLP's
+    forward and backward on a one-element batch, over the operators it dispatches."""
+    mlp = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.SiLU(), torch.nn.Linear(16, 16)).to(
+        device=device, dtype=dtype
+    )
+    x = torch.randn(1, 16, dtype=dtype, device=device, requires_grad=True)
+
+    def step() -> None:
+        mlp(x).sum().backward()
+
+    counter = _OpCounter()
+    with counter:
+        step()
+    return _timed(step, device) / counter.ops
+
+
+class _Stepping:
+    """A layout's trainer state, built on this job's ranks, and its steps timed on
+    synthetic batches (one untimed first)."""
+
+    def __init__(self, cfg: RecipeConfig, device: torch.device) -> None:
+        degrees = resolve_degrees(cfg)
+        torch.manual_seed(cfg.seed)
+        mesh = build_mesh(degrees, device.type)
+        state = build_train_state(cfg, mesh, device)
+        state.phases = StepPhases(device)
+        guard = StepGuard(cfg.faults.max_bad_steps, device, cfg.faults)
+        ctx = StepContext(state, cfg, degrees, device, mesh, guard)
+        self.device = device
+        self.stepper: Stepper | None = pipeline_step(ctx) if degrees.pp > 1 else LocalStep(ctx)
+        self.batches = synthetic_batches(cfg, device)
+        self.time(1)
+        counter = _OpCounter()
+        with counter:
+            self.time(1)
+        self.ops = counter.ops
+        """Operators one step dispatches on this rank."""
+
+    def time(self, steps: int) -> list[float]:
+        """Seconds of each of `steps` steps, each the slowest rank's."""
+        assert self.stepper is not None
+        clock = _clock(self.device)
+        seconds = []
+        for _ in range(steps):
+            dist.barrier()
+            start = clock()
+            self.stepper.step(self.batches)
+            _sync(self.device)
+            seconds.append(_slowest(clock() - start, self.device))
+        return seconds
+
+    def close(self) -> None:
+        """Let the layout's state go before the next is built."""
+        self.stepper = None
+        gc.collect()

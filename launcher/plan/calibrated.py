@@ -34,6 +34,8 @@ from pretrain.launcher.plan.ep_comm import ep_communication
 from pretrain.launcher.plan.memory import dispatch_padding, stage_params
 from pretrain.models.flops import count_params
 
+GEMM_SHAPES = 8
+"""About this many of the run's GEMM shapes are measured, spread over their sizes."""
 SMALL_MESSAGE = 4096
 """Bytes of the all-reduce that measures a collective step's latency."""
 
@@ -46,7 +48,15 @@ def calibrated_device(cfg: RecipeConfig) -> tuple[Kernels, Links, Calibration] |
     peak = max(tflops for _, tflops in found.gemm)
     rates = KernelRates(None, found.memory_gbs / 1e3, {"bf16": (1.0, (1, 1, 1))}, found.attention)
     source = f"calibrated {found.measured} ({found.path})"
-    kernels = Kernels({"bf16": peak, _dtype(cfg): peak}, rates, source, found.gemm)
+    kernels = Kernels(
+        {"bf16": peak, _dtype(cfg): peak},
+        rates,
+        source,
+        found.gemm,
+        found.op_s,
+        found.step_ops,
+        found.loss_gbs / 1e3,
+    )
     table = hardware.links(cfg.cluster.gpu_type) if cfg.cluster.device == "cuda" else None
     measured = {k: v for k, v in found.links.items() if v > 0}
     intra = measured.get("intra_node_gbs", table.intra_node_gbs * LINK_EFFICIENCY if table else 0)
@@ -81,6 +91,7 @@ def probe_spec(variants: list[RecipeConfig]) -> dict[str, Any]:
     sizes."""
     gemms: set[tuple[int, int, int]] = set()
     largest = activation = exchange = 0.0
+    elementwise = loss = (0, 0, 0)
     attention: set[tuple[int, int, int, int]] = set()
     for cfg in variants:
         d = resolve_degrees(cfg)
@@ -98,13 +109,20 @@ def probe_spec(variants: list[RecipeConfig]) -> dict[str, Any]:
         attention.add((cfg.train.micro_batch, heads, cfg.train.seq_len // d.cp, m.qk_head_dim))
         c = COMPUTE_BYTES[cfg.precision.dtype]
         activation = max(activation, tokens * m.dim * c)
+        elementwise = max(elementwise, (tokens, m.dim, max(1, m.ffn_dim // d.tp)))
+        loss = max(loss, (tokens, vocab, 0))
         largest = max(largest, _gradient_bytes(cfg, d), activation)
         comm = ep_communication(cfg, d)
         exchange = max(exchange, comm.message_bytes if comm else activation)
+    by_size = sorted(gemms, key=lambda s: (s[0] * s[1] * s[2], s))
+    # A few shapes, spread from the smallest GEMM to the largest (interpolated between).
+    step = max(1, math.ceil(len(by_size) / GEMM_SHAPES))
+    chosen = sorted({*by_size[::step], by_size[-1]}, key=lambda s: s[0] * s[1] * s[2])
     return {
-        "gemms": sorted(gemms),
+        "gemms": chosen,
         "attention": sorted(attention),
-        "elementwise_bytes": int(activation),
+        "elementwise": list(elementwise),
+        "loss": list(loss[:2]),
         "all_reduce_bytes": [SMALL_MESSAGE, int(largest)],
         "all_to_all_bytes": int(exchange),
         "send_bytes": int(activation),

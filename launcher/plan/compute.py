@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pretrain.core import hardware
@@ -80,6 +81,15 @@ class Kernels:
     gemm_tflops: tuple[tuple[float, float], ...] = field(default=())
     """Measured (FLOPs of one GEMM, TFLOP/s) points, smallest first; empty on a GPU of the
     table (its rates come from the shape model)."""
+    op_s: float = 0.0
+    """Seconds each dispatched operator costs beyond its arithmetic (a calibration's; 0
+    for the GPU table, whose kernels run behind their launches)."""
+    step_ops: Callable[[RecipeConfig], int] | None = field(default=None, compare=False)
+    """Operators a step of a recipe's layout dispatches (a calibration's count, 0 where it
+    did not time the layout)."""
+    loss_tbs: float = 0.0
+    """TB/s the loss streams its logits at, where measured apart (a calibration's); else
+    the memory bandwidth."""
     blocks: dict = field(default_factory=dict, compare=False, repr=False)
     """Block seconds already priced on this device, by what they depend on (a layout search
     prices the same block shapes for thousands of layouts)."""
@@ -327,7 +337,8 @@ def head_seconds(kernels: Kernels, cfg: RecipeConfig, tokens: float, t: int) -> 
     dtype = "fp32" if cfg.precision.dtype == "fp32" else "bf16"
     forward = kernels.gemm(tokens, vocab, m.dim, dtype)
     backward = kernels.gemm(tokens, m.dim, vocab, dtype) + kernels.gemm(m.dim, vocab, tokens, dtype)
-    logits = kernels.memory(tokens * vocab * LOGIT_PASSES)
+    logits = tokens * vocab * LOGIT_PASSES
+    logits = logits / (kernels.loss_tbs * 1e12) if kernels.loss_tbs else kernels.memory(logits)
     return forward + logits * 8 / LOGIT_PASSES, backward + logits * 6 / LOGIT_PASSES
 
 

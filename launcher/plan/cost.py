@@ -267,7 +267,12 @@ def step_cost(
     activation = seq // degrees.cp * b * cfg.model.dim * c
 
     work = [rank_compute(cfg, degrees, kernels, r) for r in range(pp)]
-    compute = [w.total for w in work]
+    # Where a calibration counted the operators this layout's step dispatches, each costs
+    # the framework's time per operator too (eager dispatch on a CPU), every micro-batch.
+    dispatch = 0.0
+    if kernels.op_s and kernels.step_ops:
+        dispatch = kernels.step_ops(cfg) * kernels.op_s / microbatches
+    compute = [w.total + dispatch for w in work]
     tp_time = [0.0] * pp
     if t > 1:
         bandwidth = group_bandwidth(links, gpn, 1, t)

@@ -8,12 +8,10 @@ activation size, the messages) and which layouts to time (`calibration_layouts`)
 measures at once, as every rank computes at once in training; rank 0 writes the result to
 the machine's calibration file (`pretrain.core.calibration`). A layout is timed on synthetic
 token batches through the trainer's own build and stepper (no data, checkpoint or metrics),
-one untimed step first, each step's time the slowest rank's. On a CPU every time is the
-rank's CPU time (its own and its communication threads'), not the wall clock: the machine's
-other work preempts the ranks for as long as it runs, which neither rates nor steps should
-count;
-the probe runs again before each half of a layout's steps, so that the rates (their median
-over the rounds) and the steps (their median) see the same spread of load.
+one untimed step first, each step's time the slowest rank's; the probe runs before the
+first layout and after the last. On a CPU every time is the rank's CPU time (its own and
+its communication threads'), not the wall clock: the machine's other work preempts the
+ranks for as long as it runs, which neither rates nor steps should count.
 """
 
 from __future__ import annotations
@@ -57,8 +55,6 @@ MIN_TIMED_S = 0.02
 """Least time one measurement repeats its operation for."""
 REPEATS = 3
 """Measurements per probe and round; their median is kept."""
-ROUNDS = 2
-"""Rounds of the probe per layout, each followed by its share of the layout's timed steps."""
 ATTENTION_BACKWARD = 2.5
 """Attention's backward FLOPs over its forward's, as FlashAttention's benchmarks count."""
 
@@ -70,17 +66,14 @@ def calibrate(cfg: RecipeConfig, rank: RankInfo) -> None:
     device = rank.device
     log = get_logger()
     variants = {tuple(o): v for o, v in layout_variants(cfg)}
-    per_round = max(1, math.ceil(cfg.calibrate.steps / ROUNDS))
-    rounds: list[dict[str, Any]] = []
+    # The probe runs before the first layout and after the last, so that its rates (the
+    # mean of the two) and the steps between see the same load.
+    rounds: list[dict[str, Any]] = [_rates(cfg, rank, probe, device)]
     layouts = []
     for overrides in plan["calibration_layouts"]:
         variant = variants[tuple(overrides)]
         stepping = _Stepping(variant, device)
-        seconds: list[float] = []
-        # Rates and steps alternate, so that both medians see the same spread of load.
-        for _ in range(ROUNDS):
-            rounds.append(_rates(cfg, rank, probe, device))
-            seconds += stepping.time(per_round)
+        seconds = stepping.time(cfg.calibrate.steps)
         stepping.close()
         layouts.append(
             {
@@ -91,6 +84,7 @@ def calibrate(cfg: RecipeConfig, rank: RankInfo) -> None:
             }
         )
         log.info("calibration: %s timed", " ".join(overrides) or "the recipe's layout")
+    rounds.append(_rates(cfg, rank, probe, device))
     record = {
         "measured": time.strftime("%F %T"),
         "world": rank.world_size,

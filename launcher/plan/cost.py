@@ -236,9 +236,11 @@ def _block(
     """A block's seconds per micro-batch, priced once per distinct shape on `kernels`."""
     m, p = cfg.model, cfg.parallel
     key = (
-        id(m), moe, recomputed, cfg.recompute.policy, cfg.train.micro_batch, cfg.train.seq_len,
-        degrees.tp, degrees.cp, degrees.ep, p.sp, cfg.precision.dtype, cfg.precision.fp8_emulate,
-        m.moe_capacity_factor,
+        id(m), m.dim, m.n_heads, m.kv_heads, m.head_dim, m.ffn_dim, m.mlp, m.attention,
+        m.vocab_size, m.moe_experts, m.moe_top_k, m.expert_ffn_dim, m.moe_shared_experts,
+        m.sliding_window, moe, recomputed, cfg.recompute.policy, cfg.train.micro_batch,
+        cfg.train.seq_len, degrees.tp, degrees.cp, degrees.ep, p.sp, cfg.precision.dtype,
+        cfg.precision.fp8_emulate, m.moe_capacity_factor,
     )  # fmt: skip
     cached = kernels.blocks.get(key)
     # The model itself rides along: an id is only unique while its object lives.

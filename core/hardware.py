@@ -198,3 +198,106 @@ def with_overrides(table: Links, stated: dict[str, float]) -> Links:
     """`table` with the user's stated figures (`hardware.*` fields; 0 keeps the table's)."""
     chosen = {name: value for name, value in stated.items() if value > 0}
     return replace(table, **chosen)
+
+
+@dataclass(frozen=True)
+class KernelRates:
+    """How fast one accelerator runs the kernels of a training step, for the cost model's
+    compute term (`pretrain.launcher.plan.compute`)."""
+
+    sms: int | None
+    """Streaming multiprocessors: the tiles one wave of a GEMM runs (None where no count was
+    read: every GEMM is taken to fill the device)."""
+    hbm_tbs: float
+    """Peak memory bandwidth, TB/s: the rate of element-wise work, norms and the optimizer."""
+    gemm: dict[str, tuple[float, tuple[int, int, int]]]
+    """By dtype, the share of the dense peak a GEMM of the best shape found reaches (the
+    Maximum Achievable Matmul FLOPS over the datasheet peak) and that shape (M, N, K); bf16's
+    serves fp16, tf32 and fp32."""
+    attention_tflops: tuple[tuple[float, float], ...]
+    """(sequence length, TFLOP/s) of fused causal attention, forward and backward together,
+    head dim 128, counted as FlashAttention's benchmarks count them (the causal half of the
+    square; backward 2.5 times the forward)."""
+
+
+# GEMMs: S. Bekman, "Machine Learning Engineering", compute/accelerator/README.md, "Maximum
+# Achievable Matmul FLOPS comparison table" (mamf-finder.py, mean of 100 iterations at the
+# best shape, MxNxK): BF16 A100 SXM 271.2 of 312 (86.9%), H100 SXM 794.5 of 989 (80.3%; "H200 is
+# the same"), GH200 828.6 (83.8%), B200 1745 of 2250 (77.6%), B300 1769 (78.6%), MI300X
+# 668.4 of 1300 (51.4%), MI325X 784.9 (60.4%), A100 PCIe 252.9 (81.1%); FP8 H100 SXM 1402.6
+# of 1979 (70.9%), H200 1453.4 (73.4%), GH200 1535 (77.6%), B200 3432.5 of 4500 (76.3%),
+# B300 3353.3 (74.5%). Parts without a measurement take their architecture's: the H800, H20
+# and H100 PCIe the H100 SXM's shares, the A100 40 GB the A100 SXM's, the L40S (Ada, no
+# published MAMF) the A100 SXM's.
+# SMs: 108 on A100, 132 on H100/H200 (the same book, training/performance/README.md, "Tile
+# and wave quantization"), 148 on B300 ("Do more SMs give more TFLOPS?"), 142 on the L40S
+# (NVIDIA L40S datasheet); the H800 and GH200 are H100 dies; no count for the others.
+# Memory: the same book's "Accelerator memory" table (TB/s): H100 SXM 3.35, H200 4.8, GH200
+# 4.0 (96 GB) and 4.8 (144 GB), A100 SXM 80 GB 2.0, A100 PCIe 80 GB 1.94, H100 PCIe 2.0, B200
+# and B300 8.0, MI300X 5.3, MI325X 6.0; A100 40 GB 1.555 (NVIDIA A100 datasheet), H20 4.0
+# (NVIDIA H20 product brief), L40S 0.864 (NVIDIA L40S datasheet), H800 the H100 SXM's.
+# Attention: FlashAttention-2 (the kernel PyTorch's scaled_dot_product_attention runs on
+# Ampere and Hopper), Dao-AILab/flash-attention README, "Attention forward + backward speed",
+# with causal mask, head dimension 128 (assets/flash2_a100_fwd_bwd_benchmark.png, A100 80GB
+# SXM4; assets/flash2_h100_fwd_bwd_benchmark.png, H100 80GB SXM5). Other parts take the
+# Hopper figures scaled by their BF16 peak over the H100's.
+_A100_ATTENTION = (
+    (512, 99.0), (1024, 133.0), (2048, 155.0), (4096, 173.0), (8192, 182.0), (16384, 189.0)
+)  # fmt: skip
+_H100_ATTENTION = (
+    (512, 163.0), (1024, 221.0), (2048, 265.0), (4096, 294.0), (8192, 308.0), (16384, 328.0)
+)  # fmt: skip
+_H100_GEMM = {"bf16": (0.803, (2048, 2048, 13312)), "fp8": (0.709, (1024, 9216, 14336))}
+_A100_GEMM = {"bf16": (0.869, (1024, 10240, 5120))}
+_GH200_GEMM = {"bf16": (0.838, (1024, 15360, 4096)), "fp8": (0.776, (1024, 14336, 14336))}
+
+
+def _scaled(
+    figures: tuple[tuple[float, float], ...], bf16_peak: float
+) -> tuple[tuple[float, float], ...]:
+    return tuple((seq, tflops * bf16_peak / _HOPPER_SXM["bf16"]) for seq, tflops in figures)
+
+
+KERNELS: dict[str, KernelRates] = {
+    "h100_sxm": KernelRates(132, 3.35, dict(_H100_GEMM), _H100_ATTENTION),
+    "h100_pcie": KernelRates(None, 2.0, dict(_H100_GEMM), _scaled(_H100_ATTENTION, 756.0)),
+    "h200_sxm": KernelRates(
+        132, 4.8, {**_H100_GEMM, "fp8": (0.734, (1280, 4096, 12032))}, _H100_ATTENTION
+    ),
+    "h800": KernelRates(132, 3.35, dict(_H100_GEMM), _H100_ATTENTION),
+    "h20": KernelRates(None, 4.0, dict(_H100_GEMM), _scaled(_H100_ATTENTION, 148.0)),
+    "gh200": KernelRates(132, 4.0, dict(_GH200_GEMM), _H100_ATTENTION),
+    "gh200_144gb": KernelRates(132, 4.8, dict(_GH200_GEMM), _H100_ATTENTION),
+    "a100_sxm_80gb": KernelRates(108, 2.0, dict(_A100_GEMM), _A100_ATTENTION),
+    "a100_sxm_40gb": KernelRates(108, 1.555, dict(_A100_GEMM), _A100_ATTENTION),
+    "a100_pcie_80gb": KernelRates(
+        108, 1.94, {"bf16": (0.811, (2048, 5120, 6144))}, _A100_ATTENTION
+    ),
+    "a100_pcie_40gb": KernelRates(
+        108, 1.555, {"bf16": (0.811, (2048, 5120, 6144))}, _A100_ATTENTION
+    ),
+    "b200": KernelRates(
+        None,
+        8.0,
+        {"bf16": (0.776, (1792, 16128, 3072)), "fp8": (0.763, (15360, 4096, 3072))},
+        _scaled(_H100_ATTENTION, 2250.0),
+    ),
+    "b300": KernelRates(
+        148,
+        8.0,
+        {"bf16": (0.786, (12288, 18432, 1024)), "fp8": (0.745, (3072, 6144, 7168))},
+        _scaled(_H100_ATTENTION, 2250.0),
+    ),
+    "mi300x": KernelRates(
+        None, 5.3, {"bf16": (0.514, (10240, 15360, 8192))}, _scaled(_H100_ATTENTION, 1307.4)
+    ),
+    "mi325x": KernelRates(
+        None, 6.0, {"bf16": (0.604, (13312, 10240, 8192))}, _scaled(_H100_ATTENTION, 1307.4)
+    ),
+    "l40s": KernelRates(142, 0.864, dict(_A100_GEMM), _scaled(_H100_ATTENTION, 362.05)),
+}
+
+
+def kernel_rates(name: str) -> KernelRates | None:
+    """The kernel rates of GPU `name`, or None where the table has none (V100, `cpu`)."""
+    return KERNELS.get(name)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -219,7 +220,14 @@ class ModelConfig:
         """How many layers are mixture-of-experts."""
         if self.moe_experts <= 0:
             return 0  # dense: asked for every stage of every layout the search tries
-        return sum(self.is_moe_layer(i) for i in range(self.n_layers))
+        return _moe_layer_count(self.moe_layers, self.n_layers)
+
+
+@functools.lru_cache(maxsize=1024)
+def _moe_layer_count(policy: str, n_layers: int) -> int:
+    # Cached: the layout search asks it of every stage of tens of thousands of layouts.
+    probe = ModelConfig(n_layers=n_layers, moe_experts=1, moe_layers=policy)
+    return sum(probe.is_moe_layer(i) for i in range(n_layers))
 
 
 def _head_dim(self: ModelConfig) -> int:

@@ -20,7 +20,7 @@ from pretrain.core.optim_states import STATE_DTYPES
 from pretrain.core.schedules import DEFAULT as DEFAULT_SCHEDULE
 from pretrain.core.schedules import SCHEDULES
 
-ACTIONS = ("run", "plan", "script", "suggest", "prepare", "dryrun")
+ACTIONS = ("run", "plan", "script", "suggest", "prepare", "dryrun", "calibrate")
 PP_SCHEDULES = tuple(SCHEDULES)
 DTYPES = ("fp32", "bf16", "fp16", "fp8")
 FP8_BACKENDS = ("torchao", "te")
@@ -657,6 +657,21 @@ class DryrunConfig:
 
 
 @dataclass
+class CalibrateConfig:
+    """What action=calibrate measures on the job's own ranks: the rates the cost model
+    prices the step at (GEMMs, attention, memory, collectives at the run's sizes), then the
+    step of each layout it times, compared with the plan's prediction."""
+
+    steps: int = 5
+    """Steps timed per layout, after one untimed (their median is compared with the plan)."""
+    layouts: list[str] = field(default_factory=list)
+    """More layouts to time in the same job, each a space-separated list of the recipe's
+    own layout fields (`parallel.*`, `recompute.*`, `train.micro_batch`), e.g.
+    "parallel.zero=3" or "parallel.tp=2 parallel.sp=true"; the recipe's own layout is timed
+    first."""
+
+
+@dataclass
 class SuggestConfig:
     """How action=suggest reports."""
 
@@ -676,7 +691,8 @@ class RecipeConfig:
     of the model on the cluster that fit; launcher/plan/suggest.py) or prepare (tokenize the
     data into a prepared dataset, here or as a CPU-only SLURM job) or dryrun (build one rank
     of the job and run one step under fake collectives and fake tensors; compare with the
-    plan)."""
+    plan) or calibrate (measure this hardware's rates on the job's ranks, here or as a SLURM
+    job, into data.cache_dir/hardware; plan and suggest then price steps at them)."""
     seed: int = 1234
     """Seed for weights and data order; the same seed gives the same run in every layout."""
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -699,6 +715,7 @@ class RecipeConfig:
     plan: PlanConfig = field(default_factory=PlanConfig)
     suggest: SuggestConfig = field(default_factory=SuggestConfig)
     dryrun: DryrunConfig = field(default_factory=DryrunConfig)
+    calibrate: CalibrateConfig = field(default_factory=CalibrateConfig)
 
 
 def choice_fields(

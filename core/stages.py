@@ -107,8 +107,16 @@ def rank_layer_counts(
     style: str = "loop",
 ) -> list[int]:
     """Layers each pipeline rank holds over all its chunks, by rank."""
-    counts = layers_per_stage(n_layers, pp * vpp, pp_layers)
-    return [sum(counts[k] for k in rank_stages(r, pp, vpp, style)) for r in range(pp)]
+    return list(_rank_layer_counts(n_layers, pp, vpp, tuple(pp_layers or ()), style))
+
+
+@functools.lru_cache(maxsize=65536)
+def _rank_layer_counts(
+    n_layers: int, pp: int, vpp: int, pp_layers: tuple[int, ...], style: str
+) -> tuple[int, ...]:
+    # Cached: the planner asks it of every rank of thousands of layouts.
+    counts = layers_per_stage(n_layers, pp * vpp, list(pp_layers))
+    return tuple(sum(counts[k] for k in rank_stages(r, pp, vpp, style)) for r in range(pp))
 
 
 def rank_layer_indices(

@@ -6,8 +6,9 @@
 `action=plan` prints the plan and writes nothing; `action=script` writes the run dir and
 the job script and launches nothing; `action=suggest` lists the fastest layouts that fit;
 `action=prepare` tokenizes the data into prepared datasets (here, or as a SLURM CPU job);
-`action=dryrun` builds one rank and runs one step under fake collectives and fake tensors.
-Nothing here imports torch, so the command starts fast.
+`action=dryrun` builds one rank and runs one step under fake collectives and fake tensors;
+`action=calibrate` measures the hardware's rates on the job's ranks (here, or submitted) for
+the plan and the layout search. Nothing here imports torch, so the command starts fast.
 """
 
 from __future__ import annotations
@@ -77,7 +78,9 @@ OmegaConf.register_new_resolver(
 
 def _run_dir(cfg: RecipeConfig) -> Path:
     """The run dir: `run.dir`, else runs/<name>; in a sweep, below it the override string."""
-    run_dir = Path(cfg.run.dir).expanduser() if cfg.run.dir else Path("runs") / cfg.name
+    # A calibration's job gets a run dir of its own beside the recipe's runs.
+    default = cfg.name + ("-calibration" if cfg.action == "calibrate" else "")
+    run_dir = Path(cfg.run.dir).expanduser() if cfg.run.dir else Path("runs") / default
     hydra_cfg = HydraConfig.get() if HydraConfig.initialized() else None
     if hydra_cfg and hydra_cfg.mode is not None and hydra_cfg.mode.name == "MULTIRUN":
         run_dir = run_dir / point_dir_name(
@@ -140,6 +143,9 @@ def execute(cfg: RecipeConfig, launched: dict | None = None) -> float | None:
 
         _fail_on(dry_run_action(cfg, plan))
         return None
+    if cfg.action == "calibrate":
+        _calibrate(cfg, plan_to_dict(plan), launched)
+        return None
     # The plan before a job is said, not produced: -q hides it, never its warnings.
     if cfg.plan.before_run == "full":
         LOG.info(render_plan(plan, with_warnings=False))
@@ -156,6 +162,32 @@ def execute(cfg: RecipeConfig, launched: dict | None = None) -> float | None:
         cfg.faults, plan.step_time_s, cfg.compile.enabled
     )
     return _write_and_start(cfg, plan_to_dict(plan), launched)
+
+
+def _calibrate(cfg: RecipeConfig, plan: dict, launched: dict | None) -> None:
+    """action=calibrate: check every layout it times, run the probe on the job's ranks (here,
+    or submitted), then say each layout's calibrated prediction against its measured step."""
+    from pretrain.core.calibration import calibration_path, layout_variants
+    from pretrain.launcher.plan.calibrated import probe_spec
+    from pretrain.launcher.plan.memory_fit import check_fits
+    from pretrain.launcher.validate.recipe import validate
+
+    try:
+        variants = layout_variants(cfg)
+        for _, variant in variants[1:]:
+            validate(variant)
+            check_fits(variant)
+    except ValueError as err:
+        _fail(f"Recipe '{cfg.name}' is not valid:\n{err}")
+    except RecipeError as err:
+        _fail(f"Recipe '{cfg.name}': a layout of calibrate.layouts is not valid:\n{err}")
+    plan["calibration_probe"] = probe_spec([variant for _, variant in variants])
+    plan["calibration_layouts"] = [overrides for overrides, _ in variants]
+    _write_and_start(cfg, plan, launched)
+    if cfg.cluster.backend == "local":
+        from pretrain.launcher.plan.calibrated import render_calibration
+
+        print(render_calibration(cfg, calibration_path(cfg)))
 
 
 def _fail_on(problem: str | None) -> None:
@@ -187,11 +219,12 @@ def _validate_for_action(cfg: RecipeConfig) -> None:
     try:
         launch = cfg.action == "run"
         here = launch and cfg.cluster.backend == "local"
-        validate(cfg, for_launch=launch, run_dir=cfg.action in ("run", "script"), here=here)
+        writes = cfg.action in ("run", "script", "calibrate")
+        validate(cfg, for_launch=launch, run_dir=writes, here=here)
         if cfg.action not in ("plan", "dryrun"):
             # A job that would run out of memory is refused before it is written or submitted.
             check_fits(cfg)
-        if cfg.action in ("run", "script") and cfg.cluster.backend == "slurm":
+        if writes and cfg.cluster.backend == "slurm":
             _check_partition(cfg)
             _check_shrinks(cfg)
         if cfg.action == "run" and cfg.cluster.backend == "slurm":

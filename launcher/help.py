@@ -20,6 +20,8 @@ ACTIONS = {
     "suggest": "list the fastest layouts of the model that fit the cluster",
     "prepare": "tokenize the data into a prepared dataset (here, or as a SLURM CPU job)",
     "dryrun": "build one rank and run one step under fake collectives and tensors; vs the plan",
+    "calibrate": "measure this hardware's rates on the job's ranks for plan and suggest; time "
+    "layouts against the plan",
 }
 """What each `action=` does (the schema's `action` field lists the same names)."""
 

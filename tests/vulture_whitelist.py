@@ -35,6 +35,7 @@ _.shutdown_s
 _.optimizer_states  # launcher/plan/memory.py's breakdown: bench/optim_state_memory.py
 _.state_nbytes  # trainer/optim/states.py: bench/optim_state_memory.py
 _.fell_back  # parallel/compile.py's fallback flag: tests/unit/test_compile.py
+_.ranked  # launcher/plan/suggest.py's every fitting layout: tests/unit/test_published_layouts.py
 
 # Product entry points that tests and bench/ drive.
 _.wait_for_slurm_job  # launcher/job/backends.py: tests/slurm

@@ -147,6 +147,16 @@ def main(config_path: str) -> None:
     timeouts = PhaseTimeouts(cfg.faults, measure_saves=cfg.checkpoint.async_mode == "none")
     rank = init_distributed(cfg.cluster, timeouts.limit("setup"), cfg.parallel.offload == "params")
     CLOCK.mark("process group")
+    if cfg.action == "calibrate":
+        # A calibration job trains nothing: it measures, times its layouts and ends.
+        from pretrain.trainer.calibrate import calibrate
+
+        try:
+            calibrate(cfg, rank)
+            dist.barrier()
+        finally:
+            dist.destroy_process_group()
+        return
     try:
         with (
             run_lock.held(cfg.run.dir, enabled=rank.is_main) as took_over,

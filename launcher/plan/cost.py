@@ -4,13 +4,18 @@ the layout search alike.
     step = m * max_r u_r + (sum_r u_r - max_r u_r) / v + dp exposed + muon
     u_r  = compute_r + tp_r + cp_r + ep_r + pp_p2p     (pipeline rank r, one micro-batch)
 
-- compute_r: the FLOPs pipeline rank r runs per micro-batch (its own blocks, with the
-  recomputation of those that recompute, from `models.flops`, the functions MFU uses; the
-  last rank adds the LM head and the multi-token prediction modules, whose blocks' TP
-  collectives tp_r counts too; the embedding costs no matmul) at COMPUTE_EFFICIENCY of the
-  GPU's dense peak. Uneven stages (`parallel.pp_layers`) give each rank its own share. A
-  MoE layer's router and experts run whole on every TP rank (parallel/expert.py): tp does
-  not divide their FLOPs; etp divides the routed experts'.
+- compute_r: the seconds pipeline rank r computes per micro-batch, kernel by kernel
+  (`pretrain.launcher.plan.compute`): each linear's three GEMMs at the shapes the rank runs
+  after tp/cp/ep/etp splits, at the GPU's GEMM rates with tile, wave and output-drain losses;
+  the attention kernel at its own rate; norms, residuals, rotary and the MoE dispatch copies
+  at memory bandwidth; the recomputed forwards of the blocks that recompute. The last rank
+  adds the LM head, the loss and the multi-token prediction modules (whose blocks' TP
+  collectives tp_r counts too); the embedding costs no matmul. Under FP8 only the blocks'
+  dense linears run at the FP8 rate, and the routed experts' where torchao has an FP8
+  grouped GEMM for the scaling (`fp8_experts`). Uneven stages (`parallel.pp_layers`)
+  give each rank its own share. A MoE layer's router and experts run whole on every TP rank
+  (parallel/expert.py): tp does not divide their work; etp divides the routed experts'
+  hidden width. The optimizer step streams the fullest rank's shard once per step.
 - tp_r: tensor parallelism's collectives, not overlapped. Per block and micro-batch, forward
   and backward each move two all-reduces of the block's s*b*h activations in the compute
   dtype (with SP, a reduce-scatter and an all-gather each: the same bytes); a fully
@@ -20,11 +25,11 @@ the layout search alike.
 - ep_r: expert parallelism's all-to-alls (`pretrain.launcher.plan.ep_comm`): dispatch and combine,
   forward and backward, again under full recompute, not overlapped, over the link the ep
   group spans, one latency each.
-- cp_r: context parallelism's K/V ring (`pretrain.launcher.plan.cp_comm`: every layer's hops, over
-the
-  link the ring crosses), hidden up to CP_OVERLAP of the attention-score compute it
-  overlaps; the rest is exposed. Under cp, every rank computes and sends 1/cp of each
-  sequence's tokens, and gradients are reduced over dp x cp.
+- cp_r: context parallelism's K/V ring (`pretrain.launcher.plan.cp_comm`: every layer's
+  hops, over the link the ring crosses), hidden behind the attention kernel it overlaps
+  (`overlapped`: the part beyond it exposed, OVERLAP_SLOWDOWN of the part within). Under
+  cp, every rank computes and sends 1/cp of each sequence's tokens, and gradients are
+  reduced over dp x cp.
 - pp_p2p: one activation forward and one gradient backward per micro-batch and chunk between
   stages (1/t of it with SP), not overlapped; with tied embeddings the all-reduce of the
   embedding's gradient between the first and the last stage after the last backward (none
@@ -37,19 +42,18 @@ the
   form: their simulated idle share (F = B = W; 2bw's over a segment between two drains,
   `schedule_sim.bubble_fraction`) of the slowest rank's time.
 - dp: the data-parallel traffic of the trainer's bookkeeping (`pretrain.launcher.plan.memory`
-states it),
-  FP32 gradients and parameter all-gathers in the compute dtype:
+  states it), FP32 gradients and parameter all-gathers in the compute dtype:
   ZeRO-0/1 all-reduce the gradients over dp (ZeRO-1 then all-gathers the updated FP32
   parameters over dp_shard after the step: exposed); ZeRO-2/3 reduce-scatter them over
   dp_shard and all-reduce the shard over dp_replicate, and all-gather the parameters once
   per step (ZeRO-2) or twice per micro-batch (ZeRO-3). Routed experts' gradients and
   gathers go over the ranks holding the same experts (dp / ep of them, x cp), the dense
   parameters' over dp x cp (`_group_traffic`). Gradient reduction overlaps the last
-  micro-batch's backward, parameter gathers the compute of every micro-batch, each up to
-  DP_OVERLAP of that window; the rest is exposed.
+  micro-batch's backward; ZeRO-3's gathers the compute of every micro-batch, a
+  once-per-step gather the first micro-batch's forward (`overlapped`).
 
 - muon: with optim.name=muon, the busiest rank's Newton-Schulz FLOPs (after the split over
-  data-parallel ranks, `pretrain.launcher.plan.muon_work`) at the compute rate, and the bytes
+  data-parallel ranks, `pretrain.launcher.plan.muon_work`) at a square GEMM's rate, and the bytes
   it receives to orthogonalize over the data-parallel link; exposed, as the optimizer step
   follows the last backward.
 
@@ -63,17 +67,29 @@ left out.
 
 from __future__ import annotations
 
+import collections
 from dataclasses import dataclass
 
 from pretrain.core import hardware
-from pretrain.core.hardware import Links
+from pretrain.core.hardware import KernelRates, Links
 from pretrain.core.layout import Degrees, world_size
 from pretrain.core.pipedream import segment_steps
-from pretrain.core.precision import COMPUTE_BYTES
+from pretrain.core.precision import COMPUTE_BYTES, fp8_experts
 from pretrain.core.recompute import is_recomputed, recomputed_blocks
 from pretrain.core.schedules import SCHEDULES
 from pretrain.core.schema import RecipeConfig
 from pretrain.core.stages import head_rank, placement
+from pretrain.launcher.plan.compute import (
+    BlockSeconds,
+    Kernels,
+    block_seconds,
+    block_work,
+    compute_assumption,
+    gemm_dtype,
+    gpu_kernels,
+    head_seconds,
+    optimizer_seconds,
+)
 from pretrain.launcher.plan.cp_comm import cp_communication
 from pretrain.launcher.plan.ep_comm import (
     all_to_alls,
@@ -81,19 +97,24 @@ from pretrain.launcher.plan.ep_comm import (
     etp_all_reduces,
     etp_communication,
 )
-from pretrain.launcher.plan.memory import rank_layers, stage_experts, stage_params
+from pretrain.launcher.plan.memory import (
+    dispatch_padding,
+    rank_layers,
+    stage_experts,
+    stage_params,
+)
 from pretrain.launcher.plan.muon_work import muon_work
 from pretrain.launcher.plan.schedule_sim import SIMULATED, bubble_fraction
-from pretrain.models.flops import block_flops_per_token, count_params, flops_per_token
+from pretrain.models.flops import ParamCount, count_params, flops_per_token
 
-COMPUTE_EFFICIENCY = 0.6
-"""Share of the dense peak that a training step's kernels reach while computing."""
 LINK_EFFICIENCY = 0.8
 """Share of a link's nominal bandwidth that NCCL collectives reach (bus bandwidth)."""
-DP_OVERLAP = 0.8
-"""Share of its overlap window that data-parallel traffic hides in."""
-CP_OVERLAP = 0.8
-"""Share of the attention-score compute a ring hop hides behind."""
+OVERLAP_SLOWDOWN = 0.189
+"""How much slower compute runs while a collective overlaps it: the collective's kernels
+hold SMs and memory bandwidth (Lee et al. 2025, "Characterizing Compute-Communication
+Overlap in GPU-Accelerated Distributed Deep Learning", arXiv 2507.03114: an average
+computational slowdown of 18.9% over GPT and LLaMA models on A100, H100, MI250 and MI210).
+Traffic that overlaps compute costs this share of its overlapped time; the rest is exposed."""
 
 
 @dataclass(frozen=True)
@@ -144,6 +165,14 @@ class StepCost:
         }
 
 
+def overlapped(traffic: float, window: float) -> float:
+    """Seconds that `traffic` seconds of a collective add to a step when it overlaps a
+    `window` of compute: the part beyond the window, and OVERLAP_SLOWDOWN of the part within
+    (the compute it slows)."""
+    hidden = min(traffic, window)
+    return traffic - hidden + OVERLAP_SLOWDOWN * hidden
+
+
 def inside_node(gpus_per_node: int, stride: int, size: int) -> bool:
     """Whether a group of `size` ranks `stride` apart sits in one node."""
     span = stride * size
@@ -166,8 +195,11 @@ def group_latency(links: Links, gpus_per_node: int, stride: int, size: int) -> f
 def recipe_links(cfg: RecipeConfig, gpu_type: str) -> Links | None:
     """The GPU table's links of `gpu_type` with the recipe's `hardware.*` figures over them."""
     table = hardware.links(gpu_type)
-    if table is None:
-        return None
+    return None if table is None else with_recipe_links(cfg, table)
+
+
+def with_recipe_links(cfg: RecipeConfig, table: Links) -> Links:
+    """`table` with the recipe's `hardware.*` figures over it."""
     h = cfg.hardware
     return hardware.with_overrides(
         table,
@@ -180,66 +212,98 @@ def recipe_links(cfg: RecipeConfig, gpu_type: str) -> Links | None:
     )
 
 
-def _layer_flops(cfg: RecipeConfig) -> list[tuple[int, int, int, int]]:
-    """(hardware, forward, replicated, routed) FLOPs per token of each block, recomputation
-    included; `replicated` is the part of `hardware` that tp does not split (a MoE layer's
-    router and experts: parallel/expert.py hands every TP rank the whole layer), `routed`
-    the part of it that etp splits (the routed experts)."""
-    m, seq, policy = cfg.model, cfg.train.seq_len, cfg.recompute.policy
-    # Every block of a dense model is the same, recomputed or not.
-    dense = block_flops_per_token(m, seq, 0)
-    plain = (dense.with_recompute(policy, 0.0), dense.forward, 0, 0)
-    again = (dense.with_recompute(policy, 1.0), dense.forward, 0, 0)
-    routed = m.moe_top_k * 3 * 2 * m.dim * m.expert_ffn_dim
-    flops = []
-    for layer in range(m.n_layers):
-        recomputed = is_recomputed(cfg.recompute, layer)
-        if m.moe_experts:
-            block = block_flops_per_token(m, seq, layer)
-            moe = m.is_moe_layer(layer)
-            moe_passes = 3 + (1 if recomputed and policy == "full" else 0)
-            hardware = block.with_recompute(policy, float(recomputed))
-            replicated = moe_passes * block.mlp if moe else 0
-            flops.append((hardware, block.forward, replicated, moe_passes * routed * moe))
-        else:
-            flops.append(again if recomputed else plain)
-    return flops
+@dataclass(frozen=True)
+class RankCompute:
+    """One pipeline rank's compute for one micro-batch, in seconds."""
+
+    forward: float
+    backward: float
+    """Backward and recomputation: what the gradient reduction overlaps."""
+    attention: float
+    """Per block held, the attention kernel's forward + backward (averaged over the blocks)."""
+
+    @property
+    def total(self) -> float:
+        return self.forward + self.backward
 
 
-def _rank_flops(
-    cfg: RecipeConfig, layers: list[tuple[int, int, int, int]], pp_rank: int
-) -> tuple[int, int, int, int]:
+def rank_compute(
+    cfg: RecipeConfig, degrees: Degrees, kernels: Kernels, pp_rank: int
+) -> RankCompute:
+    """Seconds of one micro-batch's blocks on `pp_rank` (`pretrain.launcher.plan.compute`),
+    the LM head and loss on the last rank."""
+    p, m = cfg.parallel, cfg.model
     held = rank_layers(cfg, pp_rank)
-    hardware, forward = sum(layers[i][0] for i in held), sum(layers[i][1] for i in held)
-    replicated, routed = sum(layers[i][2] for i in held), sum(layers[i][3] for i in held)
-    p = cfg.parallel
+    # Blocks alike in kind (MoE or dense, recomputed or not) cost alike: one each is priced.
+    kinds = collections.Counter(
+        (m.is_moe_layer(layer), is_recomputed(cfg.recompute, layer)) for layer in held
+    )
+    forward = backward = attention = 0.0
+    for (moe, recomputed), count in kinds.items():
+        block = _block(cfg, degrees, kernels, moe, recomputed)
+        forward += count * block.forward
+        backward += count * (block.backward + block.recompute)
+        attention += count * block.attention
     if pp_rank == head_rank(p.pp, p.vpp, placement(p.pp_schedule) if p.pp > 1 else "loop"):
-        flops = flops_per_token(cfg.model, cfg.train.seq_len)
-        head = flops.lm_head + flops.mtp  # the MTP modules run on the last stage, never again
-        hardware, forward = hardware + 3 * head, forward + head
-    return hardware, forward, replicated, routed
+        tokens = cfg.train.micro_batch * cfg.train.seq_len / degrees.cp
+        head_forward, head_backward = head_seconds(kernels, cfg, tokens, degrees.tp)
+        forward, backward = forward + head_forward, backward + head_backward
+        if m.mtp_layers:
+            # Each depth: its projection of [embedding; hidden], a dense block and the head.
+            block = _block(cfg, degrees, kernels, False, False)
+            dtype = gemm_dtype(cfg)
+            proj = kernels.gemm(tokens, m.dim, 2 * m.dim, dtype)
+            forward += m.mtp_layers * (proj + block.forward + head_forward)
+            backward += m.mtp_layers * (2 * proj + block.backward + head_backward)
+    return RankCompute(forward, backward, attention / max(1, len(held)))
+
+
+def _block(
+    cfg: RecipeConfig, degrees: Degrees, kernels: Kernels, moe: bool, recomputed: bool
+) -> BlockSeconds:
+    """A block's seconds per micro-batch, priced once per distinct shape on `kernels`."""
+    m, p = cfg.model, cfg.parallel
+    key = (
+        id(m), m.dim, m.n_heads, m.kv_heads, m.head_dim, m.ffn_dim, m.mlp, m.attention,
+        m.vocab_size, m.moe_experts, m.moe_top_k, m.expert_ffn_dim, m.moe_shared_experts,
+        m.sliding_window, moe, recomputed, cfg.recompute.policy, cfg.train.micro_batch,
+        cfg.train.seq_len, degrees.tp, degrees.cp, degrees.ep, degrees.etp, p.sp,
+        cfg.precision.dtype, cfg.precision.fp8_emulate, cfg.precision.fp8_backend,
+        cfg.precision.fp8_recipe, m.moe_capacity_factor,
+    )  # fmt: skip
+    cached = kernels.blocks.get(key)
+    # The model itself rides along: an id is only unique while its object lives.
+    if cached is None or cached[0] is not m:
+        tokens = cfg.train.micro_batch * cfg.train.seq_len / degrees.cp
+        work = block_work(m, moe, degrees, p.sp, dispatch_padding(cfg), fp8_experts(cfg.precision))
+        cached = (m, block_seconds(kernels, cfg, degrees, work, tokens, recomputed))
+        kernels.blocks[key] = cached
+    return cached[1]
 
 
 def step_cost(
-    cfg: RecipeConfig, degrees: Degrees, microbatches: int, peak_tflops: float, links: Links
+    cfg: RecipeConfig,
+    degrees: Degrees,
+    microbatches: int,
+    peak_tflops: float,
+    links: Links,
+    kernels: Kernels | None = None,
 ) -> StepCost:
-    """Estimated seconds per optimizer step of `cfg`'s layout (see the module's model)."""
+    """Estimated seconds per optimizer step of `cfg`'s layout (see the module's model);
+    `kernels` defaults to the GPU table's for `cfg.cluster.gpu_type` at `peak_tflops`."""
     p, t, pp = cfg.parallel, degrees.tp, degrees.pp
     gpn = cfg.cluster.gpus_per_node
     seq, b, c = cfg.train.seq_len, cfg.train.micro_batch, COMPUTE_BYTES[cfg.precision.dtype]
-    tokens = cfg.train.global_batch * seq
-    rate = peak_tflops * 1e12 * COMPUTE_EFFICIENCY
-    # Under cp every rank computes (and sends) 1/cp of each sequence's tokens.
-    mb_tokens = tokens / (degrees.dp * degrees.cp) / microbatches
+    kernels = kernels or gpu_kernels(cfg, peak_tflops)
     activation = seq // degrees.cp * b * cfg.model.dim * c
 
-    layer_flops = _layer_flops(cfg)
-    work = [_rank_flops(cfg, layer_flops, r) for r in range(pp)]
-    etp = degrees.etp
-    compute = [
-        mb_tokens * ((hardware - replicated) / t + replicated - routed * (1 - 1 / etp)) / rate
-        for hardware, _, replicated, routed in work
-    ]
+    work = [rank_compute(cfg, degrees, kernels, r) for r in range(pp)]
+    # Where a calibration counted the operators this layout's step dispatches, each costs
+    # the framework's time per operator too (eager dispatch on a CPU), every micro-batch.
+    dispatch = 0.0
+    if kernels.op_s and kernels.step_ops:
+        dispatch = kernels.step_ops(cfg) * kernels.op_s / microbatches
+    compute = [w.total + dispatch for w in work]
     tp_time = [0.0] * pp
     if t > 1:
         bandwidth = group_bandwidth(links, gpn, 1, t)
@@ -269,21 +333,35 @@ def step_cost(
             grad = 4 * count_params(cfg.model).embedding / t
             tied = grad / (degrees.dp_shard if p.zero >= 2 else 1) / pp_bandwidth
 
-    ring = _ring(cfg, degrees, links, microbatches, rate)
+    ring = _ring(cfg, degrees, links, microbatches, [w.attention for w in work])
     per_rank = [compute[r] + tp_time[r] + ring[r] + a2a[r] + p2p for r in range(pp)]
     slowest = max(range(pp), key=lambda r: per_rank[r])
     fill_drain = (sum(per_rank) - per_rank[slowest]) / chunks
     if p.pp_schedule in SIMULATED and pp > 1:
         fraction = bubble_fraction(p.pp_schedule, pp, microbatches, p.vpp, segment_steps(cfg))
         fill_drain = microbatches * per_rank[slowest] * fraction / (1 - fraction)
-    hardware, forward, _, _ = work[slowest]
     # The gradient reduction overlaps the last micro-batch's backward (recomputation included).
-    last_backward = compute[slowest] * (1 - forward / hardware) if hardware else 0.0
+    last_backward = work[slowest].backward
     dp_total, dp_exposed = _data_parallel(
-        cfg, degrees, microbatches, links, microbatches * compute[slowest], last_backward
+        cfg,
+        degrees,
+        microbatches,
+        links,
+        microbatches * compute[slowest],
+        last_backward,
+        work[slowest].forward,
+    )
+    # The optimizer updates every rank's shard after the last backward, the fullest rank last.
+    counts = count_params(cfg.model)
+    # The fullest optimizer shard: the first rank (embedding), the last (head) or the one
+    # holding the most blocks.
+    layer_counts = [len(rank_layers(cfg, r)) for r in range(pp)]
+    fullest = {0, pp - 1, layer_counts.index(max(layer_counts))}
+    optimizer = max(
+        optimizer_seconds(kernels, cfg, _optimizer_params(cfg, degrees, r, counts)) for r in fullest
     )
     return StepCost(
-        compute=microbatches * compute[slowest],
+        compute=microbatches * compute[slowest] + optimizer,
         tp=microbatches * tp_time[slowest],
         pp_p2p=microbatches * p2p + tied,
         bubble=fill_drain,
@@ -291,20 +369,42 @@ def step_cost(
         dp_exposed=dp_exposed,
         cp=microbatches * ring[slowest],
         ep=microbatches * a2a[slowest],
-        muon=_muon(cfg, degrees, links, rate),
+        muon=_muon(cfg, degrees, links, kernels),
     )
 
 
-def _muon(cfg: RecipeConfig, degrees: Degrees, links: Links, rate: float) -> float:
+def _muon(cfg: RecipeConfig, degrees: Degrees, links: Links, kernels: Kernels) -> float:
     """Seconds of Muon's orthogonalization on the busiest rank (`pretrain.launcher.plan.
-    muon_work`): its Newton-Schulz FLOPs at the compute rate, its bytes over the
-    data-parallel link (dp ranks are tp x cp apart), exposed."""
+    muon_work`): its Newton-Schulz FLOPs at the rate of a square GEMM of the model's width,
+    its bytes over the data-parallel link (dp ranks are tp x cp apart), exposed."""
     work = muon_work(cfg, degrees)
     if work is None:
         return 0.0
     gpn = cfg.cluster.gpus_per_node
     bandwidth = group_bandwidth(links, gpn, degrees.tp * degrees.cp, degrees.dp)
+    n = cfg.model.dim
+    rate = 2.0 * n**3 / kernels.gemm(n, n, n, "bf16")
     return work.flops / rate + work.bytes / bandwidth
+
+
+def _table_rates(gpu_type: str, peak_tflops: float) -> KernelRates:
+    rates = hardware.kernel_rates(gpu_type)
+    return rates or KernelRates(None, float("inf"), {"bf16": (1.0, (1, 1, 1))}, ((1, peak_tflops),))
+
+
+def _optimizer_params(
+    cfg: RecipeConfig, degrees: Degrees, pp_rank: int, counts: ParamCount
+) -> float:
+    """Parameters whose optimizer states one rank of `pp_rank` updates: the stage's dense
+    ones over tp and its routed experts over ep, sharded over dp_shard x cp (the experts over
+    their own data-parallel ranks) from ZeRO-1 on."""
+    blocks, root, _ = stage_params(cfg, pp_rank, counts)
+    experts = stage_experts(cfg, pp_rank, counts)
+    dense, routed = (blocks + root - experts) / degrees.tp, experts / degrees.ep
+    if cfg.parallel.zero >= 1:
+        dense /= degrees.dp_shard * degrees.cp
+        routed /= max(1, degrees.dp // degrees.ep) * degrees.cp
+    return dense + routed
 
 
 def _all_to_all(cfg: RecipeConfig, degrees: Degrees, links: Links) -> list[float]:
@@ -339,25 +439,23 @@ def _etp_all_reduces(cfg: RecipeConfig, degrees: Degrees, links: Links) -> list[
 
 
 def _ring(
-    cfg: RecipeConfig, degrees: Degrees, links: Links, microbatches: int, rate: float
+    cfg: RecipeConfig, degrees: Degrees, links: Links, microbatches: int, attention: list[float]
 ) -> list[float]:
     """Per pipeline rank and micro-batch, the seconds of its layers' K/V ring traffic the
     attention scores do not hide (zeros without cp)."""
     comm = cp_communication(cfg, degrees)
     if comm is None:
         return [0.0] * degrees.pp
-    m = cfg.model
     gpn = cfg.cluster.gpus_per_node
     bandwidth = group_bandwidth(links, gpn, degrees.tp, degrees.cp)
     # Every hop waits for its predecessor: its latency is not hidden.
     hop_latency = sum(comm.hops.values()) * group_latency(links, gpn, degrees.tp, degrees.cp)
-    tokens = cfg.train.global_batch * cfg.train.seq_len / (degrees.dp * degrees.cp)
-    scores = 3 * flops_per_token(m, cfg.train.seq_len).attention_scores / m.n_layers
     ring = []
     for r in range(degrees.pp):
         layers = len(rank_layers(cfg, r))
-        hidden = CP_OVERLAP * layers * scores * tokens / degrees.tp / rate
-        exposed = max(0.0, layers * comm.sent_bytes / bandwidth - hidden) / microbatches
+        # Each layer's hops hide behind its attention, every micro-batch's.
+        window = layers * attention[r] * microbatches
+        exposed = overlapped(layers * comm.sent_bytes / bandwidth, window) / microbatches
         ring.append(exposed + layers * hop_latency)
     return ring
 
@@ -369,6 +467,7 @@ def _data_parallel(
     links: Links,
     compute: float,
     last_backward: float,
+    first_forward: float,
 ) -> tuple[float, float]:
     """(all data-parallel seconds, the part not hidden) for the largest pipeline rank: its
     dense parameters over dp x cp, its routed experts over their own group."""
@@ -390,11 +489,10 @@ def _data_parallel(
     local_experts = experts / (degrees.ep * degrees.etp)
     expert_traffic = _group_traffic(cfg, microbatches, links, local_experts, t * degrees.ep, edp, 1)
     reduce, gather, after_step = (a + b for a, b in zip(dense_traffic, expert_traffic, strict=True))
-    exposed = (
-        max(0.0, reduce - DP_OVERLAP * last_backward)
-        + max(0.0, gather - DP_OVERLAP * compute)
-        + after_step
-    )
+    # ZeRO-3 gathers around every micro-batch's compute; a once-per-step gather must land
+    # before the first micro-batch's forward needs each block, so it hides behind that one.
+    gather_window = compute if cfg.parallel.zero == 3 else first_forward
+    exposed = overlapped(reduce, last_backward) + overlapped(gather, gather_window) + after_step
     return reduce + gather + after_step, exposed
 
 
@@ -450,23 +548,26 @@ def predicted_mfu(cfg: RecipeConfig, step_s: float, peak_tflops: float) -> float
     return tokens * train / (world_size(cfg) * step_s * peak_tflops * 1e12)
 
 
-def assumptions(gpu_type: str, links: Links, peak_tflops: float, dtype: str) -> list[str]:
+def assumptions(
+    gpu_type: str, links: Links, peak_tflops: float, dtype: str, kernels: Kernels | None = None
+) -> list[str]:
     """The cost model's stated figures for a GPU, one line each."""
+    k = kernels or Kernels({dtype: peak_tflops}, _table_rates(gpu_type, peak_tflops))
     return [
-        f"compute at {COMPUTE_EFFICIENCY:.0%} of {gpu_type}'s dense {dtype} peak "
-        f"({peak_tflops:g} TFLOP/s), recomputation included",
+        compute_assumption(gpu_type, dtype, k),
         f"links at {LINK_EFFICIENCY:.0%} of nominal: {links.intra_node_gbs:g} GB/s inside a node, "
         f"{links.inter_node_gbs:g} GB/s per GPU between nodes; latency "
         f"{links.intra_node_latency_us:g} us / {links.inter_node_latency_us:g} us per step",
-        "TP/SP collectives and pipeline sends exposed; DP traffic hidden up to "
-        f"{DP_OVERLAP:.0%} of its window (gradients: the last micro-batch's backward; "
-        "parameter gathers: all compute); ZeRO-2 gathers once per step, ZeRO-3 per "
-        "micro-batch; ZeRO-1's parameter all-gather after the step exposed; routed experts "
-        "over their own data-parallel group",
+        "TP/SP collectives and pipeline sends exposed; DP traffic hidden in its window "
+        "(gradients: the last micro-batch's backward; parameter gathers: the first "
+        "micro-batch's forward, every micro-batch's compute under ZeRO-3), slowing the "
+        f"compute it overlaps by {OVERLAP_SLOWDOWN:.1%}; ZeRO-2 gathers once per step, ZeRO-3 "
+        "per micro-batch; ZeRO-1's parameter all-gather after the step exposed; routed "
+        "experts over their own data-parallel group",
         "expert all-to-alls (dispatch, combine; forward, backward) exposed",
         "the pipeline at the pace of its slowest rank (its own blocks, the LM head on the "
         "last), the others' fill and drain once, divided by vpp when interleaved; the V "
         "schedules' and 2bw's simulated bubble",
-        f"context parallelism: each layer's K/V ring over the link its tp*cp ranks span, "
-        f"hidden up to {CP_OVERLAP:.0%} of the attention-score compute",
+        "context parallelism: each layer's K/V ring over the link its tp*cp ranks span, "
+        f"hidden behind the layer's attention, slowing it by {OVERLAP_SLOWDOWN:.1%}",
     ]

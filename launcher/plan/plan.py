@@ -29,6 +29,7 @@ from pretrain.core.recompute import recomputed_blocks
 from pretrain.core.schedules import SCHEDULES, V
 from pretrain.core.schema import OptimConfig, RecipeConfig
 from pretrain.launcher.plan import cost, schedule_sim
+from pretrain.launcher.plan.calibrated import calibrated_device, calibration_note
 from pretrain.launcher.plan.cp_comm import CPComm, cp_communication
 from pretrain.launcher.plan.ep_comm import EPComm, ETPComm, ep_communication, etp_communication
 from pretrain.launcher.plan.memory import (
@@ -162,7 +163,14 @@ def make_plan(cfg: RecipeConfig) -> Plan:
     peak = cfg.hardware.peak_tflops or spec.peak_tflops.get(peak_dtype(cfg.precision))
     tokens = cfg.train.global_batch * cfg.train.seq_len
     links = cost.recipe_links(cfg, spec.name)
-    step = cost.step_cost(cfg, degrees, micro, peak, links) if peak and links else None
+    kernels = None
+    calibrated = calibrated_device(cfg)
+    if calibrated is not None:
+        # Measured on this machine (action=calibrate): its rates, and on a CPU its peak.
+        kernels, measured_links, calibration = calibrated
+        links = cost.with_recipe_links(cfg, measured_links)
+        peak = peak or kernels.peak["bf16"]
+    step = cost.step_cost(cfg, degrees, micro, peak, links, kernels) if peak and links else None
     step_time = step.total if step else None
     memory = (cfg.cluster.gpu_memory_gib or spec.memory_gib) if on_gpu else None
     plan = Plan(
@@ -202,10 +210,13 @@ def make_plan(cfg: RecipeConfig) -> Plan:
     plan.memory = peak_breakdown(cfg, degrees, micro)
     plan.assumptions = _assumptions(cfg)
     if step and peak and links:
+        dtype = peak_dtype(cfg.precision)
         plan.assumptions += [
             "step time: " + line
-            for line in cost.assumptions(spec.name, links, peak, peak_dtype(cfg.precision))
+            for line in cost.assumptions(spec.name, links, peak, dtype, kernels)
         ]
+    if calibrated is not None:
+        plan.assumptions.append(f"rates: {calibration_note(calibration)}")
     plan.tp_comm = tp_communication(cfg, degrees)
     plan.cp_comm = cp_communication(cfg, degrees)
     plan.ep_comm = ep_communication(cfg, degrees)

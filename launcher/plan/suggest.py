@@ -41,12 +41,15 @@ from pretrain.core.problems import Problem, RecipeError, divisors
 from pretrain.core.schedules import default_schedule
 from pretrain.core.schema import RecipeConfig
 from pretrain.core.stages import balanced_split
+from pretrain.launcher.plan.calibrated import calibrated_device, calibration_note
+from pretrain.launcher.plan.compute import Kernels
 from pretrain.launcher.plan.cost import (
     StepCost,
     assumptions,
     predicted_mfu,
     recipe_links,
     step_cost,
+    with_recipe_links,
 )
 from pretrain.launcher.plan.memory import MemoryBreakdown, peak_breakdown, state_floor
 from pretrain.launcher.plan.memory_fit import device_memory_gib
@@ -186,6 +189,8 @@ class Search:
     device_gib: float
     peak_tflops: float
     assumptions: list[str]
+    ranked: list[Suggestion] = dataclasses.field(default_factory=list)
+    """Every layout that fits, fastest first (not validated): where a given layout ranks."""
 
 
 def layouts(cfg: RecipeConfig) -> Iterator[Layout]:
@@ -305,10 +310,17 @@ def search(cfg: RecipeConfig, top: int | None = None) -> Search:
     limit = device_memory_gib(cfg)
     # _check_searchable admits CUDA devices only, and every GPU of the table has links.
     assert links is not None and limit is not None
-    scored, enumerated, _ = _evaluate(cfg, peak, links, limit, prune=True)
+    kernels = None
+    notes = []
+    calibrated = calibrated_device(cfg)
+    if calibrated is not None:
+        kernels, measured, found = calibrated
+        links = with_recipe_links(cfg, measured)
+        notes.append(f"rates: {calibration_note(found)}")
+    scored, enumerated, _ = _evaluate(cfg, peak, links, limit, prune=True, kernels=kernels)
     if not scored:
         # Every family was judged in full, so the smallest peak named is the true one.
-        _, _, smallest = _evaluate(cfg, peak, links, limit, prune=False)
+        _, _, smallest = _evaluate(cfg, peak, links, limit, prune=False, kernels=kernels)
         peak_gib, closest = smallest if smallest else (0.0, None)
         raise RecipeError(
             [
@@ -343,7 +355,8 @@ def search(cfg: RecipeConfig, top: int | None = None) -> Search:
         fitting=len(scored),
         device_gib=limit,
         peak_tflops=peak,
-        assumptions=assumptions(spec.name, links, peak, cfg.precision.dtype),
+        assumptions=[*assumptions(spec.name, links, peak, cfg.precision.dtype, kernels), *notes],
+        ranked=[suggestion for _, _, suggestion in scored],
     )
 
 
@@ -381,7 +394,12 @@ def long_context_note(cfg: RecipeConfig, layout: Layout, limit: float) -> str:
 
 
 def _evaluate(
-    cfg: RecipeConfig, peak: float, links: Links, limit: float, prune: bool
+    cfg: RecipeConfig,
+    peak: float,
+    links: Links,
+    limit: float,
+    prune: bool,
+    kernels: Kernels | None = None,
 ) -> tuple[Scored, int, tuple[float, Layout] | None]:
     """(the layouts that fit with their sort keys, how many were enumerated, the smallest
     peak of those that do not). With `prune`, a family of layouts (all but micro-batch and
@@ -407,7 +425,7 @@ def _evaluate(
             floors[family] = state_floor(layout.apply(cfg), degrees) / GIB
         if prune and floors[family] > budget:
             continue
-        suggestion, memory = judge(cfg, layout, peak, links, limit)
+        suggestion, memory = judge(cfg, layout, peak, links, limit, kernels)
         if suggestion is None:
             if smallest is None or memory.total_gib < smallest[0]:
                 smallest = (memory.total_gib, layout)
@@ -423,16 +441,22 @@ def _evaluate(
 
 
 def judge(
-    cfg: RecipeConfig, layout: Layout, peak: float, links: Links, limit: float
+    cfg: RecipeConfig,
+    layout: Layout,
+    peak: float,
+    links: Links,
+    limit: float,
+    kernels: Kernels | None = None,
 ) -> tuple[Suggestion | None, MemoryBreakdown]:
     """`layout` of `cfg` costed as the search costs it (None when it does not fit the
-    `limit` GiB with HEADROOM), and its peak memory."""
+    `limit` GiB with HEADROOM), and its peak memory; `kernels` defaults to the GPU
+    table's."""
     candidate, degrees = layout.apply(cfg), degrees_of(layout, cfg)
     micro_batches = cfg.train.global_batch // (layout.micro_batch * degrees.dp)
     memory = peak_breakdown(candidate, degrees, micro_batches)
     if memory.total_gib > limit * (1 - HEADROOM):
         return None, memory
-    cost = step_cost(candidate, degrees, micro_batches, peak, links)
+    cost = step_cost(candidate, degrees, micro_batches, peak, links, kernels)
     tokens = cfg.train.global_batch * cfg.train.seq_len
     suggestion = Suggestion(
         layout=layout,

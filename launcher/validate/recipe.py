@@ -15,6 +15,7 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
+from pretrain.core.calibration import LAYOUT_FIELDS, layout_variants
 from pretrain.core.hf_export import export_refusal
 from pretrain.core.layout import expert_node_groups
 from pretrain.core.problems import (
@@ -51,6 +52,22 @@ MAX_STEPS = 10**9
 MAX_GLOBAL_BATCH = 2**24
 
 
+def _check_calibrate(c: Checks, cfg: RecipeConfig) -> None:
+    """calibrate.steps is a count; every calibrate.layouts entry sets layout fields only."""
+    c.at_least("calibrate.steps", cfg.calibrate.steps, 1)
+    try:
+        layout_variants(cfg)
+    except ValueError as error:
+        c.add(
+            "calibrate.layouts",
+            cfg.calibrate.layouts,
+            str(error).split(": ", 1)[-1],
+            "give each layout as space-separated key=value items of "
+            f"{', '.join(LAYOUT_FIELDS)} fields, e.g. "
+            "\"calibrate.layouts=['parallel.zero=3','parallel.tp=2 parallel.sp=true']\"",
+        )
+
+
 def validate(
     cfg: RecipeConfig, for_launch: bool = False, run_dir: bool = False, here: bool = False
 ) -> None:
@@ -85,6 +102,7 @@ def validate(
     c.at_least("recompute.every", cfg.recompute.every, 1)
     c.at_least("logging.log_every", cfg.logging.log_every, 1)
     c.at_least("suggest.top", cfg.suggest.top, 1)
+    _check_calibrate(c, cfg)
     c.at_least("hardware.peak_tflops", cfg.hardware.peak_tflops, 0)
     for link in ("intra_node_gbs", "inter_node_gbs"):
         c.at_least(f"hardware.{link}", getattr(cfg.hardware, link), 0)

@@ -19,6 +19,7 @@ from pretrain.core.layout import ep_nodes
 CHANGEABLE = (
     "action",
     "plan.",
+    "calibrate.",
     "run.",
     "parallel.",
     "cluster.",

@@ -1,5 +1,5 @@
-"""The cost model's data-parallel, expert and latency terms, each against the figure its
-source states (launcher/plan/cost.py, launcher/plan/ep_comm.py)."""
+"""The cost model's compute, data-parallel, expert and latency terms, each against the figure
+its source states (launcher/plan/compute.py, launcher/plan/cost.py, launcher/plan/ep_comm.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,15 @@ from pretrain.core import hardware
 from pretrain.core.layout import Degrees
 from pretrain.core.model_config import ModelConfig
 from pretrain.core.schema import RecipeConfig
-from pretrain.launcher.plan.cost import LINK_EFFICIENCY, recipe_links, step_cost
+from pretrain.launcher.plan.compute import (
+    Kernels,
+    block_seconds,
+    block_work,
+    gpu_kernels,
+    head_seconds,
+    optimizer_seconds,
+)
+from pretrain.launcher.plan.cost import LINK_EFFICIENCY, OVERLAP_SLOWDOWN, recipe_links, step_cost
 from pretrain.launcher.plan.ep_comm import ep_communication
 from pretrain.launcher.plan.suggest import layouts, render_search, search, three_terms
 from pretrain.models.flops import count_params
@@ -211,3 +219,105 @@ def test_the_search_tries_every_expert_parallel_degree_and_prints_three_terms() 
         terms = three_terms(suggestion.cost)
         assert sum(terms.values()) == pytest.approx(suggestion.cost.total)
         assert f"step: compute {terms['compute']:.2f} s + exposed communication" in text
+
+
+def h100_kernels(dtype: str = "bf16") -> Kernels:
+    cfg = recipe(LLAMA3_8B, nodes=1)
+    cfg.precision.dtype = dtype
+    return gpu_kernels(cfg, hardware.peak_tflops("h100_sxm", dtype) or PEAK)
+
+
+def tflops(kernels: Kernels, m: int, n: int, k: int, dtype: str = "bf16") -> float:
+    return 2 * m * n * k / kernels.gemm(m, n, k, dtype) / 1e12
+
+
+def test_a_gemm_of_the_best_measured_shape_runs_at_the_measured_rate() -> None:
+    """S. Bekman, "Machine Learning Engineering", Maximum Achievable Matmul FLOPS table:
+    H100 SXM 794.5 TFLOP/s in BF16 at 2048x2048x13312 and 1402.6 in FP8 at
+    1024x9216x14336; A100 SXM 271.2 at 1024x10240x5120."""
+    assert tflops(h100_kernels(), 2048, 2048, 13312) == pytest.approx(794.5, rel=1e-3)
+    assert tflops(h100_kernels("fp8"), 1024, 9216, 14336, "fp8") == pytest.approx(1402.6, rel=1e-3)
+    a100 = recipe(LLAMA3_8B, nodes=1)
+    a100.cluster.gpu_type = "a100_sxm_80gb"
+    assert tflops(gpu_kernels(a100, 312.0), 1024, 10240, 5120) == pytest.approx(271.2, rel=1e-3)
+
+
+def test_a_gemm_a_sliver_past_a_full_wave_pays_for_a_second() -> None:
+    """Wave quantization (Anthony et al. 2024, "The Case for Co-Designing Model
+    Architectures with Hardware", section 4; 132 SMs on H100): 132 tiles of 128 x 256 fill
+    one wave; two more tiles' width (1.5% more FLOPs) needs a second, nearly empty, wave,
+    and no other tile shape avoids most of its cost."""
+    kernels = h100_kernels()
+    full, sliver = 256 * 66, 256 * 67
+    one_wave = kernels.gemm(256, full, 8192, "bf16")
+    assert kernels.gemm(256, sliver, 8192, "bf16") > 1.4 * one_wave
+
+
+def test_short_reductions_lose_more_to_writing_their_output() -> None:
+    """The weak-scaling GPT runs of the Megatron-LM README gain MFU with size "because
+    larger GEMMs have higher arithmetic intensity": at one output shape, every tile writes
+    its output after its K loop, which a short loop amortizes worst. On H100 the write of a
+    tile costs as long as 989.5 / 3.35 = 295 more columns of K."""
+    kernels = h100_kernels()
+    rates = [tflops(kernels, 8192, 4096, k) for k in (1024, 2048, 8192)]
+    assert rates == sorted(rates)
+    balance = 989.5 / 3.35
+    drain = (1024 / (1024 + balance)) / (8192 / (8192 + balance))
+    assert rates[0] / rates[2] == pytest.approx(drain)
+
+
+def test_attention_runs_at_flashattention_2s_causal_rate() -> None:
+    """Dao-AILab/flash-attention README, "Attention forward + backward speed (H100 80GB
+    SXM5)", with causal mask, head dimension 128: 294 TFLOP/s at 4K tokens (the causal half
+    of the square; backward 2.5 times the forward). A Llama 3 8B block at 4096 tokens spends
+    its attention's causal FLOPs x 3.5 at that rate, on its rank's heads."""
+    cfg = recipe(LLAMA3_8B, nodes=1, tp=2)
+    cfg.train.seq_len = 4096
+    degrees_ = degrees(cfg)
+    kernels = gpu_kernels(cfg, PEAK)
+    work = block_work(cfg.model, False, degrees_, False, 1.0)
+    block = block_seconds(kernels, cfg, degrees_, work, 4096, False)
+    causal = 2 * (4096 - 4096 / 2) * 32 * (128 + 128) / 2  # per token, 16 heads of 32
+    assert block.attention == pytest.approx(4096 * causal * 3.5 / 294e12)
+
+
+def test_fp8_runs_only_the_blocks_linear_layers_at_the_fp8_rate() -> None:
+    """Under precision.dtype=fp8 the blocks' nn.Linear layers compute in FP8
+    (parallel/precision.py fp8_candidate); attention and the LM head stay BF16, so their
+    seconds do not move while the linears' GEMMs run at the FP8 rate (1402.6 against 794.5
+    TFLOP/s at the best shapes), less the casts' memory traffic."""
+    bf16, fp8 = recipe(LLAMA3_8B, nodes=1), recipe(LLAMA3_8B, nodes=1)
+    fp8.precision.dtype = "fp8"
+    d = degrees(bf16)
+    blocks = []
+    for cfg, peak in ((bf16, PEAK), (fp8, 2 * PEAK)):
+        kernels = gpu_kernels(cfg, peak)
+        work = block_work(cfg.model, False, d, False, 1.0)
+        blocks.append((block_seconds(kernels, cfg, d, work, 4096, False), kernels))
+    (plain, k16), (fast, k8) = blocks
+    assert fast.attention == plain.attention
+    assert head_seconds(k8, fp8, 4096, 1) == head_seconds(k16, bf16, 4096, 1)
+    assert 1.3 * fast.forward < plain.forward < 1.77 * fast.forward
+
+
+def test_hidden_data_parallel_traffic_slows_the_compute_it_overlaps_by_189_per_mille() -> None:
+    """Lee et al. 2025 ("Characterizing Compute-Communication Overlap in GPU-Accelerated
+    Distributed Deep Learning", arXiv 2507.03114): overlapping computation with
+    communication slows the computation by 18.9% on average. Llama 3 8B under ZeRO-3 over
+    one node gathers and reduces well inside its compute: all of it is hidden, and 18.9% of
+    it is what the step pays."""
+    cfg = recipe(LLAMA3_8B, nodes=1, zero=3)
+    cfg.train.global_batch = 8 * 4
+    cost = step_cost(cfg, degrees(cfg), 4, PEAK, H100)
+    assert cost.dp_total < cost.compute
+    assert cost.dp_exposed == pytest.approx(OVERLAP_SLOWDOWN * cost.dp_total)
+    assert OVERLAP_SLOWDOWN == 0.189
+
+
+def test_the_optimizer_step_streams_the_ranks_shard_of_the_states_once() -> None:
+    """AdamW reads each FP32 parameter, its gradient (twice: the clipping norm and the
+    update) and two moments, and writes the parameter, the moments and the BF16 copy: 34
+    bytes per parameter at the H100's 3.35 TB/s; ZeRO-1 over 8 ranks updates an eighth."""
+    cfg = recipe(LLAMA3_8B, nodes=1)
+    kernels = gpu_kernels(cfg, PEAK)
+    assert optimizer_seconds(kernels, cfg, 1e9) == pytest.approx(1e9 * 34 / 3.35e12)

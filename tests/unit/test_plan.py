@@ -211,7 +211,7 @@ def test_the_plans_step_time_and_mfu_are_the_cost_models_with_its_assumptions():
     text = render_plan(plan)
     assert f"{expected.total:.3g} s" in text and f"{plan.mfu:.1%}" in text
     assert "MFU" not in " ".join(plan.assumptions).replace("predicted MFU", "")
-    assert any(note.startswith("step time: compute at 60%") for note in plan.assumptions)
+    assert any(note.startswith("step time: compute kernel by kernel") for note in plan.assumptions)
 
 
 def test_cpu_ranks_have_no_step_time_and_no_memory_to_fit():

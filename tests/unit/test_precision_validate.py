@@ -142,8 +142,9 @@ def test_fp8_is_planned_against_the_fp8_peak_and_emulation_against_bf16():
     bf16 = make_plan(configure({"precision.dtype": "bf16"}))
     plan = make_plan(fp8)
     assert plan.peak_tflops == 2 * bf16.peak_tflops  # the H100 table: FP8 doubles BF16
-    # The cost model computes at twice the rate; its communication moves BF16 either way.
-    assert plan.step_cost.compute == pytest.approx(bf16.step_cost.compute / 2)
+    # The blocks' linear layers run at the FP8 rate, attention, the head and the element-wise
+    # work as under BF16; the communication moves BF16 either way.
+    assert bf16.step_cost.compute / 2 < plan.step_cost.compute < 0.9 * bf16.step_cost.compute
     assert plan.step_cost.dp_total == pytest.approx(bf16.step_cost.dp_total)
     assert plan.model_states_by_zero == bf16.model_states_by_zero
 

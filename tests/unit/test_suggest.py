@@ -12,11 +12,11 @@ from pretrain.core.layout import rank_groups, resolve_degrees
 from pretrain.core.model_config import ModelConfig
 from pretrain.core.problems import RecipeError
 from pretrain.core.schema import RecipeConfig
-from pretrain.launcher.plan.cost import COMPUTE_EFFICIENCY, step_cost
+from pretrain.launcher.plan.compute import gpu_kernels, head_seconds
+from pretrain.launcher.plan.cost import rank_compute, step_cost
 from pretrain.launcher.plan.memory_fit import predict
-from pretrain.launcher.plan.suggest import Layout, degrees_of, search
+from pretrain.launcher.plan.suggest import Layout, degrees_of, judge, layouts, search
 from pretrain.launcher.validate.recipe import validate
-from pretrain.models.flops import flops_per_token
 from tests.helpers import validate_and_fit
 
 REPO = Path(__file__).resolve().parents[2]
@@ -69,10 +69,25 @@ def test_70b_on_64_h100s_keeps_tp_inside_a_node_and_pipelines_across_nodes(llama
     [(shipped_model("llama3_8b"), 256, 8192), (LLAMA2_7B_SHAPE, 64, 4096)],
     ids=["llama3_8b", "llama2_7b_shape"],
 )
-def test_7b_and_8b_on_one_node_of_8_prefer_fsdp_without_pp(model, global_batch, seq_len):
-    best = search(cluster_recipe(model, 1, global_batch, seq_len)).suggestions[0].layout
-    assert best.pp == 1
-    assert best.zero >= 2 and best.dp_replicate * best.dp_shard > 1
+def test_7b_and_8b_on_one_node_of_8_shard_the_states_and_barely_need_a_pipeline(
+    model, global_batch, seq_len
+):
+    """The fastest layout shards its states over data parallelism (ZeRO-2 or 3), and the
+    fastest without a pipeline is within 2% of it: a two-stage pipeline only saves the
+    slowdown of ZeRO-3's gathers on the compute they overlap."""
+    cfg = cluster_recipe(model, 1, global_batch, seq_len)
+    result = search(cfg)
+    best = result.suggestions[0]
+    assert best.layout.pp <= 2 and best.layout.zero >= 2
+    assert best.layout.dp_replicate * best.layout.dp_shard > 1
+    links = hardware.links("h100_sxm")
+    flat = [
+        judge(cfg, layout, result.peak_tflops, links, result.device_gib)[0]
+        for layout in layouts(cfg)
+        if layout.pp == 1
+    ]
+    fastest = min((s for s in flat if s is not None), key=lambda s: s.cost.total)
+    assert fastest.cost.total <= 1.02 * best.cost.total
 
 
 def test_suggestions_are_the_requested_count_fastest_first(llama70b_on_64):
@@ -102,22 +117,20 @@ def test_the_recipes_own_layout_does_not_matter(llama8b_on_8):
     assert search(broken).suggestions == search(llama8b_on_8).suggestions
 
 
-def test_compute_is_the_last_stages_flops_at_the_stated_efficiency(llama8b_on_8):
+def test_compute_is_the_last_stages_blocks_and_head_and_the_bubble_the_first_stages(llama8b_on_8):
+    """The pipeline runs at the pace of its last rank (its blocks and the LM head), and the
+    first rank's one micro-batch fills it (launcher/plan/cost.py)."""
     layout = Layout(2, True, 2, 1, 1, 2, 1, "full", 2)
     cfg = layout.apply(llama8b_on_8)
     degrees, micro = degrees_of(layout, cfg), 256 // (2 * 2)
     peak = hardware.peak_tflops("h100_sxm", "bf16")
     cost = step_cost(cfg, degrees, micro, peak, hardware.links("h100_sxm"))
-    fpt = flops_per_token(cfg.model, 8192)
-    blocks = fpt.with_recompute("full") - 3 * fpt.lm_head
-    last_stage = blocks / 2 + 3 * fpt.lm_head
-    tokens_per_pipeline = 256 * 8192 / degrees.dp
-    assert cost.compute == pytest.approx(
-        tokens_per_pipeline * last_stage / 2 / (peak * 1e12 * COMPUTE_EFFICIENCY)
-    )
-    # Fill and drain: one micro-batch through the other (first) stage, which has no head.
-    first_stage = tokens_per_pipeline / micro * blocks / 2 / 2 / (peak * 1e12 * COMPUTE_EFFICIENCY)
-    assert cost.bubble == pytest.approx(first_stage + (cost.tp + cost.pp_p2p) / micro)
+    kernels = gpu_kernels(cfg, peak)
+    first, last = (rank_compute(cfg, degrees, kernels, r) for r in (0, 1))
+    head_forward, head_backward = head_seconds(kernels, cfg, 2 * 8192, 2)
+    assert last.total == pytest.approx(first.total + head_forward + head_backward)
+    assert micro * last.total < cost.compute < 1.01 * micro * last.total  # + the optimizer
+    assert cost.bubble == pytest.approx(first.total + (cost.tp + cost.pp_p2p) / micro)
     assert cost.tp > 0 and cost.pp_p2p > 0
 
 

@@ -99,7 +99,7 @@ CASES = [
     ({"cluster.backend": "slurm", "cluster.qos": "$(id)"}, "cluster.qos", "only letters, digits",
      "qos"),
     ({"name": "my run!"}, "name", "only letters, digits, '_', '.' and '-'", "use my_run"),
-    ({"action": "train"}, "action", "unknown value 'train'", "prepare or dryrun"),
+    ({"action": "train"}, "action", "unknown value 'train'", "dryrun or calibrate"),
     # optimizer and schedule
     ({"optim.lr": -1.0}, "optim.lr", "must be >= 0", ">= 0"),
     ({"optim.min_lr": -1.0}, "optim.min_lr", "must be >= 0", ">= 0"),

@@ -246,7 +246,7 @@ def run_2bw(m: int, steps: int, waits: Waits) -> float:
         pending.pop(0).wait()
         sgd(target.params)
 
-    transport = TimedTransport(waits, dist.group.WORLD, rank, pp, CPU)
+    transport = TimedTransport(waits, dist.group.WORLD, rank, pp, CPU, (ROWS, DIM), torch.float32)
     engine = PipeDream(versions, pp, rank, m, mse(m), transport, update, ready)
     inputs, targets = torch.randn(m * ROWS, DIM), torch.randn(m * ROWS, DIM)
     dist.barrier()

@@ -21,10 +21,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pretrain.parallel.pipeline.pipedream import DTYPES, HEADER
-
 TAG = 30
 """The tag of every message of the forward-only pass."""
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
+"""Activation dtypes a header can name, by index."""
+HEADER = 8
+"""int64 entries of a header: ndim, dtype index, then the shape."""
 
 
 def send_tensor(tensor: torch.Tensor, dst: int, group: dist.ProcessGroup) -> list[dist.Work]:

@@ -19,9 +19,10 @@ roles. So step k trains on W(k) and W(k+2) = update(W(k+1), grad f_k(W(k))): the
 recurrence W(t+1) = W(t) - lr grad f(W(t-1)), one step of delay, with W(0) = W(1).
 
 Transport: `P2PTransport` sends activations to the next rank and gradients to the previous
-over the pipeline group (isend/irecv, in order, so messages match by position; the first
-activation carries a header with its shape and dtype). `LocalTransport` keeps them in
-memory so `run_local` can drive every stage's engine in one process (tests, benchmarks).
+over the pipeline group (isend/irecv, in order, so messages match by position), each of the
+shape and dtype the recipe gives every stage's hidden states (`parallel/pipeline/shapes.py`,
+as torch's schedules are given them). `LocalTransport` keeps them in memory so `run_local`
+can drive every stage's engine in one process (tests, benchmarks).
 """
 
 from __future__ import annotations
@@ -37,11 +38,6 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from pretrain.core import pipedream
-
-DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
-"""Activation dtypes a header can name, by index."""
-HEADER = 8
-"""int64 entries of a header: ndim, dtype index, then the shape."""
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -84,34 +80,37 @@ class Version:
 
 
 class P2PTransport:
-    """Activations to the next pipeline rank, gradients to the previous, in order."""
+    """Activations to the next pipeline rank, gradients to the previous, in order; every
+    activation between stages is of `shape` and `dtype`."""
 
-    def __init__(self, group: dist.ProcessGroup, rank: int, pp: int, device: torch.device):
+    def __init__(
+        self,
+        group: dist.ProcessGroup,
+        rank: int,
+        pp: int,
+        device: torch.device,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+    ) -> None:
         self.group, self.device = group, device
         self.next = dist.get_global_rank(group, rank + 1) if rank < pp - 1 else None
         self.prev = dist.get_global_rank(group, rank - 1) if rank > 0 else None
+        self.shape, self.dtype = shape, dtype
         self._sends: list = []
-        self._sent_header = False
-        self._meta: tuple[torch.Size, torch.dtype] | None = None
 
     def send_forward(self, mb: int, tensor: torch.Tensor) -> None:
         tensor = tensor.detach().contiguous()
-        if not self._sent_header:
-            header = torch.zeros(HEADER, dtype=torch.int64, device=self.device)
-            header[0], header[1] = tensor.dim(), DTYPES.index(tensor.dtype)
-            header[2 : 2 + tensor.dim()] = torch.tensor(tensor.shape)
-            self._sends.append(dist.isend(header, self.next, self.group))
-            self._sent_header = True
+        if tensor.shape != self.shape or tensor.dtype != self.dtype:
+            # The next rank receives into a buffer of the given shape: a mismatch would
+            # arrive as garbage, or hang.
+            raise RuntimeError(
+                f"pipeline stage output {tuple(tensor.shape)} {tensor.dtype}: the stages "
+                f"were given {tuple(self.shape)} {self.dtype}"
+            )
         self._sends.append(dist.isend(tensor, self.next, self.group))
 
     def recv_forward(self, mb: int) -> torch.Tensor:
-        if self._meta is None:
-            header = torch.empty(HEADER, dtype=torch.int64, device=self.device)
-            dist.recv(header, self.prev, self.group)
-            ndim = int(header[0])
-            self._meta = torch.Size(header[2 : 2 + ndim].tolist()), DTYPES[int(header[1])]
-        shape, dtype = self._meta
-        tensor = torch.empty(shape, dtype=dtype, device=self.device)
+        tensor = torch.empty(self.shape, dtype=self.dtype, device=self.device)
         dist.recv(tensor, self.prev, self.group)
         return tensor
 

@@ -38,6 +38,7 @@ from pretrain.models.moe import moe_modules
 from pretrain.parallel.clip import clip_to_norm, grad_norm
 from pretrain.parallel.expert import reduce_expert_grads
 from pretrain.parallel.pipeline.pipedream import P2PTransport, PipeDream, Version, move_optimizer
+from pretrain.parallel.pipeline.shapes import stage_shapes
 from pretrain.parallel.pipeline.stages import StageView
 from pretrain.parallel.pipeline.tied_embedding import (
     embedding_group,
@@ -49,6 +50,12 @@ from pretrain.trainer.step.context import StepContext
 from pretrain.trainer.step.local import step_optimizer
 from pretrain.trainer.step.pipeline_eval import evaluate_pipeline, score_pipeline
 from pretrain.trainer.step.state import MicroBatches, StepResult
+
+
+def read_agreement(flags: torch.Tensor, norm: torch.Tensor) -> tuple[bool, bool, bool]:
+    """(a non-finite loss on some rank, a finite global norm, a stop requested) from the
+    agreed flags and norm: the values an update reads back (on the host)."""
+    return bool(flags[1] > 0), bool(torch.isfinite(norm)), bool(flags[2] > 0)
 
 
 class PipeDreamStep:
@@ -71,7 +78,9 @@ class PipeDreamStep:
         for older, newer in zip(moe_modules(state.stash), moe_modules(state.plain), strict=True):
             older.stats = newer.stats
         self.owner = plain  # the version the optimizer holds
-        transport = P2PTransport(self.group, rank, degrees.pp, device)
+        shapes = stage_shapes(ctx.cfg, degrees, self.n_microbatches)
+        hidden = (shapes.batch, shapes.hidden_tokens, shapes.dim)
+        transport = P2PTransport(self.group, rank, degrees.pp, device, hidden, shapes.hidden_dtype)
         self.engine = PipeDream(
             (stash, plain),
             degrees.pp,
@@ -156,9 +165,10 @@ class PipeDreamStep:
         state.stability.gradients(state.plain)
         clip_to_norm(state.plain.parameters(), norm, self.ctx.cfg.optim.grad_clip)
         scaled_ok = state.scaler.update(norm)
-        bad = bool(flags[1] > 0) or (scaled_ok and not bool(torch.isfinite(norm)))
+        bad_loss, finite_norm, stop = read_agreement(flags, norm)
+        bad = bad_loss or (scaled_ok and not finite_norm)
         step_optimizer(state, self.ctx.cfg, update=scaled_ok and not bad)
-        self.result = (norm, bad, bool(flags[2] > 0))
+        self.result = (norm, bad, stop)
 
     def step(self, micro_batches: MicroBatches) -> StepResult:
         """This step's forwards and backwards (and the previous step's last backwards),

@@ -175,14 +175,6 @@ def mtp_flops_per_token(cfg: ModelConfig, seq_len: int) -> int:
     return cfg.mtp_layers * (per_depth + 2 * cfg.dim * cfg.vocab_size)
 
 
-def block_flops_per_token(cfg: ModelConfig, seq_len: int, layer: int) -> FlopsPerToken:
-    """Forward FLOPs per token of block `layer` alone (no LM head): the blocks of
-    `flops_per_token` one by one, for a pipeline stage's share."""
-    projections, scores, dense_mlp, moe_mlp = _block_terms(cfg, seq_len)
-    mlp = moe_mlp if cfg.is_moe_layer(layer) else dense_mlp
-    return FlopsPerToken(projections, scores, mlp, lm_head=0)
-
-
 def _block_terms(cfg: ModelConfig, seq_len: int) -> tuple[int, int, int, int]:
     """One block's (attention projections, attention scores, dense MLP, MoE MLP) FLOPs."""
     h = cfg.dim

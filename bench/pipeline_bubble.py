@@ -11,7 +11,7 @@ Per stage it measures:
   tensor counted while saved, parameters excluded), at its peak during the step.
 
 Beside them: the bubble the plan predicts, (p-1)/(m+p-1), and the peak micro-batches in
-flight of the simulated schedule (`launcher/plan/schedule_sim.py`).
+flight of the simulated schedule (`launcher/plan/pipeline/schedule_sim.py`).
 
 A second table runs many steps back to back under 1F1B, the V schedules (ZB-V, DualPipeV:
 two chunks per rank, each half a stage's blocks) and PipeDream-2BW
@@ -40,7 +40,7 @@ from torch.distributed.pipelining import schedules
 
 from pretrain.core.schema import ParallelConfig
 from pretrain.core.stages import rank_stages
-from pretrain.launcher.plan.schedule_sim import bubble_fraction, pipedream_bubble, simulate
+from pretrain.launcher.plan.pipeline.schedule_sim import bubble_fraction, pipedream_bubble, simulate
 from pretrain.parallel.pipeline.pipedream import P2PTransport, PipeDream, Version, copy_weights
 from pretrain.parallel.pipeline.stages import build_schedule
 

@@ -1,7 +1,7 @@
 """PipeDream-2BW's op order per pipeline rank: 1F1B with no flush between optimizer steps.
 
 Pure arithmetic that the trainer runs (`parallel/pipeline/pipedream.py`) and the planner charts
-(`launcher/plan/schedule_sim.py`), so the chart is the schedule that runs.
+(`launcher/plan/pipeline/schedule_sim.py`), so the chart is the schedule that runs.
 
 Micro-batches are numbered on over the steps of a segment: step j's are j*m ... j*m+m-1. A
 segment starts with an empty pipeline (at the start of training, and after each

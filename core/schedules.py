@@ -46,7 +46,7 @@ class ScheduleTraits:
     (GPipe: no steady state). Read by the looped orders the simulator builds itself."""
     simulated: bool = False
     """The bubble and the micro-batches in flight have no closed form and are read off the
-    simulated op order: torch's own (V placement, `launcher/plan/schedule_v.py`) or the
+    simulated op order: torch's own (V placement, `launcher/plan/pipeline/schedule_v.py`) or the
     repo's (`core/pipedream.py`)."""
     flushes: bool = True
     """The pipeline drains at every optimizer step; False keeps it full across steps

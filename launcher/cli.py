@@ -102,7 +102,7 @@ def execute(cfg: RecipeConfig, launched: dict | None = None) -> float | None:
     from pretrain.launcher.compose.from_hf import adopted_lines
     from pretrain.launcher.compose.nanogpt_split import nanogpt_val_lines
     from pretrain.launcher.plan.plan import make_plan, plan_to_dict
-    from pretrain.launcher.plan.render import render_plan, render_summary
+    from pretrain.launcher.plan.report.render import render_plan, render_summary
     from pretrain.launcher.validate.schedules import fit_schedule_to_run
 
     overrides = (launched or {}).get("overrides", [])
@@ -198,7 +198,7 @@ def _fail_on(problem: str | None) -> None:
 def _draw_pipeline_chart(cfg: RecipeConfig, plan: Any) -> None:
     """plan.chart=png: the simulated schedule of `plan` (launcher/plan/plan.py's Plan) as
     pipeline.png here, said on stderr, so that a JSON plan on stdout stays one object."""
-    from pretrain.launcher.plan.chart_png import draw_chart
+    from pretrain.launcher.plan.report.chart_png import draw_chart
 
     if plan.pipeline is None:
         _fail(f"plan.chart=png: recipe '{cfg.name}' has parallel.pp=1 and no pipeline to "

@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from pretrain.core.hf_llama import model_fields, same_scaling, same_value
+from pretrain.core.hf.llama import model_fields, same_scaling, same_value
 from pretrain.core.inputs.reading import ReadError, mapping, read_json
 from pretrain.core.model_config import ModelConfig
 from pretrain.core.problems import Problem, RecipeError

@@ -104,7 +104,7 @@ from pretrain.launcher.plan.memory import (
     stage_params,
 )
 from pretrain.launcher.plan.muon_work import muon_work
-from pretrain.launcher.plan.schedule_sim import SIMULATED, bubble_fraction
+from pretrain.launcher.plan.pipeline.schedule_sim import SIMULATED, bubble_fraction
 from pretrain.models.flops import ParamCount, count_params, flops_per_token
 
 LINK_EFFICIENCY = 0.8
@@ -304,23 +304,8 @@ def step_cost(
     if kernels.op_s and kernels.step_ops:
         dispatch = kernels.step_ops(cfg) * kernels.op_s / microbatches
     compute = [w.total + dispatch for w in work]
-    tp_time = [0.0] * pp
-    if t > 1:
-        bandwidth = group_bandwidth(links, gpn, 1, t)
-        # A ring all-reduce takes 2(t-1) steps; SP's reduce-scatter and all-gather t-1 each.
-        steps = 2 * (t - 1) * group_latency(links, gpn, 1, t)
-        full = cfg.recompute.policy == "full"
-        for r in range(pp):
-            layers = rank_layers(cfg, r)
-            # Forward and backward of every block, and the forward again where recomputed.
-            passes = 2 * len(layers) + (
-                len(recomputed_blocks(cfg.recompute, layers)) if full else 0
-            )
-            if r == head_rank(pp, p.vpp, placement(p.pp_schedule) if pp > 1 else "loop"):
-                passes += 2 * cfg.model.mtp_layers  # the MTP modules' blocks
-            tp_time[r] = passes * 2 * (2 * (t - 1) / t * activation / bandwidth + steps)
     etp_time = _etp_all_reduces(cfg, degrees, links)
-    tp_time = [tp_time[r] + etp_time[r] for r in range(pp)]
+    tp_time = [_tensor_parallel(cfg, degrees, links, r) + etp_time[r] for r in range(pp)]
     a2a = _all_to_all(cfg, degrees, links)
     chunks = p.vpp if SCHEDULES[p.pp_schedule].interleaved else 1
     p2p = tied = 0.0
@@ -371,6 +356,28 @@ def step_cost(
         ep=microbatches * a2a[slowest],
         muon=_muon(cfg, degrees, links, kernels),
     )
+
+
+def _tensor_parallel(cfg: RecipeConfig, degrees: Degrees, links: Links, pp_rank: int) -> float:
+    """Per micro-batch, the seconds of pipeline rank `pp_rank`'s TP collectives: two of the
+    block's activations per block in forward and in backward, and again in the forward a
+    full recompute repeats (the MTP modules' blocks on the last rank too)."""
+    t, p = degrees.tp, cfg.parallel
+    if t == 1:
+        return 0.0
+    gpn, c = cfg.cluster.gpus_per_node, COMPUTE_BYTES[cfg.precision.dtype]
+    activation = cfg.train.seq_len // degrees.cp * cfg.train.micro_batch * cfg.model.dim * c
+    bandwidth = group_bandwidth(links, gpn, 1, t)
+    # A ring all-reduce takes 2(t-1) steps; SP's reduce-scatter and all-gather t-1 each.
+    steps = 2 * (t - 1) * group_latency(links, gpn, 1, t)
+    layers = rank_layers(cfg, pp_rank)
+    # Forward and backward of every block, and the forward again where recomputed.
+    passes = 2 * len(layers)
+    if cfg.recompute.policy == "full":
+        passes += len(recomputed_blocks(cfg.recompute, layers))
+    if pp_rank == head_rank(p.pp, p.vpp, placement(p.pp_schedule) if p.pp > 1 else "loop"):
+        passes += 2 * cfg.model.mtp_layers  # the MTP modules' blocks
+    return passes * 2 * (2 * (t - 1) / t * activation / bandwidth + steps)
 
 
 def _muon(cfg: RecipeConfig, degrees: Degrees, links: Links, kernels: Kernels) -> float:

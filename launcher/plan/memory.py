@@ -67,7 +67,7 @@ from pretrain.core.stages import (
     rank_layer_counts,
     rank_layer_indices,
 )
-from pretrain.launcher.plan.schedule_sim import held_in_flight, simulate
+from pretrain.launcher.plan.pipeline.schedule_sim import held_in_flight, simulate
 from pretrain.models.flops import ParamCount, count_params
 
 RING_QUERY_TILE = 256

@@ -28,7 +28,7 @@ from pretrain.core.precision import fp8_experts, fp8_placement, peak_dtype
 from pretrain.core.recompute import recomputed_blocks
 from pretrain.core.schedules import SCHEDULES, V
 from pretrain.core.schema import OptimConfig, RecipeConfig
-from pretrain.launcher.plan import cost, schedule_sim
+from pretrain.launcher.plan import cost
 from pretrain.launcher.plan.calibrated import calibrated_device, calibration_note
 from pretrain.launcher.plan.cp_comm import CPComm, cp_communication
 from pretrain.launcher.plan.ep_comm import EPComm, ETPComm, ep_communication, etp_communication
@@ -46,6 +46,7 @@ from pretrain.launcher.plan.phases import (
     mixture_phases,
     ramp_phases,
 )
+from pretrain.launcher.plan.pipeline import schedule_sim
 from pretrain.launcher.plan.tp_comm import TPComm, tp_communication
 from pretrain.models.flops import count_params, flops_per_token
 
@@ -217,6 +218,14 @@ def make_plan(cfg: RecipeConfig) -> Plan:
         ]
     if calibrated is not None:
         plan.assumptions.append(f"rates: {calibration_note(calibration)}")
+    _add_terms(cfg, plan, degrees, micro)
+    plan.warnings += _warnings(cfg, plan, spec.name)
+    return plan
+
+
+def _add_terms(cfg: RecipeConfig, plan: Plan, degrees: Degrees, micro: int) -> None:
+    """Fill in `plan`'s per-parallelism traffic, Muon's work, what runs in FP8, the pipeline
+    schedule's summary and the phases of a ramp or a mixture schedule."""
     plan.tp_comm = tp_communication(cfg, degrees)
     plan.cp_comm = cp_communication(cfg, degrees)
     plan.ep_comm = ep_communication(cfg, degrees)
@@ -234,8 +243,6 @@ def make_plan(cfg: RecipeConfig) -> Plan:
             "ramp: memory, step time and MFU are the last stage's (train.global_batch x "
             "seq_len, the largest); the Phases table plans each at its own batch and seq_len"
         )
-    plan.warnings += _warnings(cfg, plan, spec.name)
-    return plan
 
 
 def _warnings(cfg: RecipeConfig, plan: Plan, gpu: str) -> list[str]:

@@ -13,7 +13,7 @@ import math
 import os
 from pathlib import Path
 
-from pretrain.core.hf_llama import checkpoint_problems
+from pretrain.core.hf.llama import checkpoint_problems
 from pretrain.core.inputs.reading import ReadError
 from pretrain.core.problems import Checks, Problem, install_fix, installed
 from pretrain.core.schema import DATA_FORMATS, RecipeConfig

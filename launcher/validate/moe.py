@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pretrain.core.layout import ep_nodes, resolve_degrees
+from pretrain.core.model_config import ModelConfig
 from pretrain.core.problems import Checks, RecipeError, divisors, or_list
 from pretrain.core.schema import RecipeConfig
 
@@ -67,6 +68,31 @@ def check_moe(c: Checks, cfg: RecipeConfig, for_launch: bool) -> None:
                 "set parallel.etp=1 (parallel.tp splits a dense model's MLP)",
             )
         return
+    _check_routing_numbers(c, m)
+    if m.n_layers >= 1:
+        reason = moe_layers_problem(m.moe_layers, m.n_layers)
+        if reason:
+            add("moe_layers", m.moe_layers, reason, "use all, every:K or after:N")
+    if ep >= 1 and m.moe_experts % ep:
+        add(
+            "parallel.ep",
+            ep,
+            f"{m.moe_experts} experts cannot be split evenly over {ep} ranks",
+            f"use a divisor of {m.moe_experts}: {or_list(divisors(m.moe_experts))}",
+        )
+    if m.moe_groups:
+        check_groups(c, cfg)
+    elif m.moe_node_limit and m.moe_top_k >= 1 and not c.reported("parallel.ep"):
+        check_node_limit(c, cfg)
+    check_expert_tp(c, cfg)
+
+
+def _check_routing_numbers(c: Checks, m: ModelConfig) -> None:
+    """The MoE model's top-k, sizes, loss coefficients, scale, bias rate and capacity."""
+
+    def add(field: str, value: object, reason: str, fix: str) -> None:
+        c.add(f"model.{field}", value, reason, fix)
+
     if m.moe_top_k < 1:
         add("moe_top_k", m.moe_top_k, "every token needs at least one expert", "use k >= 1")
     elif m.moe_top_k > m.moe_experts:
@@ -101,22 +127,6 @@ def check_moe(c: Checks, cfg: RecipeConfig, for_launch: bool) -> None:
             "must be >= 0 (0 means dropless routing)",
             "use 0 for dropless, or a factor such as 1.25",
         )
-    if m.n_layers >= 1:
-        reason = moe_layers_problem(m.moe_layers, m.n_layers)
-        if reason:
-            add("moe_layers", m.moe_layers, reason, "use all, every:K or after:N")
-    if ep >= 1 and m.moe_experts % ep:
-        add(
-            "parallel.ep",
-            ep,
-            f"{m.moe_experts} experts cannot be split evenly over {ep} ranks",
-            f"use a divisor of {m.moe_experts}: {or_list(divisors(m.moe_experts))}",
-        )
-    if m.moe_groups:
-        check_groups(c, cfg)
-    elif m.moe_node_limit and m.moe_top_k >= 1 and not c.reported("parallel.ep"):
-        check_node_limit(c, cfg)
-    check_expert_tp(c, cfg)
 
 
 def check_expert_tp(c: Checks, cfg: RecipeConfig) -> None:

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from pretrain.core.calibration import LAYOUT_FIELDS, layout_variants
-from pretrain.core.hf_export import export_refusal
+from pretrain.core.hf.export import export_refusal
 from pretrain.core.layout import expert_node_groups
 from pretrain.core.problems import (
     Checks,

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from pretrain.core.hf_llama import hf_names
+from pretrain.core.hf.llama import hf_names
 from pretrain.core.layout import resolve_degrees
 from pretrain.core.schema import RecipeConfig, load_config
 from pretrain.parallel.mesh import build_mesh

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from pretrain.launcher.plan.schedule_sim import simulate
+from pretrain.launcher.plan.pipeline.schedule_sim import simulate
 from tests.helpers import pretrain
 
 pytestmark = pytest.mark.e2e

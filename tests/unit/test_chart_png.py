@@ -8,7 +8,7 @@ from pathlib import Path
 
 from PIL import Image
 
-from pretrain.launcher.plan.chart_png import PNG_DATA_KEY, Cell, parse_chart
+from pretrain.launcher.plan.report.chart_png import PNG_DATA_KEY, Cell, parse_chart
 from tests.helpers import pretrain_in_process
 
 ZBV = ["--config-name", "tiny", "parallel.pp=2", "parallel.vpp=2", "parallel.pp_schedule=zbv",

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pretrain import models
-from pretrain.core.hf_llama import hf_name, hf_names
+from pretrain.core.hf.llama import hf_name, hf_names
 from pretrain.core.schema import RecipeConfig, dump_config
 from pretrain.trainer.checkpoint.checkpointer import (
     DCP_METADATA,

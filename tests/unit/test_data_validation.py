@@ -214,7 +214,7 @@ def test_a_hugging_face_checkpoint_of_another_shape_is_refused_naming_the_tensor
 ) -> None:
     from safetensors.numpy import save_file
 
-    from pretrain.core.hf_llama import config_json, expected_shapes, hf_name
+    from pretrain.core.hf.llama import config_json, expected_shapes, hf_name
 
     cfg = configure({})
     tensors = {hf_name(n): np.zeros(s, np.float32) for n, s in expected_shapes(cfg.model).items()}

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from pretrain import models
-from pretrain.core.hf_llama import config_mismatches, model_fields
+from pretrain.core.hf.llama import config_mismatches, model_fields
 from pretrain.core.model_config import ModelConfig
 from pretrain.core.schema import RecipeConfig
 from pretrain.trainer.checkpoint.export import hf_config
@@ -151,7 +151,7 @@ def test_the_shipped_moe_recipes_export_to_a_config_transformers_builds_with_our
     """tiny_moe (GQA, a shared expert without a gate, a dense first layer) is a Qwen2-MoE and
     deepseek_v2_lite a DeepSeek-V2: nothing refused, and transformers' model of the exported
     config.json has as many parameters as ours (tiny_moe's plus Qwen2-MoE's zero gates)."""
-    from pretrain.core.hf_export import export_refusal
+    from pretrain.core.hf.export import export_refusal
     from pretrain.models.flops import count_params
     from tests.helpers import compose_recipe
 

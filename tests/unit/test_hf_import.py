@@ -63,7 +63,7 @@ def test_a_checkpoint_of_another_shape_is_refused_naming_the_tensor(tmp_path: Pa
 
 def test_a_one_input_mlp_is_refused_against_a_llama_checkpoint() -> None:
     """LlamaForCausalLM's MLP is SwiGLU (gate, up, down): a GeLU model cannot load it."""
-    from pretrain.core.hf_llama import config_json, config_mismatches
+    from pretrain.core.hf.llama import config_json, config_mismatches
 
     llama = ModelConfig(vocab_size=64, dim=32, n_layers=1, n_heads=2, ffn_dim=64)
     gelu = ModelConfig(vocab_size=64, dim=32, n_layers=1, n_heads=2, ffn_dim=64, mlp="gelu")

@@ -14,6 +14,7 @@ import ast
 from pathlib import Path
 
 import pytest
+import tomllib
 
 REPO = Path(__file__).resolve().parents[2]
 NAMESPACE = "pretrain"
@@ -257,3 +258,30 @@ def _tree(root: Path, files: dict[str, str]) -> Path:
 )
 def test_a_bad_import_is_reported(tmp_path: Path, files: dict[str, str], expected: str) -> None:
     assert violations(_tree(tmp_path, files)) == [expected]
+
+
+def unlisted_packages(root: Path) -> list[str]:
+    """The folders of `pretrain` that the wheel would leave out: packages (an `__init__.py`)
+    missing from pyproject.toml's explicit `packages` list."""
+    listed = set(
+        tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    )
+    found = []
+    for top in PACKAGES:
+        for init in sorted((root / top).rglob("__init__.py")):
+            name = ".".join((NAMESPACE, *init.parent.relative_to(root).parts))
+            if name not in listed:
+                found.append(name)
+    return found
+
+
+def test_the_wheel_lists_every_package() -> None:
+    assert unlisted_packages(REPO) == []
+
+
+def test_a_package_left_out_of_the_wheel_is_named(tmp_path: Path) -> None:
+    (tmp_path / "pyproject.toml").write_text('[tool.setuptools]\npackages = ["pretrain.core"]\n')
+    for folder in ("core", "core/run"):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "__init__.py").write_text("")
+    assert unlisted_packages(tmp_path) == ["pretrain.core.run"]

@@ -127,7 +127,7 @@ def test_the_trainer_groups_come_from_the_recipe() -> None:
 
 def test_the_plan_shows_the_nodes_a_token_reaches() -> None:
     from pretrain.launcher.plan.plan import make_plan
-    from pretrain.launcher.plan.render import render_plan
+    from pretrain.launcher.plan.report.render import render_plan
 
     cfg = configure(
         {"model.moe_experts": 8, "model.moe_top_k": 2, "model.moe_node_limit": 1,

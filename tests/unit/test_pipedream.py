@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from pretrain.core import pipedream
-from pretrain.launcher.plan.schedule_sim import bubble_fraction, pipedream_bubble, simulate
+from pretrain.launcher.plan.pipeline.schedule_sim import bubble_fraction, pipedream_bubble, simulate
 from pretrain.parallel.pipeline.pipedream import (
     LocalTransport,
     PipeDream,

@@ -16,9 +16,9 @@ from pretrain.core.model_config import ModelConfig
 from pretrain.core.problems import RecipeError
 from pretrain.core.schema import RecipeConfig
 from pretrain.launcher.plan.cost import predicted_mfu, step_cost
+from pretrain.launcher.plan.pipeline.schedule_sim import bubble_fraction
 from pretrain.launcher.plan.plan import GROUPS_SHOWN, make_plan, plan_to_dict
-from pretrain.launcher.plan.render import render_plan
-from pretrain.launcher.plan.schedule_sim import bubble_fraction
+from pretrain.launcher.plan.report.render import render_plan
 from pretrain.launcher.validate.recipe import validate
 from pretrain.models.flops import count_params, flops_per_token
 from tests.helpers import LLAMA3_8B, LLAMA3_70B
@@ -249,7 +249,7 @@ def test_rendered_table_shows_every_section():
 def test_planning_and_validation_do_not_import_torch():
     code = (
         "import sys, pretrain.launcher.plan.plan, pretrain.launcher.validate.recipe,"
-        " pretrain.launcher.plan.render, pretrain.core.hardware;"
+        " pretrain.launcher.plan.report.render, pretrain.core.hardware;"
         "print('torch' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -129,7 +129,7 @@ def test_short_sequences_are_searched_without_cp() -> None:
 
 
 def test_the_rendered_plan_shows_the_ring_and_2bws_two_steps() -> None:
-    from pretrain.launcher.plan.render import render_plan
+    from pretrain.launcher.plan.report.render import render_plan
 
     cp = render_plan(make_plan(configure({**LONG, "parallel.cp": 2, "parallel.zero": 3})))
     assert "CP ring per layer per step (one rank)" in cp
@@ -141,7 +141,7 @@ def test_the_rendered_plan_shows_the_ring_and_2bws_two_steps() -> None:
 
 
 def test_the_rendered_plan_shows_the_expert_layout_and_the_etp_all_reduces() -> None:
-    from pretrain.launcher.plan.render import render_plan
+    from pretrain.launcher.plan.report.render import render_plan
 
     experts = {"model.moe_experts": 8, "model.moe_top_k": 2, "parallel.ep": 2}
     layout = {**experts, "parallel.tp": 2, "parallel.etp": 2, "cluster.gpus_per_node": 16}

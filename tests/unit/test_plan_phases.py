@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from pretrain.launcher.plan.plan import make_plan, plan_to_dict
-from pretrain.launcher.plan.render import render_plan, render_summary
+from pretrain.launcher.plan.report.render import render_plan, render_summary
 from tests.helpers import compose_recipe
 
 RAMP = [

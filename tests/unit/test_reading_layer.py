@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from pretrain.core.hf_llama import checkpoint_problems
+from pretrain.core.hf.llama import checkpoint_problems
 from pretrain.core.inputs.reading import (
     MissingFile,
     ReadError,
@@ -56,7 +56,7 @@ BINARY_READERS = {
     "trainer/checkpoint/checkpointer.py": "torch.load of a rank's RNG state, a file the "
     "checkpoint's manifest sized and checksummed first",
     "trainer/checkpoint/hf_import.py": "safetensors' own reader, after the layer read each "
-    "file's header (core/hf_llama.py)",
+    "file's header (core/hf/llama.py)",
 }
 """Files that read a binary format with its library's own reader, and why that may stay."""
 _BINARY_CALLS = {"memmap", "fromfile", "safe_open", "ParquetFile", "load_from_disk", "from_file"}

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from pretrain import models
-from pretrain.core.hf_llama import config_mismatches, model_fields
+from pretrain.core.hf.llama import config_mismatches, model_fields
 from pretrain.core.model_config import ModelConfig
 from pretrain.core.problems import RecipeError
 from pretrain.core.schema import RecipeConfig
@@ -120,7 +120,7 @@ def test_a_scaling_the_model_cannot_compute_is_refused_by_field(
 def test_import_then_export_of_a_scaled_llama_is_bit_exact_and_reloads(tmp_path: Path) -> None:
     from safetensors.torch import load_file, save_file
 
-    from pretrain.core.hf_llama import config_json
+    from pretrain.core.hf.llama import config_json
     from pretrain.trainer.checkpoint.hf_tensors import to_hf
 
     torch.manual_seed(0)

@@ -7,7 +7,13 @@ import itertools
 import pytest
 
 from pretrain.launcher.plan.memory import in_flight
-from pretrain.launcher.plan.schedule_sim import IDLE, bubble_fraction, program, simulate, summary
+from pretrain.launcher.plan.pipeline.schedule_sim import (
+    IDLE,
+    bubble_fraction,
+    program,
+    simulate,
+    summary,
+)
 
 P, M = 4, 8
 

@@ -18,7 +18,7 @@ from pretrain.core.choices import CHOICES
 from pretrain.core.field_docs import attribute_docs
 from pretrain.core.schedules import LOOP, SCHEDULES, ScheduleTraits, V
 from pretrain.core.schema import PP_SCHEDULES, ParallelConfig
-from pretrain.launcher.plan.schedule_v import TORCH_ORDERS
+from pretrain.launcher.plan.pipeline.schedule_v import TORCH_ORDERS
 
 REPO = Path(__file__).resolve().parents[2]
 PRODUCT = ("launcher", "trainer", "parallel", "models", "core", "dataprep")

@@ -22,7 +22,7 @@ from torch.distributed.pipelining.schedules import _ComputationType
 
 from pretrain.core.problems import RecipeError
 from pretrain.launcher.plan.memory import in_flight
-from pretrain.launcher.plan.schedule_sim import SCHEDULES, SIMULATED, program
+from pretrain.launcher.plan.pipeline.schedule_sim import SCHEDULES, SIMULATED, program
 from pretrain.launcher.validate.recipe import validate
 from pretrain.parallel.pipeline.stages import MULTI_STAGE, schedule_classes
 from tests.helpers import configure

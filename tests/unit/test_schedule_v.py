@@ -1,6 +1,6 @@
 """The V-shaped schedules: the simulator's op order is torch's, and what it predicts.
 
-`launcher/plan/schedule_v.py` rewrites torch's order functions in pure Python for the plan;
+`launcher/plan/pipeline/schedule_v.py` rewrites torch's order functions in pure Python for the plan;
 here each rank's order is compared with torch 2.13's own (`_calculate_single_rank_
 operations`, which builds `pipeline_order` rank by rank) for every shape the trainer
 accepts up to pp=8, so the chart and the in-flight counts are those of the schedule that
@@ -20,8 +20,8 @@ from torch.distributed.pipelining.schedules import (
 )
 
 from pretrain.core.stages import rank_layer_count, rank_stages
-from pretrain.launcher.plan.schedule_sim import program, simulate
-from pretrain.launcher.plan.schedule_v import dualpipev_order, zbv_order
+from pretrain.launcher.plan.pipeline.schedule_sim import program, simulate
+from pretrain.launcher.plan.pipeline.schedule_v import dualpipev_order, zbv_order
 
 KIND = {
     _ComputationType.FORWARD: "F",

@@ -3,7 +3,7 @@ Face directory.
 
 Writes `model.safetensors`, `config.json`, `generation_config.json` and the tokenizer
 (`tokenizer.json` + `tokenizer_config.json`), in the format of the model's family
-(core/hf_llama.py, core/hf_moe.py): Llama, Qwen2, Qwen3 or Mistral for a dense model;
+(core/hf/llama.py, core/hf/moe.py): Llama, Qwen2, Qwen3 or Mistral for a dense model;
 Mixtral, Qwen2-MoE (shared experts; `tiny_moe`) or Qwen3-MoE (query/key norms) for a
 grouped-query MoE model; DeepSeek-V2 (softmax router; `deepseek_v2_lite`) or DeepSeek-V3
 (sigmoid router, balancing bias as e_score_correction_bias, group-limited routing as
@@ -37,8 +37,8 @@ from tokenizers import Tokenizer
 from torch import nn
 
 from pretrain import models
-from pretrain.core.hf_export import export_refusal
-from pretrain.core.hf_llama import config_json
+from pretrain.core.hf.export import export_refusal
+from pretrain.core.hf.llama import config_json
 from pretrain.core.layout import expert_node_groups
 from pretrain.core.run.rundir import CHECKPOINTS_DIR, CONFIG_FILE
 from pretrain.core.schema import RecipeConfig, load_config

@@ -3,7 +3,7 @@ Mixtral, Qwen2/3-MoE, DeepSeek-V2/V3), under any layout.
 
 After the model is materialized (`parallel/materialize.py`), every parameter this rank holds
 (and a MoE layer's balancing bias, DeepSeek-V3's e_score_correction_bias) is overwritten with
-the checkpoint's tensor of the same name (`core/hf_llama.py` maps the names,
+the checkpoint's tensor of the same name (`core/hf/llama.py` maps the names,
 `hf_tensors.py` the layouts), cast to the parameter's dtype; a sharded (DTensor) parameter
 keeps only its own slice, so TP, PP, FSDP and their mixes all start from the same weights.
 Tensors are read one at a time from the safetensors files (memory-mapped), never the whole
@@ -21,8 +21,8 @@ from safetensors import safe_open
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from pretrain.core.hf_llama import checkpoint_problems, hf_name, safetensors_files
-from pretrain.core.hf_moe import rotary_interleaved
+from pretrain.core.hf.llama import checkpoint_problems, hf_name, safetensors_files
+from pretrain.core.hf.moe import rotary_interleaved
 from pretrain.core.inputs.reading import read_mapping
 from pretrain.core.model_config import ModelConfig
 from pretrain.trainer.checkpoint.hf_tensors import from_hf

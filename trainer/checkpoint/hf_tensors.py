@@ -1,6 +1,6 @@
 """Our tensors as a Hugging Face family stores them and back, bit for bit: one name to
 several (stacked experts, one tensor per expert), DeepSeek's interleaved rotary rows, and a
-Qwen2-MoE shared expert that has no gate of its own (core/hf_llama.py and core/hf_moe.py
+Qwen2-MoE shared expert that has no gate of its own (core/hf/llama.py and core/hf/moe.py
 name them)."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from pretrain.core.hf_llama import family, hf_names
-from pretrain.core.hf_moe import ROTARY_ROWS
+from pretrain.core.hf.llama import family, hf_names
+from pretrain.core.hf.moe import ROTARY_ROWS
 from pretrain.core.model_config import ModelConfig
 
 
@@ -87,7 +87,7 @@ def from_hf(
 ) -> torch.Tensor:
     """One of our parameters (or balancing biases) read from a Hugging Face checkpoint of
     this model's family through `read` (name -> tensor); `interleaved`: whether the folder's
-    rotary dims are interleaved pairs (core.hf_moe.rotary_interleaved)."""
+    rotary dims are interleaved pairs (core.hf.moe.rotary_interleaved)."""
     names = hf_names(name, m)
     if len(names) > 1 or ".experts." in name:
         return torch.stack([read(each) for each in names])

@@ -4,7 +4,7 @@ The dense families share Llama's names: Llama (3.0-3.3), Qwen2 (`model.attn_bias
 biases), Qwen3 (`model.qk_norm`: per-head query and key norms; `model.head_dim` apart from
 dim / n_heads) and Mistral (`model.sliding_window`). The mixture-of-experts and latent
 attention families (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V2/V3) add their own names and
-config keys (core/hf_moe.py). Any other `model_type` is refused by name.
+config keys (core/hf/moe.py). Any other `model_type` is refused by name.
 
 One name mapping serves export (`pretrain-export`) and import (`init.from_hf`). A directory
 is checked against a recipe before any job starts by reading config.json and the
@@ -21,7 +21,7 @@ import struct
 from pathlib import Path
 from typing import Any
 
-from pretrain.core.hf_moe import (
+from pretrain.core.hf.moe import (
     DEEPSEEK,
     MOE_FAMILIES,
     block_names,

@@ -4,8 +4,8 @@
 
 from __future__ import annotations
 
-from pretrain.core.hf_llama import FAMILIES, family
-from pretrain.core.hf_moe import export_problems
+from pretrain.core.hf.llama import FAMILIES, family
+from pretrain.core.hf.moe import export_problems
 from pretrain.core.model_config import ModelConfig
 
 

@@ -21,7 +21,7 @@ runs:
   runs the oldest pending W after each B, and the rest at the end.
 - zbv (ScheduleZBVZeroBubble), dualpipev (ScheduleDualPipeV): two chunks per rank in a V
   (chunk a is stage r, chunk b stage 2p-1-r), in torch's own op order
-  (`launcher/plan/schedule_v.py`), W ops where torch places them.
+  (`launcher/plan/pipeline/schedule_v.py`), W ops where torch places them.
 - 2bw (PipeDream-2BW): 1F1B over several steps with no flush between them, in the order
   the trainer runs (`core/pipedream.py`); micro-batches are numbered on across
   steps, so step j's are jm ... jm+m-1. A step's first forward runs on the update of two
@@ -43,7 +43,7 @@ from functools import lru_cache
 from pretrain.core import pipedream
 from pretrain.core.schedules import PIPEDREAM, SCHEDULES
 from pretrain.core.stages import placement, rank_stages
-from pretrain.launcher.plan.schedule_v import TORCH_ORDERS
+from pretrain.launcher.plan.pipeline.schedule_v import TORCH_ORDERS
 
 SIMULATED = tuple(name for name, traits in SCHEDULES.items() if traits.simulated)
 """Schedules whose micro-batches in flight are read off their simulated order."""

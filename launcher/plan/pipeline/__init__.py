@@ -1,0 +1,2 @@
+"""The pipeline schedules planned: their simulated timelines and bubble, and the V
+schedules' placement."""

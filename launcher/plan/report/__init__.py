@@ -1,0 +1,1 @@
+"""The plan shown to the user: its tables and its PNG chart."""

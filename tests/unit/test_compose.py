@@ -42,7 +42,7 @@ def test_every_bad_override_is_reported_at_once() -> None:
         "precision=bf61: no such option; did you mean bf16? use bf16, fp16, fp32, fp8 or fp8_te",
         "foo=1: no such key in the recipe schema; a recipe has name, action, seed, model, "
         "parallel, precision, recompute, compile, optim, schedule, train, data, eval, init, "
-        "cluster, hardware, logging, checkpoint, faults, run, plan, suggest, dryrun "
+        "cluster, hardware, logging, checkpoint, faults, run, plan, suggest, dryrun, calibrate "
         "(see core/schema.py)",
     ]
 

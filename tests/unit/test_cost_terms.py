@@ -12,6 +12,8 @@ from pretrain.core.layout import Degrees
 from pretrain.core.model_config import ModelConfig
 from pretrain.core.schema import RecipeConfig
 from pretrain.launcher.plan.compute import (
+    ACTIVATION_BYTES,
+    BACKWARD_BYTES,
     Kernels,
     block_seconds,
     block_work,
@@ -21,6 +23,7 @@ from pretrain.launcher.plan.compute import (
 )
 from pretrain.launcher.plan.cost import LINK_EFFICIENCY, OVERLAP_SLOWDOWN, recipe_links, step_cost
 from pretrain.launcher.plan.ep_comm import ep_communication
+from pretrain.launcher.plan.memory import dispatch_padding
 from pretrain.launcher.plan.suggest import layouts, render_search, search, three_terms
 from pretrain.models.flops import count_params
 from tests.helpers import LLAMA3_8B
@@ -145,20 +148,36 @@ def test_full_recompute_repeats_the_forward_dispatch_and_combine() -> None:
 
 def test_expert_tensor_parallelism_splits_the_routed_experts_work_for_two_all_reduces() -> None:
     """etp = tp = 8 splits each routed expert's three matmuls over the 8 ranks of a node
-    (Megatron-Core's expert tensor parallelism): the rank runs 1/8 of the k = 2 experts'
-    6 h f FLOPs per token in forward and backward (3 passes), and pays per MoE layer and
-    micro-batch two all-reduces of s x h BF16 (the routed output, its input's gradient) and
-    one of s x k FP32 (the routing weights' gradient), 2 (8-1)/8 of each over NVLink in 14
-    steps of 2 us."""
+    (Megatron-Core's expert tensor parallelism): the rank runs the k = 2 experts' GEMMs at
+    1/8 of their hidden width (each GEMM priced at its own shape, forward and the two of
+    backward), and pays per MoE layer and micro-batch two all-reduces of s x h BF16 (the
+    routed output, its input's gradient) and one of s x k FP32 (the routing weights'
+    gradient), 2 (8-1)/8 of each over NVLink in 14 steps of 2 us."""
     whole = recipe(MIXTRAL_8X22B, nodes=1, tp=8, pp=1, zero=3)
     split = recipe(MIXTRAL_8X22B, nodes=1, tp=8, pp=1, zero=3, etp=8)
     whole.train.global_batch = split.train.global_batch = 1
     before = step_cost(whole, degrees(whole), 1, PEAK, H100)
     after = step_cost(split, degrees(split), 1, PEAK, H100)
-    routed = 3 * 4096 * 2 * 6 * 6144 * 16384 * 7 / 8
-    assert before.compute - after.compute == pytest.approx(
-        56 * routed / (PEAK * 1e12 * 0.6), rel=1e-9
-    )
+    kernels = gpu_kernels(whole, PEAK)
+    m, experts = MIXTRAL_8X22B, MIXTRAL_8X22B.moe_experts
+    rows = 4096 * m.moe_top_k * dispatch_padding(whole) / experts
+
+    def routed_seconds(width: int) -> float:
+        linears = ((m.dim, width), (m.dim, width), (width, m.dim))  # (k, n): gate, up, down
+        return experts * sum(
+            kernels.gemm(rows, n, k, "bf16")
+            + kernels.gemm(rows, k, n, "bf16")
+            + kernels.gemm(k, n, rows, "bf16")
+            for k, n in linears
+        )
+
+    # SwiGLU's element-wise work over the routed rows shrinks with their width, forward and
+    # backward.
+    narrower = 4096 * m.moe_top_k * dispatch_padding(whole) * m.expert_ffn_dim * 7 / 8
+    activation = kernels.memory(ACTIVATION_BYTES * 3 * narrower) * (1 + BACKWARD_BYTES)
+    saved = routed_seconds(m.expert_ffn_dim) - routed_seconds(m.expert_ffn_dim // 8) + activation
+    assert saved > 0
+    assert before.compute - after.compute == pytest.approx(56 * saved, rel=1e-9)
     sent = (2 * 4096 * 6144 * 2 + 4096 * 2 * 4) * 2 * 7 / 8 / (450e9 * LINK_EFFICIENCY)
     assert after.tp - before.tp == pytest.approx(56 * (sent + 3 * 14 * 2e-6), rel=1e-9)
 

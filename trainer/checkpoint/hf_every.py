@@ -38,6 +38,7 @@ from torch.distributed.checkpoint._consolidate_hf_safetensors import (
     consolidate_safetensors_files_on_every_rank,
 )
 
+from pretrain.core.inputs.reading import read_mapping
 from pretrain.core.run.checkpoint_files import step_dir
 from pretrain.core.run.rundir import HF_DIR
 from pretrain.core.schema import RecipeConfig
@@ -155,7 +156,9 @@ def _interleave_in_files(folder: Path, names: list[str], cfg: RecipeConfig) -> N
     interleaved rotary order, in place: same bytes, other order."""
     if not names:
         return
-    index = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]
+    index = read_mapping(folder / "model.safetensors.index.json", "a safetensors index")[
+        "weight_map"
+    ]
     by_file: dict[str, list[str]] = {}
     for name in names:
         by_file.setdefault(index[name], []).append(name)

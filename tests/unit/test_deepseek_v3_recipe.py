@@ -2,7 +2,7 @@
 
 DeepSeek-AI, "DeepSeek-V3 Technical Report" (arXiv 2412.19437): 671B parameters of which
 37B are active per token (section 4.2; the checkpoint's 685B add the 14B multi-token
-prediction module, not modelled here); 2,048 H800 GPUs with 16-way pipeline, 64-way expert
+prediction module, left off: the trainer refuses MTP under the V schedules); 2,048 H800 GPUs with 16-way pipeline, 64-way expert
 parallelism over 8 nodes and ZeRO-1 data parallelism (section 3.2); a token's experts on at
 most 4 nodes (section 2.1.2); FP8 with 1 x 128 activation tiles and 128 x 128 weight blocks
 (section 3.3.2); 15,360 sequences of 4,096 tokens per step (section 4.2).
@@ -29,6 +29,9 @@ def test_the_shape_has_the_reports_parameters(recipe) -> None:
     counts = count_params(recipe.model)
     assert round(counts.total / 1e9) == 671
     assert round(counts.active / 1e9) in (37, 38)  # 37.55B: the report rounds to 37B
+    # The checkpoint's config: n_group 8, topk_group 4, routed_scaling_factor 2.5.
+    m = recipe.model
+    assert (m.moe_groups, m.moe_node_limit, m.moe_route_scale) == (8, 4, 2.5)
 
 
 def test_the_published_layout_fits_2048_gpus_of_80_gb_with_block_fp8_experts(recipe) -> None:

@@ -186,7 +186,7 @@ def make_plan(cfg: RecipeConfig) -> Plan:
         params_per_rank=per_rank,
         flops_per_token_forward=fpt.forward,
         flops_per_token_train=fpt.train,
-        flops_per_token_hardware=fpt.with_recompute(cfg.recompute.policy, fraction),
+        flops_per_token_hardware=fpt.with_recompute(cfg.recompute.policy, fraction, degrees.tp > 1),
         tokens_per_step=tokens,
         grad_accum=accum,
         pp_microbatches=micro,

@@ -87,9 +87,10 @@ def measured_recipe(cfg: RecipeConfig) -> RecipeConfig:
     where it has no more."""
     degrees = resolve_degrees(cfg)
     p = cfg.parallel
-    if degrees.pp > 1 and p.pp_schedule == "gpipe":
+    traits = SCHEDULES[p.pp_schedule]
+    if degrees.pp > 1 and traits.warmup_hops is None:  # every forward before a backward
         return cfg
-    stages = degrees.pp * SCHEDULES[p.pp_schedule].chunks(p.vpp) if degrees.pp > 1 else 1
+    stages = degrees.pp * traits.chunks(p.vpp) if degrees.pp > 1 else 1
     micro = max(2, stages)
     full = p.pp_microbatches or grad_accum_steps(cfg)
     if full <= micro:

@@ -18,6 +18,9 @@ from pretrain.core.recompute import is_recomputed
 from pretrain.core.schema import RecipeConfig
 from pretrain.launcher.plan.memory import residual_bytes
 
+REDUCE_BYTES = {"fp32": 4, "bf16": 2}
+"""Bytes per gradient element of `precision.reduce_dtype`."""
+
 
 @dataclass(frozen=True)
 class TPComm:
@@ -173,13 +176,21 @@ def rank_collectives(
     return calls
 
 
-def mtp_weight_reduction(cfg: RecipeConfig, degrees: Degrees) -> float:
-    """Bytes the last rank all-reduces over tp once per step under SP for the multi-token
-    prediction modules: their projection and norms are replicated weights over
-    sequence-sharded inputs, so their gradients are partial sums over tp, summed (as
-    accumulated over the step's micro-batches) in the parameters' dtype. 0 without them."""
+def sp_weight_reduction(
+    cfg: RecipeConfig, degrees: Degrees, layers: tuple[int, ...], last: bool
+) -> float:
+    """Bytes a rank all-reduces over tp per gradient reduction (once per step; every
+    micro-batch under PipeDream-2BW) under SP for its replicated weights over
+    sequence-sharded inputs, whose gradients are partial sums over tp: each block's two
+    norms, and on the last rank the final norm and each multi-token prediction depth's
+    norms, projection of [embedding; hidden] and block norms. Each is one all-reduce of the
+    gradient accumulated over the micro-batches (4 bytes an element where a dry run counted
+    them, reduce_dtype fp32). 0 without SP."""
     m = cfg.model
-    if degrees.tp == 1 or not cfg.parallel.sp or not m.mtp_layers:
+    if degrees.tp == 1 or not cfg.parallel.sp:
         return 0.0
-    replicated = m.mtp_layers * (2 * m.dim * m.dim + 3 * m.dim)
-    return float(residual_bytes(cfg, _fsdp(cfg, degrees)) * replicated)
+    weights = 2 * m.dim * len(layers)
+    if last:
+        weights += m.dim + m.mtp_layers * (2 * m.dim * m.dim + 5 * m.dim)
+    grad = 4 if cfg.parallel.zero < 2 else REDUCE_BYTES[cfg.precision.reduce_dtype]
+    return float(grad * weights)

@@ -59,13 +59,11 @@ from pretrain.launcher.plan.memory import (
     tp_replicated,
     weight_versions,
 )
-from pretrain.launcher.plan.tp_comm import mtp_weight_reduction, rank_collectives
+from pretrain.launcher.plan.tp_comm import REDUCE_BYTES, rank_collectives, sp_weight_reduction
 from pretrain.models.flops import count_params
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast", "send", "recv")
 """Collective kinds, in the dry run's names."""
-REDUCE_BYTES = {"fp32": 4, "bf16": 2}
-"""Bytes per gradient element of `precision.reduce_dtype`."""
 
 
 @dataclass(frozen=True)
@@ -133,8 +131,8 @@ def _tp(
     out: dict[str, float] = {}
     for kind, handed in calls:
         _add(out, kind, handed * microbatches)
-    if last:
-        _add(out, "all_reduce", mtp_weight_reduction(cfg, degrees))
+    reductions = microbatches if weight_versions(cfg) > 1 else 1
+    _add(out, "all_reduce", reductions * sp_weight_reduction(cfg, degrees, layers, last))
     # Expert tensor parallelism's all-reduces, over the etp ranks of the tp group.
     comm = etp_communication(cfg, degrees)
     if comm is not None:

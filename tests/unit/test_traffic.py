@@ -79,7 +79,9 @@ def test_llama3_8b_step_traffic_by_kind():
         {
             "all_gather": (6 * layers + 2) * activation / 8,
             "reduce_scatter": (4 * layers + 2) * activation,
-            "all_reduce": 3 * 4 * tokens,
+            # The loss's three sums per token; once per step, the norms' FP32 gradients
+            # (replicated weights over the sequence-sharded stream: partial sums over tp).
+            "all_reduce": 3 * 4 * tokens + (2 * layers + 1) * dim * 4,
         }
     )
     assert traffic.by_source["dp"]["all_gather"] == pytest.approx(BF16 * dense / 4)

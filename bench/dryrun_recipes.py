@@ -1,15 +1,12 @@
 """Dry-run every shipped recipe (and the Llama 3 405B layout the search picks on 16,384
 H100) at its layout, under fake collectives and fake tensors, and print the plan beside the
-measurement: rank, plan GiB, dry-run GiB, plan / dry run, the step's collective bytes and
-seconds.
+measurement: rank, plan GiB, dry-run GiB, plan / dry run, the step's collective bytes per
+kind (the cost model's, `launcher/plan/comm/traffic.py`, and the dry run's) and seconds.
 
-    python bench/dryrun_recipes.py [--micro-batches 2] [RECIPE ...]
+    python bench/dryrun_recipes.py [RECIPE ...]
 
-Each rank's step runs `--micro-batches` micro-batches (the global batch is cut to that many
-per data-parallel rank): a step's peak and its per-micro-batch traffic are those of its
-second micro-batch on, so two measure what the recipe's full accumulation would, in minutes.
-A pipelined layout runs at least one micro-batch per stage, which the schedules need and
-which puts in flight on each stage as many as the full accumulation would.
+Each rank's step runs the micro-batches `action=dryrun` runs (`measured_recipe`: two per
+rank, a pipeline one per stage at least), and the plan is that of the same count.
 """
 
 from __future__ import annotations
@@ -26,16 +23,17 @@ from hydra import compose, initialize_config_dir  # noqa: E402
 
 import pretrain.launcher.cli  # noqa: E402,F401  (registers the recipe schema with Hydra)
 from pretrain.core.hardware import GIB  # noqa: E402
-from pretrain.core.layout import resolve_degrees  # noqa: E402
 from pretrain.core.problems import RecipeError  # noqa: E402
-from pretrain.core.schedules import SCHEDULES  # noqa: E402
 from pretrain.core.schema import RecipeConfig, to_recipe  # noqa: E402
 from pretrain.launcher.plan.dryrun import (  # noqa: E402
+    MIB,
     DryRunError,
     chosen_rank,
     comparisons,
+    measured_recipe,
     rank_plan,
     run_dry_run,
+    traffic_comparisons,
 )
 from pretrain.launcher.plan.plan import make_plan  # noqa: E402
 from pretrain.launcher.validate.recipe import validate  # noqa: E402
@@ -52,14 +50,9 @@ LLAMA3_405B = [
 propose."""
 
 
-def recipe(name: str, overrides: list[str], micro_batches: int) -> RecipeConfig:
+def recipe(name: str, overrides: list[str]) -> RecipeConfig:
     with initialize_config_dir(config_dir=str(REPO / "recipes"), version_base=None):
-        cfg = to_recipe(compose(config_name=name, overrides=overrides))
-    degrees = resolve_degrees(cfg)
-    stages = degrees.pp * SCHEDULES[cfg.parallel.pp_schedule].chunks(cfg.parallel.vpp)
-    micro = max(micro_batches, stages) if degrees.pp > 1 else micro_batches
-    cfg.train.global_batch = micro * cfg.train.micro_batch * degrees.dp
-    return cfg
+        return to_recipe(compose(config_name=name, overrides=overrides))
 
 
 def row(label: str, cfg: RecipeConfig) -> tuple[str, str]:
@@ -69,7 +62,7 @@ def row(label: str, cfg: RecipeConfig) -> tuple[str, str]:
         validate(cfg)  # the plan and the dry run assume a layout validation accepts
     except RecipeError as err:
         return f"| {label} | | | | | {err} | |", ""
-    rank = chosen_rank(cfg)
+    rank, cfg = chosen_rank(cfg), measured_recipe(cfg)
     plan = rank_plan(cfg, make_plan(cfg), rank)
     try:
         result = run_dry_run(cfg, rank)
@@ -77,7 +70,11 @@ def row(label: str, cfg: RecipeConfig) -> tuple[str, str]:
         return f"| {label} | {rank} | | | | {err.reason} | {time.monotonic() - start:.0f} |", ""
     figures = comparisons(plan, result)
     peak = figures[-1]
-    sent = ", ".join(f"{k} {v / GIB:.2f}" for k, v in sorted(result["collectives"].items()))
+    sent = ", ".join(
+        f"{c.name} {c.plan_bytes / GIB:.2f} / {c.measured_bytes / GIB:.2f}"
+        for c in traffic_comparisons(cfg, result)
+        if c.measured_bytes >= MIB  # the rest: the step's scalars, a few KB
+    )
     categories = "; ".join(
         f"{c.name} {c.plan_bytes / GIB:.2f} vs {c.measured_bytes / GIB:.2f}" for c in figures[:-1]
     )
@@ -96,20 +93,16 @@ def row(label: str, cfg: RecipeConfig) -> tuple[str, str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--micro-batches", type=int, default=2)
     parser.add_argument("recipes", nargs="*", default=[*RECIPES, "llama3_405b"])
     args = parser.parse_args()
     print(
         "| recipe or layout | rank | plan GiB | dry-run GiB | plan / dry run "
-        "| collectives GiB (measured) | s |"
+        "| collectives of the step, GiB handed in (plan / dry run) | s |"
     )
     print("| --- | --- | --- | --- | --- | --- | --- |")
     details = []
     for name in args.recipes:
-        if name == "llama3_405b":
-            cfg = recipe("llama3_70b", LLAMA3_405B, args.micro_batches)
-        else:
-            cfg = recipe(name, [], args.micro_batches)
+        cfg = recipe("llama3_70b", LLAMA3_405B) if name == "llama3_405b" else recipe(name, [])
         line, detail = row(name, cfg)
         print(line, flush=True)
         details.append(detail)

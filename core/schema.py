@@ -175,7 +175,8 @@ class RecomputeConfig:
 
     policy: str = one_of("none", RECOMPUTE_POLICIES)
     """none; full (recompute whole blocks); selective (keep matmul outputs, recompute the
-    attention core and elementwise ops)."""
+    attention core and elementwise ops; under tp a row-parallel projection keeps its reduced
+    output instead of its partial sum, recomputing the attention's output projection)."""
     every: int = 1
     """With policy=full: recompute every k-th block (1 = all blocks)."""
 

@@ -129,6 +129,9 @@ class FlopsPerToken:
     lm_head: int
     mtp: int = 0
     """The multi-token prediction modules: projection, dense block and LM head per depth."""
+    attention_output: int = 0
+    """Of `attention_projections`, the output projection (wo): what selective recompute
+    runs again under tensor parallelism (parallel/recompute.py)."""
 
     @property
     def forward(self) -> int:
@@ -140,17 +143,22 @@ class FlopsPerToken:
         """Forward + backward: the model FLOPs that MFU counts."""
         return 3 * self.forward
 
-    def with_recompute(self, policy: str, recomputed_fraction: float = 1.0) -> int:
+    def with_recompute(
+        self, policy: str, recomputed_fraction: float = 1.0, tensor_parallel: bool = False
+    ) -> int:
         """Training FLOPs including recomputation (what HFU counts).
 
-        `full` re-runs the forward of the recomputed blocks; `selective` re-runs only the
-        attention scores. `recomputed_fraction` is the share of blocks that recompute.
+        `full` re-runs the forward of the recomputed blocks; `selective` re-runs the
+        attention scores, and under tensor parallelism (`tensor_parallel`: tp > 1) the
+        attention's output projection too, whose partial sums it does not keep.
+        `recomputed_fraction` is the share of blocks that recompute.
         """
         if policy == "full":
             blocks = self.attention_projections + self.attention_scores + self.mlp
             return self.train + round(blocks * recomputed_fraction)
         if policy == "selective":
-            return self.train + round(self.attention_scores * recomputed_fraction)
+            again = self.attention_scores + (self.attention_output if tensor_parallel else 0)
+            return self.train + round(again * recomputed_fraction)
         return self.train
 
 
@@ -165,6 +173,7 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> FlopsPerToken:
         mlp=(n_layers - moe_layers) * dense_mlp + moe_layers * moe_mlp,
         lm_head=head,
         mtp=mtp_flops_per_token(cfg, seq_len),
+        attention_output=n_layers * _output_projection(cfg),
     )
 
 
@@ -173,6 +182,11 @@ def mtp_flops_per_token(cfg: ModelConfig, seq_len: int) -> int:
     projections, scores, dense_mlp, _ = _block_terms(cfg, seq_len)
     per_depth = 2 * (2 * cfg.dim) * cfg.dim + projections + scores + dense_mlp
     return cfg.mtp_layers * (per_depth + 2 * cfg.dim * cfg.vocab_size)
+
+
+def _output_projection(cfg: ModelConfig) -> int:
+    """Forward FLOPs per token of one attention's output projection (wo): value heads to dim."""
+    return 2 * cfg.n_heads * cfg.v_head_dim * cfg.dim
 
 
 def _block_terms(cfg: ModelConfig, seq_len: int) -> tuple[int, int, int, int]:

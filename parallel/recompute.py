@@ -3,6 +3,16 @@
 The block's own `forward` is wrapped in `torch.utils.checkpoint` on the instance, so
 parameter names stay those of the plain model (checkpoints do not depend on the policy)
 and FSDP's hooks, which run around `forward`, stay outside the recomputed region.
+
+Selective recompute keeps each matmul's output, except a row-parallel projection's under
+tensor parallelism (attention `wo`, MLP `w2`): that output is a partial sum over the whole
+sequence, and what the block goes on with is its reduction (a reduce-scatter over the
+sequence under SP, an all-reduce without), which is kept instead. Under SP this keeps 1/tp
+of the sequence where the partial sum would be whole; in either case the recomputation
+issues no reduction again. The price is `wo`'s matmul, run again in the recomputation to
+feed the kept reduction's place in the graph (`w2`'s is not: the recomputation stops once
+its inputs are packed, the last tensors backward needs); `models/flops.py` counts it in HFU.
+Values are unchanged: the kept reduction is the one the forward computed.
 """
 
 from __future__ import annotations
@@ -12,6 +22,7 @@ from functools import partial
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import (
     CheckpointPolicy,
     checkpoint,
@@ -28,10 +39,23 @@ _SAVED_OPS = {
     torch.ops.aten.addmm.default,
     torch.ops.aten.bmm.default,
 }
+_SAVED_REDUCTIONS = {
+    # What DTensor issues to turn a row-parallel projection's partial sums into the
+    # residual stream's layout: sequence-sharded under SP, replicated without.
+    torch.ops._c10d_functional.reduce_scatter_tensor.default,
+    torch.ops._c10d_functional.all_reduce.default,
+}
+
+
+def _is_partial(output: object) -> bool:
+    """Whether an op's output is a DTensor of partial sums (a row-parallel matmul's)."""
+    return isinstance(output, DTensor) and any(p.is_partial() for p in output.placements)
 
 
 def _save_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    if op in _SAVED_OPS:
+    if op in _SAVED_REDUCTIONS:
+        return CheckpointPolicy.MUST_SAVE
+    if op in _SAVED_OPS and not _is_partial(ctx.op_output):
         return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.PREFER_RECOMPUTE
 

@@ -355,7 +355,7 @@ def _throughput_meter(cfg: RecipeConfig, rank: RankInfo, peak: PeakFlops) -> Thr
         tokens_per_step=cfg.train.global_batch * cfg.train.seq_len,
         model_flops_per_token=flops.train,
         hardware_flops_per_token=flops.with_recompute(
-            cfg.recompute.policy, len(blocks) / cfg.model.n_layers
+            cfg.recompute.policy, len(blocks) / cfg.model.n_layers, cfg.parallel.tp > 1
         ),
         devices=rank.world_size,
         peak=peak,

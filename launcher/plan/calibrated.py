@@ -28,9 +28,9 @@ from pretrain.core.hardware import KernelRates, Links
 from pretrain.core.layout import Degrees, grad_accum_steps, resolve_degrees
 from pretrain.core.precision import COMPUTE_BYTES
 from pretrain.core.schema import RecipeConfig
+from pretrain.launcher.plan.comm.ep import ep_communication
 from pretrain.launcher.plan.compute import Kernels, block_work
 from pretrain.launcher.plan.cost import LINK_EFFICIENCY, step_cost, with_recipe_links
-from pretrain.launcher.plan.ep_comm import ep_communication
 from pretrain.launcher.plan.memory import dispatch_padding, stage_params
 from pretrain.models.flops import count_params
 

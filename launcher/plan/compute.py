@@ -15,7 +15,8 @@ One micro-batch on one pipeline rank runs, per block:
   (parallel/precision.py `fp8_candidate`), with the casts' memory traffic; the routed
   experts, attention and the LM head stay BF16.
 - attention at the fused causal kernel's own rate (the causal half of the score square),
-  forward and backward, and the forward again where recomputed;
+  forward and backward, and the forward again where recomputed (under tp, selective
+  recompute runs the attention's output projection again too: parallel/recompute.py);
 - element-wise work (norms, rotary, the MLP's activation, residual adds, the MoE dispatch's
   copies) at the memory bandwidth: forward bytes once, backward twice (each op's backward
   reads the output gradient and the saved input and writes the input gradient), and the
@@ -212,6 +213,9 @@ class BlockWork:
     linears: tuple[Linear, ...]
     elementwise_bytes: float
     """Forward bytes per token of the memory-bound ops."""
+    output_projection: int = -1
+    """Index in `linears` of the attention's output projection (wo), which selective
+    recompute runs again under tensor parallelism (parallel/recompute.py); -1 for none."""
 
 
 @dataclass(frozen=True)
@@ -256,6 +260,7 @@ def block_work(
         q, kv = heads * m.head_dim, m.kv_heads * m.head_dim
         linears += [Linear(h, q // t), Linear(h, kv // t), Linear(h, kv // t), Linear(q // t, h)]
         rotary = (q + kv) // t
+    output = len(linears) - 1  # wo: the attention's last linear
     # Two norms (a read and a write of h each) and two residual adds (two reads, a write)
     # run on the sequence shard under SP, on every token without; rotary reads and writes
     # the rank's queries and keys.
@@ -286,7 +291,7 @@ def block_work(
         else:
             linears += [Linear(h, f), Linear(f, h)]
             elementwise += ACTIVATION_BYTES * 2 * f
-    return BlockWork(tuple(linears), elementwise)
+    return BlockWork(tuple(linears), elementwise, output)
 
 
 def attention_per_token(m: ModelConfig, seq: int, t: int) -> tuple[float, float]:
@@ -334,6 +339,11 @@ def block_seconds(
         recompute = forward
     elif recomputed and cfg.recompute.policy == "selective":
         recompute = fwd_attention
+        if degrees.tp > 1 and work.output_projection >= 0:
+            # It keeps wo's reduced output, not its partial sums: wo runs again.
+            wo = work.linears[work.output_projection]
+            kind = "bf16" if dtype == "fp8" and not wo.fp8 else dtype
+            recompute += kernels.gemm(tokens * wo.rows, wo.n, wo.k, kind)
     return BlockSeconds(forward, backward, recompute, (1 + ATTENTION_BACKWARD) * fwd_attention)
 
 

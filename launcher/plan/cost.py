@@ -16,16 +16,20 @@ the layout search alike.
   give each rank its own share. A MoE layer's router and experts run whole on every TP rank
   (parallel/expert.py): tp does not divide their work; etp divides the routed experts'
   hidden width. The optimizer step streams the fullest rank's shard once per step.
-- tp_r: tensor parallelism's collectives, not overlapped. Per block and micro-batch, forward
-  and backward each move two all-reduces of the block's s*b*h activations in the compute
-  dtype (with SP, a reduce-scatter and an all-gather each: the same bytes); a fully
-  recomputed block repeats the forward's. A ring moves 2(t-1)/t of the message per rank,
-  in 2(t-1) steps of one latency each. Expert tensor parallelism adds its all-reduces over
-  the etp ranks of the tp group (`pretrain.launcher.plan.ep_comm.etp_all_reduces`).
-- ep_r: expert parallelism's all-to-alls (`pretrain.launcher.plan.ep_comm`): dispatch and combine,
-  forward and backward, again under full recompute, not overlapped, over the link the ep
+- tp_r: tensor parallelism's collectives, not overlapped (`pretrain.launcher.plan.comm.tp`).
+  Per block and micro-batch, forward and backward each move two all-reduces of the block's
+  s*b*h activations (with SP, two reduce-scatters and two all-gathers: the same bytes); a
+  recomputed block gathers its inputs again (full recompute also reduces the attention's
+  output again); the embedding and the head add theirs on their stages, and the last rank
+  its multi-token prediction modules' blocks. Each collective's ring bytes
+  (`pretrain.launcher.plan.comm.traffic.wire_bytes`: 2(t-1)/t of the message per rank for an
+  all-reduce) go at the tp group's bandwidth, each ring step at one latency. Expert tensor
+  parallelism adds its all-reduces over the etp ranks of the tp group
+  (`pretrain.launcher.plan.comm.ep.etp_all_reduces`).
+- ep_r: expert parallelism's all-to-alls (`pretrain.launcher.plan.comm.ep`): dispatch and combine,
+  forward and backward, again where recomputed, not overlapped, over the link the ep
   group spans, one latency each.
-- cp_r: context parallelism's K/V ring (`pretrain.launcher.plan.cp_comm`: every layer's
+- cp_r: context parallelism's K/V ring (`pretrain.launcher.plan.comm.cp`: every layer's
   hops, over the link the ring crosses), hidden behind the attention kernel it overlaps
   (`overlapped`: the part beyond it exposed, OVERLAP_SLOWDOWN of the part within). Under
   cp, every rank computes and sends 1/cp of each sequence's tokens, and gradients are
@@ -75,10 +79,19 @@ from pretrain.core.hardware import KernelRates, Links
 from pretrain.core.layout import Degrees, world_size
 from pretrain.core.pipedream import segment_steps
 from pretrain.core.precision import COMPUTE_BYTES, fp8_experts
-from pretrain.core.recompute import is_recomputed, recomputed_blocks
+from pretrain.core.recompute import is_recomputed
 from pretrain.core.schedules import SCHEDULES
 from pretrain.core.schema import RecipeConfig
 from pretrain.core.stages import head_rank, placement
+from pretrain.launcher.plan.comm.cp import cp_communication
+from pretrain.launcher.plan.comm.ep import (
+    all_to_alls,
+    ep_communication,
+    etp_all_reduces,
+    etp_communication,
+)
+from pretrain.launcher.plan.comm.tp import rank_collectives
+from pretrain.launcher.plan.comm.traffic import wire_bytes
 from pretrain.launcher.plan.compute import (
     BlockSeconds,
     Kernels,
@@ -90,18 +103,12 @@ from pretrain.launcher.plan.compute import (
     head_seconds,
     optimizer_seconds,
 )
-from pretrain.launcher.plan.cp_comm import cp_communication
-from pretrain.launcher.plan.ep_comm import (
-    all_to_alls,
-    ep_communication,
-    etp_all_reduces,
-    etp_communication,
-)
 from pretrain.launcher.plan.memory import (
     dispatch_padding,
     rank_layers,
     stage_experts,
     stage_params,
+    weight_versions,
 )
 from pretrain.launcher.plan.muon_work import muon_work
 from pretrain.launcher.plan.pipeline.schedule_sim import SIMULATED, bubble_fraction
@@ -358,28 +365,6 @@ def step_cost(
     )
 
 
-def _tensor_parallel(cfg: RecipeConfig, degrees: Degrees, links: Links, pp_rank: int) -> float:
-    """Per micro-batch, the seconds of pipeline rank `pp_rank`'s TP collectives: two of the
-    block's activations per block in forward and in backward, and again in the forward a
-    full recompute repeats (the MTP modules' blocks on the last rank too)."""
-    t, p = degrees.tp, cfg.parallel
-    if t == 1:
-        return 0.0
-    gpn, c = cfg.cluster.gpus_per_node, COMPUTE_BYTES[cfg.precision.dtype]
-    activation = cfg.train.seq_len // degrees.cp * cfg.train.micro_batch * cfg.model.dim * c
-    bandwidth = group_bandwidth(links, gpn, 1, t)
-    # A ring all-reduce takes 2(t-1) steps; SP's reduce-scatter and all-gather t-1 each.
-    steps = 2 * (t - 1) * group_latency(links, gpn, 1, t)
-    layers = rank_layers(cfg, pp_rank)
-    # Forward and backward of every block, and the forward again where recomputed.
-    passes = 2 * len(layers)
-    if cfg.recompute.policy == "full":
-        passes += len(recomputed_blocks(cfg.recompute, layers))
-    if pp_rank == head_rank(p.pp, p.vpp, placement(p.pp_schedule) if p.pp > 1 else "loop"):
-        passes += 2 * cfg.model.mtp_layers  # the MTP modules' blocks
-    return passes * 2 * (2 * (t - 1) / t * activation / bandwidth + steps)
-
-
 def _muon(cfg: RecipeConfig, degrees: Degrees, links: Links, kernels: Kernels) -> float:
     """Seconds of Muon's orthogonalization on the busiest rank (`pretrain.launcher.plan.
     muon_work`): its Newton-Schulz FLOPs at the rate of a square GEMM of the model's width,
@@ -414,9 +399,29 @@ def _optimizer_params(
     return dense + routed
 
 
+def _tensor_parallel(cfg: RecipeConfig, degrees: Degrees, links: Links, pp_rank: int) -> float:
+    """Per micro-batch, the seconds of pipeline rank `pp_rank`'s TP collectives
+    (`tp_comm.rank_collectives`: each one's ring bytes over the tp group's bandwidth, and a
+    latency per ring step: 2(t-1) for an all-reduce, t-1 for an all-gather or
+    reduce-scatter)."""
+    t = degrees.tp
+    if t == 1:
+        return 0.0
+    gpn, p = cfg.cluster.gpus_per_node, cfg.parallel
+    bandwidth = group_bandwidth(links, gpn, 1, t)
+    step = group_latency(links, gpn, 1, t)
+    last = pp_rank == head_rank(p.pp, p.vpp, placement(p.pp_schedule) if p.pp > 1 else "loop")
+    calls = rank_collectives(cfg, degrees, rank_layers(cfg, pp_rank), pp_rank == 0, last)
+    seconds = 0.0
+    for kind, handed in calls:
+        steps = 2 * (t - 1) if kind == "all_reduce" else t - 1
+        seconds += wire_bytes(kind, t, handed) / bandwidth + steps * step
+    return seconds
+
+
 def _all_to_all(cfg: RecipeConfig, degrees: Degrees, links: Links) -> list[float]:
     """Per pipeline rank and micro-batch, the seconds of its MoE layers' expert all-to-alls
-    (`pretrain.launcher.plan.ep_comm`; not overlapped: the experts wait for their rows)."""
+    (`pretrain.launcher.plan.comm.ep`; not overlapped: the experts wait for their rows)."""
     comm = ep_communication(cfg, degrees)
     if comm is None:
         return [0.0] * degrees.pp
@@ -524,12 +529,16 @@ def _group_traffic(
     Megatron's distributed optimizer gathers once per step: Megatron-LM
     docs/source/api-guide/dist_optimizer.md). ZeRO-3 gathers each block in every
     micro-batch's forward and again in its backward (FSDP2 with reshard_after_forward).
+    PipeDream-2BW reduces (and ZeRO-2 gathers) once per micro-batch.
     """
     gpn, c = cfg.cluster.gpus_per_node, COMPUTE_BYTES[cfg.precision.dtype]
     group = shard * replicate
     if group == 1 or params == 0:
         return 0.0, 0.0, 0.0
-    grads = 4 * params
+    # PipeDream-2BW accumulates no micro-batch without syncing: it reduces every one's
+    # gradient (and ZeRO-2 gathers every one's weights).
+    per_step = microbatches if weight_versions(cfg) > 1 else 1
+    grads = 4 * params * per_step
     zero = cfg.parallel.zero
     shard_bw = group_bandwidth(links, gpn, stride, shard)
     reduce = gather = after_step = 0.0
@@ -542,7 +551,7 @@ def _group_traffic(
     if replicate > 1:
         replicate_bw = group_bandwidth(links, gpn, stride * shard, replicate)
         reduce += 2 * grads / shard * (replicate - 1) / replicate / replicate_bw
-    gathers = 2 * microbatches if zero == 3 else 1
+    gathers = 2 * microbatches if zero == 3 else per_step
     gather = gathers * c * params * (shard - 1) / shard / shard_bw
     return reduce, gather, after_step
 

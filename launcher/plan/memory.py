@@ -266,6 +266,13 @@ def tp_replicated(m: ModelConfig, tp: int = 1) -> int:
     return 2 * m.dim + latent + m.mla_q_rank * (m.dim + 1)
 
 
+def mtp_tp_replicated(m: ModelConfig, tp: int = 1) -> int:
+    """Weights of the multi-token prediction modules that tensor parallelism leaves whole on
+    every rank: per depth its norms and its projection of [embedding; hidden]
+    (parallel/tensor.py), and its block's as `tp_replicated` counts them."""
+    return m.mtp_layers * (3 * m.dim + 2 * m.dim * m.dim + tp_replicated(m, tp))
+
+
 def block_vectors(m: ModelConfig) -> int:
     """1-D weights (norms) of one block."""
     return 2 * m.dim + (m.kv_rank + m.mla_q_rank if m.is_mla else 0)
@@ -733,8 +740,9 @@ def _peak_activations(r: _RankShape, logits_backward: float, notes: dict[str, st
     return activations
 
 
-def _residual_bytes(cfg: RecipeConfig, fsdp: bool) -> int:
-    # Autocast leaves the residual stream in FP32; FSDP's BF16 parameters keep it BF16.
+def residual_bytes(cfg: RecipeConfig, fsdp: bool) -> int:
+    """Bytes per element of the residual stream (and the norms' outputs): autocast leaves it
+    in FP32, FSDP's BF16 parameters keep it BF16."""
     return 4 if cfg.precision.dtype == "fp32" or not fsdp else COMPUTE_BYTES[cfg.precision.dtype]
 
 
@@ -742,7 +750,7 @@ def _block_backward(cfg: RecipeConfig, degrees: Degrees, compute: int, fsdp: boo
     """Gradient temporaries of a block's MLP backward: the incoming residual gradient and
     three hidden-wide gradients (of w2's input and of the gate and up outputs)."""
     t, sp = degrees.tp, cfg.parallel.sp
-    per_token = _residual_bytes(cfg, fsdp) * cfg.model.dim / (t if sp else 1)
+    per_token = residual_bytes(cfg, fsdp) * cfg.model.dim / (t if sp else 1)
     per_token += 3 * compute * mlp_width(cfg.model, dispatch_padding(cfg), t, degrees.etp)
     tokens, b = local_tokens(cfg), cfg.train.micro_batch
     return tokens * b * per_token + _ring_backward(cfg, degrees, compute)
@@ -768,7 +776,7 @@ def _activations(
     one recomputed block's activations (0 without recompute), and how they were counted."""
     m, t, sp = cfg.model, degrees.tp, cfg.parallel.sp
     s, b = local_tokens(cfg), cfg.train.micro_batch
-    compute, residual = COMPUTE_BYTES[cfg.precision.dtype], _residual_bytes(cfg, fsdp)
+    compute, residual = COMPUTE_BYTES[cfg.precision.dtype], residual_bytes(cfg, fsdp)
     p = cfg.parallel
     style = _style(cfg)
     blocks = rank_layer_count(m.n_layers, p.pp, p.vpp, p.pp_layers, pp_rank, style)

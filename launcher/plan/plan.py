@@ -30,8 +30,9 @@ from pretrain.core.schedules import SCHEDULES, V
 from pretrain.core.schema import OptimConfig, RecipeConfig
 from pretrain.launcher.plan import cost
 from pretrain.launcher.plan.calibrated import calibrated_device, calibration_note
-from pretrain.launcher.plan.cp_comm import CPComm, cp_communication
-from pretrain.launcher.plan.ep_comm import EPComm, ETPComm, ep_communication, etp_communication
+from pretrain.launcher.plan.comm.cp import CPComm, cp_communication
+from pretrain.launcher.plan.comm.ep import EPComm, ETPComm, ep_communication, etp_communication
+from pretrain.launcher.plan.comm.tp import TPComm, tp_communication
 from pretrain.launcher.plan.memory import (
     MemoryBreakdown,
     peak_breakdown,
@@ -47,7 +48,6 @@ from pretrain.launcher.plan.phases import (
     ramp_phases,
 )
 from pretrain.launcher.plan.pipeline import schedule_sim
-from pretrain.launcher.plan.tp_comm import TPComm, tp_communication
 from pretrain.models.flops import count_params, flops_per_token
 
 LONG_CONTEXT = 16384
@@ -187,7 +187,7 @@ def make_plan(cfg: RecipeConfig) -> Plan:
         params_per_rank=per_rank,
         flops_per_token_forward=fpt.forward,
         flops_per_token_train=fpt.train,
-        flops_per_token_hardware=fpt.with_recompute(cfg.recompute.policy, fraction),
+        flops_per_token_hardware=fpt.with_recompute(cfg.recompute.policy, fraction, degrees.tp > 1),
         tokens_per_step=tokens,
         grad_accum=accum,
         pp_microbatches=micro,

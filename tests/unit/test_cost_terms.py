@@ -1,5 +1,5 @@
 """The cost model's compute, data-parallel, expert and latency terms, each against the figure
-its source states (launcher/plan/compute.py, launcher/plan/cost.py, launcher/plan/ep_comm.py)."""
+its source states (launcher/plan/compute.py, launcher/plan/cost.py, launcher/plan/comm/ep.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from pretrain.core import hardware
 from pretrain.core.layout import Degrees
 from pretrain.core.model_config import ModelConfig
 from pretrain.core.schema import RecipeConfig
+from pretrain.launcher.plan.comm.ep import ep_communication
 from pretrain.launcher.plan.compute import (
     ACTIVATION_BYTES,
     BACKWARD_BYTES,
@@ -22,7 +23,6 @@ from pretrain.launcher.plan.compute import (
     optimizer_seconds,
 )
 from pretrain.launcher.plan.cost import LINK_EFFICIENCY, OVERLAP_SLOWDOWN, recipe_links, step_cost
-from pretrain.launcher.plan.ep_comm import ep_communication
 from pretrain.launcher.plan.memory import dispatch_padding
 from pretrain.launcher.plan.suggest import layouts, render_search, search, three_terms
 from pretrain.models.flops import count_params

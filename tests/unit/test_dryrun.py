@@ -8,15 +8,18 @@ from dataclasses import replace
 
 import pytest
 
+from pretrain.core.layout import grad_accum_steps
 from pretrain.core.model_config import ModelConfig
 from pretrain.core.schema import RecipeConfig
 from pretrain.launcher.plan.dryrun import (
     DryRunError,
     comparisons,
     fullest_rank,
+    measured_recipe,
     rank_plan,
     refusal,
     run_dry_run,
+    traffic_comparisons,
 )
 from pretrain.launcher.plan.plan import make_plan
 from tests.helpers import compose_recipe, pretrain
@@ -63,20 +66,27 @@ def small_pipeline() -> RecipeConfig:
     return cfg
 
 
-def test_the_last_stage_of_a_pipelined_layout_steps_within_ten_percent_of_its_plan():
+def test_the_last_stage_of_a_pipedream_2bw_layout_steps_within_ten_percent_of_its_plan():
     """Rank 2: the last stage (pp is the outermost mesh dim), with the head and the loss,
-    compared with the plan of its own stage (the plan's own peak is the fullest stage's)."""
+    compared with the plan of its own stage (the plan's own peak is the fullest stage's).
+    PipeDream-2BW: two weight versions, and the step measured is the second, which runs the
+    first's last backwards beside its own and applies the first's gradient."""
     cfg = small_pipeline()
+    cfg.parallel.pp_schedule = "2bw"
     rank = 2
     result = run_dry_run(cfg, rank)
     assert result["coordinates"]["pp"] == 1
     figures = {c.name: c for c in comparisons(rank_plan(cfg, make_plan(cfg), rank), result)}
     for name in ("parameters", "optimizer states", "peak of later steps"):
         assert figures[name].ratio == pytest.approx(1.0, abs=TOLERANCE), name
-    # Gradients back to the first stage, one [1, 128, 256] bf16 tensor per micro-batch, and a
-    # 4-byte vote at start-up: the shapes were given, not sent.
+    # Gradients back to the first stage, one [1, 128, 256] bf16 tensor per micro-batch, and
+    # nothing else: the shapes were given, not sent.
     hidden = cfg.train.seq_len * cfg.model.dim * 2 * result["micro_batches"]
-    assert result["collectives"]["send"] == hidden + 4
+    assert result["collectives"]["send"] == hidden
+    # Without accumulation, FSDP gathers and reduce-scatters for every micro-batch.
+    traffic = {c.name: c for c in traffic_comparisons(cfg, result)}
+    for kind in ("all_gather", "reduce_scatter", "send", "recv"):
+        assert traffic[kind].ratio == pytest.approx(1.0, abs=0.01), kind
 
 
 def test_a_failing_rank_of_a_pipelined_layout_is_named():
@@ -106,16 +116,24 @@ def test_a_stage_given_wrong_shapes_fails_the_dry_run(monkeypatch):
         dry_run(small_pipeline(), 0)
 
 
-def test_the_dry_run_holds_the_parameters_and_optimizer_states_the_plan_counts():
+def test_the_dry_run_holds_the_states_and_issues_the_collectives_the_plan_counts():
+    """tp2 with SP under selective recompute, which keeps the row-parallel projections'
+    reduce-scattered outputs: its recomputation gathers the inputs again and reduces no
+    output again, as the cost model counts (the old policy, which kept the partial sums,
+    reduce-scattered the attention's output again: 20% more)."""
     cfg = small_tp_fsdp()
+    cfg.recompute.policy = "selective"
     result = run_dry_run(cfg, fullest_rank(cfg))
     figures = {c.name: c for c in comparisons(make_plan(cfg), result)}
     for name in ("parameters", "optimizer states"):
         assert figures[name].ratio == pytest.approx(1.0, abs=TOLERANCE), name
-    # One micro-batch per data-parallel rank: 8 sequences over 4; FSDP moved parameters.
+    # Two micro-batches per data-parallel rank: 8 sequences over 4.
     assert result["micro_batches"] == 2
-    assert result["collectives"]["all_gather"] > 0
-    assert result["collectives"]["reduce_scatter"] > 0
+    traffic = {c.name: c for c in traffic_comparisons(cfg, result)}
+    for kind in ("all_gather", "reduce_scatter"):
+        assert traffic[kind].ratio == pytest.approx(1.0, abs=0.01), kind
+    # The rest are the step's scalars and the loss's sums: a few KB.
+    assert traffic["all_reduce"].measured_bytes < 2**14
 
 
 def test_plan_format_json_holds_the_dry_run_of_a_ddp_layout_beside_the_plan(tmp_path):
@@ -129,6 +147,9 @@ def test_plan_format_json_holds_the_dry_run_of_a_ddp_layout_beside_the_plan(tmp_
     dry = out["dryrun"]
     assert {"rank", "peak_gib", "plan_peak_gib", "collectives"} <= set(dry)
     assert dry["rank"] == 0 and dry["peak_gib"] > 0
+    # Beside the bytes counted, the cost model's: for the micro-batches run, and the step's.
+    assert dry["plan_collectives"]["all_reduce"] > 0
+    assert dry["plan_step_collectives"]["all_reduce"] >= dry["plan_collectives"]["all_reduce"]
     figures = {c["name"]: c["ratio"] for c in dry["comparison"]}
     for name in ("parameters", "optimizer states", "peak of later steps"):
         assert figures[name] == pytest.approx(1.0, abs=TOLERANCE), name
@@ -140,18 +161,34 @@ def test_plan_format_json_holds_the_dry_run_of_a_ddp_layout_beside_the_plan(tmp_
 
 
 @pytest.mark.slow
-def test_llama3_8b_at_its_recipe_layout_builds_and_steps_with_the_planned_states():
-    """Full size: tp=8 with SP, ZeRO-2 over 4 nodes, 8,192-token sequences (two micro-batches
-    of the step's 64, each alike; the peak of a step does not grow after the second)."""
-    cfg = compose_recipe("llama3_8b", ["train.global_batch=8"])
-    result = run_dry_run(cfg, fullest_rank(cfg))
-    figures = {c.name: c for c in comparisons(make_plan(cfg), result)}
-    assert figures["parameters"].ratio == pytest.approx(1.0, abs=TOLERANCE)
-    assert figures["optimizer states"].ratio == pytest.approx(1.0, abs=TOLERANCE)
-    # The plan's peak, measured: plan / dry run was 0.72 (the plan is short of saved
-    # activations and of the unsharded gradients FSDP holds across micro-batches); stated,
-    # not yet within the 10% the issue asks.
-    assert 0.5 < figures["peak of later steps"].ratio < 1.5
+def test_llama3_70b_at_its_recipe_layout_steps_within_ten_percent_of_its_plan():
+    """Full size, dense with PP and TP: tp=8 with SP, 4 pipeline stages under 1F1B, ZeRO-2
+    over 2, 8,192-token sequences, selective recompute; four micro-batches, one per stage,
+    which puts on each stage as many in flight as the step's full accumulation would. The
+    fullest rank, by the plan, of the rank's own stage; every collective kind as the cost
+    model counts it."""
+    cfg = compose_recipe("llama3_70b", ["train.global_batch=8"])
+    rank = fullest_rank(cfg)
+    result = run_dry_run(cfg, rank)
+    figures = {c.name: c for c in comparisons(rank_plan(cfg, make_plan(cfg), rank), result)}
+    for name in ("parameters", "optimizer states", "peak of later steps"):
+        assert figures[name].ratio == pytest.approx(1.0, abs=TOLERANCE), name
+    for c in traffic_comparisons(cfg, result):
+        if c.measured_bytes > 2**20:  # beside the step's scalars
+            assert c.ratio == pytest.approx(1.0, abs=TOLERANCE), c.name
+
+
+def test_a_dry_run_runs_two_micro_batches_per_rank_or_one_per_pipeline_stage():
+    """The step's peak is reached by its second micro-batch (a pipeline's once every stage
+    holds what it holds in flight), so the rest are not run; GPipe holds them all."""
+    cfg = compose_recipe("llama3_8b", [])  # 64 micro-batches per rank
+    cut = measured_recipe(cfg)
+    assert grad_accum_steps(cut) == 2 and grad_accum_steps(cfg) == 64
+    assert cut.parallel == cfg.parallel and cut.model == cfg.model
+    pipelined = measured_recipe(compose_recipe("llama3_70b", []))
+    assert grad_accum_steps(pipelined) == 4  # one per stage of pp=4
+    gpipe = compose_recipe("llama3_70b", ["parallel.pp_schedule=gpipe"])
+    assert measured_recipe(gpipe) is gpipe
 
 
 def test_plan_dryrun_refuses_a_submission_whose_dry_run_fails_naming_rank_and_reason():
@@ -183,4 +220,7 @@ def test_mixtral_8x7b_at_its_recipe_layout_steps_within_the_planned_peak():
     figures = {c.name: c for c in comparisons(make_plan(cfg), result)}
     for name in ("parameters", "optimizer states", "peak of later steps"):
         assert figures[name].ratio == pytest.approx(1.0, abs=TOLERANCE), name
+    for c in traffic_comparisons(cfg, result):
+        if c.measured_bytes > 2**20:  # beside the step's scalars
+            assert c.ratio == pytest.approx(1.0, abs=TOLERANCE), c.name
     assert result["collectives"]["all_to_all"] > 0

@@ -174,7 +174,7 @@ def test_the_plan_warns_that_a_limit_inside_one_node_is_moot() -> None:
 def test_the_models_own_groups_route_without_a_layout_and_bound_the_nodes_reached() -> None:
     """model.moe_groups (DeepSeek-V3's n_group): a block routes over them as built, with no
     recipe layout; the plan's bound on the nodes a token reaches follows where groups lie."""
-    from pretrain.launcher.plan.ep_comm import ep_communication
+    from pretrain.launcher.plan.comm.ep import ep_communication
 
     moe = MoEFeedForward(
         ModelConfig(

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from pretrain.core.layout import resolve_degrees
-from pretrain.launcher.plan.cp_comm import cp_communication
+from pretrain.launcher.plan.comm.cp import cp_communication
 from pretrain.launcher.plan.memory import head_in_flight, memory_breakdown, stage_params
 from pretrain.launcher.plan.plan import LONG_CONTEXT, make_plan
 from pretrain.launcher.plan.suggest import search

@@ -4,9 +4,9 @@ import pytest
 
 from pretrain.core.layout import resolve_degrees
 from pretrain.core.precision import COMPUTE_BYTES
+from pretrain.launcher.plan.comm.tp import tp_communication
 from pretrain.launcher.plan.plan import make_plan, plan_to_dict
 from pretrain.launcher.plan.report.render import render_plan
-from pretrain.launcher.plan.tp_comm import tp_communication
 from tests.helpers import configure
 
 

@@ -28,7 +28,7 @@ def step_work(cfg: RecipeConfig, ramp: Ramp) -> Callable[[int], tuple[int, float
             flops = flops_per_token(cfg.model, phase.seq_len)
             per_token[phase.seq_len] = (
                 flops.train,
-                flops.with_recompute(cfg.recompute.policy, fraction),
+                flops.with_recompute(cfg.recompute.policy, fraction, cfg.parallel.tp > 1),
             )
         model, hardware = per_token[phase.seq_len]
         tokens = phase.tokens_per_step

@@ -10,7 +10,8 @@ Three things cannot run on fake tensors and run on real ones here, none holding 
 the plain model is built on the meta device outside fake mode (torch cannot `to_empty` a
 fake parameter: it swaps tensors, which a fake tensor's weak references forbid); a DeviceMesh
 computes its coordinates from its small tensor of ranks (data-dependent ops), the
-bad-step agreement reads the loss and the norm (`FakeStepGuard`). A dropless expert-parallel
+bad-step agreement reads the loss and the norm (`FakeStepGuard`; PipeDream-2BW's update
+reads its agreed flags, `read_agreement`, taken as a clean step). A dropless expert-parallel
 dispatch learns its slots from the loads it reads after a step; under fake tensors there
 are none to read, so its slots stay as first sized (the all-reduce is still issued).
 
@@ -45,6 +46,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 import pretrain.trainer.build
 import pretrain.trainer.step.local
+import pretrain.trainer.step.pipedream
 from pretrain import models
 
 
@@ -129,6 +131,7 @@ def fake_world(rank: int, world_size: int) -> Iterator[None]:
         (_PipelineSchedule, "_warmup_p2p", _own_votes),
         (DistributedDataParallel, "__init__", _without_init_sync),
         (pretrain.trainer.build, "apply_ddp", _reduced_in_place),
+        (pretrain.trainer.step.pipedream, "read_agreement", _agreed_clean),
     ]
     originals = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
     for owner, name, wrap in patches:
@@ -158,3 +161,14 @@ class FakeStepGuard:
         flags = torch.zeros(3, dtype=torch.float64, device=self.device)
         dist.all_reduce(flags)
         return False, False
+
+    def stop_requested(self) -> bool:
+        """No stop is ever requested of a dry run."""
+        return False
+
+
+def _agreed_clean(read: Callable[..., Any]) -> Callable[..., Any]:
+    def clean(flags: torch.Tensor, norm: torch.Tensor) -> tuple[bool, bool, bool]:
+        return False, True, False  # no bad loss, a finite norm, no stop
+
+    return clean

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from pretrain.core.layout import Degrees, grad_accum_steps, resolve_degrees
+from pretrain.core.layout import grad_accum_steps, resolve_degrees
 from pretrain.core.schedules import SCHEDULES
 from pretrain.core.schema import RecipeConfig
 from pretrain.parallel.data_parallel import ddp_bucket_bytes
@@ -55,29 +55,14 @@ def dry_run_device(job_device: str) -> torch.device:
     return torch.device(job_device, 0) if job_device == "cuda" else torch.device(job_device)
 
 
-def unsupported(cfg: RecipeConfig, degrees: Degrees) -> str | None:
-    """Why this layout cannot be dry-run yet (None when it can)."""
-    if degrees.pp > 1 and SCHEDULES[cfg.parallel.pp_schedule].torch_class is None:
-        # Its transport sends the first activation's shape ahead of it, read back as values.
-        return (
-            f"parallel.pp_schedule={cfg.parallel.pp_schedule}: the in-repo schedule's stages "
-            "learn their input shape from a header their neighbour sends, which a fake "
-            "process group cannot deliver; dry-run the layout under a schedule torch runs "
-            "(its memory differs by the second weight version)"
-        )
-    return None
-
-
 def dry_run(cfg: RecipeConfig, rank: int) -> dict[str, Any]:
-    """Build rank `rank` of `cfg`'s job and run one step under fake tensors; what it held at
-    its peak (by category, in bytes), when, and the collectives it issued."""
+    """Build rank `rank` of `cfg`'s job and run one step under fake tensors (PipeDream-2BW:
+    two, the second measured); what it held at its peak (by category, in bytes), where, and
+    the collectives it issued."""
     start = time.monotonic()
     degrees = resolve_degrees(cfg)
     if not 0 <= rank < degrees.world:
         raise ValueError(f"dryrun.rank={rank}: the job has ranks 0 to {degrees.world - 1}")
-    problem = unsupported(cfg, degrees)
-    if problem:
-        raise ValueError(problem)
     device = dry_run_device(cfg.cluster.device)
     with fake_world(rank, degrees.world):
         mesh = build_mesh(degrees, device.type)
@@ -90,22 +75,40 @@ def dry_run(cfg: RecipeConfig, rank: int) -> dict[str, Any]:
             ctx = StepContext(state, cfg, degrees, device, mesh, FakeStepGuard(device))  # type: ignore[arg-type]
             stepper: Stepper = pipeline_step(ctx) if degrees.pp > 1 else LocalStep(ctx)
             micro_batches = synthetic_batches(cfg, device)
-            tracker.track_external(state.model, state.optimizer)
+            # PipeDream-2BW's second weight version is a model of its own.
+            versions = [state.model] + ([state.stash] if state.stash is not None else [])
+            tracker.track_external(*versions, state.optimizer)
             built = _device_bytes(tracker.get_tracker_snapshot("current"), device, {})
             build_bytes = dict(counter.bytes)
             counter.bytes.clear()
             counter.calls.clear()
             with tracker, _while("running the training step"):
+                if SCHEDULES[cfg.parallel.pp_schedule].weight_versions > 1 and degrees.pp > 1:
+                    # PipeDream-2BW's first step fills the pipeline and updates nothing; the
+                    # second runs the first's last backwards beside its own and applies the
+                    # first's gradient: the step of every later one, which is measured.
+                    stepper.step(micro_batches)
+                    counter.bytes.clear()
+                    counter.calls.clear()
                 stepper.step(micro_batches)
         # DDP's gradient buckets are allocated as it starts, before the tracker watches.
         chunks = list(state.model) if degrees.pp > 1 else [state.model]
+        chunks += list(state.stash.chunks) if state.stash is not None else []
         buckets = {"Gradient": sum(ddp_bucket_bytes(chunk) for chunk in chunks)}
         peak = _device_bytes(tracker.get_tracker_snapshot("peak"), device, buckets)
         after = _device_bytes(tracker.get_tracker_snapshot("current"), device, buckets)
+        computing = _device_bytes(tracker.compute_peak, device, buckets)
         coordinates = _coordinates(mesh)
-    # The first step's forward runs before the optimizer has states; every later step's
-    # holds them (the plan's peak is that of a later step).
-    steady = peak.get("Total", 0) + max(0, after.get("Optstate", 0) - peak.get("Optstate", 0))
+    # The step measured runs its forwards and backwards before the optimizer has states;
+    # every later step's hold them (the plan's peak is that of a later step): its peak is
+    # the larger of the optimizer step's and that of the compute with the states added.
+    states = after.get("Optstate", 0) - computing.get("Optstate", 0)
+    peak_at = tracker.peak_at
+    if computing.get("Total", 0) + states > peak.get("Total", 0):
+        peak = computing | {"Optstate": after.get("Optstate", 0)}
+        peak["Total"] = computing.get("Total", 0) + states
+        peak_at = tracker.compute_peak_at
+    steady = peak.get("Total", 0)
     return {
         "rank": rank,
         "device": device.type,
@@ -114,6 +117,7 @@ def dry_run(cfg: RecipeConfig, rank: int) -> dict[str, Any]:
         "micro_batches": len(micro_batches),
         "built": built,
         "peak": peak,
+        "peak_at": peak_at,
         "after_step": after,
         "steady_peak": steady,
         "peak_gib": steady / GIB,

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed._tools.mem_tracker import MemTracker
+from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _State
 from torch.distributed._tools.mod_tracker import ModTracker
 from torch.utils._pytree import tree_flatten
 
@@ -38,6 +38,36 @@ class StepMemTracker(MemTracker):
     def __init__(self) -> None:
         super().__init__()
         self._mod_tracker = _LeafFreeModTracker()
+        self.peak_at = ""
+        """Where the peak was reached: forward or backward, of which module."""
+        self.compute_peak: dict[torch.device, dict[str, int]] = {}
+        """The snapshot of the peak outside the optimizer step, per device."""
+        self.compute_peak_at = ""
+
+    def _update_peak_stats(self, peak_state: _State) -> None:
+        # After every op torch's tracker also updates the peak of each module it has seen
+        # that is running, with a pass over all of them (hundreds: every linear of every
+        # block) whose weak references are costly to read: most of a dry run's time, and
+        # growing with layers x ops. Only the device's peaks are read here.
+        for device, snapshot in self._curr_mem_snap.items():
+            total = snapshot[_TOTAL_KEY]
+            if self._peak_mem.get(device, 0) < total:
+                self._peak_mem[device] = total
+                self._peak_mem_snap[device] = dict(snapshot)
+                self.peak_at = self._where()
+            if not self._in_opt and self.compute_peak.get(device, {}).get(_TOTAL_KEY, 0) < total:
+                self.compute_peak[device] = dict(snapshot)
+                self.compute_peak_at = self._where()
+
+    def _where(self) -> str:
+        """The innermost module running, and whether in forward or backward (or the
+        optimizer step)."""
+        if self._in_opt:
+            return "optimizer step"
+        tracker = self._mod_tracker
+        modules = [name for name in tracker.parents if name != "Global"]
+        innermost = max(modules, key=len) if modules else "outside any module"
+        return f"{'backward' if tracker.is_bw else 'forward'} of {innermost}"
 
     def _pre_fw_hook(self, module: nn.Module, inputs: Any) -> None:
         tracker = self._mod_tracker

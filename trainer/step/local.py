@@ -31,6 +31,7 @@ from pretrain.parallel.expert import (
     dropless_dispatch,
     finish_routing_step,
     reduce_expert_grads,
+    release_router_losses,
     settle_slot_bounds,
 )
 from pretrain.parallel.pipeline.tied_embedding import head_copies
@@ -104,6 +105,7 @@ def _forward_backward(ctx: StepContext, micro_batches: MicroBatches) -> torch.Te
                     objective = add_router_losses(loss, state.plain)
                 with state.phases.phase("backward"):
                     state.scaler.scale_loss(objective / accum).backward()
+                    release_router_losses(state.plain)
         # Every TP rank holds the same (replicated) loss.
         loss_sum += local_value(loss.detach())
     return ctx.context_mean(loss_sum / accum)

@@ -36,7 +36,7 @@ from torch import nn
 
 from pretrain.models.moe import moe_modules
 from pretrain.parallel.clip import clip_to_norm, grad_norm
-from pretrain.parallel.expert import reduce_expert_grads
+from pretrain.parallel.expert import reduce_expert_grads, release_router_losses
 from pretrain.parallel.pipeline.pipedream import P2PTransport, PipeDream, Version, move_optimizer
 from pretrain.parallel.pipeline.shapes import stage_shapes
 from pretrain.parallel.pipeline.stages import StageView
@@ -188,6 +188,9 @@ class PipeDreamStep:
                 )
                 for op in ops:
                     engine.run(*op)
+            release_router_losses(self.state.plain)
+            if self.state.stash is not None:
+                release_router_losses(self.state.stash)
             loss = ctx.pipeline_mean(self._losses if engine.last else [])
             with ctx.timed("optimizer"):  # the previous step's update
                 engine.end()

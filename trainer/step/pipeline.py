@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from pretrain.core.schedules import SCHEDULES
-from pretrain.parallel.expert import reduce_expert_grads
+from pretrain.parallel.expert import reduce_expert_grads, release_router_losses
 from pretrain.parallel.pipeline.shapes import stage_shapes
 from pretrain.parallel.pipeline.stages import build_schedule, stage_indices
 from pretrain.parallel.pipeline.tied_embedding import embedding_group, reduce_tied_grads
@@ -144,6 +144,7 @@ class PipelineStep:
         else:
             raise RuntimeError(f"the MoE dispatch slots overflowed {SLOT_RETRIES} runs of one step")
         with phases.phase("backward"):
+            release_router_losses(self.state.plain)
             reduce_expert_grads(self.state.plain)
             reduce_tied_grads(self.state.plain, self.embedding_group)
         loss = ctx.pipeline_mean(self.losses[-self.n_microbatches :] if self.has_last else [])

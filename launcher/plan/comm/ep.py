@@ -3,10 +3,11 @@
 Per MoE layer and micro-batch (parallel/expert.py): the dispatch sends every assignment's
 row (tokens x top_k of them, dim wide, in the compute dtype) to its expert's rank and the
 combine brings the outputs back, both one even `all_to_all_single`; backward runs the same
-two with the gradients (the functional autograd form), and a fully recomputed block runs
-its forward's two again. Each all-to-all keeps (1/ep) of its rows on the rank and sends the
-rest; the rows are the dispatch's slots, `memory.dispatch_padding` times the assignments
-(a capacity factor, or the dropless slots' start). A MoE layer is not split over tp: every
+two with the gradients (the functional autograd form), and a recomputed block (full or
+selective: selective recompute keeps no all-to-all's output) runs its forward's two again.
+Each all-to-all keeps (1/ep) of its rows on the rank and sends the rest; the rows are the
+dispatch's slots, `memory.dispatch_padding` times the assignments (a capacity factor, or
+the dropless slots' start). A MoE layer is not split over tp: every
 TP rank routes its cp share of the whole sequence. The ep ranks are tp x cp apart (ep
 splits the flattened data-parallel index, inner), so the exchange stays inside a node when
 tp x cp x ep ranks fit one.
@@ -80,12 +81,11 @@ def _groups_reach(limit: int, groups: int, nodes: int) -> int:
 
 def all_to_alls(cfg: RecipeConfig, layers: tuple[int, ...]) -> int:
     """All-to-alls per micro-batch of the MoE layers among `layers`: dispatch and combine in
-    forward and backward, and the forward's again in a fully recomputed block."""
-    m, full = cfg.model, cfg.recompute.policy == "full"
+    forward and backward, and the forward's again in a recomputed block."""
     count = 0
     for layer in layers:
-        if m.is_moe_layer(layer):
-            count += 4 + (2 if full and is_recomputed(cfg.recompute, layer) else 0)
+        if cfg.model.is_moe_layer(layer):
+            count += 4 + (2 if is_recomputed(cfg.recompute, layer) else 0)
     return count
 
 

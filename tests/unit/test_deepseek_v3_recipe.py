@@ -4,8 +4,9 @@ DeepSeek-AI, "DeepSeek-V3 Technical Report" (arXiv 2412.19437): 671B parameters 
 37B are active per token (section 4.2; the checkpoint's 685B add the 14B multi-token
 prediction module, left off: the trainer refuses MTP under the V schedules); 2,048 H800
 GPUs with 16-way pipeline, 64-way expert parallelism over 8 nodes and ZeRO-1 data
-parallelism (section 3.2); a token's experts on at most 4 nodes (section 2.1.2); FP8 with 1 x 128 activation tiles and 128 x 128 weight blocks
-(section 3.3.2); 15,360 sequences of 4,096 tokens per step (section 4.2).
+parallelism (section 3.2); a token's experts on at most 4 nodes (section 2.1.2); FP8 with
+1 x 128 activation tiles and 128 x 128 weight blocks (section 3.3.2); 15,360 sequences of
+4,096 tokens per step (section 4.2).
 """
 
 from __future__ import annotations

@@ -70,8 +70,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             # resume continues): split over two workers, each would train them again.
             item.add_marker(pytest.mark.xdist_group(item.path.stem))
     # The SLURM group first: its jobs, one at a time, overlap the other worker's tests
-    # instead of running alone at the end.
-    items.sort(key=lambda item: item.get_closest_marker("slurm") is None)
+    # instead of running alone at the end. Then every other slow test (the launches, the
+    # full-size dry runs), and the quick ones last: they fill the gaps at the end, where a
+    # slow test left for last would run alone.
+    items.sort(
+        key=lambda item: (
+            item.get_closest_marker("slurm") is None,
+            item.get_closest_marker("slow") is None,
+        )
+    )
 
 
 @pytest.fixture(scope="session")

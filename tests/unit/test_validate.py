@@ -131,6 +131,7 @@ CASES = [
     ({"train.micro_batch": 0}, "train.micro_batch", "must be >= 1", ">= 1"),
     ({"train.global_batch": 0}, "train.global_batch", "must be >= 1", ">= 1"),
     ({"logging.log_every": 0}, "logging.log_every", "must be >= 1", ">= 1"),
+    ({"logging.system_every_s": -1.0}, "logging.system_every_s", "must be >= 0", ">= 0"),
     ({"logging.wandb": "on"}, "logging.wandb", "unknown value",
      "auto, online, offline or disabled"),
     ({"plan.format": "yaml"}, "plan.format", "unknown value 'yaml'", "use table or json"),

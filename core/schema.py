@@ -40,6 +40,7 @@ WANDB_MODES = ("auto", "online", "offline", "disabled")
 ASYNC_MODES = ("none", "thread", "process")
 RECOVERY_ACTIONS = ("halt", "skip", "rollback")
 SPIKE_ACTIONS = ("none", *RECOVERY_ACTIONS)
+ALERT_ACTIONS = ("none", "halt", "rollback")
 PLAN_FORMATS = ("table", "json")
 PLAN_BEFORE_RUN = ("summary", "full", "none")
 PLAN_CHARTS = ("text", "png")
@@ -597,6 +598,11 @@ class FaultConfig:
     spike_window: int = 50
     """Steps whose losses the running median is taken over; no step is a spike before the
     window is full. Skipped steps do not enter it; a checkpoint keeps it."""
+    on_alert: str = one_of("none", ALERT_ACTIONS)
+    """A stability monitor above its threshold (logging.stability_alerts, at the steps
+    logging.stability_every samples; every rank sees the same values): none (the warning and
+    the W&B alert only), halt or rollback, as for on_nan. There is no skip: the monitors are
+    summed after the step's update, which only a rollback undoes."""
     rollback_lr_factor: float = 1.0
     """After a rollback, the learning rate is multiplied by this (0 < factor <= 1) ..."""
     rollback_lr_steps: int = 0

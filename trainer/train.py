@@ -62,6 +62,8 @@ def train(run: Run, watchdog: Watchdog) -> None:
                 if run.rank.is_main:
                     get_logger().info("%s", CLOCK.line())
             action = run.guard.record(step, result.bad)
+            if not result.bad:
+                action = run.guard.alerted(step, run.state.stability.alerts)
             run.faults.after_step()
             if action == "rollback":
                 # The bad step is logged as it was, then trained again from the checkpoint.

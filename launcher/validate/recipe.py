@@ -27,7 +27,7 @@ from pretrain.core.problems import (
     or_list,
 )
 from pretrain.core.schedules import SCHEDULES
-from pretrain.core.schema import RecipeConfig, choice_fields, field_value
+from pretrain.core.schema import STABILITY_ALERTS, RecipeConfig, choice_fields, field_value
 from pretrain.launcher.validate.attention import check_attention
 from pretrain.launcher.validate.bounds import check_bounds
 from pretrain.launcher.validate.data import check_data
@@ -340,18 +340,28 @@ def _check_recovery(c: Checks, cfg: RecipeConfig) -> None:
         c.add("faults.rollback_lr_factor", f.rollback_lr_factor, "it multiplies the learning "
               "rate after a rollback", "use a value in (0, 1], 1 to keep it")  # fmt: skip
     c.at_least("faults.rollback_lr_steps", f.rollback_lr_steps, 0)
-    rolls_back = [k for k in ("on_nan", "on_spike") if getattr(f, k) == "rollback"]
+    rolls_back = [k for k in ("on_nan", "on_spike", "on_alert") if getattr(f, k) == "rollback"]
     if rolls_back and cfg.checkpoint.every == 0:
         c.add(f"faults.{rolls_back[0]}", "rollback", "a rollback reloads the newest periodic "
               "checkpoint, and checkpoint.every=0 writes none", "set checkpoint.every "
               "(e.g. 100), or use skip or halt")  # fmt: skip
     versions = SCHEDULES[cfg.parallel.pp_schedule].weight_versions if cfg.parallel.pp > 1 else 1
-    if versions > 1 and (f.on_spike != "none" or f.on_nan == "rollback"):
-        field = "faults.on_spike" if f.on_spike != "none" else "faults.on_nan"
-        c.add(field, getattr(f, field.split(".")[1]), f"parallel.pp_schedule="
+    late = [k for k, v in (("on_spike", "none"), ("on_alert", "none")) if getattr(f, k) != v]
+    late += ["on_nan"] if f.on_nan == "rollback" else []
+    if versions > 1 and late:
+        c.add(f"faults.{late[0]}", getattr(f, late[0]), f"parallel.pp_schedule="
               f"{cfg.parallel.pp_schedule} agrees on a step after the next one has begun, "
               "too late to keep or roll back its update", "use skip or halt (on_nan), none "
-              "(on_spike), or another pp_schedule")  # fmt: skip
+              "(on_spike, on_alert), or another pp_schedule")  # fmt: skip
+    if f.on_alert != "none" and cfg.logging.stability_every == 0:
+        c.add("faults.on_alert", f.on_alert, "it acts on the stability monitors' alerts, and "
+              "logging.stability_every=0 samples none", "set logging.stability_every (e.g. "
+              "100), or faults.on_alert=none")  # fmt: skip
+    armed = {**STABILITY_ALERTS, **cfg.logging.stability_alerts}
+    if f.on_alert != "none" and not any(t > 0 for t in armed.values()):
+        c.add("faults.on_alert", f.on_alert, "every threshold of logging.stability_alerts is "
+              "0 (off), so no alert can fire", "set one, e.g. "
+              "logging.stability_alerts.attn_logit_max=100")  # fmt: skip
 
 
 def _check_speed(c: Checks, cfg: RecipeConfig) -> None:

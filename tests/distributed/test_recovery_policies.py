@@ -96,6 +96,28 @@ def test_a_nan_is_skipped_and_a_spike_rolls_back_past_its_batch(workdir: Path) -
     assert checkpoints(run_dir) == [2, 4, 6, 8]
 
 
+def test_a_stability_alert_rolls_back_past_its_batch(workdir: Path) -> None:
+    """faults.on_alert=rollback: the spike of step 5 (rank 0's loss and gradients 20 times
+    larger) lifts the per-layer gradient norm above its threshold of 3 (about 0.7 on the
+    other steps); the loss rule is off, so the alert alone reloads step 4."""
+    run_dir = workdir / "rollback_alert"
+    alert = ["faults.on_alert=rollback", "logging.stability_every=1"]
+    alert += ["logging.stability_alerts.grad_norm_max=3", "train.steps=6"]
+    env = {"PRETRAIN_FAULT_SPIKE_STEPS": "5"}
+    result = launch(run_dir, [*POLICY_BASE, *alert], 2, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    logged = rows(run_dir)
+    assert [r["step"] for r in logged] == [1, 2, 3, 4, 5, 5, 6]
+    assert max(r["stability/grad_norm_max"] for r in logged if r is not logged[4]) < 3
+    assert logged[4]["stability/grad_norm_max"] > 3
+    assert_close(logged[5]["loss"], loss_on_batch(run_dir, 4, 6))
+    assert audit(run_dir) == [(5, "alert", "rollback")]
+    rollback = json.loads((run_dir / "faults.jsonl").read_text())
+    assert rollback["to"] == 4 and rollback["skipped_batches"] == [5, 5]
+    assert "stability/grad_norm_max = " in rollback["detail"]
+    assert "[faults] step 5: stability/grad_norm_max" in result.stdout
+
+
 def test_a_rolled_back_nan_lowers_the_rate_a_spike_halts_and_a_resume_skips_the_same_batches(
     workdir: Path,
 ) -> None:

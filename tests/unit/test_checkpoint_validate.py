@@ -31,6 +31,7 @@ from pretrain.launcher.validate.recipe import validate
         ),
         ("faults", "on_nan", "retry", r"faults\.on_nan=retry: unknown value.*"),
         ("faults", "on_spike", "skip_all", r"faults\.on_spike=skip_all: unknown value.*"),
+        ("faults", "on_alert", "skip", r"faults\.on_alert=skip: unknown value.*rollback"),
         ("faults", "spike_factor", 1.0, r"faults\.spike_factor=1\.0: a spike is a loss above"),
         ("faults", "spike_window", 0, r"faults\.spike_window=0: must be >= 1"),
         ("faults", "rollback_lr_factor", 0.0, r"faults\.rollback_lr_factor=0\.0: .*\(0, 1\]"),
@@ -56,6 +57,25 @@ def test_spike_policies_are_refused_under_a_schedule_that_agrees_a_step_late() -
     cfg.cluster.gpus_per_node, cfg.parallel.pp, cfg.parallel.pp_schedule = 2, 2, "2bw"
     cfg.faults.on_spike = "skip"
     with pytest.raises(RecipeError, match=r"faults\.on_spike=skip: parallel\.pp_schedule=2bw"):
+        validate(cfg)
+
+
+def test_an_alert_policy_needs_sampled_monitors_with_a_threshold_and_a_checkpoint() -> None:
+    cfg = RecipeConfig()
+    cfg.faults.on_alert, cfg.checkpoint.every = "rollback", 0
+    cfg.logging.stability_every = 0
+    cfg.logging.stability_alerts = {"attn_logit_max": 0.0, "z_mean": 0.0, "update_ratio_max": 0.0}
+    with pytest.raises(RecipeError) as caught:
+        validate(cfg)
+    message = str(caught.value)
+    assert "faults.on_alert=rollback: a rollback reloads" in message
+    assert "logging.stability_every=0 samples none" in message
+    assert "every threshold of logging.stability_alerts is 0" in message
+    cfg.checkpoint.every, cfg.logging.stability_every = 5, 10
+    cfg.logging.stability_alerts = {"grad_norm_max": 50.0}
+    validate(cfg)
+    cfg.cluster.gpus_per_node, cfg.parallel.pp, cfg.parallel.pp_schedule = 2, 2, "2bw"
+    with pytest.raises(RecipeError, match=r"faults\.on_alert=rollback: parallel\.pp_schedule=2bw"):
         validate(cfg)
 
 

@@ -19,6 +19,7 @@ from pretrain.trainer.faults.policies import (
 from pretrain.trainer.faults.recovery import Recovery
 from pretrain.trainer.faults.step_guard import StepGuard, TooManyBadSteps
 from pretrain.trainer.observe.goodput import GoodputLedger
+from pretrain.trainer.observe.stability import Alert
 
 
 def test_no_loss_is_a_spike_until_the_window_is_full() -> None:
@@ -82,6 +83,21 @@ def test_rollback_is_left_to_the_loop_which_audits_it_with_its_details() -> None
     g, records = guard(on_nan="rollback", on_spike="halt")
     g.trigger = "nan"
     assert g.record(4, bad=True) == "rollback" and g.skipped == 0 and records == []
+
+
+def test_an_alert_halts_or_is_left_to_the_loop_to_roll_back_and_none_ignores_it() -> None:
+    alerts = [Alert(7, "attn_logit_max", 131.2, 100.0), Alert(7, "z_mean", float("nan"), 1e3)]
+    g, records = guard(on_alert="none")
+    assert g.alerted(7, alerts) == "" and g.trigger == "" and records == []
+    g, records = guard(on_alert="rollback")
+    assert g.alerted(7, []) == "" and g.alerted(7, alerts) == "rollback" and records == []
+    assert g.trigger == "alert" and g.detail.startswith("stability/attn_logit_max = 131.2 ")
+    assert "; stability/z_mean = nan is above its threshold 1000" in g.detail
+    g, records = guard(on_alert="halt")
+    with pytest.raises(TooManyBadSteps, match=r"step 7: stability/attn_logit_max = 131\.2 .*"
+                       r"\(faults\.on_alert=halt\); stopping without saving"):  # fmt: skip
+        g.alerted(7, alerts[:1])
+    assert [(r["step"], r["trigger"], r["action"]) for r in records] == [(7, "alert", "halt")]
 
 
 def test_a_bad_step_a_stepper_agreed_on_alone_is_taken_as_non_finite() -> None:

@@ -1,6 +1,6 @@
-"""The actions of `faults.on_nan` and `faults.on_spike` as the loop takes them: each one
-audited (RUN_DIR/faults.jsonl, the main rank) and sent to the metrics sinks, a rollback
-carried out, and the learning rate lowered after one (see trainer/faults/policies.py).
+"""The actions of `faults.on_nan`, `faults.on_spike` and `faults.on_alert` as the loop takes
+them: each one audited (RUN_DIR/faults.jsonl, the main rank) and sent to the metrics sinks,
+a rollback carried out, and the learning rate lowered after one (see trainer/faults/policies.py).
 """
 
 from __future__ import annotations

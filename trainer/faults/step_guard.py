@@ -19,6 +19,7 @@ from pretrain.core.run.rundir import PREEMPTED_MARKER
 from pretrain.core.schema import FaultConfig
 from pretrain.trainer.faults.policies import SpikeRule
 from pretrain.trainer.log import get_logger
+from pretrain.trainer.observe.stability import Alert
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 """What SLURM sends before the time limit (SIGUSR1, see the sbatch template) and what clusters
@@ -76,10 +77,11 @@ class StepGuard:
         self.max_bad_steps = max_bad_steps
         self.device = device
         self.on_nan, self.on_spike = faults.on_nan, faults.on_spike
+        self.on_alert = faults.on_alert
         self.spikes = SpikeRule(faults.spike_factor, faults.spike_window)
         self.skipped = 0
         self.trigger = ""
-        """Why the step just agreed on is bad: nan, spike, or empty."""
+        """Why the step just agreed on is bad: nan, spike, alert, or empty."""
         self.detail = ""
         self.audit: Callable[[dict[str, Any]], None] = lambda record: None
         """Told of every skip and halt (`trainer/faults/recovery.py` audits them)."""
@@ -144,6 +146,23 @@ class StepGuard:
                 "or more warmup"
             )
         return "skip"
+
+    def alerted(self, step: int, alerts: list[Alert]) -> str:
+        """What `faults.on_alert` does with the stability monitors' `alerts` of a good step
+        (the same on every rank: the monitors are summed over the world): "" (none, or no
+        alert) or "rollback"; raises TooManyBadSteps under halt."""
+        if not alerts or self.on_alert == "none":
+            return ""
+        self.trigger = "alert"
+        self.detail = "; ".join(a.line().removeprefix(f"step {step}: ") for a in alerts)
+        if self.on_alert == "halt":
+            self.audit({"step": step, "trigger": "alert", "action": "halt", "detail": self.detail})
+            raise TooManyBadSteps(
+                f"step {step}: {self.detail} (faults.on_alert=halt); stopping without saving "
+                "it. Resume from the last checkpoint with a lower optim.lr, or set "
+                "faults.on_alert=rollback or none"
+            )
+        return "rollback"
 
 
 STRAGGLER_MIN_S = 0.05

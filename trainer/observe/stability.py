@@ -18,8 +18,8 @@ optimizer times it sits in, and of the step time): on a sampled step about one m
 one more softmax over the logits, the norms and a copy of the weights; nothing otherwise.
 
 The latest values (`latest`, by the names `logging.stability_alerts` takes) and the alerts
-of the last sampled step (`alerts`) are what another policy (the spike policy of
-`trainer/faults/`) may read.
+of the last sampled step (`alerts`, the same on every rank) are what `faults.on_alert` acts
+on (`trainer/faults/step_guard.py`).
 """
 
 from __future__ import annotations

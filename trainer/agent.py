@@ -69,6 +69,8 @@ def forked_ranks(argv: list[str]) -> list[str]:
         return argv
     if argv[-3:-1] != TRAINER_MODULE or load_config(argv[-1]).cluster.device != "cpu":
         return argv
+    import torch._dynamo  # noqa: F401  (building on the meta device imports it: 0.5 s a rank)
+
     import pretrain.trainer.faults.failure_report
     import pretrain.trainer.train
 

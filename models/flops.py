@@ -132,6 +132,9 @@ class FlopsPerToken:
     attention_output: int = 0
     """Of `attention_projections`, the output projection (wo): what selective recompute
     runs again under tensor parallelism (parallel/recompute.py)."""
+    routed_experts: int = 0
+    """Of `mlp`, the routed experts' grouped GEMMs: what selective recompute runs again (it
+    keeps no grouped GEMM's output)."""
 
     @property
     def forward(self) -> int:
@@ -149,15 +152,17 @@ class FlopsPerToken:
         """Training FLOPs including recomputation (what HFU counts).
 
         `full` re-runs the forward of the recomputed blocks; `selective` re-runs the
-        attention scores, and under tensor parallelism (`tensor_parallel`: tp > 1) the
-        attention's output projection too, whose partial sums it does not keep.
+        attention scores and the routed experts, and under tensor parallelism
+        (`tensor_parallel`: tp > 1) the attention's output projection too, whose partial sums
+        it does not keep.
         `recomputed_fraction` is the share of blocks that recompute.
         """
         if policy == "full":
             blocks = self.attention_projections + self.attention_scores + self.mlp
             return self.train + round(blocks * recomputed_fraction)
         if policy == "selective":
-            again = self.attention_scores + (self.attention_output if tensor_parallel else 0)
+            again = self.attention_scores + self.routed_experts
+            again += self.attention_output if tensor_parallel else 0
             return self.train + round(again * recomputed_fraction)
         return self.train
 
@@ -174,6 +179,7 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> FlopsPerToken:
         lm_head=head,
         mtp=mtp_flops_per_token(cfg, seq_len),
         attention_output=n_layers * _output_projection(cfg),
+        routed_experts=moe_layers * cfg.moe_top_k * 3 * 2 * cfg.dim * cfg.expert_ffn_dim,
     )
 
 

@@ -15,8 +15,9 @@ One micro-batch on one pipeline rank runs, per block:
   (parallel/precision.py `fp8_candidate`), with the casts' memory traffic; the routed
   experts, attention and the LM head stay BF16.
 - attention at the fused causal kernel's own rate (the causal half of the score square),
-  forward and backward, and the forward again where recomputed (under tp, selective
-  recompute runs the attention's output projection again too: parallel/recompute.py);
+  forward and backward, and the forward again where recomputed (selective recompute runs
+  the routed experts' grouped GEMMs again too, and under tp the attention's output
+  projection: parallel/recompute.py);
 - element-wise work (norms, rotary, the MLP's activation, residual adds, the MoE dispatch's
   copies) at the memory bandwidth: forward bytes once, backward twice (each op's backward
   reads the output gradient and the saved input and writes the input gradient), and the
@@ -204,6 +205,8 @@ class Linear:
     """A grouped GEMM: this many GEMMs (local experts) sharing the rows evenly."""
     fp8: bool = True
     """Whether the layer runs in FP8 under precision.dtype=fp8."""
+    routed: bool = False
+    """A routed experts' grouped GEMM: selective recompute runs it again."""
 
 
 @dataclass(frozen=True)
@@ -225,7 +228,8 @@ class BlockSeconds:
     forward: float
     backward: float
     recompute: float
-    """The forward again under full recompute (the attention's under selective)."""
+    """The forward again under full recompute (the attention's and the routed experts' under
+    selective)."""
     attention: float
     """The attention kernel's forward + backward (what a K/V ring hop hides behind)."""
 
@@ -273,9 +277,9 @@ def block_work(
         rows = k * padding
         linears += [
             Linear(h, m.moe_experts),
-            Linear(h, routed, rows, local, fp8=experts_fp8),
-            Linear(h, routed, rows, local, fp8=experts_fp8),
-            Linear(routed, h, rows, local, fp8=experts_fp8),
+            Linear(h, routed, rows, local, fp8=experts_fp8, routed=True),
+            Linear(h, routed, rows, local, fp8=experts_fp8, routed=True),
+            Linear(routed, h, rows, local, fp8=experts_fp8, routed=True),
         ]
         shared = m.moe_shared_experts * f
         if shared:
@@ -313,11 +317,13 @@ def block_seconds(
 ) -> BlockSeconds:
     """Seconds of a block with `work` over `tokens` tokens (one micro-batch on one rank)."""
     dtype = gemm_dtype(cfg)
-    forward = backward = cast = 0.0
+    forward = backward = cast = routed = 0.0
     for lin in work.linears:
         rows = tokens * lin.rows / lin.groups
         kind = "bf16" if dtype == "fp8" and not lin.fp8 else dtype
-        forward += lin.groups * kernels.gemm(rows, lin.n, lin.k, kind)
+        gemm = lin.groups * kernels.gemm(rows, lin.n, lin.k, kind)
+        forward += gemm
+        routed += gemm if lin.routed else 0.0
         backward += lin.groups * (
             kernels.gemm(rows, lin.k, lin.n, kind) + kernels.gemm(lin.k, lin.n, rows, kind)
         )
@@ -338,7 +344,9 @@ def block_seconds(
     if recomputed and cfg.recompute.policy == "full":
         recompute = forward
     elif recomputed and cfg.recompute.policy == "selective":
-        recompute = fwd_attention
+        # It keeps no grouped GEMM's output: the routed experts run again (their dispatch
+        # too, which `launcher/plan/comm/ep.py` counts).
+        recompute = fwd_attention + routed
         if degrees.tp > 1 and work.output_projection >= 0:
             # It keeps wo's reduced output, not its partial sums: wo runs again.
             wo = work.linears[work.output_projection]

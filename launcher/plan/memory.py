@@ -221,7 +221,8 @@ def llama_block_activations(
     seq = t if sp else 1
     if policy == "selective":
         # Only the checkpoint's input and the outputs of the matmuls are kept.
-        kept = residual * h / seq + compute * (split / t + 2 * width + replicated + 2 * h / seq)
+        mlp = selective_mlp_width(m, t)
+        kept = residual * h / seq + compute * (split / t + mlp + replicated + 2 * h / seq)
         return s * b * kept
     # Each RMSNorm keeps its FP32 input, its inverse RMS and its normalized output (in the
     # residual dtype); the linears after it keep their input, one cast copy per linear under
@@ -301,6 +302,19 @@ def mlp_width(m: ModelConfig, padding: float = 1.0, tp: int = 1, etp: int = 1) -
     layers = m.n_moe_layers
     # A one-input MLP (GeLU, squared ReLU) keeps half of SwiGLU's ffn-wide tensors.
     dense = (m.ffn_dim if m.mlp == "swiglu" else m.ffn_dim / 2) / tp
+    return ((m.n_layers - layers) * dense + layers * moe) / m.n_layers
+
+
+def selective_mlp_width(m: ModelConfig, tp: int = 1) -> float:
+    """Per token, the MLP's matmul outputs selective recompute keeps (besides w2's, which
+    `llama_block_activations` counts with wo's), averaged over the layers: a dense MLP's w1
+    and w3 outputs (w1's alone for a one-input MLP), split over tp; in a MoE layer the
+    router's logits and the shared experts' w1 and w3 outputs. The routed experts' grouped
+    GEMMs are no matmul the policy keeps (parallel/recompute.py): they, and the dispatch
+    around them, run again in the backward."""
+    dense = (2 if m.mlp == "swiglu" else 1) * m.ffn_dim / tp
+    moe = m.moe_experts + 2 * m.moe_shared_experts * m.expert_ffn_dim
+    layers = m.n_moe_layers
     return ((m.n_layers - layers) * dense + layers * moe) / m.n_layers
 
 

@@ -224,3 +224,24 @@ def test_mixtral_8x7b_at_its_recipe_layout_steps_within_the_planned_peak():
         if c.measured_bytes > 2**20:  # beside the step's scalars
             assert c.ratio == pytest.approx(1.0, abs=TOLERANCE), c.name
     assert result["collectives"]["all_to_all"] > 0
+
+
+@pytest.mark.slow
+def test_latent_attention_moe_layers_under_selective_recompute_peak_where_the_plan_says():
+    """DeepSeek-V2-Lite's block shapes, narrowed (12 layers), on a CUDA job. Selective
+    recompute keeps the router's and the shared experts' matmul outputs, not the routed
+    experts' grouped GEMMs; MLA's value heads are narrower than its query heads, which the
+    CPU's fused attention cannot run, so the dry run runs the kernel CUDA picks (no score
+    matrix). Plan / dry run was 0.69 while the plan counted the grouped GEMMs' outputs and the
+    dry run the CPU's score matrices."""
+    narrow = [
+        "model.vocab_size=4096", "model.dim=512", "model.n_heads=8", "model.n_kv_heads=8",
+        "model.mla_kv_rank=128", "model.ffn_dim=1024", "model.moe_ffn_dim=256",
+        "model.n_layers=12", "train.seq_len=2048", "model.max_seq_len=2048",
+        "train.global_batch=16",
+    ]  # fmt: skip
+    cfg = measured_recipe(compose_recipe("deepseek_v2_lite", narrow))
+    result = run_dry_run(cfg, 0)
+    figures = {c.name: c for c in comparisons(rank_plan(cfg, make_plan(cfg), 0), result)}
+    for name in ("parameters", "optimizer states", "peak of later steps"):
+        assert figures[name].ratio == pytest.approx(1.0, abs=TOLERANCE), name

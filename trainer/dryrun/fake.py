@@ -144,6 +144,35 @@ def fake_world(rank: int, world_size: int) -> Iterator[None]:
         dist.destroy_process_group()
 
 
+@contextlib.contextmanager
+def cuda_attention() -> Iterator[None]:
+    """Attention as a CUDA job runs it, on the CPU's fake tensors: where the CPU would take
+    SDPA's math path (a value head width unlike the query's, as MLA's), which keeps the
+    whole score matrix for backward, run the memory-efficient kernel CUDA picks instead,
+    which keeps the output and its log-sum-exp. Calls the CPU's fused kernel serves (the
+    same widths, or a mask) are left as they are: it keeps what the CUDA kernels keep."""
+    functional = torch.nn.functional
+    original = functional.scaled_dot_product_attention
+
+    def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any,
+                  **kwargs: Any) -> torch.Tensor:  # fmt: skip
+        mask = args[0] if args else kwargs.get("attn_mask")
+        plain = not args[1:] and set(kwargs) <= {"attn_mask", "is_causal", "scale"}
+        if mask is not None or not plain or query.size(-1) == value.size(-1):
+            return original(query, key, value, *args, **kwargs)
+        causal, scale = kwargs.get("is_causal", False), kwargs.get("scale")
+        out, *_ = torch.ops.aten._scaled_dot_product_efficient_attention(
+            query, key, value, None, True, 0.0, causal, scale=scale
+        )
+        return out
+
+    functional.scaled_dot_product_attention = attention
+    try:
+        yield
+    finally:
+        functional.scaled_dot_product_attention = original
+
+
 def fake_tensors() -> FakeTensorMode:
     """Every tensor made inside is fake; the mesh's real rank tensors may be read."""
     return FakeTensorMode(allow_non_fake_inputs=True)

@@ -24,7 +24,7 @@ from pretrain.parallel.data_parallel import ddp_bucket_bytes
 from pretrain.parallel.mesh import JobMesh, build_mesh
 from pretrain.trainer.build import build_train_state
 from pretrain.trainer.dryrun.collectives import CollectiveCounter
-from pretrain.trainer.dryrun.fake import FakeStepGuard, fake_tensors, fake_world
+from pretrain.trainer.dryrun.fake import FakeStepGuard, cuda_attention, fake_tensors, fake_world
 from pretrain.trainer.dryrun.tracker import StepMemTracker
 from pretrain.trainer.step.context import StepContext
 from pretrain.trainer.step.local import LocalStep
@@ -68,7 +68,8 @@ def dry_run(cfg: RecipeConfig, rank: int) -> dict[str, Any]:
         mesh = build_mesh(degrees, device.type)
         counter = CollectiveCounter()
         tracker = StepMemTracker()
-        with fake_tensors(), counter:
+        on_cuda = cuda_attention() if cfg.cluster.device == "cuda" else contextlib.nullcontext()
+        with fake_tensors(), counter, on_cuda:
             with _while("building the model and optimizer"):
                 state = build_train_state(cfg, mesh, device)
             state.phases = StepPhases(device)

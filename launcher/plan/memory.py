@@ -521,6 +521,8 @@ def _rank_shape(cfg: RecipeConfig, degrees: Degrees, microbatches: int, pp_rank:
     # MoE layers are spread evenly over the stages, as in `stage_params`.
     moe_whole = moe_tp_replicated(m) * m.n_moe_layers * blocks // m.n_layers if blocks else 0
     replicated = tp_replicated(m, t) * blocks + final_norm + moe_whole
+    # The MTP modules' norms and projection stay whole on every tp rank (parallel/tensor.py).
+    replicated += mtp_tp_replicated(m, t) if last else 0
     return _RankShape(
         cfg=cfg,
         degrees=degrees,

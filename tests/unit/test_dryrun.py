@@ -245,3 +245,13 @@ def test_latent_attention_moe_layers_under_selective_recompute_peak_where_the_pl
     figures = {c.name: c for c in comparisons(rank_plan(cfg, make_plan(cfg), 0), result)}
     for name in ("parameters", "optimizer states", "peak of later steps"):
         assert figures[name].ratio == pytest.approx(1.0, abs=TOLERANCE), name
+
+
+def test_the_mtp_modules_norms_and_projection_are_whole_on_every_tp_rank_as_planned():
+    """parallel/tensor.py leaves each depth's norms and its projection of [embedding; hidden]
+    whole on every tp rank; the plan counts them so (it split them over tp before)."""
+    cfg = small_tp_fsdp()
+    cfg.model.mtp_layers = 1
+    result = run_dry_run(cfg, 0)
+    figures = {c.name: c for c in comparisons(make_plan(cfg), result)}
+    assert figures["parameters"].ratio == pytest.approx(1.0, abs=0.01)

@@ -34,7 +34,10 @@ The trainer's bookkeeping (stated, because it differs from the ZeRO paper's):
 - PP: each pipeline rank is modelled apart (its layers, the embedding on the first, the
   head and the logits of every micro-batch in flight on the last, the stage's output kept
   until its backward elsewhere); under 1F1B gradients exist from the first backward on, so
-  the steady state's peak holds them; GPipe's peak is its first backward, without them.
+  the steady state's peak holds them; a stage that runs every forward before its first
+  backward (GPipe; 1F1B's first stage given as many micro-batches as stages) peaks at its
+  first backward without them or after it with them and one micro-batch fewer, whichever
+  holds more.
   The V schedules (zbv, dualpipev) hold the first and the last stage on rank 0; their and
   2BW's micro-batches in flight come from the simulated schedule (the order that runs).
   PipeDream-2BW keeps two versions of a stage's weights, and both hold gradients while the
@@ -50,6 +53,7 @@ activation formula of Korthikanti et al. 2022 for a GPT block.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from pretrain.core.hardware import GIB
@@ -557,6 +561,22 @@ def memory_breakdown(
 ) -> MemoryBreakdown:
     """Peak bytes per rank of pipeline rank `pp_rank` under `cfg`, by category."""
     r = _rank_shape(cfg, degrees, microbatches, pp_rank)
+    first = _shape_breakdown(r)
+    if degrees.pp == 1 or r.accum > 1 or r.microbatches < 2 or r.flight < 2:
+        return first
+    # A stage that runs every micro-batch's forward before its first backward (GPipe, or
+    # as many micro-batches as stages on the first) holds no gradient at the end of its
+    # forwards; from its first backward on it holds them, beside one micro-batch fewer.
+    after = _shape_breakdown(dataclasses.replace(r, flight=r.flight - 1, accum=r.microbatches))
+    if after.total <= first.total:
+        return first
+    after.notes["activations"] += " (after the first backward)"
+    return after
+
+
+def _shape_breakdown(r: _RankShape) -> MemoryBreakdown:
+    """The peak of the rank `r` describes, by category."""
+    cfg, degrees = r.cfg, r.degrees
     notes: dict[str, str] = {}
     params, grads_held, buckets, optimizer = _model_states(r, notes)
     transients = _transients(r, notes)

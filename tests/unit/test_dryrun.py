@@ -255,3 +255,19 @@ def test_the_mtp_modules_norms_and_projection_are_whole_on_every_tp_rank_as_plan
     result = run_dry_run(cfg, 0)
     figures = {c.name: c for c in comparisons(make_plan(cfg), result)}
     assert figures["parameters"].ratio == pytest.approx(1.0, abs=0.01)
+
+
+def test_a_first_stage_running_every_forward_first_peaks_after_its_first_backward():
+    """Two stages under 1F1B with two micro-batches, ZeRO-2 over 2: the first stage runs both
+    forwards before a backward, and its peak comes after the first backward, which leaves
+    the unsharded FP32 gradients beside the other micro-batch's activations. The plan
+    counted the end of the forwards, without gradients (that category was 0.47)."""
+    cfg = small_tp_fsdp()
+    cfg.model.n_layers, cfg.cluster.gpus_per_node = 4, 4
+    cfg.parallel.tp, cfg.parallel.sp, cfg.parallel.pp = 1, False, 2
+    cfg.train.global_batch = 4
+    cfg = measured_recipe(cfg)
+    result = run_dry_run(cfg, 0)
+    figures = {c.name: c for c in comparisons(rank_plan(cfg, make_plan(cfg), 0), result)}
+    for name in ("grads, weight copies, temporaries", "peak of later steps"):
+        assert figures[name].ratio == pytest.approx(1.0, abs=TOLERANCE), name

@@ -82,8 +82,8 @@ def check_schedule(c: Checks, cfg: RecipeConfig) -> None:
 def check_mtp(c: Checks, cfg: RecipeConfig) -> None:
     """Multi-token prediction (`model.mtp_layers`) rolls each sequence's tokens by its
     depths, so it needs whole sequences on a rank (no cp), and its modules live on the last
-    pipeline stage, which keeps a copy of the embedding: not on the first stage's rank (the
-    V schedules), and not beside 2BW's two weight versions."""
+    pipeline stage, which keeps a copy of the embedding: not beside 2BW's two weight
+    versions. The split-backward schedules (zero_bubble and the V ones) fail on its graph."""
     m, p = cfg.model, cfg.parallel
     if m.mtp_layers <= 0:
         return
@@ -98,13 +98,14 @@ def check_mtp(c: Checks, cfg: RecipeConfig) -> None:
     t = SCHEDULES.get(p.pp_schedule)
     if p.pp == 1 or t is None:
         return
-    if t.placement == V:
+    if t.split_backward:
         c.add(
             "model.mtp_layers",
             m.mtp_layers,
-            f"{p.pp_schedule} puts the last stage on the first stage's rank, where its copy of "
-            "the embedding for the MTP modules would be a second module of the same name",
-            "use pp_schedule=1f1b, interleaved_1f1b or zero_bubble, or model.mtp_layers=0",
+            f"{p.pp_schedule} splits each backward into an input pass and a weight pass "
+            "(torch.distributed.pipelining), and the weight pass over the MTP modules' graph "
+            "fails: the input pass has freed tensors it reads",
+            "use pp_schedule=1f1b or interleaved_1f1b, or model.mtp_layers=0",
         )
     elif t.weight_versions > 1:
         c.add(
@@ -112,7 +113,7 @@ def check_mtp(c: Checks, cfg: RecipeConfig) -> None:
             m.mtp_layers,
             f"{p.pp_schedule} keeps two weight versions, and the MTP modules' copy of the "
             "embedding is kept alike with the first stage's only at a flush",
-            "use pp_schedule=1f1b, interleaved_1f1b or zero_bubble, or model.mtp_layers=0",
+            "use pp_schedule=1f1b or interleaved_1f1b, or model.mtp_layers=0",
         )
 
 

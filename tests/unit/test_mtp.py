@@ -188,8 +188,10 @@ def test_the_plans_mtp_matrices_are_the_ones_muon_updates() -> None:
         (
             {"model.mtp_layers": 1, "parallel.pp": 2, "parallel.vpp": 2,
              "parallel.pp_schedule": "zbv"},
-            "model.mtp_layers", "first stage's rank",
+            "model.mtp_layers", "splits each backward into an input pass and a weight pass",
         ),
+        ({"model.mtp_layers": 1, "parallel.pp": 2, "parallel.pp_schedule": "zero_bubble"},
+         "model.mtp_layers", "the weight pass over the MTP modules' graph fails"),
         ({"model.mtp_layers": 1, "parallel.pp": 2, "parallel.pp_schedule": "2bw"},
          "model.mtp_layers", "two weight versions"),
     ],

@@ -1,4 +1,5 @@
-"""Activation recompute: none, full (every k-th block) or selective (keep matmul outputs).
+"""Activation recompute: none, full (every k-th block) or selective (keep matmul outputs);
+the multi-token prediction modules' blocks under either policy.
 
 The block's own `forward` is wrapped in `torch.utils.checkpoint` on the instance, so
 parameter names stay those of the plain model (checkpoints do not depend on the policy)
@@ -82,3 +83,6 @@ def apply_recompute(model: nn.Module, cfg: RecomputeConfig) -> None:
         if str(index) in model.layers:
             block = model.layers[str(index)]
             block.forward = _checkpointed(block.forward, context_fn)
+    # The multi-token prediction modules' blocks (on the last stage) are recomputed alike.
+    for depth in (getattr(model, "mtp", None) or {}).values():
+        depth.block.forward = _checkpointed(depth.block.forward, context_fn)

@@ -820,22 +820,25 @@ def _activations(
     pad = dispatch_padding(cfg)
     etp = degrees.etp
     whole = llama_block_activations(m, s, b, compute, residual, t, sp, "none", pad, etp)
+    kept_input = s * b * m.dim * residual / (t if sp else 1)
     if policy == "selective":
         kept = llama_block_activations(m, s, b, compute, residual, t, sp, "selective", pad, etp)
         stage = blocks * kept
         note = "selective: matmul outputs kept"
     elif policy == "full":
         recomputed = len(recomputed_blocks(cfg.recompute, rank_layers(cfg, pp_rank)))
-        kept_input = s * b * m.dim * residual / (t if sp else 1)
+        kept = kept_input
         stage = recomputed * kept_input + (blocks - recomputed) * whole
         note = f"full on {recomputed}/{blocks} blocks: inputs kept"
     else:
+        kept = whole
         stage = blocks * whole
         note = "every block's saved tensors"
     if pp_rank == head_rank(degrees.pp, p.vpp, style):
         head = head_activations(m, s, b, compute, residual, t, sp)
-        # Each MTP depth keeps a whole block's (never recomputed) and its norm's for the head.
-        stage += head + m.mtp_layers * (whole + head)
+        # Each MTP depth keeps its block's as the policy leaves a block's (its block is
+        # recomputed under either policy) and its norm's for the head.
+        stage += head + m.mtp_layers * (kept + head)
         if m.mtp_layers:
             note += f", + {m.mtp_layers} MTP module(s)"
     else:

@@ -83,7 +83,8 @@ def check_mtp(c: Checks, cfg: RecipeConfig) -> None:
     """Multi-token prediction (`model.mtp_layers`) rolls each sequence's tokens by its
     depths, so it needs whole sequences on a rank (no cp), and its modules live on the last
     pipeline stage, which keeps a copy of the embedding: not beside 2BW's two weight
-    versions. The split-backward schedules (zero_bubble and the V ones) fail on its graph."""
+    versions, nor as a tied head's on the embedding's own rank (the V schedules); the
+    split-backward schedules run one depth only."""
     m, p = cfg.model, cfg.parallel
     if m.mtp_layers <= 0:
         return
@@ -98,14 +99,24 @@ def check_mtp(c: Checks, cfg: RecipeConfig) -> None:
     t = SCHEDULES.get(p.pp_schedule)
     if p.pp == 1 or t is None:
         return
-    if t.split_backward:
+    if t.split_backward and m.mtp_layers > 1:
         c.add(
             "model.mtp_layers",
             m.mtp_layers,
             f"{p.pp_schedule} splits each backward into an input pass and a weight pass "
-            "(torch.distributed.pipelining), and the weight pass over the MTP modules' graph "
-            "fails: the input pass has freed tensors it reads",
-            "use pp_schedule=1f1b or interleaved_1f1b, or model.mtp_layers=0",
+            "(torch.distributed.pipelining), whose weight pass fails over depths that share "
+            "the embedding and the head one after another: it frees the graph of one "
+            "before the next reads it",
+            "use model.mtp_layers=1 (DeepSeek-V3's), or pp_schedule=1f1b or interleaved_1f1b",
+        )
+    elif t.placement == V and m.tie_embeddings:
+        c.add(
+            "model.mtp_layers",
+            m.mtp_layers,
+            f"{p.pp_schedule} puts the last stage on the embedding's rank, where the tied head "
+            "would be the copy of the embedding the MTP modules keep beside it: a second "
+            "weight of the same name",
+            "set model.tie_embeddings=false, or use pp_schedule=1f1b or interleaved_1f1b",
         )
     elif t.weight_versions > 1:
         c.add(

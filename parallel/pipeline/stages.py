@@ -137,16 +137,30 @@ class StageView(nn.Module):
     The chunks keep owning their modules (and their FSDP/DDP wrapping); the view only
     registers the same submodules under the full model's structure, for the optimizer,
     gradient clipping and checkpoints.
+
+    Under a V schedule the last stage's copy of the embedding (for its MTP modules) sits
+    beside the embedding itself: the view registers the embedding only and keeps the copy
+    in `embedding_copies`, outside the optimizer and the checkpoint; its gradient is summed
+    into the embedding's and it takes the embedding's weights (`sync_embedding_copies`).
     """
 
     def __init__(self, chunks: list[nn.Module]) -> None:
         super().__init__()
-        # A plain list, not registered: the chunks' modules are registered below, by name.
+        # Plain lists, not registered: the chunks' modules are registered below, by name.
         self.chunks = list(chunks)
+        self.embedding_copies: list[nn.Module] = []
         self.layers = nn.ModuleDict()
+        holds_embedding = any(
+            c.tok_embeddings is not None and not c.keeps_embedding_copy for c in chunks
+        )
         for chunk in chunks:
             for name in ("tok_embeddings", "norm", "output", "mtp"):
-                if getattr(chunk, name, None) is not None:
-                    setattr(self, name, getattr(chunk, name))
+                module = getattr(chunk, name, None)
+                if module is None:
+                    continue
+                if name == "tok_embeddings" and holds_embedding and chunk.keeps_embedding_copy:
+                    self.embedding_copies.append(module)
+                    continue
+                setattr(self, name, module)
             for key, block in chunk.layers.items():
                 self.layers[key] = block

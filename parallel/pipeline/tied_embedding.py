@@ -16,7 +16,10 @@ FSDP shard of the stage's root, so their local shards are summed element by elem
 Multi-token prediction (models/mtp.py) embeds the tokens ahead on the last stage, which
 therefore keeps a copy of the embedding itself, under the embedding's own name
 (`keeps_embedding_copy`): the same sum keeps it equal to the first stage's, a checkpoint holds
-both under one name, and a tied head there is that copy.
+both under one name, and a tied head there is that copy. Under a V schedule the copy sits on
+the embedding's own rank: the pipeline view leaves it out (`StageView.embedding_copies`), its
+gradient is summed into the embedding's, and `sync_embedding_copies` gives it the
+embedding's weights before every step and after every update.
 """
 
 from __future__ import annotations
@@ -83,6 +86,11 @@ def reduce_tied_grads(model: nn.Module, group: dist.ProcessGroup | None) -> None
     per step after the last backward; a no-op for a model without a copy on this rank's
     pipeline)."""
     embedding = getattr(model, "tok_embeddings", None)
+    for copy in _hidden_copies(model):
+        # No optimizer zeroes it: its gradient moves into the embedding's.
+        if copy.grad is not None and embedding is not None:
+            _local(embedding.weight.grad).add_(_local(copy.grad))
+            copy.grad = None
     held = head_copies(model)
     if embedding is not None and not _is_copy(embedding) and (group is not None or held):
         held.insert(0, embedding.weight)
@@ -93,6 +101,23 @@ def reduce_tied_grads(model: nn.Module, group: dist.ProcessGroup | None) -> None
         grads[1].copy_(grads[0])
     elif grads and group is not None:
         dist.all_reduce(grads[0], group=group)
+
+
+def _hidden_copies(model: nn.Module) -> list[nn.Parameter]:
+    """The weights of the embedding copies a pipeline view keeps beside the embedding
+    (`StageView.embedding_copies`: the MTP modules' under a V schedule)."""
+    return [p for m in getattr(model, "embedding_copies", []) for p in m.parameters()]
+
+
+@torch.no_grad()
+def sync_embedding_copies(model: nn.Module) -> None:
+    """Give the embedding copies a pipeline view keeps beside the embedding its weights (after
+    an update or a load: the copies are neither stepped nor saved)."""
+    copies = _hidden_copies(model)
+    if copies:
+        weight = _local(model.tok_embeddings.weight)
+        for copy in copies:
+            _local(copy).copy_(weight)
 
 
 def start_tied_grad_sum(model: nn.Module, group: dist.ProcessGroup | None) -> dist.Work | None:

@@ -15,6 +15,8 @@ import pytest
 from tests.distributed.harness import (
     FP32_TOLERANCE,
     assert_same_curve,
+    assert_same_training,
+    launch,
     max_relative_difference,
     run_pretrain,
 )
@@ -40,3 +42,32 @@ def test_chunked_loss_and_mtp_on_a_tensor_parallel_last_stage_match_the_one_proc
         got = mtp_losses(workdir / "pp2_tp2_sp", depth)
         expected = mtp_losses(workdir / "mtp_reference", depth)
         assert max_relative_difference(got, expected) <= FP32_TOLERANCE
+
+
+def test_one_mtp_depth_under_dualpipev_beside_the_embedding_matches_the_one_process_run(
+    workdir: Path, grad_norm_tolerance
+) -> None:
+    """DeepSeek-V3's one MTP depth under its V schedule: the last stage, with the MTP
+    module's copy of the embedding, sits on the embedding's own rank. The copy's gradient
+    is summed into the embedding's and it takes the embedding's weights after every update
+    and after the resume from step 4 (a checkpoint holds the embedding once, as the
+    one-process run's does), under ZeRO-2 and full recompute (the MTP block's too)."""
+    one = ["model.mtp_layers=1", "model.mtp_loss_weight=0.3"]
+    reference = run_pretrain(workdir / "mtp1_reference", one, nproc=1)
+    run_dir = workdir / "mtp1_pp2_dualpipev"
+    overrides = [*one, "parallel.pp=2", "parallel.vpp=2", "parallel.pp_schedule=dualpipev"]
+    overrides += ["parallel.zero=2", "recompute.policy=full"]
+    stopped = launch(run_dir, overrides, 2, env={"PRETRAIN_FAULT_STOP": "4"})
+    assert stopped.returncode == 0, stopped.stderr[-3000:]
+    assert "stopped by SIGUSR1 after step 4; saved" in stopped.stdout
+    curve = run_pretrain(run_dir, overrides, nproc=2)
+    assert "resumed from the checkpoint of step 4" in (workdir / f"{run_dir.name}.log").read_text()
+    # The stop at step 4 skips that step's evaluation: the resumed run evaluates at step 8.
+    assert_same_training(curve, reference, grad_norm_tolerance)
+    assert max_relative_difference(curve.val_loss, reference.val_loss[-1:]) <= FP32_TOLERANCE
+    got = {
+        row["step"]: row["mtp_loss_1"]
+        for row in map(json.loads, (run_dir / "metrics.jsonl").open())
+    }
+    expected = mtp_losses(workdir / "mtp1_reference", 1)
+    assert max_relative_difference([got[s] for s in sorted(got)], expected) <= FP32_TOLERANCE

@@ -28,7 +28,10 @@ def recipe():
 
 def test_the_shape_has_the_reports_parameters(recipe) -> None:
     counts = count_params(recipe.model)
-    assert round(counts.total / 1e9) == 671
+    # 671B without the MTP module, as the report counts; ours is a dense block (0.7B), the
+    # report's a MoE layer (14B with its experts).
+    assert round((counts.total - counts.mtp) / 1e9) == 671
+    assert recipe.model.mtp_layers == 1 and round(counts.mtp / 1e9, 1) == 0.7
     assert round(counts.active / 1e9) in (37, 38)  # 37.55B: the report rounds to 37B
     # The checkpoint's config: n_group 8, topk_group 4, routed_scaling_factor 2.5.
     m = recipe.model

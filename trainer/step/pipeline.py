@@ -29,7 +29,11 @@ from pretrain.core.schedules import SCHEDULES
 from pretrain.parallel.expert import reduce_expert_grads, release_router_losses
 from pretrain.parallel.pipeline.shapes import stage_shapes
 from pretrain.parallel.pipeline.stages import build_schedule, stage_indices
-from pretrain.parallel.pipeline.tied_embedding import embedding_group, reduce_tied_grads
+from pretrain.parallel.pipeline.tied_embedding import (
+    embedding_group,
+    reduce_tied_grads,
+    sync_embedding_copies,
+)
 from pretrain.parallel.tensor import local_value
 from pretrain.trainer.step.context import StepContext
 from pretrain.trainer.step.local import SLOT_RETRIES, apply_gradients, run_again_for_slots
@@ -122,6 +126,7 @@ class PipelineStep:
         what all ranks agreed (bad, stop), as `train_step` does."""
         ctx = self.ctx
         self._fit(micro_batches)
+        sync_embedding_copies(self.state.plain)  # a checkpoint restored since holds none
         inputs, targets = ctx.whole_batch(micro_batches)
         args = (inputs,) if self.has_first else ()
         # Every stage's attention takes the documents, and the last stage's multi-token
@@ -149,9 +154,9 @@ class PipelineStep:
             reduce_tied_grads(self.state.plain, self.embedding_group)
         loss = ctx.pipeline_mean(self.losses[-self.n_microbatches :] if self.has_last else [])
         with phases.phase("optimizer"):
-            return StepResult(
-                loss, *apply_gradients(self.state, ctx.cfg, ctx.guard, loss, self.group)
-            )
+            applied = apply_gradients(self.state, ctx.cfg, ctx.guard, loss, self.group)
+            sync_embedding_copies(self.state.plain)
+            return StepResult(loss, *applied)
 
     def evaluate(self, micro_batches: MicroBatches) -> torch.Tensor:
         """The mean validation loss of this pipeline's micro-batches (forward only, outside

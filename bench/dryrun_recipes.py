@@ -55,8 +55,9 @@ def recipe(name: str, overrides: list[str]) -> RecipeConfig:
         return to_recipe(compose(config_name=name, overrides=overrides))
 
 
-def row(label: str, cfg: RecipeConfig) -> tuple[str, str]:
-    """The table's row for `cfg`, and the plan beside the dry run by category, on one line."""
+def row(label: str, cfg: RecipeConfig, unit: float = GIB) -> tuple[str, str]:
+    """The table's row for `cfg`, and the plan beside the dry run by category, on one line
+    (figures in `unit` bytes: GiB, or MiB for small models)."""
     start = time.monotonic()
     try:
         validate(cfg)  # the plan and the dry run assume a layout validation accepts
@@ -71,24 +72,25 @@ def row(label: str, cfg: RecipeConfig) -> tuple[str, str]:
     figures = comparisons(plan, result)
     peak = figures[-1]
     sent = ", ".join(
-        f"{c.name} {c.plan_bytes / GIB:.2f} / {c.measured_bytes / GIB:.2f}"
+        f"{c.name} {c.plan_bytes / unit:.2f} / {c.measured_bytes / unit:.2f}"
         for c in traffic_comparisons(cfg, result)
         if c.measured_bytes >= MIB  # the rest: the step's scalars, a few KB
     )
     categories = "; ".join(
-        f"{c.name} {c.plan_bytes / GIB:.2f} vs {c.measured_bytes / GIB:.2f}" for c in figures[:-1]
+        f"{c.name} {c.plan_bytes / unit:.2f} vs {c.measured_bytes / unit:.2f}" for c in figures[:-1]
     )
     assert plan.memory is not None
     temps = sum(result["peak"].get(key, 0) for key in ("Temp", "Other", "Buffer"))
     categories += (
-        f"; transients at peak {plan.memory.transients / GIB:.2f} vs {temps / GIB:.2f} "
+        f"; transients at peak {plan.memory.transients / unit:.2f} vs {temps / unit:.2f} "
         f"(temporaries, buffers, other); plan's peak phase {plan.memory.peak_phase}"
     )
     line = (
-        f"| {label} | {rank} | {peak.plan_bytes / GIB:.2f} | {peak.measured_bytes / GIB:.2f} "
+        f"| {label} | {rank} | {peak.plan_bytes / unit:.2f} | {peak.measured_bytes / unit:.2f} "
         f"| {peak.ratio:.2f} | {sent} | {time.monotonic() - start:.0f} |"
     )
-    return line, f"{label} (GiB, plan vs dry run): {categories}"
+    name = "GiB" if unit == GIB else "MiB"
+    return line, f"{label} ({name}, plan vs dry run): {categories}"
 
 
 def main() -> None:

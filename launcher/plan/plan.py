@@ -247,8 +247,9 @@ def _add_terms(cfg: RecipeConfig, plan: Plan, degrees: Degrees, micro: int) -> N
 
 def _warnings(cfg: RecipeConfig, plan: Plan, gpu: str) -> list[str]:
     """A context-parallel ring that leaves its node, a node limit an ep group inside one node
-    makes moot, routed experts that stay bf16 under fp8, and a peak over the device's memory
-    with the levers that lower it (for long sequences, in the order to pull them)."""
+    makes moot, routed experts that stay bf16 under fp8, recompute under a split-backward
+    schedule (which the plan does not model), and a peak over the device's memory with the
+    levers that lower it (for long sequences, in the order to pull them)."""
     found = []
     p = cfg.precision
     if p.dtype == "fp8" and cfg.model.moe_experts > 0 and not fp8_experts(p):
@@ -266,6 +267,15 @@ def _warnings(cfg: RecipeConfig, plan: Plan, gpu: str) -> list[str]:
             f"model.moe_node_limit={cfg.model.moe_node_limit} is moot: the ep group "
             f"(parallel.ep={cfg.parallel.ep}) fits in one node of {cfg.cluster.gpus_per_node} "
             "ranks, so every token's experts are on one node already"
+        )
+    split = cfg.parallel.pp > 1 and SCHEDULES[cfg.parallel.pp_schedule].split_backward
+    if split and cfg.recompute.policy != "none":
+        found.append(
+            f"recompute.policy={cfg.recompute.policy} under parallel.pp_schedule="
+            f"{cfg.parallel.pp_schedule}: the weight pass reads what the input-grad pass "
+            "recomputed, and the dry run measures the last stage holding more than it does "
+            "without recompute (2.9x at the test model's size), where this plan counts the "
+            "saving; check the fullest ranks with action=dryrun"
         )
     if plan.cp_comm is not None and plan.cp_comm.crosses_nodes:
         found.append(

@@ -228,10 +228,23 @@ def assert_step_breakdown(run_dir: Path, pp: int) -> None:
         assert all(row[f"time_stage{r}_bubble_s"] > 0 for r in range(pp) if pp > 1)
 
 
+PARITY_LOG_ENV = "PRETRAIN_PARITY_LOG"
+"""A file each comparison of curves is appended to as a JSON line (test id, the largest
+relative difference, the steps compared), when set: the worst difference per layout of a
+suite run, read off after it."""
+
+
 def max_relative_difference(a: list[float], b: list[float]) -> float:
     """Largest |a - b| / |b| over steps; the curves must have the same length."""
     assert len(a) == len(b), f"curves differ in length: {len(a)} vs {len(b)}"
-    return max(abs(x - y) / abs(y) for x, y in zip(a, b, strict=True))
+    worst = max(abs(x - y) / abs(y) for x, y in zip(a, b, strict=True))
+    log = os.environ.get(PARITY_LOG_ENV)
+    if log:
+        test = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" ", 1)[0]
+        line = json.dumps({"test": test, "difference": worst, "steps": len(a)}) + "\n"
+        with open(log, "a", encoding="utf-8") as f:  # one short write: whole lines
+            f.write(line)
+    return worst
 
 
 def trained_once(

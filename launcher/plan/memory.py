@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 from pretrain.core.hardware import GIB
 from pretrain.core.layout import Degrees
@@ -355,12 +356,23 @@ def in_flight(schedule: str, pp: int, microbatches: int, vpp: int = 1, rank: int
 
 def head_in_flight(cfg: RecipeConfig, degrees: Degrees, microbatches: int) -> float:
     """Micro-batches whose logits the rank of the last stage holds at once: its in-flight
-    count, or under a V schedule that of its second chunk (the last stage) alone."""
+    count, or with several chunks per rank (interleaved, the V schedules) that of its last
+    chunk (the last stage) alone, on the simulated order."""
     p = cfg.parallel
-    if degrees.pp > 1 and SCHEDULES[p.pp_schedule].placement == V:
-        return simulate(p.pp_schedule, degrees.pp, microbatches, p.vpp).peak_in_flight(0, 1)
     rank = head_rank(degrees.pp, p.vpp, placement(p.pp_schedule))
+    if degrees.pp > 1 and p.vpp > 1:
+        if placement(p.pp_schedule) != V and microbatches % degrees.pp == 0:
+            # The last chunk's count settles in the first rounds: simulate four of them.
+            microbatches = min(microbatches, 4 * degrees.pp)
+        return _last_chunk_in_flight(p.pp_schedule, degrees.pp, microbatches, p.vpp, rank)
     return in_flight(p.pp_schedule, degrees.pp, microbatches, p.vpp, rank)
+
+
+@lru_cache(maxsize=256)
+def _last_chunk_in_flight(schedule: str, pp: int, microbatches: int, vpp: int, rank: int) -> float:
+    """The simulated peak of micro-batches rank `rank` holds of its last chunk (a search
+    asks again for every layout of the same pipeline)."""
+    return simulate(schedule, pp, microbatches, vpp).peak_in_flight(rank, vpp - 1)
 
 
 def weight_versions(cfg: RecipeConfig) -> int:

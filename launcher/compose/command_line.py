@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import difflib
 import os
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -431,6 +432,13 @@ def sweep_scratch(argv: list[str], default_recipe: str) -> Iterator[list[str]]:
         shutil.rmtree(scratch, ignore_errors=True)
 
 
+def _given_value(override: str) -> str | None:
+    """The value `override` (`+key`) was given on the command line, as typed; None if it is
+    not there (Hydra's message names the key alone)."""
+    given = [a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith(f"{override}=")]
+    return given[-1] if given else None
+
+
 def _override_said(message: str) -> Problem | None:
     """Hydra's words for a `+key` given twice or a `~key` not in the recipe, in ours."""
     import re
@@ -439,7 +447,9 @@ def _override_said(message: str) -> Problem | None:
     if added:
         key = added.group(1)
         reason = f"{key} is set already (by the recipe, or by an earlier +{key})"
-        return Problem(f"+{key}", None, reason, f"give it once; without '+' to change it: {key}=V")
+        value = _given_value(f"+{key}")
+        fix = f"give it once; without '+' to change it: {key}={value or 'V'}"
+        return Problem(f"+{key}", value, reason, fix)
     deleted = re.search(r"Could not delete from config\. '([^']+)' does not exist", message)
     if deleted:
         key = deleted.group(1)

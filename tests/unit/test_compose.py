@@ -3,6 +3,7 @@ validator's `field=value: reason; fix` form; Hydra's own errors are translated t
 
 from __future__ import annotations
 
+import sys
 import time
 from pathlib import Path
 
@@ -142,6 +143,19 @@ def test_hydra_errors_are_translated_into_problems() -> None:
     assert (problem.field, problem.value) == ("train.steps", "x")
     assert "could not be converted to Integer" in problem.reason
     assert translate(KeyError("not Hydra's")) is None
+
+
+def test_a_plus_of_an_entry_the_recipe_sets_names_the_value_given(monkeypatch) -> None:
+    """A dict entry the recipe sets (not a schema field, which the launcher checks first)
+    reaches Hydra, whose message names the key alone: the value comes from the command line."""
+    key = "logging.stability_alerts.grad_norm_max"
+    monkeypatch.setattr(sys, "argv", ["pretrain", f"+{key}=3"])
+    error = ConfigCompositionException(f"Could not append to config. An item is already at '{key}'")
+    [problem] = translate(error)
+    assert str(problem) == (
+        f"+{key}=3: {key} is set already (by the recipe, or by an earlier +{key}); give it "
+        f"once; without '+' to change it: {key}=3"
+    )
 
 
 def test_the_launchers_hydra_settings_file_is_the_only_one_allowed(tmp_path: Path) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -93,29 +94,40 @@ def row(label: str, cfg: RecipeConfig, unit: float = GIB) -> tuple[str, str]:
     return line, f"{label} ({name}, plan vs dry run): {categories}"
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("recipes", nargs="*", default=[*RECIPES, "deepseek_v3", "llama3_405b"])
-    args = parser.parse_args()
+def print_table(first: str, layouts: Iterable[tuple[str, RecipeConfig]], unit: float = GIB) -> None:
+    """The table of `row`s of `layouts` (label, recipe), the first column headed `first`,
+    then each layout's figures by category."""
+    name = "GiB" if unit == GIB else "MiB"
     print(
-        "| recipe or layout | rank | plan GiB | dry-run GiB | plan / dry run "
-        "| collectives of the step, GiB handed in (plan / dry run) | s |"
+        f"| {first} | rank | plan {name} | dry-run {name} | plan / dry run "
+        f"| collectives of the step, {name} handed in (plan / dry run) | s |"
     )
     print("| --- | --- | --- | --- | --- | --- | --- |")
     details = []
-    for name in args.recipes:
-        if name == "llama3_405b":
-            cfg = recipe("llama3_70b", LLAMA3_405B)
-        elif name == "deepseek_v3":
-            # Its block FP8 runs torchao's triton kernels, which a CPU has not: bf16 stands in.
-            cfg = recipe(name, ["precision=bf16"])
-        else:
-            cfg = recipe(name, [])
-        line, detail = row(name, cfg)
+    for label, cfg in layouts:
+        line, detail = row(label, cfg, unit)
         print(line, flush=True)
         details.append(detail)
     print()
     print("\n".join(d for d in details if d))
+
+
+def shipped(name: str) -> RecipeConfig:
+    """Recipe `name` as shipped, or the 405B layout; deepseek_v3 in bf16."""
+    if name == "llama3_405b":
+        return recipe("llama3_70b", LLAMA3_405B)
+    if name == "deepseek_v3":
+        # Its block FP8 runs torchao's triton kernels, which a CPU has not: bf16 stands in.
+        return recipe(name, ["precision=bf16"])
+    return recipe(name, [])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("recipes", nargs="*", default=[*RECIPES, "deepseek_v3", "llama3_405b"])
+    args = parser.parse_args()
+    # A generator: each recipe is composed as its row is due.
+    print_table("recipe or layout", ((name, shipped(name)) for name in args.recipes))
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from dryrun_recipes import recipe, row
+from dryrun_recipes import print_table, recipe
 
 HARNESS = [
     "model.vocab_size=512", "model.dim=64", "model.n_heads=4", "model.n_kv_heads=2",
@@ -78,21 +78,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("features", nargs="*", help="substrings of the layouts to run")
     args = parser.parse_args()
-    print(
-        "| feature and layout | rank | plan MiB | dry-run MiB | plan / dry run "
-        "| collectives of the step, MiB handed in (plan / dry run) | s |"
+    layouts = (
+        (label, recipe(name, [*HARNESS, "cluster.device=cpu", *overrides]))
+        for label, (name, overrides) in FEATURES.items()
+        if not args.features or any(f in label for f in args.features)
     )
-    print("| --- | --- | --- | --- | --- | --- | --- |")
-    details = []
-    for label, (name, overrides) in FEATURES.items():
-        if args.features and not any(f in label for f in args.features):
-            continue
-        cfg = recipe(name, [*HARNESS, "cluster.device=cpu", *overrides])
-        line, detail = row(label, cfg, unit=MIB)
-        print(line, flush=True)
-        details.append(detail)
-    print()
-    print("\n".join(d for d in details if d))
+    print_table("feature and layout", layouts, unit=MIB)
 
 
 if __name__ == "__main__":

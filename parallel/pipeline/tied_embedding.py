@@ -19,7 +19,7 @@ therefore keeps a copy of the embedding itself, under the embedding's own name
 both under one name, and a tied head there is that copy. Under a V schedule the copy sits on
 the embedding's own rank: the pipeline view leaves it out (`StageView.embedding_copies`), its
 gradient is summed into the embedding's, and `sync_embedding_copies` gives it the
-embedding's weights before every step and after every update.
+embedding's weights before every step (its only reader is the step's MTP modules).
 """
 
 from __future__ import annotations
@@ -111,8 +111,8 @@ def _hidden_copies(model: nn.Module) -> list[nn.Parameter]:
 
 @torch.no_grad()
 def sync_embedding_copies(model: nn.Module) -> None:
-    """Give the embedding copies a pipeline view keeps beside the embedding its weights (after
-    an update or a load: the copies are neither stepped nor saved)."""
+    """Give the embedding copies a pipeline view keeps beside the embedding its weights (the
+    copies are neither stepped nor saved: call it before a step that reads them)."""
     copies = _hidden_copies(model)
     if copies:
         weight = _local(model.tok_embeddings.weight)

@@ -49,8 +49,8 @@ def test_one_mtp_depth_under_dualpipev_beside_the_embedding_matches_the_one_proc
 ) -> None:
     """DeepSeek-V3's one MTP depth under its V schedule: the last stage, with the MTP
     module's copy of the embedding, sits on the embedding's own rank. The copy's gradient
-    is summed into the embedding's and it takes the embedding's weights after every update
-    and after the resume from step 4 (a checkpoint holds the embedding once, as the
+    is summed into the embedding's and it takes the embedding's weights before every step,
+    the first after the resume from step 4 (a checkpoint holds the embedding once, as the
     one-process run's does), under ZeRO-2 and full recompute (the MTP block's too)."""
     one = ["model.mtp_layers=1", "model.mtp_loss_weight=0.3"]
     reference = run_pretrain(workdir / "mtp1_reference", one, nproc=1)

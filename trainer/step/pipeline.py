@@ -126,7 +126,8 @@ class PipelineStep:
         what all ranks agreed (bad, stop), as `train_step` does."""
         ctx = self.ctx
         self._fit(micro_batches)
-        sync_embedding_copies(self.state.plain)  # a checkpoint restored since holds none
+        # The copy's only reader is this step's MTP modules: the last update or load left it.
+        sync_embedding_copies(self.state.plain)
         inputs, targets = ctx.whole_batch(micro_batches)
         args = (inputs,) if self.has_first else ()
         # Every stage's attention takes the documents, and the last stage's multi-token
@@ -154,9 +155,9 @@ class PipelineStep:
             reduce_tied_grads(self.state.plain, self.embedding_group)
         loss = ctx.pipeline_mean(self.losses[-self.n_microbatches :] if self.has_last else [])
         with phases.phase("optimizer"):
-            applied = apply_gradients(self.state, ctx.cfg, ctx.guard, loss, self.group)
-            sync_embedding_copies(self.state.plain)
-            return StepResult(loss, *applied)
+            return StepResult(
+                loss, *apply_gradients(self.state, ctx.cfg, ctx.guard, loss, self.group)
+            )
 
     def evaluate(self, micro_batches: MicroBatches) -> torch.Tensor:
         """The mean validation loss of this pipeline's micro-batches (forward only, outside

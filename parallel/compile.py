@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from pretrain.core.schema import CompileConfig
+from pretrain.models.moe import MoEFeedForward
 
 
 class CompileError(RuntimeError):
@@ -74,11 +75,25 @@ class GuardedCompile:
 
 
 def apply_compile(model: nn.Module, cfg: CompileConfig) -> None:
-    """Compile each transformer block's forward in place, if the recipe asks for it."""
+    """Compile each transformer block's forward in place, if the recipe asks for it; of a
+    block with routed experts, its attention alone.
+
+    The experts' dispatch cannot be one graph: its sizes are the tokens each expert got
+    (data-dependent), it asks autograd whether it is being recomputed, and it accumulates the
+    routing statistics in place, all of which fullgraph tracing refuses (torch 2.13). The
+    attention, most of such a block's FLOPs at short sequence lengths, compiles as a dense
+    block does; the router and experts run eagerly (their grouped GEMM is one kernel anyway).
+    """
     if not (cfg.enabled and cfg.blocks):
         return
     for key, block in model.layers.items():
-        block.forward = GuardedCompile(f"block layers.{key}", block.forward, cfg)
+        if isinstance(block.feed_forward, MoEFeedForward):
+            attention = block.attention
+            attention.forward = GuardedCompile(
+                f"attention of block layers.{key}", attention.forward, cfg
+            )
+        else:
+            block.forward = GuardedCompile(f"block layers.{key}", block.forward, cfg)
 
 
 def compile_loss(loss_fn: Callable, cfg: CompileConfig) -> Callable:

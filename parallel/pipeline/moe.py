@@ -24,7 +24,7 @@ from pretrain.models.moe import moe_modules, router_losses
 
 
 class AttachLoss(torch.autograd.Function):
-    """`output` unchanged; its backward also gives the scalar `aux` the gradient `weight`.
+    """`output`'s values; its backward also gives the scalar `aux` the gradient `weight`.
 
     So `aux * weight` is part of the objective of the backward that runs through `output`,
     without the schedule or the loss function knowing about it.
@@ -34,7 +34,10 @@ class AttachLoss(torch.autograd.Function):
     def forward(ctx, output: torch.Tensor, aux: torch.Tensor, weight: torch.Tensor):
         ctx.save_for_backward(weight)
         ctx.aux_dtype = aux.dtype
-        return output.view_as(output)
+        # A copy, not a view: the split-backward schedules detach a stage's output in place
+        # after its input gradient (torch's stage_backward_input), which a view refuses. The
+        # block's own output is not saved for backward, so the copy replaces it.
+        return output.clone()
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):

@@ -8,7 +8,7 @@ from pretrain import models
 from pretrain.core.model_config import ModelConfig
 from pretrain.models.init import init_weights
 from pretrain.models.moe import moe_modules, router_losses
-from pretrain.parallel.pipeline.moe import attach_router_losses
+from pretrain.parallel.pipeline.moe import AttachLoss, attach_router_losses
 
 CFG = ModelConfig(
     vocab_size=64,
@@ -54,3 +54,14 @@ def test_dense_chunk_is_left_as_it_is() -> None:
     forward = dense.forward
     attach_router_losses(dense, lambda: torch.tensor(WEIGHT))
     assert dense.forward == forward
+
+
+def test_the_attached_output_can_be_detached_in_place_after_the_input_pass() -> None:
+    """The split-backward schedules detach a stage's output in place once its input gradient
+    is computed (torch's `stage_backward_input`); a view of the block's output refuses that."""
+    x = torch.randn(3, requires_grad=True)
+    aux = torch.zeros((), requires_grad=True)
+    out = AttachLoss.apply(x * 2, aux, torch.tensor(0.5))
+    torch.autograd.grad(out.sum(), [x, aux], retain_graph=True)
+    assert not out._is_view()
+    out.detach_()

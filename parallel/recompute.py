@@ -25,6 +25,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import (
+    SAC_IGNORED_OPS,
     CheckpointPolicy,
     checkpoint,
     create_selective_checkpoint_contexts,
@@ -40,6 +41,19 @@ _SAVED_OPS = {
     torch.ops.aten.addmm.default,
     torch.ops.aten.bmm.default,
 }
+# Selective recompute replays the forward's ops by their count, and fails on an op the
+# recomputation calls more or fewer times. FSDP's hooks of a unit nested in a recomputed
+# block (routed experts sharded over their own group under EP with ZeRO) open profiler ranges
+# around its forward, and skip its pre-forward in the recomputation (the pre-backward
+# unshard did it): so their counts differ. They compute nothing; torch lets ops of that kind
+# (detach, device queries) run as they come, and these join them.
+SAC_IGNORED_OPS.update(
+    {
+        torch.ops.profiler._record_function_enter_new.default,
+        torch.ops.profiler._record_function_exit.default,
+        torch.ops.profiler._record_function_exit._RecordFunction,
+    }
+)
 _SAVED_REDUCTIONS = {
     # What DTensor issues to turn a row-parallel projection's partial sums into the
     # residual stream's layout: sequence-sharded under SP, replicated without.

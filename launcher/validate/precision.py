@@ -122,6 +122,8 @@ def _check_fp8(c: Checks, cfg: RecipeConfig) -> None:
         )
     if cluster.device == "cuda" and not p.fp8_emulate:
         _check_fp8_gpu(c, cfg)
+    if cluster.device == "cpu" and p.fp8_recipe == "mxfp8" and cfg.compile.backend == "inductor":
+        _check_mxfp8_compiled_on_cpu(c, cfg)
     _check_fp8_layout(c, cfg)
     if cfg.model.moe_experts > 0 and fp8_experts(p) and not c.reported("precision.fp8_recipe"):
         _check_fp8_experts(c, cfg)
@@ -132,6 +134,20 @@ def _check_fp8(c: Checks, cfg: RecipeConfig) -> None:
             f"{BACKEND_MODULES[p.fp8_backend]} is not installed",
             BACKEND_INSTALL[p.fp8_backend]
             + ("" if p.fp8_backend == "torchao" else ", or use precision.fp8_backend=torchao"),
+        )
+
+
+def _check_mxfp8_compiled_on_cpu(c: Checks, cfg: RecipeConfig) -> None:
+    """Inductor's CPU code generator has no type for MXFP8's block scales."""
+    if cfg.compile.enabled and cfg.compile.blocks:
+        c.add(
+            "compile.blocks",
+            True,
+            "inductor compiles a CPU block to C++, which has no float8_e8m0fnu, the type of "
+            "MXFP8's block scales ('torch.float8_e8m0fnu missing from DTYPE_TO_CPP', torch "
+            "2.13); on CUDA its triton code has it",
+            "set compile.blocks=false (the loss may still be compiled), compile.enabled=false "
+            "or compile.backend=aot_eager, or run MXFP8 on a GPU",
         )
 
 
@@ -223,14 +239,17 @@ def _check_fp8_layout(c: Checks, cfg: RecipeConfig) -> None:
                 f"FP8 matmuls{scaling} need multiples of {multiple}; the {what} is {width}",
                 f"use a {what} that is a multiple of {multiple}, or precision.dtype=bf16",
             )
-    tokens = cfg.train.micro_batch * cfg.train.seq_len
+    # A context-parallel rank multiplies its own chunk of each sequence.
+    cp = max(cfg.parallel.cp, 1)
+    tokens = cfg.train.micro_batch * cfg.train.seq_len // cp
     if tokens % multiple:
+        per_rank = f" / cp {cp}" if cp > 1 else ""
         c.add(
             "train.micro_batch",
             cfg.train.micro_batch,
-            f"FP8 matmuls{scaling} need tokens per micro-batch (micro_batch x seq_len = "
-            f"{tokens}) to be a multiple of {multiple}",
-            f"make micro_batch x seq_len a multiple of {multiple}",
+            f"FP8 matmuls{scaling} need each rank's tokens per micro-batch (micro_batch x "
+            f"seq_len{per_rank} = {tokens}) to be a multiple of {multiple}",
+            f"make micro_batch x seq_len{per_rank} a multiple of {multiple}",
         )
     tp = cfg.parallel.tp
     whole = not any(c.reported(field) for field in widths)

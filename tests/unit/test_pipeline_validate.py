@@ -24,7 +24,7 @@ from tests.helpers import configure, problems
             "parallel.pp": 2,
             "parallel.vpp": 2,
             "parallel.pp_schedule": "zero_bubble",
-            "parallel.zero": 3,
+            "parallel.zero": 2,
         },
         {"parallel.pp": 2, "parallel.tp": 2, "parallel.sp": True, "parallel.zero": 3},
         {"parallel.pp": 2, "parallel.pp_layers": [3, 5], "parallel.zero": 2},
@@ -191,3 +191,25 @@ def test_split_backward_schedules_refuse_compiled_blocks_for_launch(schedule, vp
     assert "compile.blocks=false" in problem.fix
     cfg.compile.blocks = False
     validate(cfg, for_launch=True)
+
+
+@pytest.mark.parametrize(("schedule", "vpp"), [("zero_bubble", 1), ("zbv", 2), ("dualpipev", 2)])
+@pytest.mark.parametrize(
+    ("overrides", "field", "reason", "fix"),
+    [
+        ({"parallel.zero": 3}, "parallel.zero", "FSDP2 then loses part of them",
+         "parallel.zero=2"),
+        ({"parallel.zero": 2, "recompute.policy": "selective"}, "recompute.policy",
+         "one backward only", "recompute.policy=full or none"),
+    ],
+)  # fmt: skip
+def test_split_backward_schedules_refuse_zero3_and_selective_recompute_for_launch(
+    schedule, vpp, overrides, field, reason, fix
+):
+    """Both were accepted and trained wrongly or failed (found by the pairwise matrix)."""
+    layout = {"parallel.pp": 2, "parallel.vpp": vpp, "parallel.pp_schedule": schedule}
+    cfg = configure({**layout, **overrides})
+    validate(cfg)  # the layout can still be planned
+    [problem] = problems(cfg, for_launch=True)
+    assert problem.field == field and reason in problem.reason and fix in problem.fix
+    validate(configure({**layout, "parallel.zero": 2}), for_launch=True)

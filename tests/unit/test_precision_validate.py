@@ -84,6 +84,11 @@ CASES = [
     ({**EMULATED, **MOE, "precision.fp8_recipe": "mxfp8", "model.moe_ffn_dim": 48},
      "model.moe_ffn_dim", "needs widths in whole blocks of 32; each rank's slice of an expert "
      "is 48 wide", "fp8_recipe=current"),
+    ({**EMULATED, "precision.fp8_recipe": "mxfp8", "compile.enabled": True}, "compile.blocks",
+     "no float8_e8m0fnu", "compile.backend=aot_eager"),
+    ({**EMULATED, "precision.fp8_recipe": "mxfp8", "train.micro_batch": 1, "train.seq_len": 32,
+      "parallel.cp": 2}, "train.micro_batch", "micro_batch x seq_len / cp 2 = 16",
+     "a multiple of 32"),
 ]  # fmt: skip
 
 
@@ -114,6 +119,10 @@ def test_bad_precision_is_refused_with_a_fix(overrides, field, reason, fix):
          "parallel.etp": 2, "parallel.ep": 2, "cluster.gpus_per_node": 4},
         {"precision.dtype": "fp16", "cluster.gpu_type": "v100_sxm_32gb"},
         {"precision.dtype": "fp16", "cluster.device": "cpu", "cluster.gpu_type": "cpu"},
+        {**EMULATED, "precision.fp8_recipe": "mxfp8", "compile.enabled": True,
+         "compile.backend": "aot_eager"},
+        {**EMULATED, "precision.fp8_recipe": "mxfp8", "compile.enabled": True,
+         "compile.blocks": False},
     ],
 )  # fmt: skip
 def test_runnable_precision_recipes_pass(overrides):

@@ -134,17 +134,22 @@ class StepContext:
         accumulation count, so the micro-batches are those of the unpipelined run)."""
         return self.cfg.parallel.pp_microbatches or self.accumulation
 
+    def whole_inputs(self, micro_batches: MicroBatches) -> torch.Tensor:
+        """This rank's micro-batches' inputs as one tensor on the device, whole sequences (not
+        split over context parallelism): what `model_kwargs` counts documents on."""
+        return torch.cat([x for x, _ in micro_batches]).to(self.device)
+
     def whole_batch(self, micro_batches: MicroBatches) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's micro-batches as one (inputs, targets) pair on the device, split over
         context parallelism; the schedule splits it again into its micro-batches."""
-        inputs = torch.cat([x for x, _ in micro_batches]).to(self.device)
         targets = torch.cat([y for _, y in micro_batches]).to(self.device)
-        return self.split(inputs, targets)
+        return self.split(self.whole_inputs(micro_batches), targets)
 
     def microbatch_kwargs(self, inputs: torch.Tensor) -> list[dict[str, torch.Tensor]]:
-        """`model_kwargs` of each of the `pipeline_microbatches` parts of this rank's batch,
-        in order: every stage's forward takes its micro-batch's (the documents), and every
-        stage holds the tokens to compute them from."""
+        """`model_kwargs` of each of the `pipeline_microbatches` parts of this rank's batch
+        (`whole_inputs`: before the context-parallel split), in order: every stage's forward
+        takes its micro-batch's (the documents), and every stage holds the tokens to compute
+        them from."""
         parts = torch.tensor_split(inputs, self.pipeline_microbatches)
         return [self.model_kwargs(part) for part in parts]
 

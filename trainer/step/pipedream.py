@@ -184,7 +184,7 @@ class PipeDreamStep:
                 ops = engine.begin(
                     list(torch.tensor_split(inputs, self.n_microbatches)) if engine.first else [],
                     list(torch.tensor_split(targets, self.n_microbatches)) if engine.last else [],
-                    ctx.microbatch_kwargs(inputs),
+                    ctx.microbatch_kwargs(ctx.whole_inputs(micro_batches)),
                 )
                 for op in ops:
                     engine.run(*op)

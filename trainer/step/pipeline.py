@@ -132,7 +132,8 @@ class PipelineStep:
         args = (inputs,) if self.has_first else ()
         # Every stage's attention takes the documents, and the last stage's multi-token
         # prediction the tokens (torch splits them as the tokens).
-        kwargs = ctx.train_kwargs(inputs)
+        # Documents are counted on whole sequences, before the context-parallel split.
+        kwargs = ctx.train_kwargs(ctx.whole_inputs(micro_batches))
         phases = self.state.phases
         for _ in range(SLOT_RETRIES):
             self.losses = []

@@ -43,7 +43,7 @@ def _forward_pipeline(
             stage_indices(ctx.pipeline_rank, p),
             stage_ranks(p.pp, p.vpp, placement(p.pp_schedule)),
             torch.tensor_split(inputs, parts),
-            ctx.microbatch_kwargs(inputs),
+            ctx.microbatch_kwargs(ctx.whole_inputs(micro_batches)),
             lambda output, i: measure(output, part_targets[i]),
             ctx.pipeline_group,
             ctx.device,

@@ -256,3 +256,87 @@ def trained_once(
         factory, name, lambda path: run_pretrain(path / "run", overrides, nproc=1, recipe=recipe)
     )
     return folder / "run"
+
+
+def _write_run_dir(run_dir: Path, overrides: list[str], recipe: str, base: tuple[str, ...]) -> Path:
+    """The run dir the launcher writes for `overrides` on `recipe` (as `action=script`:
+    composition, validation, plan, config.yaml), without launching; its config's path."""
+    from pretrain.launcher.cli import execute
+    from tests.helpers import compose_recipe
+
+    given = [*base, *overrides, "action=script", f"run.dir={run_dir}"]
+    execute(compose_recipe(recipe, given), {"recipe": recipe, "overrides": given})
+    return run_dir / "config.yaml"
+
+
+def _launch_together(folder: Path, nproc: int, configs: list[Path]) -> dict[Path, str]:
+    """Train `configs` one after another in launches of `nproc` ranks
+    (tests.distributed.one_launch.py): one, and after a run that fails another from the
+    run after it. What stopped each failed run, by its config."""
+    failures: dict[Path, str] = {}
+    while configs:
+        listing = folder / f"together{nproc}-{len(failures)}.txt"
+        listing.write_text("\n".join(map(str, configs)))
+        module = "tests.distributed.one_launch"
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        result = subprocess.run(
+            [sys.executable, "-m", module, str(nproc), str(listing)],
+            capture_output=True, text=True, timeout=1800, env=env,
+            cwd=Path(__file__).resolve().parents[2],
+        )  # fmt: skip
+        listing.with_suffix(".log").write_text(result.stdout + result.stderr)
+        if result.returncode == 0:
+            break
+        failed = listing.with_suffix(".failed")
+        if not failed.exists():
+            for config in configs:
+                failures[config] = f"the launch of {nproc} ranks failed: {result.stderr[-3000:]}"
+            break
+        config, trace = failed.read_text().split("\n", 1)
+        failures[Path(config)] = trace[-4000:]
+        configs = configs[configs.index(Path(config)) + 1 :]
+    return failures
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One run of `train_together`: its overrides (on the recipe and base) and ranks."""
+
+    overrides: tuple[str, ...]
+    nproc: int
+    recipe: str = "tiny"
+
+
+class TrainedTogether:
+    """Runs trained by `train_together`: each one's curve, or its failure."""
+
+    def __init__(self, dirs: dict[str, Path], failures: dict[Path, str]) -> None:
+        self.dirs = dirs
+        self.failures = failures
+
+    def curve(self, label: str) -> Curve:
+        """The run's curve; a run that failed fails the test with its traceback."""
+        run_dir = self.dirs[label]
+        if run_dir / "config.yaml" in self.failures:
+            pytest.fail(f"{label} failed:\n{self.failures[run_dir / 'config.yaml']}")
+        return read_curve(run_dir / "metrics.jsonl")
+
+
+def train_together(
+    folder: Path, layouts: dict[str, Layout], base: tuple[str, ...] = BASE_OVERRIDES
+) -> TrainedTogether:
+    """Train every layout (by label, each in FOLDER/label) as `run_pretrain` would, but the
+    layouts of one world size one after another in a single launch: the launcher writes each
+    run dir, the trainer's own `run` trains it. A launch costs several seconds of start on a
+    small machine; a module's layouts share them."""
+    configs: dict[int, list[Path]] = {}
+    dirs = {}
+    for label, layout in layouts.items():
+        dirs[label] = folder / label
+        overrides = [*layout.overrides, f"cluster.gpus_per_node={layout.nproc}"]
+        config = _write_run_dir(dirs[label], overrides, layout.recipe, base)
+        configs.setdefault(layout.nproc, []).append(config)
+    failures: dict[Path, str] = {}
+    for nproc, listed in sorted(configs.items()):
+        failures.update(_launch_together(folder, nproc, listed))
+    return TrainedTogether(dirs, failures)

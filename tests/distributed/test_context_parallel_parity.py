@@ -21,9 +21,17 @@ ring, and cp2 matches the one-process MLA run.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from tests.distributed.harness import MLA, assert_same_curve, run_pretrain
+from tests.distributed.harness import (
+    MLA,
+    Layout,
+    TrainedTogether,
+    assert_same_curve,
+    train_together,
+)
 
 pytestmark = pytest.mark.distributed
 
@@ -33,29 +41,37 @@ def references(harness_reference, doc_mask_reference, mla_reference) -> dict:
     return {"harness": harness_reference, "doc_mask": doc_mask_reference, "mla": mla_reference}
 
 
-@pytest.mark.parametrize(
-    ("label", "reference", "overrides", "nproc"),
-    [
-        ("cp2", "harness", ["parallel.cp=2"], 2),
-        (
-            "cp2_tp2_sp_zero3",
-            "harness",
-            ["parallel.cp=2", "parallel.tp=2", "parallel.sp=true", "parallel.zero=3"],
-            4,
-        ),
-        (
-            "cp2_pp2_zero2_selective",
-            "harness",
-            ["parallel.cp=2", "parallel.pp=2", "parallel.zero=2", "recompute=selective"],
-            4,
-        ),
-        ("cp2_doc_mask", "doc_mask", ["parallel.cp=2"], 2),
-        ("cp2_mla", "mla", ["parallel.cp=2", *MLA], 2),
-    ],
-)
+LAYOUTS = {
+    "cp2": ("harness", ["parallel.cp=2"], 2),
+    "cp2_tp2_sp_zero3": (
+        "harness",
+        ["parallel.cp=2", "parallel.tp=2", "parallel.sp=true", "parallel.zero=3"],
+        4,
+    ),
+    "cp2_pp2_zero2_selective": (
+        "harness",
+        ["parallel.cp=2", "parallel.pp=2", "parallel.zero=2", "recompute=selective"],
+        4,
+    ),
+    "cp2_doc_mask": ("doc_mask", ["parallel.cp=2"], 2),
+    "cp2_mla": ("mla", ["parallel.cp=2", *MLA], 2),
+}
+"""Each layout's reference, overrides and ranks."""
+
+
+@pytest.fixture(scope="module")
+def trained(workdir: Path, doc_mask_overrides: list[str]) -> TrainedTogether:
+    """The layouts, those of one world size in one launch."""
+    layouts = {}
+    for label, (reference, overrides, nproc) in LAYOUTS.items():
+        data = doc_mask_overrides if reference == "doc_mask" else []
+        layouts[label] = Layout((*data, *overrides), nproc)
+    return train_together(workdir, layouts)
+
+
+@pytest.mark.parametrize("label", LAYOUTS)
 def test_context_parallel_layout_matches_reference(
-    workdir, references, doc_mask_overrides, grad_norm_tolerance, label, reference, overrides, nproc
+    trained, references, grad_norm_tolerance, label
 ) -> None:
-    data = doc_mask_overrides if reference == "doc_mask" else []
-    curve = run_pretrain(workdir / label, [*data, *overrides], nproc=nproc)
-    assert_same_curve(curve, references[reference], grad_norm_tolerance)
+    reference = LAYOUTS[label][0]
+    assert_same_curve(trained.curve(label), references[reference], grad_norm_tolerance)

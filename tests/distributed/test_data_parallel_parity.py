@@ -8,12 +8,17 @@ weights, autocast the matmuls, so they round differently).
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from tests.distributed.harness import (
+    Layout,
+    TrainedTogether,
     assert_same_curve,
     max_relative_difference,
     run_pretrain,
+    train_together,
 )
 
 pytestmark = pytest.mark.distributed
@@ -30,25 +35,31 @@ def test_reference_loss_falls(reference) -> None:
     assert reference.loss[-1] < reference.loss[0] - 0.3
 
 
-@pytest.mark.parametrize(
-    ("label", "overrides", "nproc"),
-    [
-        ("ddp_dp2", ["parallel.zero=0"], 2),
-        ("zero1_dp2", ["parallel.zero=1"], 2),
-        ("zero2_dp2", ["parallel.zero=2"], 2),
-        ("zero3_dp2", ["parallel.zero=3"], 2),
-        ("hsdp_dp4", ["parallel.zero=3", "parallel.dp_replicate=2"], 4),
-        ("hybrid_zero1_dp4", ["parallel.zero=1", "parallel.dp_replicate=2"], 4),
-        ("full_recompute_zero3_dp2", ["parallel.zero=3", "recompute=full"], 2),
-        ("selective_recompute_dp1", ["recompute=selective"], 1),
-        ("full_recompute_every2_dp2", ["recompute=full", "recompute.every=2"], 2),
-    ],
-)
-def test_fp32_layout_matches_reference(
-    workdir, reference, grad_norm_tolerance, label, overrides, nproc
-) -> None:
-    curve = run_pretrain(workdir / label, overrides, nproc=nproc)
-    assert_same_curve(curve, reference, grad_norm_tolerance)
+LAYOUTS = {
+    "ddp_dp2": (["parallel.zero=0"], 2),
+    "zero1_dp2": (["parallel.zero=1"], 2),
+    "zero2_dp2": (["parallel.zero=2"], 2),
+    "zero3_dp2": (["parallel.zero=3"], 2),
+    "hsdp_dp4": (["parallel.zero=3", "parallel.dp_replicate=2"], 4),
+    "hybrid_zero1_dp4": (["parallel.zero=1", "parallel.dp_replicate=2"], 4),
+    "full_recompute_zero3_dp2": (["parallel.zero=3", "recompute=full"], 2),
+    "selective_recompute_dp1": (["recompute=selective"], 1),
+    "full_recompute_every2_dp2": (["recompute=full", "recompute.every=2"], 2),
+}
+"""Each FP32 layout's overrides and ranks."""
+
+
+@pytest.fixture(scope="module")
+def trained(workdir: Path) -> TrainedTogether:
+    """The layouts, those of one world size in one launch."""
+    return train_together(
+        workdir, {label: Layout(tuple(o), nproc) for label, (o, nproc) in LAYOUTS.items()}
+    )
+
+
+@pytest.mark.parametrize("label", LAYOUTS)
+def test_fp32_layout_matches_reference(trained, reference, grad_norm_tolerance, label) -> None:
+    assert_same_curve(trained.curve(label), reference, grad_norm_tolerance)
 
 
 def test_bf16_zero2_tracks_bf16_reference(workdir) -> None:

@@ -28,11 +28,13 @@ import torch
 from pretrain.trainer.checkpoint.export import load_model
 from tests.distributed.harness import (
     FP32_TOLERANCE,
+    Layout,
+    TrainedTogether,
     assert_same_curve,
     launch,
     logged_losses,
     read_curve,
-    run_pretrain,
+    train_together,
 )
 
 pytestmark = pytest.mark.distributed
@@ -49,17 +51,39 @@ def dropped_fractions(run_dir: Path) -> list[float]:
     return [row["moe_dropped_frac"] for row in rows]
 
 
+LAYOUTS = {
+    "ep2_dp2": ("dropless", ["parallel.ep=2"], 2),
+    "ep2_dp2_capacity": ("capacity", ["parallel.ep=2"], 2),
+    "ep4_dp4": ("dropless", ["parallel.ep=4"], 4),
+    "ep2_dp4_zero3_capacity": ("capacity", ["parallel.ep=2", "parallel.zero=3"], 4),
+    "ep2_tp2_sp_zero2": (
+        "dropless",
+        ["parallel.ep=2", "parallel.tp=2", "parallel.sp=true", "parallel.zero=2"],
+        4,
+    ),
+    "cp2_bias": ("bias", ["parallel.cp=2"], 2),
+    "cp2_ep2_dp2_capacity": ("capacity", ["parallel.cp=2", "parallel.ep=2"], 4),
+}
+"""Each layout's routing (its reference), overrides and ranks."""
+
+
 @pytest.fixture(scope="module")
-def reference_runs(workdir: Path, moe_reference_run: Path) -> dict[str, Path]:
+def trained(workdir: Path) -> TrainedTogether:
+    """The one-process runs with a capacity and with the expert bias, and the layouts; the
+    runs of one world size in one launch."""
+    layouts = {
+        name: Layout((*MOE, *ROUTING[name]), 1, recipe="tiny_moe") for name in ("capacity", "bias")
+    }
+    for label, (routing, overrides, nproc) in LAYOUTS.items():
+        layouts[label] = Layout((*MOE, *ROUTING[routing], *overrides), nproc, recipe="tiny_moe")
+    return train_together(workdir, layouts)
+
+
+@pytest.fixture(scope="module")
+def reference_runs(trained: TrainedTogether, moe_reference_run: Path) -> dict[str, Path]:
     """The one-process run dirs: the session's dropless reference, one with a capacity and
     one balanced by the expert bias."""
-    run_pretrain(workdir / "capacity", MOE + CAPACITY, nproc=1, recipe="tiny_moe")
-    run_pretrain(workdir / "bias", MOE + BIAS, nproc=1, recipe="tiny_moe")
-    return {
-        "dropless": moe_reference_run,
-        "capacity": workdir / "capacity",
-        "bias": workdir / "bias",
-    }
+    return {"dropless": moe_reference_run, **{n: trained.dirs[n] for n in ("capacity", "bias")}}
 
 
 @pytest.fixture(scope="module")
@@ -74,33 +98,13 @@ def test_references_train_and_only_the_capacity_run_drops(reference_runs, refere
     assert min(dropped_fractions(reference_runs["capacity"])) > 0.0
 
 
-@pytest.mark.parametrize(
-    ("label", "routing", "overrides", "nproc"),
-    [
-        ("ep2_dp2", "dropless", ["parallel.ep=2"], 2),
-        ("ep2_dp2_capacity", "capacity", ["parallel.ep=2"], 2),
-        ("ep4_dp4", "dropless", ["parallel.ep=4"], 4),
-        ("ep2_dp4_zero3_capacity", "capacity", ["parallel.ep=2", "parallel.zero=3"], 4),
-        (
-            "ep2_tp2_sp_zero2",
-            "dropless",
-            ["parallel.ep=2", "parallel.tp=2", "parallel.sp=true", "parallel.zero=2"],
-            4,
-        ),
-        ("cp2_bias", "bias", ["parallel.cp=2"], 2),
-        ("cp2_ep2_dp2_capacity", "capacity", ["parallel.cp=2", "parallel.ep=2"], 4),
-    ],
-)
+@pytest.mark.parametrize("label", LAYOUTS)
 def test_expert_parallel_layout_matches_reference(
-    workdir, reference_runs, references, grad_norm_tolerance, label, routing, overrides, nproc
+    trained, reference_runs, references, grad_norm_tolerance, label
 ) -> None:
-    routing_overrides = MOE + ROUTING[routing]
-    curve = run_pretrain(
-        workdir / label, routing_overrides + overrides, nproc=nproc, recipe="tiny_moe"
-    )
-    expected = references[routing]
-    assert_same_curve(curve, expected, grad_norm_tolerance)
-    assert dropped_fractions(workdir / label) == pytest.approx(
+    routing = LAYOUTS[label][0]
+    assert_same_curve(trained.curve(label), references[routing], grad_norm_tolerance)
+    assert dropped_fractions(trained.dirs[label]) == pytest.approx(
         dropped_fractions(reference_runs[routing]), rel=1e-12
     )
 

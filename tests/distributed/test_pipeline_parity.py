@@ -9,15 +9,20 @@ optimizer and blocked time, and in a pipeline the bubble, each also per pipeline
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from tests.distributed.harness import (
     FP32_TOLERANCE,
+    Layout,
+    TrainedTogether,
     assert_same_curve,
     assert_step_breakdown,
     logged_rows,
     max_relative_difference,
     run_pretrain,
+    train_together,
 )
 
 pytestmark = pytest.mark.distributed
@@ -28,32 +33,36 @@ def reference(harness_reference):
     return harness_reference
 
 
-@pytest.mark.parametrize(
-    ("label", "overrides", "nproc"),
-    [
-        ("gpipe_pp2", ["parallel.pp=2", "parallel.pp_schedule=gpipe"], 2),
-        ("1f1b_pp2", ["parallel.pp=2", "parallel.pp_schedule=1f1b"], 2),
-        (
-            "interleaved_pp2_vpp2",
-            ["parallel.pp=2", "parallel.vpp=2", "parallel.pp_schedule=interleaved_1f1b"],
-            2,
-        ),
-        ("zero_bubble_pp2", ["parallel.pp=2", "parallel.pp_schedule=zero_bubble"], 2),
-        (
-            "uneven_1f1b_pp2_recompute",
-            ["parallel.pp=2", "parallel.pp_layers=[1,3]", "recompute=full", "recompute.every=2"],
-            2,
-        ),
-        # DDP under a pipeline runs on FSDP2's replicate (ZeRO-3 with pp: the 3-D tests).
-        ("1f1b_pp2_ddp_dp2", ["parallel.pp=2", "parallel.zero=0"], 4),
-    ],
-)
-def test_pipeline_layout_matches_reference(
-    workdir, reference, grad_norm_tolerance, label, overrides, nproc
-) -> None:
-    curve = run_pretrain(workdir / label, overrides, nproc=nproc)
-    assert_same_curve(curve, reference, grad_norm_tolerance)
-    assert_step_breakdown(workdir / label, pp=2)
+LAYOUTS = {
+    "gpipe_pp2": (["parallel.pp=2", "parallel.pp_schedule=gpipe"], 2),
+    "1f1b_pp2": (["parallel.pp=2", "parallel.pp_schedule=1f1b"], 2),
+    "interleaved_pp2_vpp2": (
+        ["parallel.pp=2", "parallel.vpp=2", "parallel.pp_schedule=interleaved_1f1b"],
+        2,
+    ),
+    "zero_bubble_pp2": (["parallel.pp=2", "parallel.pp_schedule=zero_bubble"], 2),
+    "uneven_1f1b_pp2_recompute": (
+        ["parallel.pp=2", "parallel.pp_layers=[1,3]", "recompute=full", "recompute.every=2"],
+        2,
+    ),
+    # DDP under a pipeline runs on FSDP2's replicate (ZeRO-3 with pp: the 3-D tests).
+    "1f1b_pp2_ddp_dp2": (["parallel.pp=2", "parallel.zero=0"], 4),
+}
+"""Each layout's overrides and ranks."""
+
+
+@pytest.fixture(scope="module")
+def trained(workdir: Path) -> TrainedTogether:
+    """The layouts, those of one world size in one launch."""
+    return train_together(
+        workdir, {label: Layout(tuple(o), nproc) for label, (o, nproc) in LAYOUTS.items()}
+    )
+
+
+@pytest.mark.parametrize("label", LAYOUTS)
+def test_pipeline_layout_matches_reference(trained, reference, grad_norm_tolerance, label) -> None:
+    assert_same_curve(trained.curve(label), reference, grad_norm_tolerance)
+    assert_step_breakdown(trained.dirs[label], pp=2)
 
 
 def test_the_one_process_run_logs_the_step_breakdown(harness_reference_dir) -> None:

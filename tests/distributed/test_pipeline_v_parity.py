@@ -16,20 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.distributed.harness import assert_same_curve, run_pretrain
+from tests.distributed.harness import Layout, TrainedTogether, assert_same_curve, train_together
 
 pytestmark = pytest.mark.distributed
 
 PP4_MODEL = ["model.n_layers=8", "train.micro_batch=1", "train.steps=4"]
-
-
-@pytest.fixture(scope="module")
-def references(workdir: Path, harness_reference, doc_mask_reference) -> dict:
-    return {
-        "harness": harness_reference,
-        "doc_mask": doc_mask_reference,
-        "pp4_model": run_pretrain(workdir / "reference_pp4_model", PP4_MODEL, nproc=1),
-    }
 
 
 @pytest.fixture(scope="module")
@@ -38,21 +29,40 @@ def models(doc_mask_overrides: list[str]) -> dict[str, list[str]]:
     return {"harness": [], "doc_mask": doc_mask_overrides, "pp4_model": PP4_MODEL}
 
 
-@pytest.mark.parametrize(
-    ("schedule", "pp", "reference"),
-    [
-        ("zbv", 2, "harness"),
-        ("dualpipev", 2, "doc_mask"),
-        ("zbv", 4, "pp4_model"),
-        ("dualpipev", 4, "pp4_model"),
-    ],
-)
+CASES = [
+    ("zbv", 2, "harness"),
+    ("dualpipev", 2, "doc_mask"),
+    ("zbv", 4, "pp4_model"),
+    ("dualpipev", 4, "pp4_model"),
+]
+"""Each V schedule's pipeline ranks and reference."""
+
+
+@pytest.fixture(scope="module")
+def trained(workdir: Path, models: dict[str, list[str]]) -> TrainedTogether:
+    """The layouts and the pp=4 model's reference, those of one world size in one launch."""
+    layouts = {"reference_pp4_model": Layout(tuple(PP4_MODEL), 1)}
+    for schedule, pp, reference in CASES:
+        overrides = [
+            *models[reference], f"parallel.pp={pp}", "parallel.vpp=2",
+            f"parallel.pp_schedule={schedule}",
+        ]  # fmt: skip
+        layouts[f"{schedule}_pp{pp}"] = Layout(tuple(overrides), pp)
+    return train_together(workdir, layouts)
+
+
+@pytest.fixture(scope="module")
+def references(trained, harness_reference, doc_mask_reference) -> dict:
+    return {
+        "harness": harness_reference,
+        "doc_mask": doc_mask_reference,
+        "pp4_model": trained.curve("reference_pp4_model"),
+    }
+
+
+@pytest.mark.parametrize(("schedule", "pp", "reference"), CASES)
 def test_v_schedule_matches_reference(
-    workdir, references, models, grad_norm_tolerance, schedule, pp, reference
+    trained, references, grad_norm_tolerance, schedule, pp, reference
 ) -> None:
-    overrides = [
-        *models[reference], f"parallel.pp={pp}", "parallel.vpp=2",
-        f"parallel.pp_schedule={schedule}",
-    ]  # fmt: skip
-    curve = run_pretrain(workdir / f"{schedule}_pp{pp}", overrides, nproc=pp)
+    curve = trained.curve(f"{schedule}_pp{pp}")
     assert_same_curve(curve, references[reference], grad_norm_tolerance)

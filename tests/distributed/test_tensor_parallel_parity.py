@@ -21,8 +21,10 @@ import pytest
 
 from tests.distributed.harness import (
     MLA,
+    Layout,
+    TrainedTogether,
     assert_same_curve,
-    run_pretrain,
+    train_together,
 )
 
 pytestmark = pytest.mark.distributed
@@ -31,43 +33,55 @@ TP4_MODEL = ["model.vocab_size=510", "model.tie_embeddings=true"]
 GELU = ["model.mlp=gelu"]
 
 
+LAYOUTS = {
+    "tp2": ("harness", ["parallel.tp=2"], 2),
+    "tp2_sp": ("harness", ["parallel.tp=2", "parallel.sp=true"], 2),
+    "tp2_sp_doc_mask": ("doc_mask", ["parallel.tp=2", "parallel.sp=true"], 2),
+    "tp4_padded_vocab": ("tp4_model", [*TP4_MODEL, "parallel.tp=4"], 4),
+    "tp4_sp_padded_vocab": ("tp4_model", [*TP4_MODEL, "parallel.tp=4", "parallel.sp=true"], 4),
+    # DDP over TP's DTensor weights runs on FSDP2's replicate (ZeRO-3 with tp: the 3-D and
+    # context-parallel tests).
+    "tp2_dp2_ddp": ("harness", ["parallel.tp=2", "parallel.zero=0"], 4),
+    "tp2_full_recompute": ("harness", ["parallel.tp=2", "recompute=full"], 2),
+    "mla_tp2_sp": ("mla", [*MLA, "parallel.tp=2", "parallel.sp=true"], 2),
+    "gelu_tp2_sp": ("gelu", [*GELU, "parallel.tp=2", "parallel.sp=true"], 2),
+    "tp2_sp_selective_recompute": (
+        "harness",
+        ["parallel.tp=2", "parallel.sp=true", "recompute=selective"],
+        2,
+    ),
+}
+"""Each layout's reference and overrides and its ranks."""
+OWN_REFERENCES = {"tp4_model": TP4_MODEL, "gelu": GELU}
+"""References of this module's own, trained beside its layouts."""
+
+
 @pytest.fixture(scope="module")
-def references(workdir: Path, harness_reference, doc_mask_reference, mla_reference) -> dict:
+def trained(workdir: Path, doc_mask_overrides: list[str]) -> TrainedTogether:
+    """The layouts and this module's references, the runs of one world size in one launch."""
+    layouts = {
+        f"reference_{name}": Layout(tuple(overrides), 1)
+        for name, overrides in OWN_REFERENCES.items()
+    }
+    for label, (reference, overrides, nproc) in LAYOUTS.items():
+        data = doc_mask_overrides if reference == "doc_mask" else []
+        layouts[label] = Layout((*data, *overrides), nproc)
+    return train_together(workdir, layouts)
+
+
+@pytest.fixture(scope="module")
+def references(trained, harness_reference, doc_mask_reference, mla_reference) -> dict:
     return {
         "harness": harness_reference,
         "doc_mask": doc_mask_reference,
-        "tp4_model": run_pretrain(workdir / "reference_tp4_model", TP4_MODEL, nproc=1),
         "mla": mla_reference,
-        "gelu": run_pretrain(workdir / "reference_gelu", GELU, nproc=1),
+        **{name: trained.curve(f"reference_{name}") for name in OWN_REFERENCES},
     }
 
 
-@pytest.mark.parametrize(
-    ("label", "reference", "overrides", "nproc"),
-    [
-        ("tp2", "harness", ["parallel.tp=2"], 2),
-        ("tp2_sp", "harness", ["parallel.tp=2", "parallel.sp=true"], 2),
-        ("tp2_sp_doc_mask", "doc_mask", ["parallel.tp=2", "parallel.sp=true"], 2),
-        ("tp4_padded_vocab", "tp4_model", [*TP4_MODEL, "parallel.tp=4"], 4),
-        ("tp4_sp_padded_vocab", "tp4_model", [*TP4_MODEL, "parallel.tp=4", "parallel.sp=true"], 4),
-        # DDP over TP's DTensor weights runs on FSDP2's replicate (ZeRO-3 with tp: the 3-D
-        # and context-parallel tests).
-        ("tp2_dp2_ddp", "harness", ["parallel.tp=2", "parallel.zero=0"], 4),
-        ("tp2_full_recompute", "harness", ["parallel.tp=2", "recompute=full"], 2),
-        ("mla_tp2_sp", "mla", [*MLA, "parallel.tp=2", "parallel.sp=true"], 2),
-        ("gelu_tp2_sp", "gelu", [*GELU, "parallel.tp=2", "parallel.sp=true"], 2),
-        (
-            "tp2_sp_selective_recompute",
-            "harness",
-            ["parallel.tp=2", "parallel.sp=true", "recompute=selective"],
-            2,
-        ),
-    ],
-)
+@pytest.mark.parametrize("label", LAYOUTS)
 def test_tensor_parallel_layout_matches_reference(
-    workdir, references, doc_mask_overrides, grad_norm_tolerance, label, reference, overrides, nproc
+    trained, references, grad_norm_tolerance, label
 ) -> None:
-    expected = references[reference]
-    data = doc_mask_overrides if reference == "doc_mask" else []
-    curve = run_pretrain(workdir / label, [*data, *overrides], nproc=nproc)
-    assert_same_curve(curve, expected, grad_norm_tolerance)
+    reference = LAYOUTS[label][0]
+    assert_same_curve(trained.curve(label), references[reference], grad_norm_tolerance)

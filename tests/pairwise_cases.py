@@ -645,6 +645,18 @@ def case_differences(parity_log: Path) -> dict[tuple[str, ...], tuple[float, flo
     return {case: (max(d[:2]), max(d[2:])) for case, d in found.items() if len(d) >= 3}
 
 
+def _by_precision(
+    differences: dict[tuple[str, ...], tuple[float, float]],
+) -> dict[str, tuple[float, float, int]]:
+    """The worst differences of the cases of each precision, and how many cases it has."""
+    found: dict[str, tuple[float, float, int]] = {}
+    for case, (loss, norm) in differences.items():
+        name = next((d for d in ("bf16", "fp16", "fp8", "mxfp8") if d in case), "fp32")
+        old = found.get(name, (0.0, 0.0, 0))
+        found[name] = (max(old[0], loss), max(old[1], norm), old[2] + 1)
+    return dict(sorted(found.items()))
+
+
 def render_page(differences: dict[tuple[str, ...], tuple[float, float]]) -> str:
     """docs/pairwise.md: every covered pair with its worst differences, and what is not run."""
     worst: dict[frozenset[str], tuple[float, float]] = {}
@@ -665,6 +677,14 @@ def render_page(differences: dict[tuple[str, ...], tuple[float, float]]) -> str:
         " them). Each pair's",
         "worst relative difference from one process over the cases that hold it: loss or",
         "validation loss / gradient norm.",
+        "",
+        "A pair's worst is usually that of the lowest precision among its cases. Per",
+        "precision, the worst over its cases (loss or validation loss / gradient norm):",
+        "",
+        *(
+            f"- {name}: {loss:.1e} / {norm:.1e} ({count} cases)"
+            for name, (loss, norm, count) in _by_precision(differences).items()
+        ),
         "",
         "| feature | with | worst loss / gradient norm difference |",
         "| --- | --- | --- |",

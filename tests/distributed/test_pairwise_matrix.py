@@ -14,8 +14,8 @@ measured difference is in docs/pairwise.md):
 - BF16 and FP16: SAME_PRECISION on the loss and validation loss, as the precision tests'
   layouts of one precision; the gradient norm within LOW_PRECISION_FIRST_NORM at the first
   step and LOW_PRECISION_GRAD_NORM after it.
-- FP8 and MXFP8 (emulated): FP8_SAME_PRECISION and FP8_GRAD_NORM, with FP8's 3-bit
-  mantissa turning a layout's other rounding of its BF16 inputs into flips.
+- FP8 and MXFP8 (emulated): FP8_SAME_PRECISION, FP8_FIRST_NORM and FP8_GRAD_NORM, with
+  FP8's 3-bit mantissa turning a layout's other rounding of its BF16 inputs into flips.
 """
 
 from __future__ import annotations
@@ -60,10 +60,13 @@ sum of squares of gradients each rounded to 8 (BF16) or 11 mantissa bits in anot
 LOW_PRECISION_GRAD_NORM = 5e-2
 """The same after the first update, which a layout's other rounding already moved: measured
 up to 2.0e-2 (BF16, at a step whose norm grows 2.4 times), while the losses stay within 1e-3."""
+FP8_FIRST_NORM = 1e-2
+"""The first step's gradient norm in emulated FP8 and MXFP8 (the same weights): measured up to
+2.3e-3."""
 FP8_GRAD_NORM = 1e-1
-"""The same in emulated FP8 and MXFP8, whose 3-bit mantissa rounds each matmul input by up
-to 2**-4: measured up to 7.2e-2 at step 2, while the losses stay within 2.1e-3 (a gradient
-reduced wrongly moved the first step's norm by 18-23%)."""
+"""The gradient norm after the first update in emulated FP8 and MXFP8, whose 3-bit mantissa
+rounds each matmul input by up to 2**-4: measured up to 7.2e-2 at step 2, while the losses
+stay within 2.1e-3 (a gradient reduced wrongly moved the first step's norm by 18-23%)."""
 
 
 def _label(names: tuple[str, ...]) -> str:
@@ -99,7 +102,7 @@ def _reference_label(reference: Reference) -> str:
 def _bounds(case: tuple[str, ...], grad_norm_tolerance: float) -> tuple[float, float, float]:
     """(loss, first gradient norm, later gradient norms) bounds for the case's precision."""
     if "fp8" in case or "mxfp8" in case:
-        return FP8_SAME_PRECISION, FP8_GRAD_NORM, FP8_GRAD_NORM
+        return FP8_SAME_PRECISION, FP8_FIRST_NORM, FP8_GRAD_NORM
     if "bf16" in case or "fp16" in case:
         return SAME_PRECISION, LOW_PRECISION_FIRST_NORM, LOW_PRECISION_GRAD_NORM
     return FP32_TOLERANCE, FP32_TOLERANCE, grad_norm_tolerance

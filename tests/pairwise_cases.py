@@ -629,11 +629,21 @@ MATRIX_TEST = "tests/distributed/test_pairwise_matrix.py::test_the_case_trains_a
 PAGE = HERE.resolve().parent.parent / "docs" / "pairwise.md"
 
 
+def precision_of(names: tuple[str, ...]) -> str:
+    """The case's precision: its feature of that kind, or fp32."""
+    return next((d for d in ("bf16", "fp16", "fp8", "mxfp8") if d in names), "fp32")
+
+
+def case_label(names: tuple[str, ...]) -> str:
+    """A case's (or a reference's features') name in test ids and run dirs."""
+    return "+".join(name.replace(" ", "-") for name in names) or "fp32"
+
+
 def case_differences(parity_log: Path) -> dict[tuple[str, ...], tuple[float, float]]:
     """Each case's largest relative difference from its reference, (loss or validation loss,
     gradient norm), from a suite run's PRETRAIN_PARITY_LOG (the matrix's test compares the
     loss, the validation loss, the first gradient norm, then every gradient norm)."""
-    labels = {"+".join(n.replace(" ", "-") for n in case): case for case in CASES}
+    labels = {case_label(case): case for case in CASES}
     found: dict[tuple[str, ...], list[float]] = {}
     for line in parity_log.read_text().splitlines():
         row = json.loads(line)
@@ -651,7 +661,7 @@ def _by_precision(
     """The worst differences of the cases of each precision, and how many cases it has."""
     found: dict[str, tuple[float, float, int]] = {}
     for case, (loss, norm) in differences.items():
-        name = next((d for d in ("bf16", "fp16", "fp8", "mxfp8") if d in case), "fp32")
+        name = precision_of(case)
         old = found.get(name, (0.0, 0.0, 0))
         found[name] = (max(old[0], loss), max(old[1], norm), old[2] + 1)
     return dict(sorted(found.items()))

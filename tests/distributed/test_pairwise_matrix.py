@@ -37,7 +37,9 @@ from tests.pairwise_cases import (
     TRAIN,
     Reference,
     case_fields,
+    case_label,
     overrides_of,
+    precision_of,
     reference_of,
     reference_overrides,
     reference_ranks,
@@ -69,10 +71,6 @@ rounds each matmul input by up to 2**-4: measured up to 7.2e-2 at step 2, while 
 stay within 2.1e-3 (a gradient reduced wrongly moved the first step's norm by 18-23%)."""
 
 
-def _label(names: tuple[str, ...]) -> str:
-    return "+".join(name.replace(" ", "-") for name in names) or "fp32"
-
-
 @pytest.fixture(scope="module")
 def matrix(workdir: Path, doc_mask_overrides: list[str]) -> TrainedTogether:
     """Every case and every reference, trained: the cases of one world size in one launch,
@@ -90,29 +88,30 @@ def matrix(workdir: Path, doc_mask_overrides: list[str]) -> TrainedTogether:
         layouts[_reference_label(ref)] = Layout(overrides, reference_ranks(ref))
     for case in CASES:
         overrides = (*overrides_of(case), *data(case))
-        layouts[_label(case)] = Layout(overrides, world_size(case_fields(case)))
+        layouts[case_label(case)] = Layout(overrides, world_size(case_fields(case)))
     return train_together(workdir, layouts, BASE_OVERRIDES)
 
 
 def _reference_label(reference: Reference) -> str:
     names, batch, tokens = reference
-    return f"reference-{_label(names)}-{batch}x{tokens}"
+    return f"reference-{case_label(names)}-{batch}x{tokens}"
 
 
 def _bounds(case: tuple[str, ...], grad_norm_tolerance: float) -> tuple[float, float, float]:
     """(loss, first gradient norm, later gradient norms) bounds for the case's precision."""
-    if "fp8" in case or "mxfp8" in case:
+    precision = precision_of(case)
+    if precision in ("fp8", "mxfp8"):
         return FP8_SAME_PRECISION, FP8_FIRST_NORM, FP8_GRAD_NORM
-    if "bf16" in case or "fp16" in case:
+    if precision in ("bf16", "fp16"):
         return SAME_PRECISION, LOW_PRECISION_FIRST_NORM, LOW_PRECISION_GRAD_NORM
     return FP32_TOLERANCE, FP32_TOLERANCE, grad_norm_tolerance
 
 
-@pytest.mark.parametrize("case", CASES, ids=[_label(case) for case in CASES])
+@pytest.mark.parametrize("case", CASES, ids=[case_label(case) for case in CASES])
 def test_the_case_trains_as_one_process(
     matrix: TrainedTogether, case: tuple[str, ...], grad_norm_tolerance: float
 ) -> None:
-    curve = matrix.curve(_label(case))
+    curve = matrix.curve(case_label(case))
     reference = matrix.curve(_reference_label(reference_of(case)))
     loss_bound, first_norm_bound, norm_bound = _bounds(case, grad_norm_tolerance)
     assert len(curve.loss) == len(reference.loss) == TRAIN["steps"]

@@ -1,11 +1,13 @@
 """Data parallelism: DDP (ZeRO-0), ZeRO-1 (sharded optimizer states) and ZeRO-2/3 (FSDP2).
 
-- ZeRO-0: DistributedDataParallel over the flattened dp x cp group; with tensor or
-  pipeline parallelism, FSDP2's `replicate` over the same group instead (DDP takes neither
-  TP's DTensor weights nor a pipeline schedule driving its backward): the same arithmetic,
-  every gradient all-reduced once per step, the weights whole on every replica.
-- ZeRO-1: DDP plus a ZeroRedundancyOptimizer sharded over dp_shard (with dp_replicate > 1
-  each replica group holds its own sharded copy: hybrid ZeRO-1).
+- ZeRO-0 (and ZeRO-1's reduction): DistributedDataParallel over the flattened dp x cp
+  group; with tensor or pipeline parallelism, FSDP2's `replicate` over the same group
+  instead (DDP takes neither TP's DTensor weights nor a pipeline schedule driving its
+  backward): the same arithmetic, every gradient all-reduced once per step, the weights
+  whole on every replica.
+- ZeRO-1: ZeRO-0's reduction plus optimizer states sharded over dp_shard
+  (`parallel/zero/sharded_optimizer.py`; with dp_replicate > 1 each replica group holds its
+  own sharded copy: hybrid ZeRO-1), routed experts' over the ranks holding the same experts.
 - ZeRO-2/3: FSDP2 `fully_shard` per transformer block and on the root, over the (replicate,
   shard) mesh; ZeRO-3 reshards parameters after forward, ZeRO-2 keeps them unsharded until
   backward, and between accumulation micro-batches (one all-gather per step). BF16, FP16
@@ -20,13 +22,12 @@
 Overlap: FSDP2 issues the all-gathers of the next `parallel.fsdp_prefetch` blocks ahead
 (forward and backward); DDP reduces buckets of `parallel.ddp_bucket_mb` while backward
 continues. `precision.reduce_dtype=bf16` halves the reduction traffic under both.
-`parallel.offload=params` keeps the shards in host memory (`parallel/offload.py`).
+`parallel.offload=params` keeps the shards in host memory (`parallel/zero/offload.py`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import sys
 import weakref
 from collections.abc import Iterator
 
@@ -46,8 +47,9 @@ from pretrain.parallel.expert import (
     expert_width_dims,
 )
 from pretrain.parallel.mesh import JobMesh
-from pretrain.parallel.offload import offload_policy
 from pretrain.parallel.precision import compute_dtype
+from pretrain.parallel.zero.offload import offload_policy
+from pretrain.parallel.zero.sharded_optimizer import ShardedOptimizer
 
 REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 _GATHERED_ONCE: weakref.WeakSet[nn.Module] = weakref.WeakSet()
@@ -62,11 +64,11 @@ def uses_fsdp(parallel: ParallelConfig, degrees: Degrees) -> bool:
 
 
 def replicates_with_fsdp(parallel: ParallelConfig, degrees: Degrees) -> bool:
-    """Whether ZeRO-0 runs on FSDP2's `replicate` rather than DDP: with more than one rank
-    reducing gradients, under tensor parallelism (DTensor weights, which DDP cannot reduce)
-    or pipeline parallelism (whose schedule drives backward in a way DDP's reducer refuses
-    from the second step)."""
-    return parallel.zero == 0 and degrees.grad_replicas > 1 and (degrees.tp > 1 or degrees.pp > 1)
+    """Whether ZeRO-0 (and ZeRO-1's reduction) runs on FSDP2's `replicate` rather than DDP:
+    with more than one rank reducing gradients, under tensor parallelism (DTensor weights,
+    which DDP cannot reduce) or pipeline parallelism (whose schedule drives backward in a
+    way DDP's reducer refuses from the second step)."""
+    return parallel.zero <= 1 and degrees.grad_replicas > 1 and (degrees.tp > 1 or degrees.pp > 1)
 
 
 def apply_replicate(model: nn.Module, mesh: JobMesh, precision: PrecisionConfig) -> None:
@@ -207,24 +209,27 @@ def build_zero1_optimizer(
     optimizer_class: type[torch.optim.Optimizer],
     optimizer_kwargs: dict,
     mesh: JobMesh,
-) -> torch.optim.Optimizer:
-    """An optimizer whose states are sharded over dp_shard (ZeRO-1)."""
-    # Imported here: torch.distributed.optim costs a rank 0.4 s of start-up, for ZeRO-1 only.
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
-    return ZeroRedundancyOptimizer(
+    model: nn.Module,
+) -> ShardedOptimizer:
+    """An optimizer whose states are sharded over dp_shard (ZeRO-1); routed experts' over
+    the ranks that hold the same experts."""
+    dense = mesh.world["dp_shard"].get_group()
+    experts = {
+        id(p): replicas.mesh.get_group()
+        for module, replicas in expert_replicas(model)
+        for p in module.parameters()
+    }
+    return ShardedOptimizer(
         param_groups,
-        optimizer_class=optimizer_class,
-        process_group=mesh.world["dp_shard"].get_group(),
-        **optimizer_kwargs,
+        optimizer_class,
+        optimizer_kwargs,
+        group_of=lambda param: experts.get(id(param), dense),
     )
 
 
 def is_zero1_optimizer(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether `optimizer` is ZeRO-1's sharded one, without importing its module when no
-    ZeRO-1 optimizer was ever built."""
-    module = sys.modules.get("torch.distributed.optim")
-    return module is not None and isinstance(optimizer, module.ZeroRedundancyOptimizer)
+    """Whether `optimizer` is ZeRO-1's sharded one."""
+    return isinstance(optimizer, ShardedOptimizer)
 
 
 @contextlib.contextmanager

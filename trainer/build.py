@@ -32,12 +32,12 @@ from pretrain.parallel.data_parallel import (
 from pretrain.parallel.expert import apply_expert_parallel
 from pretrain.parallel.materialize import materialize
 from pretrain.parallel.mesh import JobMesh
-from pretrain.parallel.offload import optimizer_device_type
 from pretrain.parallel.pipeline.stages import StageView, split_stage, stage_indices
 from pretrain.parallel.pipeline.tied_embedding import mark_head_copy
 from pretrain.parallel.precision import LossScaler, apply_precision
 from pretrain.parallel.recompute import apply_recompute
 from pretrain.parallel.tensor import apply_tensor_parallel
+from pretrain.parallel.zero.offload import optimizer_device_type
 from pretrain.trainer.optim.distributed_muon import muon_routes
 from pretrain.trainer.optim.lr_schedule import build_lr_scheduler
 from pretrain.trainer.optim.muon import Muon
@@ -125,7 +125,7 @@ def build_train_state(cfg: RecipeConfig, mesh: JobMesh, device: torch.device) ->
             group["lr"] = lr
         optimizer_class, kwargs = optimizer_spec(cfg.optim, device)
         kwargs = {k: v for k, v in kwargs.items() if k != "fused"}
-        optimizer = build_zero1_optimizer(groups, optimizer_class, kwargs, mesh)
+        optimizer = build_zero1_optimizer(groups, optimizer_class, kwargs, mesh, plain)
     else:
         optimizer = build_optimizer(
             plain,

@@ -14,7 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from pretrain.core.model_config import ModelConfig
 from pretrain.models.moe import grouped_mm_supported
-from pretrain.parallel.offload import offloaded_modules
+from pretrain.parallel.zero.offload import offloaded_modules
 from pretrain.trainer.allocator import freed_memory_kept
 
 if TYPE_CHECKING:

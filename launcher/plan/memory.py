@@ -545,7 +545,8 @@ def _rank_shape(cfg: RecipeConfig, degrees: Degrees, microbatches: int, pp_rank:
         pp_rank=pp_rank,
         compute=COMPUTE_BYTES[cfg.precision.dtype],
         fsdp=fsdp,
-        ddp=not fsdp and n > 1,
+        # Under tp or pp, ZeRO-0/1 reduce through FSDP2's replicate: in place, no DDP buckets.
+        ddp=not fsdp and n > 1 and t == 1 and degrees.pp == 1,
         last=last,
         flight=flight,
         microbatches=microbatches,
@@ -596,7 +597,10 @@ def _shape_breakdown(r: _RankShape) -> MemoryBreakdown:
     activations = _peak_activations(r, logits_backward, notes)
     if r.expert_local:
         params += 4 * r.expert_resident
-        expert_states = state_tensors(cfg.optim)[0] * r.expert_resident
+        # ZeRO-1 shards the experts' states over the ranks holding the same experts.
+        zero1 = cfg.parallel.zero == 1 and degrees.dp_shard > 1
+        expert_shard = max(1, degrees.grad_replicas // degrees.ep) if zero1 else 1
+        expert_states = state_tensors(cfg.optim)[0] * r.expert_resident / expert_shard
         optimizer += state_bytes(cfg.optim.state_dtype) * expert_states
         grads_held += 4 * r.expert_local if r.accum > 1 else 0.0
         unsharded = (r.expert_fsdp and cfg.parallel.zero == 2) or (
@@ -732,10 +736,11 @@ def _transients(r: _RankShape, notes: dict[str, str]) -> float:
     else:
         transients = 0.0
     # Measured on CPU: DDP's synced backward after no-sync micro-batches holds one more
-    # FP32 gradient-sized buffer.
-    if r.ddp and r.accum > 1:
+    # FP32 gradient-sized buffer, and so does FSDP2's replicate (its reduction's flat copy).
+    if not r.fsdp and r.degrees.grad_replicas > 1 and r.accum > 1:
         transients += 4 * r.local
-        notes["transients"] = notes.get("transients", "") + " + DDP's accumulation buffer"
+        kind = "DDP's accumulation buffer" if r.ddp else "the replicated reduction's buffer"
+        notes["transients"] = notes.get("transients", "") + f" + {kind}"
     return transients
 
 

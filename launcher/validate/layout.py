@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 
-from pretrain.core.layout import grad_accum_steps, resolve_degrees, world_size
+from pretrain.core.layout import grad_accum_steps, resolve_degrees
 from pretrain.core.problems import (
     Checks,
     Problem,
@@ -35,40 +35,9 @@ _SLURM_UNLIMITED = ("UNLIMITED", "INFINITE")
 
 
 def check_runnable(cfg: RecipeConfig) -> list[Problem]:
-    """Layouts the trainer of this version cannot execute yet (they can still be planned)."""
-    p = cfg.parallel
-    # Ranks beyond one pipeline of tp groups reduce gradients: data- or context-parallel.
-    replicas = world_size(cfg) > p.tp * p.pp
-    unsupported = [
-        (
-            "parallel.zero",
-            p.zero,
-            # ZeroRedundancyOptimizer partitions whole local parameters and broadcasts them
-            # with plain collectives: TP's DTensor shards, and the DTensors a pipeline's
-            # replicated stages become, are beyond it.
-            (p.tp > 1 or p.pp > 1) and p.zero == 1 and replicas,
-            "ZeRO-1 with tensor or pipeline parallelism",
-            "parallel.zero=2 (the same traffic per step, one reduce-scatter and one "
-            "all-gather as Megatron's distributed optimizer, with less memory) or 0",
-        ),
-        (
-            "parallel.zero",
-            p.zero,
-            p.ep > 1 and p.zero == 1,
-            "expert parallelism with ZeRO-1",
-            "parallel.zero=0, 2 or 3",
-        ),
-    ]
-    return [
-        Problem(
-            field,
-            value,
-            f"{what} is not implemented in the trainer yet; this layout can only be planned",
-            f"inspect it with action=plan, or set {fix} to run",
-        )
-        for field, value, bad, what, fix in unsupported
-        if bad
-    ] + runnable_problems(cfg)
+    """Layouts the trainer cannot execute (they can still be planned), with the reason each
+    fails."""
+    return runnable_problems(cfg)
 
 
 def check_cluster(c: Checks, cfg: RecipeConfig) -> bool:

@@ -64,6 +64,10 @@ def move_optimizer(
     moved = {mapping[id(p)]: state for p, state in optimizer.state.items()}
     optimizer.state.clear()
     optimizer.state.update(moved)
+    # ZeRO-1's sharded optimizer steps the parameters it owns with an optimizer of its own.
+    owned = getattr(optimizer, "optim", None)
+    if owned is not None:
+        move_optimizer(owned, old, new)
 
 
 @dataclass

@@ -197,12 +197,13 @@ def test_checkpoint_resumes_under_another_data_parallel_layout(
     assert max_relative(after, uninterrupted) <= FP32_TOLERANCE
 
 
-def test_zero3_checkpoint_loads_into_zero1_owned_shares(
+def test_zero3_checkpoint_loads_into_zero1_owned_tensor_parallel_shares(
     workdir, uninterrupted, crashed_zero3
 ) -> None:
-    resumed = workdir / "zero3_to_zero1"
+    """Each ZeRO-1 owner (of 2 dp ranks) loads its parameters' states, split over tp=2."""
+    resumed = workdir / "zero3_to_zero1_tp2"
     shutil.copytree(crashed_zero3, resumed)
-    after = train(resumed, ["parallel.zero=1"], nproc=2)
+    after = train(resumed, ["parallel.zero=1", "parallel.tp=2"], nproc=4)
     assert max_relative(after, uninterrupted) <= FP32_TOLERANCE
 
 

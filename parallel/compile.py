@@ -74,26 +74,34 @@ class GuardedCompile:
         return out
 
 
-def apply_compile(model: nn.Module, cfg: CompileConfig) -> None:
+def apply_compile(model: nn.Module, cfg: CompileConfig, context_parallel: bool = False) -> None:
     """Compile each transformer block's forward in place, if the recipe asks for it; of a
-    block with routed experts, its attention alone.
+    block with routed experts, its attention alone; under context parallelism, its
+    feed-forward alone (and of a block with routed experts under it, nothing).
 
     The experts' dispatch cannot be one graph: its sizes are the tokens each expert got
     (data-dependent), it asks autograd whether it is being recomputed, and it accumulates the
     routing statistics in place, all of which fullgraph tracing refuses (torch 2.13). The
     attention, most of such a block's FLOPs at short sequence lengths, compiles as a dense
     block does; the router and experts run eagerly (their grouped GEMM is one kernel anyway).
+    Context parallelism's ring attention exchanges K/V blocks point to point, which dynamo
+    cannot trace ('P2P compilation disabled for P2POp construction', torch 2.13): the ring
+    stays eager, its steps being SDPA kernels already, and the feed-forward (two thirds of a
+    dense block's FLOPs) compiles.
     """
     if not (cfg.enabled and cfg.blocks):
         return
     for key, block in model.layers.items():
-        if isinstance(block.feed_forward, MoEFeedForward):
-            attention = block.attention
-            attention.forward = GuardedCompile(
-                f"attention of block layers.{key}", attention.forward, cfg
-            )
+        moe = isinstance(block.feed_forward, MoEFeedForward)
+        if moe and context_parallel:
+            continue
+        if moe:
+            region, name = block.attention, f"attention of block layers.{key}"
+        elif context_parallel:
+            region, name = block.feed_forward, f"feed-forward of block layers.{key}"
         else:
-            block.forward = GuardedCompile(f"block layers.{key}", block.forward, cfg)
+            region, name = block, f"block layers.{key}"
+        region.forward = GuardedCompile(name, region.forward, cfg)
 
 
 def compile_loss(loss_fn: Callable, cfg: CompileConfig) -> Callable:

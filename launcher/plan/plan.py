@@ -247,7 +247,8 @@ def _add_terms(cfg: RecipeConfig, plan: Plan, degrees: Degrees, micro: int) -> N
 
 def _warnings(cfg: RecipeConfig, plan: Plan, gpu: str) -> list[str]:
     """A context-parallel ring that leaves its node, a node limit an ep group inside one node
-    makes moot, routed experts that stay bf16 under fp8, recompute under a split-backward
+    makes moot, routed experts that stay bf16 under fp8, blocks that compile nothing under
+    cp, recompute under a split-backward
     schedule (which the plan does not model), and a peak over the device's memory with the
     levers that lower it (for long sequences, in the order to pull them)."""
     found = []
@@ -267,6 +268,13 @@ def _warnings(cfg: RecipeConfig, plan: Plan, gpu: str) -> list[str]:
             f"model.moe_node_limit={cfg.model.moe_node_limit} is moot: the ep group "
             f"(parallel.ep={cfg.parallel.ep}) fits in one node of {cfg.cluster.gpus_per_node} "
             "ranks, so every token's experts are on one node already"
+        )
+    k = cfg.compile
+    if cfg.parallel.cp > 1 and k.enabled and k.blocks and cfg.model.n_moe_layers:
+        found.append(
+            f"compile.blocks=true under parallel.cp={cfg.parallel.cp}: the blocks with routed "
+            "experts run eagerly (the ring attention's point-to-point exchange and the "
+            "experts' dispatch cannot be traced; dense blocks compile their feed-forward)"
         )
     split = cfg.parallel.pp > 1 and SCHEDULES[cfg.parallel.pp_schedule].split_backward
     if split and cfg.recompute.policy != "none":

@@ -132,17 +132,6 @@ def runnable_problems(cfg: RecipeConfig) -> list[Problem]:
     """Combinations the trainer cannot execute, with the reason each fails."""
     p, k = cfg.parallel, cfg.compile
     found = []
-    if p.cp > 1 and k.enabled and k.blocks:
-        found.append(
-            Problem(
-                "compile.blocks",
-                True,
-                "a block compiles as one graph (fullgraph) and dynamo cannot trace the context-"
-                "parallel ring's point-to-point exchange inside attention ('P2P compilation "
-                "disabled for P2POp construction', torch 2.13)",
-                "set compile.blocks=false (the loss may still be compiled), or parallel.cp=1",
-            )
-        )
     t = SCHEDULES.get(p.pp_schedule)
     if p.pp > 1 and t is not None and t.split_backward and k.enabled and k.blocks:
         found.append(

@@ -335,13 +335,12 @@ PADDED_VOCAB = "model.vocab_size=511"  # tp=2 pads it to 512 rows
 
 
 @pytest.fixture(scope="module")
-def crashed_model_parallel(workdir: Path) -> dict[str, Path]:
-    """Run dirs interrupted under each model-parallel layout: complete checkpoints 2 and 4."""
-    run_dirs = {}
-    for label, overrides in MODEL_PARALLEL.items():
-        run_dirs[label] = workdir / f"crashed_{label}"
-        crash_during_save(run_dirs[label], overrides, nproc=2)
-    return run_dirs
+def crashed_pp2(workdir: Path) -> Path:
+    """A run dir interrupted under pp=2: complete checkpoints 2 and 4. (A tp=2 checkpoint
+    resumes under dp=2 in `test_vocab_rows_padded_under_tp_are_dropped_without_it`.)"""
+    run_dir = workdir / "crashed_pp2"
+    crash_during_save(run_dir, MODEL_PARALLEL["pp2"], nproc=2)
+    return run_dir
 
 
 @pytest.fixture(scope="module")
@@ -356,12 +355,11 @@ def crashed_tp2_padded(workdir: Path) -> Path:
     return run_dir
 
 
-@pytest.mark.parametrize("saved_under", MODEL_PARALLEL)
-def test_model_parallel_checkpoint_resumes_under_data_parallelism(
-    workdir, uninterrupted, crashed_model_parallel, saved_under
+def test_pipeline_checkpoint_resumes_under_data_parallelism(
+    workdir, uninterrupted, crashed_pp2
 ) -> None:
-    resumed = workdir / f"{saved_under}_to_dp2"
-    shutil.copytree(crashed_model_parallel[saved_under], resumed)
+    resumed = workdir / "pp2_to_dp2"
+    shutil.copytree(crashed_pp2, resumed)
     after = train(resumed, ["parallel.zero=3"], nproc=2)
     assert "resumed from the checkpoint of step 4" in (workdir / f"{resumed.name}.log").read_text()
     assert max_relative(after, uninterrupted) <= FP32_TOLERANCE
@@ -377,6 +375,7 @@ def test_dp2_checkpoint_resumes_into_pipeline_stages(workdir, uninterrupted, cra
 def test_vocab_rows_padded_under_tp_are_dropped_without_it(
     workdir, padded_uninterrupted, crashed_tp2_padded
 ) -> None:
+    """A tp=2 checkpoint (its vocabulary padded to 512 rows) resumes under dp=2."""
     resumed = workdir / "tp2_padded_to_dp2"
     shutil.copytree(crashed_tp2_padded, resumed)
     after = train(resumed, [PADDED_VOCAB, "parallel.zero=3"], nproc=2)
@@ -405,11 +404,11 @@ def assert_same_loss(actual: nn.Module, expected: nn.Module, vocab_size: int) ->
     assert abs(ours - theirs) / theirs <= FP32_TOLERANCE
 
 
-@pytest.mark.parametrize("saved_under", MODEL_PARALLEL)
-def test_model_parallel_checkpoint_loads_into_the_plain_model(
-    workdir, uninterrupted, crashed_model_parallel, saved_under
+def test_pipeline_checkpoint_loads_into_the_plain_model(
+    workdir, uninterrupted, crashed_pp2
 ) -> None:
-    ours, _, _ = load_model(crashed_model_parallel[saved_under], step=4)
+    """(A tp=2 checkpoint's: `test_export_of_a_tp_checkpoint_drops_the_padded_vocab_rows`.)"""
+    ours, _, _ = load_model(crashed_pp2, step=4)
     reference, cfg, _ = load_model(workdir / "uninterrupted", step=4)
     assert_same_loss(ours, reference, cfg.model.vocab_size)
 

@@ -4,7 +4,8 @@ FP32 on CPU, within the harness's tolerances, as for every layout. The harness's
 sequences are cut into 2cp chunks (cp rank i takes chunks i and 2cp-1-i) and attention runs the
 in-repo ring (`parallel/ring_attention.py`); rotary positions follow the global positions and the
 cp ranks share the gradient reduction, so nothing of the run may change. Each composition
-the trainer runs gets one launch: with TP/SP under ZeRO-3 (FSDP over dp_shard x cp), and
+the trainer runs gets one launch: with TP/SP under ZeRO-3 (FSDP over dp_shard x cp) and
+compiled blocks (the feed-forward compiled, the ring eager: `parallel/compile.py`), and
 with PP under ZeRO-2 and selective recompute.
 
 The ring computes attention as online-softmax sums over chunk pairs, in another order than
@@ -43,9 +44,17 @@ def references(harness_reference, doc_mask_reference, mla_reference) -> dict:
 
 LAYOUTS = {
     "cp2": ("harness", ["parallel.cp=2"], 2),
-    "cp2_tp2_sp_zero3": (
+    # Compiled blocks under cp: the feed-forward compiles, the ring stays eager.
+    "cp2_tp2_sp_zero3_compiled": (
         "harness",
-        ["parallel.cp=2", "parallel.tp=2", "parallel.sp=true", "parallel.zero=3"],
+        [
+            "parallel.cp=2",
+            "parallel.tp=2",
+            "parallel.sp=true",
+            "parallel.zero=3",
+            "compile.enabled=true",
+            "compile.backend=aot_eager",
+        ],
         4,
     ),
     "cp2_pp2_zero2_selective": (

@@ -30,12 +30,15 @@ MOE_MODEL = dataclasses.replace(MODEL, moe_experts=4, moe_top_k=2)
 
 
 def built(
-    compile_cfg: CompileConfig | None = None, recompute: str = "none", cfg: ModelConfig = MODEL
+    compile_cfg: CompileConfig | None = None,
+    recompute: str = "none",
+    cfg: ModelConfig = MODEL,
+    context_parallel: bool = False,
 ) -> torch.nn.Module:
     model = models.build(cfg)
     apply_recompute(model, RecomputeConfig(policy=recompute))
     if compile_cfg is not None:
-        apply_compile(model, compile_cfg)
+        apply_compile(model, compile_cfg, context_parallel)
     materialize(model, cfg, seed=3, device=torch.device("cpu"))
     return model
 
@@ -77,6 +80,27 @@ def test_a_block_with_routed_experts_compiles_its_attention_and_matches_eager(re
     assert loss == pytest.approx(eager_loss, rel=1e-6)
     for name, grad in grads.items():
         torch.testing.assert_close(grad, eager_grads[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_under_context_parallelism_a_block_compiles_its_feed_forward_and_matches_eager(recompute):
+    """The ring attention's point-to-point exchange cannot be traced: it stays eager (the
+    ring itself is trained by tests/distributed/test_pairwise_matrix.py's cp + compile case)."""
+    cfg = CompileConfig(enabled=True, backend="aot_eager")
+    eager_loss, eager_grads = loss_and_grads(built(recompute=recompute))
+    model = built(cfg, recompute=recompute, context_parallel=True)
+    for block in model.layers.values():
+        assert isinstance(block.feed_forward.forward, GuardedCompile)
+        assert not isinstance(block.forward, GuardedCompile)
+        assert not isinstance(block.attention.forward, GuardedCompile)
+    loss, grads = loss_and_grads(model)
+    assert loss == pytest.approx(eager_loss, rel=1e-6)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, eager_grads[name], rtol=1e-5, atol=1e-7, msg=name)
+    moe = built(cfg, cfg=MOE_MODEL, context_parallel=True)
+    assert not any(
+        isinstance(m.forward, GuardedCompile) for b in moe.layers.values() for m in b.modules()
+    )
 
 
 def test_compile_off_or_nothing_selected_leaves_forward_and_loss_alone():

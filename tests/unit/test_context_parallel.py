@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 from pretrain.core.layout import rank_groups, resolve_degrees
 from pretrain.core.model_config import ModelConfig
+from pretrain.launcher.plan.plan import make_plan
 from pretrain.launcher.validate.recipe import check_runnable, validate
 from pretrain.models.layers import document_mask
 from pretrain.models.moe import MoEFeedForward, expert_counts_per_sequence
@@ -71,7 +72,8 @@ def test_the_ring_computes_every_causal_chunk_pair_once_and_balances_the_work(cp
         {"parallel.cp": 2},
         {"parallel.cp": 2, "parallel.tp": 4, "parallel.sp": True, "parallel.zero": 3},
         {"parallel.cp": 4, "parallel.pp": 2, "parallel.zero": 2, "recompute.policy": "full"},
-        {"parallel.cp": 2, "compile.enabled": True, "compile.blocks": False},
+        {"parallel.cp": 2, "compile.enabled": True},
+        {"parallel.cp": 2, "compile.enabled": True, "model.moe_experts": 8},
         {"parallel.cp": 2, "model.moe_experts": 8, "model.moe_ffn_dim": 256},
         {"parallel.cp": 2, "parallel.ep": 2, "model.moe_experts": 8, "model.moe_ffn_dim": 256},
         {"parallel.cp": 2, "data.doc_mask": True},
@@ -203,13 +205,14 @@ def test_moe_blocks_on_cp_chunks_route_drop_and_balance_as_on_the_whole_sequence
     torch.testing.assert_close(block.router.weight.grad, expected_grad, rtol=1e-5, atol=1e-7)
 
 
-def test_compiled_blocks_are_refused_with_cp_for_launch_only() -> None:
-    cfg = configure({"parallel.cp": 2, "compile.enabled": True})
-    validate(cfg)  # the layout can still be planned
-    [problem] = problems(cfg, for_launch=True)
-    assert problem.field == "compile.blocks"
-    assert "point-to-point exchange" in problem.reason
-    assert "compile.blocks=false" in problem.fix
+def test_the_plan_says_which_blocks_compile_nothing_under_cp() -> None:
+    """Under cp a dense block compiles its feed-forward; a block with routed experts has
+    nothing left that traces (parallel/compile.py), and the plan says so."""
+    moe = {"parallel.cp": 2, "compile.enabled": True, "model.moe_experts": 8}
+    [warning] = [w for w in make_plan(configure(moe)).warnings if "compile.blocks" in w]
+    assert "the blocks with routed experts run eagerly" in warning
+    dense = make_plan(configure({"parallel.cp": 2, "compile.enabled": True})).warnings
+    assert not any("compile.blocks" in w for w in dense)
 
 
 def test_cp_must_divide_the_world() -> None:

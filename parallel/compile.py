@@ -74,10 +74,21 @@ class GuardedCompile:
         return out
 
 
-def apply_compile(model: nn.Module, cfg: CompileConfig, context_parallel: bool = False) -> None:
+def apply_compile(
+    model: nn.Module,
+    cfg: CompileConfig,
+    context_parallel: bool = False,
+    split_backward: bool = False,
+) -> None:
     """Compile each transformer block's forward in place, if the recipe asks for it; of a
     block with routed experts, its attention alone; under context parallelism, its
     feed-forward alone (and of a block with routed experts under it, nothing).
+
+    Under a schedule that splits each backward into an input-gradient pass and a weight pass
+    (zero_bubble, zbv, dualpipev), both passes go through a compiled region's one backward
+    node with the graph retained, which AOTAutograd's donated buffers refuse ('compiled with
+    non-empty donated buffers ... requires retain_graph=False', torch 2.13): they are turned
+    off, and each pass runs the region's whole backward (the plan says so and costs it).
 
     The experts' dispatch cannot be one graph: its sizes are the tokens each expert got
     (data-dependent), it asks autograd whether it is being recomputed, and it accumulates the
@@ -91,6 +102,10 @@ def apply_compile(model: nn.Module, cfg: CompileConfig, context_parallel: bool =
     """
     if not (cfg.enabled and cfg.blocks):
         return
+    if split_backward:
+        import torch._functorch.config
+
+        torch._functorch.config.donated_buffer = False
     for key, block in model.layers.items():
         moe = isinstance(block.feed_forward, MoEFeedForward)
         if moe and context_parallel:

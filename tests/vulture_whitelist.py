@@ -18,6 +18,7 @@ _.__spec__  # cleared before the workers fork (dataprep/workers.py)
 _.exc_info  # logging.LogRecord's traceback, dropped by the agent's filter (trainer/agent.py)
 _.exc_text
 _._CHECKPOINT_PROCESS  # DCP's background process, released to join it (trainer/checkpoint)
+_.donated_buffer  # AOTAutograd's setting, off under split-backward schedules (parallel/compile.py)
 _.tb  # __exit__'s third argument
 _.types  # TorchDispatchMode.__torch_dispatch__'s signature (trainer/kernels.py)
 

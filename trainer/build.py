@@ -61,7 +61,8 @@ def parallelize(plain: nn.Module, cfg: RecipeConfig, mesh: JobMesh) -> None:
     apply_context_parallel(plain, mesh)
     apply_expert_parallel(plain, mesh)
     apply_recompute(plain, cfg.recompute)
-    apply_compile(plain, cfg.compile, context_parallel=mesh.degrees.cp > 1)
+    split = mesh.degrees.pp > 1 and SCHEDULES[cfg.parallel.pp_schedule].split_backward
+    apply_compile(plain, cfg.compile, mesh.degrees.cp > 1, split)
     if uses_fsdp(cfg.parallel, mesh.degrees):
         apply_fsdp(plain, mesh, cfg.parallel, cfg.precision)
     elif replicates_with_fsdp(cfg.parallel, mesh.degrees):

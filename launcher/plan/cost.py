@@ -246,11 +246,14 @@ def rank_compute(
         (m.is_moe_layer(layer), is_recomputed(cfg.recompute, layer)) for layer in held
     )
     forward = backward = attention = 0.0
+    rerun = reruns_compiled_backward(cfg)
     for (moe, recomputed), count in kinds.items():
         block = _block(cfg, degrees, kernels, moe, recomputed)
         forward += count * block.forward
         backward += count * (block.backward + block.recompute)
         attention += count * block.attention
+        if rerun and not moe:
+            backward += count * block.backward
     if pp_rank == head_rank(p.pp, p.vpp, placement(p.pp_schedule) if p.pp > 1 else "loop"):
         tokens = cfg.train.micro_batch * cfg.train.seq_len / degrees.cp
         head_forward, head_backward = head_seconds(kernels, cfg, tokens, degrees.tp)
@@ -263,6 +266,15 @@ def rank_compute(
             forward += m.mtp_layers * (proj + block.forward + head_forward)
             backward += m.mtp_layers * (2 * proj + block.backward + head_backward)
     return RankCompute(forward, backward, attention / max(1, len(held)))
+
+
+def reruns_compiled_backward(cfg: RecipeConfig) -> bool:
+    """Whether compiled dense blocks run their backward twice per micro-batch: under a
+    schedule that splits it into input and weight passes, each pass runs a compiled block's
+    one backward node whole (parallel/compile.py; counted with torch's profiler)."""
+    p, k = cfg.parallel, cfg.compile
+    split = p.pp > 1 and SCHEDULES[p.pp_schedule].split_backward
+    return split and k.enabled and k.blocks
 
 
 def _block(

@@ -276,6 +276,13 @@ def _warnings(cfg: RecipeConfig, plan: Plan, gpu: str) -> list[str]:
             "experts run eagerly (the ring attention's point-to-point exchange and the "
             "experts' dispatch cannot be traced; dense blocks compile their feed-forward)"
         )
+    if cost.reruns_compiled_backward(cfg):
+        found.append(
+            f"compile.blocks=true under parallel.pp_schedule={cfg.parallel.pp_schedule}: a "
+            "compiled block's backward is one node, so the input-gradient pass and the weight "
+            "pass each run all of it (two backwards per micro-batch, costed in this plan's "
+            "compute); 1f1b or interleaved_1f1b compile without it, or compile.blocks=false"
+        )
     split = cfg.parallel.pp > 1 and SCHEDULES[cfg.parallel.pp_schedule].split_backward
     if split and cfg.recompute.policy != "none":
         found.append(

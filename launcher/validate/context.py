@@ -130,22 +130,9 @@ def check_mtp(c: Checks, cfg: RecipeConfig) -> None:
 
 def runnable_problems(cfg: RecipeConfig) -> list[Problem]:
     """Combinations the trainer cannot execute, with the reason each fails."""
-    p, k = cfg.parallel, cfg.compile
+    p = cfg.parallel
     found = []
     t = SCHEDULES.get(p.pp_schedule)
-    if p.pp > 1 and t is not None and t.split_backward and k.enabled and k.blocks:
-        found.append(
-            Problem(
-                "compile.blocks",
-                True,
-                f"{p.pp_schedule} splits each backward into input and weight gradients, calling "
-                "backward with retain_graph=True, which a compiled block's backward refuses "
-                "('compiled with non-empty donated buffers ... requires retain_graph=False', "
-                "torch 2.13; torch rejects compiled stages for these schedules too)",
-                "set compile.blocks=false (the loss may still be compiled), or pp_schedule=1f1b, "
-                "interleaved_1f1b or 2bw",
-            )
-        )
     if p.pp > 1 and t is not None and t.split_backward and p.zero == 3:
         found.append(
             Problem(

@@ -41,6 +41,17 @@ LAYOUTS = {
         2,
     ),
     "zero_bubble_pp2": (["parallel.pp=2", "parallel.pp_schedule=zero_bubble"], 2),
+    # Both the input and the weight pass run a compiled block's backward (parallel/compile.py).
+    "zero_bubble_pp2_compiled": (
+        [
+            "parallel.pp=2",
+            "parallel.pp_schedule=zero_bubble",
+            "parallel.zero=2",
+            "compile.enabled=true",
+            "compile.backend=aot_eager",
+        ],
+        4,
+    ),
     "uneven_1f1b_pp2_recompute": (
         ["parallel.pp=2", "parallel.pp_layers=[1,3]", "recompute=full", "recompute.every=2"],
         2,

@@ -8,6 +8,8 @@ to documents (on a corpus of short ones, `doc_mask_overrides`), which every stag
 attention must receive. pp=4 needs 8 stages, so its reference has 8 layers, and
 micro-batches of one sequence, which give DualPipeV the 2pp = 8 micro-batches it needs per
 step without re-splitting the reference's micro-batches (4 steps: 4 ranks cost the most).
+ZB-V at pp=2 also trains with compiled blocks, whose one backward node both the input and
+the weight pass run (parallel/compile.py).
 """
 
 from __future__ import annotations
@@ -29,25 +31,31 @@ def models(doc_mask_overrides: list[str]) -> dict[str, list[str]]:
     return {"harness": [], "doc_mask": doc_mask_overrides, "pp4_model": PP4_MODEL}
 
 
+COMPILED = ("compile.enabled=true", "compile.backend=aot_eager")
 CASES = [
-    ("zbv", 2, "harness"),
-    ("dualpipev", 2, "doc_mask"),
-    ("zbv", 4, "pp4_model"),
-    ("dualpipev", 4, "pp4_model"),
+    ("zbv", 2, "harness", ()),
+    ("zbv", 2, "harness", COMPILED),
+    ("dualpipev", 2, "doc_mask", ()),
+    ("zbv", 4, "pp4_model", ()),
+    ("dualpipev", 4, "pp4_model", ()),
 ]
-"""Each V schedule's pipeline ranks and reference."""
+"""Each V schedule's pipeline ranks, reference and further overrides."""
+
+
+def label(schedule: str, pp: int, extra: tuple[str, ...]) -> str:
+    return f"{schedule}_pp{pp}" + ("_compiled" if extra else "")
 
 
 @pytest.fixture(scope="module")
 def trained(workdir: Path, models: dict[str, list[str]]) -> TrainedTogether:
     """The layouts and the pp=4 model's reference, those of one world size in one launch."""
     layouts = {"reference_pp4_model": Layout(tuple(PP4_MODEL), 1)}
-    for schedule, pp, reference in CASES:
+    for schedule, pp, reference, extra in CASES:
         overrides = [
             *models[reference], f"parallel.pp={pp}", "parallel.vpp=2",
-            f"parallel.pp_schedule={schedule}",
+            f"parallel.pp_schedule={schedule}", *extra,
         ]  # fmt: skip
-        layouts[f"{schedule}_pp{pp}"] = Layout(tuple(overrides), pp)
+        layouts[label(schedule, pp, extra)] = Layout(tuple(overrides), pp)
     return train_together(workdir, layouts)
 
 
@@ -60,9 +68,11 @@ def references(trained, harness_reference, doc_mask_reference) -> dict:
     }
 
 
-@pytest.mark.parametrize(("schedule", "pp", "reference"), CASES)
+@pytest.mark.parametrize(
+    ("schedule", "pp", "reference", "extra"), CASES, ids=[label(c[0], c[1], c[3]) for c in CASES]
+)
 def test_v_schedule_matches_reference(
-    trained, references, grad_norm_tolerance, schedule, pp, reference
+    trained, references, grad_norm_tolerance, schedule, pp, reference, extra
 ) -> None:
-    curve = trained.curve(f"{schedule}_pp{pp}")
+    curve = trained.curve(label(schedule, pp, extra))
     assert_same_curve(curve, references[reference], grad_norm_tolerance)

@@ -5,6 +5,7 @@ import pytest
 from pretrain.core.layout import grad_accum_steps, resolve_degrees
 from pretrain.core.stages import rank_stages, stage_layers
 from pretrain.launcher.plan.memory import memory_breakdown, stage_params
+from pretrain.launcher.plan.plan import make_plan
 from pretrain.launcher.validate.recipe import check_runnable, validate
 from pretrain.models.flops import count_params
 from tests.helpers import configure, problems
@@ -174,23 +175,17 @@ def test_a_tied_head_under_a_v_schedule_sits_beside_the_embedding_on_rank_0():
 
 
 @pytest.mark.parametrize(("schedule", "vpp"), [("zero_bubble", 1), ("zbv", 2), ("dualpipev", 2)])
-def test_split_backward_schedules_refuse_compiled_blocks_for_launch(schedule, vpp):
-    cfg = configure(
-        {
-            "parallel.pp": 2,
-            "parallel.vpp": vpp,
-            "parallel.pp_schedule": schedule,
-            "parallel.zero": 2,
-            "compile.enabled": True,
-        }
-    )
-    validate(cfg)
-    [problem] = problems(cfg, for_launch=True)
-    assert problem.field == "compile.blocks"
-    assert "retain_graph=True" in problem.reason
-    assert "compile.blocks=false" in problem.fix
-    cfg.compile.blocks = False
-    validate(cfg, for_launch=True)
+def test_split_backward_schedules_run_compiled_blocks_and_cost_their_second_backward(schedule, vpp):
+    """A compiled block's backward is one node: the input and the weight pass each run it
+    (parallel/compile.py), which the plan says and adds to the compute."""
+    fields = {"parallel.pp": 2, "parallel.vpp": vpp, "parallel.pp_schedule": schedule}
+    compiled = configure({**fields, "compile.enabled": True})
+    validate(compiled, for_launch=True)
+    plan = make_plan(compiled)
+    [warning] = [w for w in plan.warnings if w.startswith("compile.blocks=true")]
+    assert "each run all of it" in warning
+    eager = make_plan(configure({**fields, "compile.enabled": True, "compile.blocks": False}))
+    assert plan.step_cost.compute > 1.2 * eager.step_cost.compute
 
 
 @pytest.mark.parametrize(("schedule", "vpp"), [("zero_bubble", 1), ("zbv", 2), ("dualpipev", 2)])

@@ -133,19 +133,6 @@ def runnable_problems(cfg: RecipeConfig) -> list[Problem]:
     p = cfg.parallel
     found = []
     t = SCHEDULES.get(p.pp_schedule)
-    if p.pp > 1 and t is not None and t.split_backward and p.zero == 3:
-        found.append(
-            Problem(
-                "parallel.zero",
-                3,
-                f"{p.pp_schedule} computes a micro-batch's weight gradients in a pass of their "
-                "own, after later micro-batches' forwards have resharded the weights, and "
-                "FSDP2 then loses part of them (measured: zero_bubble with ZeRO-3 starts at "
-                "gradient norm 1.68 where one process has 2.06; ZeRO-2 matches)",
-                "set parallel.zero=2 (the weights stay gathered through the step), or "
-                "pp_schedule=1f1b, interleaved_1f1b or 2bw",
-            )
-        )
     if p.pp > 1 and t is not None and t.split_backward and cfg.recompute.policy == "selective":
         found.append(
             Problem(

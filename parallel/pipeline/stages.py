@@ -27,6 +27,7 @@ from pretrain.core.schedules import SCHEDULES
 from pretrain.core.schema import ParallelConfig
 from pretrain.core.stages import placement, rank_stages, stage_layers
 from pretrain.parallel.pipeline.shapes import StageShapes
+from pretrain.parallel.pipeline.split_backward import gather_before_split_backward
 
 
 def schedule_classes() -> dict[str, type]:
@@ -120,6 +121,8 @@ def build_schedule(
         stage = PipelineStage(
             chunk, index, total, device, input_args=inputs, output_args=outputs, group=group
         )
+        if SCHEDULES[parallel.pp_schedule].split_backward:
+            gather_before_split_backward(stage)
         on_stage(stage)
         pipeline_stages.append(stage)
     schedule_class = schedule_classes()[parallel.pp_schedule]

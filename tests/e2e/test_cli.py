@@ -305,8 +305,8 @@ def test_a_script_of_a_layout_the_trainer_cannot_run_says_so_loudly(tmp_path: Pa
     from tests.helpers import pretrain_in_process
 
     code, _, err = pretrain_in_process(
-        "parallel.pp=2", "parallel.pp_schedule=zero_bubble", "parallel.zero=3",
+        "parallel.pp=2", "parallel.pp_schedule=zero_bubble", "recompute.policy=selective",
         "cluster.gpus_per_node=4", "action=script", f"run.dir={tmp_path / 'run'}", cwd=tmp_path,
     )  # fmt: skip
     assert code == 0 and (tmp_path / "run" / "run.sh").is_file()
-    assert "warning: parallel.zero=3: zero_bubble computes a micro-batch's weight" in err
+    assert "warning: recompute.policy=selective: zero_bubble runs each micro-batch's" in err

@@ -200,14 +200,14 @@ def test_valid_hybrid_sharding_interleaved_pipeline_and_tp_layout_passes():
 
 def test_a_layout_the_trainer_cannot_run_fails_only_for_launch():
     cfg = configure(
-        {"parallel.pp": 2, "parallel.pp_schedule": "zero_bubble", "parallel.zero": 3,
-         "train.global_batch": 64}
+        {"parallel.pp": 2, "parallel.pp_schedule": "zero_bubble",
+         "recompute.policy": "selective", "train.global_batch": 64}
     )  # fmt: skip
     validate(cfg, for_launch=False)
-    runnable = [p for p in check_runnable(cfg) if p.field == "parallel.zero"]
+    runnable = [p for p in check_runnable(cfg) if p.field == "recompute.policy"]
     assert len(runnable) == 1
-    assert "FSDP2 then loses part of them" in runnable[0].reason
-    assert "parallel.zero" in [p.field for p in problems(cfg, for_launch=True)]
+    assert "hands each kept tensor to one backward only" in runnable[0].reason
+    assert "recompute.policy" in [p.field for p in problems(cfg, for_launch=True)]
 
 
 def test_plain_data_parallel_layout_is_runnable():

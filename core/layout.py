@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from itertools import product
 
 from pretrain.core.problems import Problem, RecipeError, divisors, nearby_multiples, or_list
-from pretrain.core.schema import RecipeConfig
+from pretrain.core.schema import ParallelConfig, RecipeConfig
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 """Mesh dims, outer to inner."""
@@ -51,6 +51,13 @@ class Degrees:
     def mesh_shape(self) -> tuple[int, int, int, int, int]:
         """Sizes of the mesh dims in `MESH_DIMS` order."""
         return (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp)
+
+
+def uses_fsdp(parallel: ParallelConfig, degrees: Degrees) -> bool:
+    """Whether FSDP2 holds the parameters: ZeRO-2/3 with more than one rank reducing
+    gradients (data- or context-parallel), or with parallel.offload, which moves FSDP2's
+    shards to the host even when a single rank holds them all."""
+    return parallel.zero >= 2 and (degrees.grad_replicas > 1 or parallel.offload != "none")
 
 
 def world_size(cfg: RecipeConfig) -> int:

@@ -57,12 +57,6 @@ _GATHERED_ONCE: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 backward (FSDP2 reshards after backward only on the micro-batch that syncs)."""
 
 
-def uses_fsdp(parallel: ParallelConfig, degrees: Degrees) -> bool:
-    """Whether parameters are sharded by FSDP2 (ZeRO-2/3 with more than one rank reducing
-    gradients: data- or context-parallel)."""
-    return parallel.zero >= 2 and degrees.grad_replicas > 1
-
-
 def replicates_with_fsdp(parallel: ParallelConfig, degrees: Degrees) -> bool:
     """Whether ZeRO-0 (and ZeRO-1's reduction) runs on FSDP2's `replicate` rather than DDP:
     with more than one rank reducing gradients, under tensor parallelism (DTensor weights,

@@ -15,7 +15,7 @@ from torch import nn
 
 from pretrain import models
 from pretrain.core.data_order.ramps import Ramp
-from pretrain.core.layout import expert_node_groups
+from pretrain.core.layout import expert_node_groups, uses_fsdp
 from pretrain.core.schedules import SCHEDULES
 from pretrain.core.schema import RecipeConfig
 from pretrain.models.moe import set_node_groups
@@ -27,7 +27,6 @@ from pretrain.parallel.data_parallel import (
     apply_replicate,
     build_zero1_optimizer,
     replicates_with_fsdp,
-    uses_fsdp,
 )
 from pretrain.parallel.expert import apply_expert_parallel
 from pretrain.parallel.materialize import materialize

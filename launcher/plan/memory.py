@@ -58,7 +58,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from pretrain.core.hardware import GIB
-from pretrain.core.layout import Degrees
+from pretrain.core.layout import Degrees, uses_fsdp
 from pretrain.core.model_config import ModelConfig
 from pretrain.core.optim_states import MOMENTS, state_bytes, state_tensors
 from pretrain.core.precision import COMPUTE_BYTES
@@ -518,7 +518,7 @@ def _rank_shape(cfg: RecipeConfig, degrees: Degrees, microbatches: int, pp_rank:
     # Context-parallel ranks reduce gradients with the data-parallel ones, and FSDP shards
     # over them too.
     t, n = degrees.tp, degrees.grad_replicas
-    fsdp = cfg.parallel.zero >= 2 and n > 1
+    fsdp = uses_fsdp(cfg.parallel, degrees)
     last = pp_rank == head_rank(degrees.pp, cfg.parallel.vpp, _style(cfg))
     flight = in_flight(
         cfg.parallel.pp_schedule, degrees.pp, microbatches, cfg.parallel.vpp, pp_rank

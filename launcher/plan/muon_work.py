@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pretrain.core.layout import Degrees
+from pretrain.core.layout import Degrees, uses_fsdp
 from pretrain.core.model_config import ModelConfig
 from pretrain.core.optim_states import busiest_load, newton_schulz_flops
 from pretrain.core.schema import RecipeConfig
@@ -97,7 +97,7 @@ def muon_work(cfg: RecipeConfig, degrees: Degrees) -> MuonWork | None:
     if cfg.optim.name != "muon":
         return None
     zero1 = cfg.parallel.zero == 1 and degrees.dp_shard > 1
-    fsdp = cfg.parallel.zero >= 2 and degrees.grad_replicas > 1
+    fsdp = uses_fsdp(cfg.parallel, degrees)
     split = cfg.optim.distributed_muon and degrees.grad_replicas > 1 and not zero1
     edp = degrees.dp // degrees.ep * degrees.cp
     shard = degrees.dp_shard * degrees.cp

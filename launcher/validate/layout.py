@@ -103,7 +103,7 @@ def check_parallel(
     except RecipeError as error:
         c.extend(error.problems)
         return
-    _check_offload(c, p, degrees.dp)
+    _check_offload(c, p)
     if degrees.dp % p.ep:
         c.add(
             "parallel.ep",
@@ -122,23 +122,15 @@ def check_parallel(
         _check_pipeline_microbatches(c, cfg, degrees.dp, accum)
 
 
-def _check_offload(c: Checks, p: ParallelConfig, dp: int) -> None:
-    """Offload moves FSDP2's shards to the host: it needs ZeRO-2/3 over more than one rank."""
-    if p.offload == "none":
-        return
-    if p.zero < 2:
+def _check_offload(c: Checks, p: ParallelConfig) -> None:
+    """Offload moves FSDP2's shards to the host: it needs ZeRO-2/3 (over any number of
+    ranks: with dp=1 FSDP2 holds the whole model state on one rank, and moves it)."""
+    if p.offload != "none" and p.zero < 2:
         c.add(
             "parallel.offload",
             p.offload,
             f"offloads the shards of ZeRO-2/3 (FSDP2), and parallel.zero={p.zero}",
             "set parallel.zero=3 (or 2), or parallel.offload=none",
-        )
-    elif dp == 1:
-        c.add(
-            "parallel.offload",
-            p.offload,
-            "offloads FSDP2's shards, and with dp=1 nothing is sharded",
-            "use more data-parallel ranks, or parallel.offload=none",
         )
 
 

@@ -31,9 +31,8 @@ from dataclasses import dataclass
 
 import torch
 
-from pretrain.core.layout import Degrees, grad_accum_steps
+from pretrain.core.layout import Degrees, grad_accum_steps, uses_fsdp
 from pretrain.core.schema import RecipeConfig
-from pretrain.parallel.data_parallel import uses_fsdp
 from pretrain.parallel.precision import compute_dtype
 from pretrain.parallel.tensor import padded_vocab
 

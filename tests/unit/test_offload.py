@@ -6,22 +6,28 @@ from __future__ import annotations
 import pytest
 
 from pretrain.launcher.plan.memory_fit import predict
+from pretrain.launcher.validate.recipe import validate
 from pretrain.models.flops import count_params
 from tests.helpers import configure, problems
 
 
-@pytest.mark.parametrize(
-    ("overrides", "reason"),
-    [
-        ({"parallel.zero": 1}, "offloads the shards of ZeRO-2/3 (FSDP2), and parallel.zero=1"),
-        ({"parallel.zero": 3, "parallel.tp": 8}, "with dp=1 nothing is sharded"),
-    ],
-)
-def test_offload_needs_fsdp_shards(overrides: dict, reason: str) -> None:
-    (problem,) = problems(configure({**overrides, "parallel.offload": "params"}))
+def test_offload_needs_fsdp_shards() -> None:
+    (problem,) = problems(configure({"parallel.zero": 1, "parallel.offload": "params"}))
     assert problem.field == "parallel.offload"
-    assert reason in problem.reason
+    assert "offloads the shards of ZeRO-2/3 (FSDP2), and parallel.zero=1" in problem.reason
     assert "parallel.offload=none" in problem.fix
+
+
+def test_one_data_parallel_rank_offloads_its_whole_model_state() -> None:
+    """With dp=1 FSDP2 holds every parameter on one rank, and offload moves them all."""
+    tp8 = {"parallel.zero": 3, "parallel.tp": 8}
+    validate(configure({**tp8, "parallel.offload": "params"}), for_launch=True)
+    kept = predict(configure(tp8))
+    offloaded = predict(configure({**tp8, "parallel.offload": "params"}))
+    params = count_params(configure({}).model).total
+    assert offloaded.optimizer == 0 and kept.host == 0
+    # Each tp rank's FP32 eighth, its gradient and two AdamW moments, on the host.
+    assert offloaded.host == pytest.approx((4 + 4 + 2 * 4 + 4) * params / 8, rel=0.05)
 
 
 def test_offloaded_model_states_leave_the_device_for_the_host() -> None:

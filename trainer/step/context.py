@@ -17,9 +17,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pretrain.core.layout import Degrees, grad_accum_steps
+from pretrain.core.layout import Degrees, grad_accum_steps, uses_fsdp
 from pretrain.core.schema import RecipeConfig
-from pretrain.parallel.data_parallel import uses_fsdp
 from pretrain.parallel.mesh import JobMesh
 from pretrain.parallel.pipeline.moe import attach_router_losses
 from pretrain.parallel.pipeline.stages import in_context

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pretrain.core.layout import Degrees
+from pretrain.core.layout import Degrees, uses_fsdp
 from pretrain.core.precision import COMPUTE_BYTES
 from pretrain.core.recompute import is_recomputed
 from pretrain.core.schema import RecipeConfig
@@ -58,8 +58,8 @@ def tp_communication(cfg: RecipeConfig, degrees: Degrees) -> TPComm | None:
 
 
 def _fsdp(cfg: RecipeConfig, degrees: Degrees) -> bool:
-    """Whether FSDP2 holds the parameters (ZeRO-2/3 over more than one reducing rank)."""
-    return cfg.parallel.zero >= 2 and degrees.grad_replicas > 1
+    """Whether FSDP2 holds the parameters (`core.layout.uses_fsdp`)."""
+    return uses_fsdp(cfg.parallel, degrees)
 
 
 Call = tuple[str, float]

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pretrain.core.layout import Degrees
+from pretrain.core.layout import Degrees, uses_fsdp
 from pretrain.core.precision import COMPUTE_BYTES
 from pretrain.core.schedules import SCHEDULES
 from pretrain.core.schema import RecipeConfig
@@ -174,7 +174,7 @@ def _pp(cfg: RecipeConfig, degrees: Degrees, pp_rank: int, tokens: int) -> dict[
     p, style = cfg.parallel, _style(cfg)
     vpp = SCHEDULES[p.pp_schedule].chunks(p.vpp)
     owners = stage_ranks(pp, vpp, style)
-    fsdp = p.zero >= 2 and degrees.grad_replicas > 1
+    fsdp = uses_fsdp(p, degrees)
     sp = p.sp and degrees.tp > 1
     hidden = tokens * cfg.model.dim * residual_bytes(cfg, fsdp) / (degrees.tp if sp else 1)
     out: dict[str, float] = {}

@@ -269,14 +269,26 @@ def _write_run_dir(run_dir: Path, overrides: list[str], recipe: str, base: tuple
     return run_dir / "config.yaml"
 
 
+RANK_RUNS_PER_LAUNCH = 48
+"""Runs times ranks one launch trains at most (12 runs of 4 ranks). Every run's mesh adds
+process groups that a launch keeps to its end (tests/distributed/one_launch.py says why),
+each with gloo threads of its own: the pairwise matrix's 66 runs of 4 ranks in one launch
+left about 3,700 of them and a load average near 400 on 2 cores, slowing every test beside
+it (the suite took 37 minutes); in launches of 12 the matrix alone takes 6m15s, load under 8."""
+
+
 def _launch_together(folder: Path, nproc: int, configs: list[Path]) -> dict[Path, str]:
     """Train `configs` one after another in launches of `nproc` ranks
-    (tests.distributed.one_launch.py): one, and after a run that fails another from the
-    run after it. What stopped each failed run, by its config."""
+    (tests.distributed.one_launch.py) of at most RANK_RUNS_PER_LAUNCH / `nproc` runs each,
+    and after a run that fails another from the run after it. What stopped each failed run, by its
+    config."""
     failures: dict[Path, str] = {}
+    per_launch = max(1, RANK_RUNS_PER_LAUNCH // nproc)
+    launches = 0
     while configs:
-        listing = folder / f"together{nproc}-{len(failures)}.txt"
-        listing.write_text("\n".join(map(str, configs)))
+        listing = folder / f"together{nproc}-{launches}.txt"
+        launches += 1
+        listing.write_text("\n".join(map(str, configs[:per_launch])))
         module = "tests.distributed.one_launch"
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         result = subprocess.run(
@@ -286,12 +298,14 @@ def _launch_together(folder: Path, nproc: int, configs: list[Path]) -> dict[Path
         )  # fmt: skip
         listing.with_suffix(".log").write_text(result.stdout + result.stderr)
         if result.returncode == 0:
-            break
+            configs = configs[per_launch:]
+            continue
         failed = listing.with_suffix(".failed")
         if not failed.exists():
-            for config in configs:
+            for config in configs[:per_launch]:
                 failures[config] = f"the launch of {nproc} ranks failed: {result.stderr[-3000:]}"
-            break
+            configs = configs[per_launch:]
+            continue
         config, trace = failed.read_text().split("\n", 1)
         failures[Path(config)] = trace[-4000:]
         configs = configs[configs.index(Path(config)) + 1 :]

@@ -7,7 +7,8 @@ CONFIG_LIST names one config.yaml per line (run dirs the launcher wrote with
 trainer (as the CPU agent does), join one process group and run the trainer's own
 `pretrain.trainer.train.run` on each config in turn: the tests that compare layouts
 (`train_together` in tests/distributed/harness.py) pay the start of a launch once per world
-size instead of once per layout. Each case builds its own mesh (its
+size instead of once per layout (in launches of at most `RANK_RUNS_PER_LAUNCH` runs times
+ranks, tests/distributed/harness.py). Each case builds its own mesh (its
 process groups are kept to the end: a destroyed group's name is given again to a later one,
 whose peers would then find the dead group's addresses in the store), gets a fresh dynamo
 cache and its own watchdog; a case that fails ends the launch, and rank 0 names it in

@@ -36,25 +36,23 @@ def test_reference_loss_falls(reference) -> None:
 
 
 LAYOUTS = {
-    "ddp_dp2": (["parallel.zero=0"], 2),
-    "zero1_dp2": (["parallel.zero=1"], 2),
-    "zero2_dp2": (["parallel.zero=2"], 2),
-    "zero3_dp2": (["parallel.zero=3"], 2),
-    "hsdp_dp4": (["parallel.zero=3", "parallel.dp_replicate=2"], 4),
-    "hybrid_zero1_dp4": (["parallel.zero=1", "parallel.dp_replicate=2"], 4),
-    "full_recompute_zero3_dp2": (["parallel.zero=3", "recompute=full"], 2),
-    "selective_recompute_dp1": (["recompute=selective"], 1),
-    "full_recompute_every2_dp2": (["recompute=full", "recompute.every=2"], 2),
+    "ddp_dp2": Layout(("parallel.zero=0",), 2),
+    "zero1_dp2": Layout(("parallel.zero=1",), 2),
+    "zero2_dp2": Layout(("parallel.zero=2",), 2),
+    "zero3_dp2": Layout(("parallel.zero=3",), 2),
+    "hsdp_dp4": Layout(("parallel.zero=3", "parallel.dp_replicate=2"), 4),
+    "hybrid_zero1_dp4": Layout(("parallel.zero=1", "parallel.dp_replicate=2"), 4),
+    "full_recompute_zero3_dp2": Layout(("parallel.zero=3", "recompute=full"), 2),
+    "selective_recompute_dp1": Layout(("recompute=selective",), 1),
+    "full_recompute_every2_dp2": Layout(("recompute=full", "recompute.every=2"), 2),
 }
-"""Each FP32 layout's overrides and ranks."""
+"""Each FP32 layout, by label."""
 
 
 @pytest.fixture(scope="module")
 def trained(workdir: Path) -> TrainedTogether:
     """The layouts, those of one world size in one launch."""
-    return train_together(
-        workdir, {label: Layout(tuple(o), nproc) for label, (o, nproc) in LAYOUTS.items()}
-    )
+    return train_together(workdir, LAYOUTS)
 
 
 @pytest.mark.parametrize("label", LAYOUTS)

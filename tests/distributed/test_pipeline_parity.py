@@ -34,40 +34,36 @@ def reference(harness_reference):
 
 
 LAYOUTS = {
-    "gpipe_pp2": (["parallel.pp=2", "parallel.pp_schedule=gpipe"], 2),
-    "1f1b_pp2": (["parallel.pp=2", "parallel.pp_schedule=1f1b"], 2),
-    "interleaved_pp2_vpp2": (
-        ["parallel.pp=2", "parallel.vpp=2", "parallel.pp_schedule=interleaved_1f1b"],
-        2,
+    "gpipe_pp2": Layout(("parallel.pp=2", "parallel.pp_schedule=gpipe"), 2),
+    "1f1b_pp2": Layout(("parallel.pp=2", "parallel.pp_schedule=1f1b"), 2),
+    "interleaved_pp2_vpp2": Layout(
+        ("parallel.pp=2", "parallel.vpp=2", "parallel.pp_schedule=interleaved_1f1b"), 2
     ),
-    "zero_bubble_pp2": (["parallel.pp=2", "parallel.pp_schedule=zero_bubble"], 2),
+    "zero_bubble_pp2": Layout(("parallel.pp=2", "parallel.pp_schedule=zero_bubble"), 2),
     # Both the input and the weight pass run a compiled block's backward (parallel/compile.py).
-    "zero_bubble_pp2_compiled": (
-        [
+    "zero_bubble_pp2_compiled": Layout(
+        (
             "parallel.pp=2",
             "parallel.pp_schedule=zero_bubble",
             "parallel.zero=2",
             "compile.enabled=true",
             "compile.backend=aot_eager",
-        ],
+        ),
         4,
     ),
-    "uneven_1f1b_pp2_recompute": (
-        ["parallel.pp=2", "parallel.pp_layers=[1,3]", "recompute=full", "recompute.every=2"],
-        2,
+    "uneven_1f1b_pp2_recompute": Layout(
+        ("parallel.pp=2", "parallel.pp_layers=[1,3]", "recompute=full", "recompute.every=2"), 2
     ),
     # DDP under a pipeline runs on FSDP2's replicate (ZeRO-3 with pp: the 3-D tests).
-    "1f1b_pp2_ddp_dp2": (["parallel.pp=2", "parallel.zero=0"], 4),
+    "1f1b_pp2_ddp_dp2": Layout(("parallel.pp=2", "parallel.zero=0"), 4),
 }
-"""Each layout's overrides and ranks."""
+"""Each layout, by label."""
 
 
 @pytest.fixture(scope="module")
 def trained(workdir: Path) -> TrainedTogether:
     """The layouts, those of one world size in one launch."""
-    return train_together(
-        workdir, {label: Layout(tuple(o), nproc) for label, (o, nproc) in LAYOUTS.items()}
-    )
+    return train_together(workdir, LAYOUTS)
 
 
 @pytest.mark.parametrize("label", LAYOUTS)

@@ -35,20 +35,16 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from pretrain.core import pipedream
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+from pretrain.parallel.tensor import local_value
 
 
 @torch.no_grad()
 def copy_weights(target: list[nn.Parameter], source: list[nn.Parameter]) -> None:
     """Copy every parameter of `source` into `target` (same layout, local shards)."""
     for t, s in zip(target, source, strict=True):
-        _local(t).copy_(_local(s))
+        local_value(t).copy_(local_value(s))
 
 
 def move_optimizer(

@@ -27,11 +27,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from pretrain.core.layout import Degrees, rank_groups
 from pretrain.core.schema import RecipeConfig
 from pretrain.core.stages import placement, rank_stages
+from pretrain.parallel.tensor import local_value
 
 HEAD_COPY = "embedding_copy"
 """Attribute set on a module of a stage whose weight copies an embedding held elsewhere (a
@@ -77,10 +77,6 @@ def embedding_group(cfg: RecipeConfig, degrees: Degrees) -> dist.ProcessGroup | 
     return mine
 
 
-def _local(grad: torch.Tensor) -> torch.Tensor:
-    return grad.to_local() if isinstance(grad, DTensor) else grad
-
-
 def reduce_tied_grads(model: nn.Module, group: dist.ProcessGroup | None) -> None:
     """Sum the embedding's and its head copy's gradients wherever they are held (call once
     per step after the last backward; a no-op for a model without a copy on this rank's
@@ -89,12 +85,12 @@ def reduce_tied_grads(model: nn.Module, group: dist.ProcessGroup | None) -> None
     for copy in _hidden_copies(model):
         # No optimizer zeroes it: its gradient moves into the embedding's.
         if copy.grad is not None and embedding is not None:
-            _local(embedding.weight.grad).add_(_local(copy.grad))
+            local_value(embedding.weight.grad).add_(local_value(copy.grad))
             copy.grad = None
     held = head_copies(model)
     if embedding is not None and not _is_copy(embedding) and (group is not None or held):
         held.insert(0, embedding.weight)
-    grads = [_local(p.grad) for p in held if p.grad is not None]
+    grads = [local_value(p.grad) for p in held if p.grad is not None]
     if len(grads) == 2:
         # Both on this rank (first and last stage in one rank's chunks).
         grads[0].add_(grads[1])
@@ -115,9 +111,9 @@ def sync_embedding_copies(model: nn.Module) -> None:
     copies are neither stepped nor saved: call it before a step that reads them)."""
     copies = _hidden_copies(model)
     if copies:
-        weight = _local(model.tok_embeddings.weight)
+        weight = local_value(model.tok_embeddings.weight)
         for copy in copies:
-            _local(copy).copy_(weight)
+            local_value(copy).copy_(weight)
 
 
 def start_tied_grad_sum(model: nn.Module, group: dist.ProcessGroup | None) -> dist.Work | None:
@@ -132,7 +128,7 @@ def start_tied_grad_sum(model: nn.Module, group: dist.ProcessGroup | None) -> di
     held = held or head_copies(model)
     if not held or held[0].grad is None:
         return None
-    return dist.all_reduce(_local(held[0].grad), group=group, async_op=True)
+    return dist.all_reduce(local_value(held[0].grad), group=group, async_op=True)
 
 
 EMBEDDING, HEAD = "tok_embeddings.weight", "output.weight"

@@ -23,11 +23,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+from pretrain.parallel.tensor import local_value
 
 
 def deal_owners(sizes: list[int], ranks: int) -> list[int]:
@@ -68,7 +65,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 members[group_of(param)].append((g, i))
         self._owner: dict[tuple[int, int], tuple[dist.ProcessGroup, int]] = {}
         for process_group, positions in members.items():
-            sizes = [_local(self.param_groups[g]["params"][i]).numel() for g, i in positions]
+            sizes = [local_value(self.param_groups[g]["params"][i]).numel() for g, i in positions]
             owners = deal_owners(sizes, dist.get_world_size(process_group))
             for position, owner in zip(positions, owners, strict=True):
                 global_owner = dist.get_global_rank(process_group, owner)
@@ -102,7 +99,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         for g, group in enumerate(self.param_groups):
             for i, param in enumerate(group["params"]):
                 process_group, owner = self._owner[g, i]
-                local = _local(param)
+                local = local_value(param)
                 buckets[process_group, owner, local.dtype].append(local)
         pending = []
         for (process_group, owner, _), tensors in buckets.items():

@@ -23,6 +23,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from pretrain.parallel.pipeline.tied_embedding import head_copies
+from pretrain.parallel.tensor import local_value
 
 
 def layer_groups(n_layers: int) -> list[str]:
@@ -45,11 +46,6 @@ def _resolved(tensor: torch.Tensor) -> torch.Tensor:
         placements = [Replicate() if isinstance(p, Partial) else p for p in tensor.placements]
         return tensor.redistribute(tensor.device_mesh, placements)
     return tensor
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's piece of `tensor`."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def _like(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
@@ -88,7 +84,7 @@ class LayerNorms:
         for i, tensor in enumerate(tensors):
             if tensor is not None:
                 tensor = _resolved(tensor)
-                pieces.append(_local(tensor).detach())
+                pieces.append(local_value(tensor).detach())
                 slots.append(i)
                 weights.append(1.0 / _copies(tensor, self.stage_ranks))
         out = torch.zeros(self.size, dtype=torch.float64)
@@ -109,11 +105,11 @@ class LayerNorms:
 
     def snapshot(self) -> list[torch.Tensor]:
         """A copy of this rank's pieces of the parameters (before an update)."""
-        return [_local(p).detach().clone() for _, p in self.params]
+        return [local_value(p).detach().clone() for _, p in self.params]
 
     def changes(self, before: list[torch.Tensor]) -> torch.Tensor:
         """Weighted squared norms by group of the change since `before` (`snapshot`)."""
-        now = (_local(p).detach() for _, p in self.params)
+        now = (local_value(p).detach() for _, p in self.params)
         return self.squared(
             _like(p, new - old) for (_, p), new, old in zip(self.params, now, before, strict=True)
         )

@@ -21,12 +21,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed._tools.mem_tracker import MemTracker
-from torch.distributed.tensor import DTensor
 
 from pretrain.core.layout import grad_accum_steps, resolve_degrees
 from pretrain.core.schema import RecipeConfig, load_config
 from pretrain.parallel.data_parallel import ddp_bucket_bytes
 from pretrain.parallel.mesh import build_mesh
+from pretrain.parallel.tensor import local_value
 from pretrain.trainer.build import build_train_state
 from pretrain.trainer.dist import init_distributed
 from pretrain.trainer.step.context import StepContext
@@ -76,10 +76,6 @@ class _StepTracker(MemTracker):
         super()._pre_fw_hook(module, inputs)
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
 def measure(cfg: RecipeConfig) -> dict:
     """Peak bytes of this rank's second training step by category, and where the peak was."""
     degrees = resolve_degrees(cfg)
@@ -126,7 +122,7 @@ def measure(cfg: RecipeConfig) -> dict:
     # MemTracker counts FSDP's unsharded parameters as parameters too: "params" here is what
     # the rank keeps (its local shards and buffers), the unsharded copies go to "other".
     # From the wrapped model: under pipeline parallelism the stage view holds no buffers.
-    resident = sum(_local(p).untyped_storage().nbytes() for p in state.model.parameters())
+    resident = sum(local_value(p).untyped_storage().nbytes() for p in state.model.parameters())
     resident += sum(b.untyped_storage().nbytes() for b in state.model.buffers())
     tracked = by_name.get("Parameter", 0) + by_name.get("Buffer", 0)
     other = sum(by_name.get(k, 0) for k in ("Activation", "Temp", "Other")) + tracked - resident

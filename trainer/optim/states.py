@@ -36,6 +36,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from pretrain.core.optim_states import STATE_BLOCK, STATE_DTYPES
+from pretrain.parallel.tensor import local_value
 
 
 def dynamic_map(signed: bool, exponent_bits: int, total_bits: int) -> list[float]:
@@ -142,10 +143,6 @@ def local_grad(param: torch.Tensor) -> torch.Tensor:
     return grad
 
 
-def _local(param: torch.Tensor) -> torch.Tensor:
-    return param.to_local() if isinstance(param, DTensor) else param
-
-
 class StoredStateOptimizer(Optimizer):
     """An optimizer whose tensor states are `StoredState`s in `state_dtype`.
 
@@ -163,7 +160,7 @@ class StoredStateOptimizer(Optimizer):
         """The state `name` of `param`, created as zeros on first use."""
         state = self.state[param]
         if name not in state:
-            state[name] = StoredState(_local(param), self.state_dtype, self.STATES[name])
+            state[name] = StoredState(local_value(param), self.state_dtype, self.STATES[name])
         return state[name]
 
     def step_count(self, param: torch.Tensor) -> torch.Tensor:
@@ -202,7 +199,7 @@ class StoredStateOptimizer(Optimizer):
                 state[name] = value
                 continue
             stored = self.stored(param, name)
-            stored.set(_local(value).to(stored.data.device, torch.float32))
+            stored.set(local_value(value).to(stored.data.device, torch.float32))
 
     def state_dict(self) -> dict[str, Any]:
         """Torch's optimizer state dict, every stored state in FP32 (see the module doc)."""
@@ -248,7 +245,7 @@ def adamw_update(
     v = v_state.get().mul(beta2).addcmul_(grad, grad, value=1 - beta2)
     m_state.set(m)
     v_state.set(v)
-    local = _local(param)
+    local = local_value(param)
     if wd:
         local.mul_(1 - lr * wd)
     denom = (v.sqrt() / (1 - beta2**step) ** 0.5).add_(eps)

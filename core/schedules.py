@@ -133,3 +133,10 @@ DEFAULT_INTERLEAVED = "interleaved_1f1b"
 def default_schedule(vpp: int) -> str:
     """The schedule a layout search gives `vpp` chunks per rank."""
     return DEFAULT_INTERLEAVED if vpp > 1 else DEFAULT
+
+
+def splits_backward(pp: int, schedule: str) -> bool:
+    """Whether a pipeline of `pp` ranks under `schedule` splits each backward into an
+    input-gradient pass and a weight pass (zero_bubble, zbv, dualpipev)."""
+    traits = SCHEDULES.get(schedule)
+    return pp > 1 and traits is not None and traits.split_backward

@@ -16,7 +16,7 @@ from torch import nn
 from pretrain import models
 from pretrain.core.data_order.ramps import Ramp
 from pretrain.core.layout import expert_node_groups, uses_fsdp
-from pretrain.core.schedules import SCHEDULES
+from pretrain.core.schedules import SCHEDULES, splits_backward
 from pretrain.core.schema import RecipeConfig
 from pretrain.models.moe import set_node_groups
 from pretrain.parallel.compile import apply_compile, compile_loss
@@ -60,7 +60,7 @@ def parallelize(plain: nn.Module, cfg: RecipeConfig, mesh: JobMesh) -> None:
     apply_context_parallel(plain, mesh)
     apply_expert_parallel(plain, mesh)
     apply_recompute(plain, cfg.recompute)
-    split = mesh.degrees.pp > 1 and SCHEDULES[cfg.parallel.pp_schedule].split_backward
+    split = splits_backward(mesh.degrees.pp, cfg.parallel.pp_schedule)
     apply_compile(plain, cfg.compile, mesh.degrees.cp > 1, split)
     if uses_fsdp(cfg.parallel, mesh.degrees):
         apply_fsdp(plain, mesh, cfg.parallel, cfg.precision)

@@ -80,7 +80,7 @@ from pretrain.core.layout import Degrees, world_size
 from pretrain.core.pipedream import segment_steps
 from pretrain.core.precision import COMPUTE_BYTES, fp8_experts
 from pretrain.core.recompute import is_recomputed
-from pretrain.core.schedules import SCHEDULES
+from pretrain.core.schedules import SCHEDULES, splits_backward
 from pretrain.core.schema import RecipeConfig
 from pretrain.core.stages import head_rank, placement
 from pretrain.launcher.plan.comm.cp import cp_communication
@@ -273,8 +273,7 @@ def reruns_compiled_backward(cfg: RecipeConfig) -> bool:
     schedule that splits it into input and weight passes, each pass runs a compiled block's
     one backward node whole (parallel/compile.py; counted with torch's profiler)."""
     p, k = cfg.parallel, cfg.compile
-    split = p.pp > 1 and SCHEDULES[p.pp_schedule].split_backward
-    return split and k.enabled and k.blocks
+    return splits_backward(p.pp, p.pp_schedule) and k.enabled and k.blocks
 
 
 def _block(

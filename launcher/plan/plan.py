@@ -26,7 +26,7 @@ from pretrain.core.optim_states import state_bytes, state_tensors
 from pretrain.core.pipedream import segment_steps
 from pretrain.core.precision import fp8_experts, fp8_placement, peak_dtype
 from pretrain.core.recompute import recomputed_blocks
-from pretrain.core.schedules import SCHEDULES, V
+from pretrain.core.schedules import SCHEDULES, V, splits_backward
 from pretrain.core.schema import OptimConfig, RecipeConfig
 from pretrain.launcher.plan import cost
 from pretrain.launcher.plan.calibrated import calibrated_device, calibration_note
@@ -283,7 +283,7 @@ def _warnings(cfg: RecipeConfig, plan: Plan, gpu: str) -> list[str]:
             "pass each run all of it (two backwards per micro-batch, costed in this plan's "
             "compute); 1f1b or interleaved_1f1b compile without it, or compile.blocks=false"
         )
-    split = cfg.parallel.pp > 1 and SCHEDULES[cfg.parallel.pp_schedule].split_backward
+    split = splits_backward(cfg.parallel.pp, cfg.parallel.pp_schedule)
     if split and cfg.recompute.policy != "none":
         found.append(
             f"recompute.policy={cfg.recompute.policy} under parallel.pp_schedule="

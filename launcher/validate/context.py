@@ -8,7 +8,7 @@ from __future__ import annotations
 from math import lcm
 
 from pretrain.core.problems import Checks, Problem, nearby_multiples, or_list
-from pretrain.core.schedules import SCHEDULES, V
+from pretrain.core.schedules import SCHEDULES, V, splits_backward
 from pretrain.core.schema import RecipeConfig
 
 
@@ -132,8 +132,7 @@ def runnable_problems(cfg: RecipeConfig) -> list[Problem]:
     """Combinations the trainer cannot execute, with the reason each fails."""
     p = cfg.parallel
     found = []
-    t = SCHEDULES.get(p.pp_schedule)
-    if p.pp > 1 and t is not None and t.split_backward and cfg.recompute.policy == "selective":
+    if splits_backward(p.pp, p.pp_schedule) and cfg.recompute.policy == "selective":
         found.append(
             Problem(
                 "recompute.policy",

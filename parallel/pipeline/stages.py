@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pretrain.core.schedules import SCHEDULES
+from pretrain.core.schedules import SCHEDULES, splits_backward
 from pretrain.core.schema import ParallelConfig
 from pretrain.core.stages import placement, rank_stages, stage_layers
 from pretrain.parallel.pipeline.shapes import StageShapes
@@ -121,7 +121,7 @@ def build_schedule(
         stage = PipelineStage(
             chunk, index, total, device, input_args=inputs, output_args=outputs, group=group
         )
-        if SCHEDULES[parallel.pp_schedule].split_backward:
+        if splits_backward(parallel.pp, parallel.pp_schedule):
             gather_before_split_backward(stage)
         on_stage(stage)
         pipeline_stages.append(stage)

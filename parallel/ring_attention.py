@@ -20,10 +20,13 @@ log-sum-exp is -inf and adds nothing.
 
 torch's `context_parallel` (torch.distributed.tensor.experimental) does not run on CPU: its
 SDPA dispatch has no sharding rule for aten._scaled_dot_product_flash_attention_for_cpu
-(NotImplementedError, torch 2.13 with gloo). One in-repo implementation runs on every device
-instead, so the CPU tests cover the code a GPU runs. The attention of a chunk pair is
-written out in FP32 matmuls over tiles of QUERY_TILE query rows rather than a fused kernel
-(so its scores never exceed a tile per head).
+(NotImplementedError, torch 2.13 with gloo). One in-repo ring runs on every device instead,
+so the CPU tests cover the code a GPU runs. A chunk pair's attention runs one of two kernels
+(`fuses` picks): the device's fused flash attention (CUDA's FlashAttention-2 in BF16/FP16,
+the CPU's flash kernel), which returns the log-sum-exp the merge needs and whose backward
+takes the final output and log-sum-exp, as a ring's backward must; or, where no fused
+kernel applies (packed documents, keys wider than values, FP32 on CUDA), FP32 matmuls over
+tiles of QUERY_TILE query rows, so its scores never exceed a tile per head.
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ import torch
 import torch.distributed as dist
 
 from pretrain.models.layers import CoreMask
+
+aten = torch.ops.aten
 
 
 def chunk_order(cp: int, rank: int) -> tuple[int, int]:
@@ -189,6 +194,100 @@ def _block_backward(q, k, v, out, lse, grad, causal, docs: PairDocuments = None)
     return torch.cat(grad_q, dim=-2), grad_k, grad_v
 
 
+def fuses(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: object) -> bool:
+    """Whether the ring's chunk pairs run the device's fused flash attention: without
+    packed documents (FlashAttention takes no mask), with keys as wide as values, on a CPU
+    or on CUDA in half precision with a head dim FlashAttention-2 supports."""
+    if documents is not None or k.shape[-1] != v.shape[-1]:
+        return False
+    if q.device.type == "cpu":
+        return True
+    half = q.dtype in (torch.bfloat16, torch.float16)
+    return q.device.type == "cuda" and half and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256
+
+
+def _heads(x: torch.Tensor, group: int) -> torch.Tensor:
+    """Keys or values [b, kv, 1, s, d] repeated for each of the `group` query heads sharing
+    them, [b, kv * group, s, d] (FlashAttention is given as many key heads as query heads)."""
+    b, kv, _, s, d = x.shape
+    return x.expand(b, kv, group, s, d).reshape(b, kv * group, s, d)
+
+
+def _flash_forward(q, k, v, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The device's flash attention of [b, h, s, d] tensors: output and FP32 log-sum-exp
+    [b, h, sq]. Arguments after the tensors go by name, as torch has added optional ones
+    between them."""
+    if q.device.type == "cpu":
+        return aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, dropout_p=0.0, is_causal=causal
+        )
+    out, lse = aten._scaled_dot_product_flash_attention(q, k, v, dropout_p=0.0, is_causal=causal)[
+        :2
+    ]
+    return out, lse
+
+
+def _flash_backward(grad, q, k, v, out, lse, causal: bool) -> tuple[torch.Tensor, ...]:
+    """(dq, dk, dv) of `_flash_forward` from the given output and log-sum-exp: the ring
+    passes the merged ones, with which each pair's probabilities and the softmax's row term
+    are the whole attention's."""
+    if q.device.type == "cpu":
+        return aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad, q, k, v, out, lse, dropout_p=0.0, is_causal=causal
+        )
+    # Without dropout the random state is unread; dense (not variable-length) batches have
+    # no cumulative lengths, and their longest sequences are the chunks'.
+    seed = torch.empty(2, dtype=torch.uint64, device=q.device)
+    offset = torch.empty((), dtype=torch.uint64, device=q.device)
+    return aten._scaled_dot_product_flash_attention_backward(
+        grad, q, k, v, out, lse,
+        cum_seq_q=None, cum_seq_k=None, max_q=q.shape[-2], max_k=k.shape[-2],
+        dropout_p=0.0, is_causal=causal, philox_seed=seed, philox_offset=offset,
+    )  # fmt: skip
+
+
+def _pair_maximum(q, k, causal: bool, docs: PairDocuments = None) -> torch.Tensor:
+    """The largest score of one chunk pair, tile by tile (for a stability probe: the fused
+    kernel does not expose its scores)."""
+    return torch.stack(
+        [
+            _scores(q[..., row:end, :], k, causal, row, docs).amax()
+            for row, end in _tiles(q.shape[-2])
+        ]
+    ).amax()
+
+
+def _fused_forward(q, k, v, causal, docs: PairDocuments = None, maxima: list | None = None):
+    """`_block_forward` by the device's flash attention (no documents: `fuses`): output in
+    FP32 for the merge, log-sum-exp."""
+    b, kv, group, sq, d = q.shape
+    if maxima is not None:
+        maxima.append(_pair_maximum(q, k, causal).detach())
+    out, lse = _flash_forward(
+        q.reshape(b, kv * group, sq, d), _heads(k, group), _heads(v, group), causal
+    )
+    return out.float().reshape(b, kv, group, sq, -1), lse.reshape(b, kv, group, sq)
+
+
+def _fused_backward(q, k, v, out, lse, grad, causal, docs: PairDocuments = None):
+    """`_block_backward` by the device's flash attention; `out` and `grad` in the compute
+    dtype. The repeated key heads' gradients are summed back onto their key head."""
+    b, kv, group, sq, d = q.shape
+    sk, heads = k.shape[-2], kv * group
+    dq, dk, dv = _flash_backward(
+        grad.reshape(b, heads, sq, -1),
+        q.reshape(b, heads, sq, d),
+        _heads(k, group),
+        _heads(v, group),
+        out.reshape(b, heads, sq, -1),
+        lse.reshape(b, heads, sq),
+        causal,
+    )
+    dk = dk.float().reshape(b, kv, group, sk, -1).sum(2, keepdim=True)
+    dv = dv.float().reshape(b, kv, group, sk, -1).sum(2, keepdim=True)
+    return dq.float().reshape(q.shape), dk, dv
+
+
 def _halves(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return x.chunk(2, dim=-2)
 
@@ -212,6 +311,8 @@ class _RingAttention(torch.autograd.Function):
         # Query head h uses key/value head h // (heads / kv_heads), as enable_gqa does.
         qg = q.reshape(b, kv_heads, heads // kv_heads, s, d)
         kv = _joined(k, v)
+        fused = fuses(q, k, v, documents)
+        block_forward = _fused_forward if fused else _block_forward
         outs: list = [None, None]
         lses: list = [None, None]
         maxima: list | None = None if ring.probe is None else []
@@ -222,7 +323,7 @@ class _RingAttention(torch.autograd.Function):
             holder = ring.holder(hop)
             for qi, ki, causal in _pairs(ring.cp, ring.rank, holder):
                 docs = _pair_documents(documents, ring.rank, qi, holder, ki)
-                block = _block_forward(
+                block = block_forward(
                     q_halves[qi], k_halves[ki], v_halves[ki], causal, docs, maxima
                 )
                 if outs[qi] is None:
@@ -241,7 +342,7 @@ class _RingAttention(torch.autograd.Function):
         if ring.probe is not None and maxima:
             ring.probe(torch.stack(maxima).amax())
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.ring, ctx.documents = ring, documents
+        ctx.ring, ctx.documents, ctx.fused = ring, documents, fused
         return out
 
     @staticmethod
@@ -252,8 +353,13 @@ class _RingAttention(torch.autograd.Function):
         kv_heads, width = k.shape[1], k.shape[-1]
         qg = q.reshape(b, kv_heads, heads // kv_heads, s, d)
         out_shape = (*qg.shape[:-1], v.shape[-1])
-        grad = grad_out.reshape(out_shape).float()
-        q_halves, out_halves = _halves(qg), _halves(out.reshape(out_shape).float())
+        # The fused kernel takes the output and its gradient in the compute dtype (as its
+        # own backward would), the tiled one computes in FP32.
+        block_backward, dtype = (
+            (_fused_backward, q.dtype) if ctx.fused else (_block_backward, torch.float32)
+        )
+        grad = grad_out.reshape(out_shape).to(dtype)
+        q_halves, out_halves = _halves(qg), _halves(out.reshape(out_shape).to(dtype))
         lse_halves, grad_halves = lse.chunk(2, dim=-1), _halves(grad)
         grad_q = [torch.zeros_like(h, dtype=torch.float32) for h in q_halves]
         kv = _joined(k, v)
@@ -264,7 +370,7 @@ class _RingAttention(torch.autograd.Function):
             gk_halves, gv_halves = _kv_halves(grad_kv, width)
             holder = ring.holder(hop)
             for qi, ki, causal in _pairs(ring.cp, ring.rank, holder):
-                dq, dk, dv = _block_backward(
+                dq, dk, dv = block_backward(
                     q_halves[qi],
                     k_halves[ki],
                     v_halves[ki],

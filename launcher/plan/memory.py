@@ -43,8 +43,10 @@ The trainer's bookkeeping (stated, because it differs from the ZeRO paper's):
   PipeDream-2BW keeps two versions of a stage's weights, and both hold gradients while the
   previous step's last backwards run beside this step's (the optimizer states exist once).
   `peak_breakdown` is the largest rank's, which the plan and the fit check use.
-- CP: every per-token tensor holds s/cp tokens; the ring's backward adds a query tile's
-  FP32 scores, probabilities and their gradient, and its key/value and gradient buffers.
+- CP: every per-token tensor holds s/cp tokens; the ring's backward adds its key/value and
+  gradient buffers and one chunk pair's working set (FlashAttention's repeated key heads
+  and gradients, or where the ring computes FP32 tiles a query tile's scores,
+  probabilities and their gradient).
 
 `textbook_model_states` keeps the ZeRO paper's figures (2 + 2 + K bytes per parameter) as
 the reference the unit tests cross-check; `korthikanti_layer_activations` the per-layer
@@ -809,17 +811,30 @@ def _block_backward(cfg: RecipeConfig, degrees: Degrees, compute: int, fsdp: boo
     return tokens * b * per_token + _ring_backward(cfg, degrees, compute)
 
 
+def ring_fused(cfg: RecipeConfig) -> bool:
+    """Whether a GPU job's ring runs FlashAttention on its chunk pairs
+    (parallel/ring_attention.py `fuses`): not under packed documents, nor with MLA's keys
+    wider than its values, nor in FP32; otherwise it computes FP32 tiles."""
+    return not cfg.data.doc_mask and not cfg.model.is_mla and cfg.precision.dtype != "fp32"
+
+
 def _ring_backward(cfg: RecipeConfig, degrees: Degrees, compute: int) -> float:
-    """Context parallelism's backward temporaries: one query tile's FP32 scores,
-    probabilities and their gradient over a chunk, and the keys and values received with
-    their FP32 gradient accumulators (held and incoming); 0 without cp."""
+    """Context parallelism's backward temporaries, 0 without cp: the keys and values
+    received with their FP32 gradient accumulators (held and incoming), and one chunk
+    pair's working set. Fused: the key and value heads repeated per query head, the kernel's
+    three gradients in the compute dtype and the FP32 copies of dq, dk and dv. Tiled: one
+    query tile's FP32 scores, probabilities and their gradient over a chunk."""
     if degrees.cp == 1:
         return 0.0
     m, b, t = cfg.model, cfg.train.micro_batch, degrees.tp
     chunk = local_tokens(cfg) / 2
-    scores = 3 * 4 * b * m.n_heads / t * min(chunk, RING_QUERY_TILE) * chunk
+    if ring_fused(cfg):
+        per_head = b * m.n_heads / t * chunk * m.head_dim
+        pair = per_head * (5 * compute + 3 * 4)
+    else:
+        pair = 3 * 4 * b * m.n_heads / t * min(chunk, RING_QUERY_TILE) * chunk
     kv = 2 * b * local_tokens(cfg) * m.kv_heads * m.head_dim / t
-    return scores + kv * (compute + 2 * 2 * 4)
+    return pair + kv * (compute + 2 * 2 * 4)
 
 
 def _activations(

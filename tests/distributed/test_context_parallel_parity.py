@@ -8,11 +8,12 @@ the trainer runs gets one launch: with TP/SP under ZeRO-3 (FSDP over dp_shard x 
 compiled blocks (the feed-forward compiled, the ring eager: `parallel/compile.py`), and
 with PP under ZeRO-2 and selective recompute.
 
-The ring computes attention as online-softmax sums over chunk pairs, in another order than
-SDPA, which the gradient norm amplifies once the weights drift: measured on cp2, 0 at step 1,
-then 5e-7, 1e-7, 4e-6, 6e-6, 4e-5, 3e-7, 1.0e-4 (the loss within 1e-6, the validation loss
-8e-8), about 5 times the reordered reference's spread on that machine (2.1e-5), within the derived
-bound of 10 times it.
+The ring computes attention as online-softmax sums over chunk pairs (the CPU's flash kernel
+per pair, FP32 tiles under documents and MLA), in another order than SDPA, which the
+gradient norm amplifies once the weights drift: measured on cp2 with FP32 tiles, 0 at step
+1, then 5e-7, 1e-7, 4e-6, 6e-6, 4e-5, 3e-7, 1.0e-4 (the loss within 1e-6, the validation
+loss 8e-8), about 5 times the reordered reference's spread on that machine (2.1e-5), within
+the derived bound of 10 times it; with the flash kernel per pair, 1.4e-5 at most.
 
 Under `data.doc_mask` each ring step masks its chunk pair by the documents' ids (counted
 over the whole sequence, gathered over cp), and cp2 matches the one-process doc-mask run.

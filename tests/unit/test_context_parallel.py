@@ -20,9 +20,12 @@ from pretrain.parallel.ring_attention import (
     RingDocuments,
     _block_backward,
     _block_forward,
+    _fused_backward,
+    _fused_forward,
     _merge,
     _pairs,
     chunk_order,
+    fuses,
 )
 from tests.helpers import configure, problems
 
@@ -312,3 +315,81 @@ def test_the_ring_of_one_rank_equals_sdpa_for_keys_wider_than_values(
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
     for ours, theirs in zip(torch.autograd.grad(out, (q, k, v), grad), expected_grads, strict=True):
         torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_ring_of_one_rank_runs_flash_attention_and_equals_sdpa(
+    single_rank_group, dtype: torch.dtype
+) -> None:
+    """Grouped-query shapes without documents take the fused kernel (the CPU's flash
+    attention here, FlashAttention-2 on CUDA): the merged pairs and their gradients, computed
+    from the merged output and log-sum-exp, equal SDPA over the whole sequence: in FP32
+    within 1e-5 of the exact result, in BF16 as close to the exact result of the rounded
+    inputs as SDPA's own BF16 result is (within a quarter of a BF16 step)."""
+    torch.manual_seed(0)
+    b, heads, kv_heads, s, d = 2, 4, 2, 64, 16
+    q, k, v = (torch.randn(b, n, s, d).to(dtype) for n in (heads, kv_heads, kv_heads))
+    grad = torch.randn(b, heads, s, d).to(dtype)
+
+    def attention(fn, in_dtype):
+        inputs = [t.to(in_dtype).requires_grad_() for t in (q, k, v)]
+        out = fn(*inputs)
+        grads = torch.autograd.grad(out, inputs, grad.to(in_dtype))
+        return [x.double() for x in (out, *grads)]
+
+    def sdpa(*tensors):
+        return torch.nn.functional.scaled_dot_product_attention(
+            *tensors, is_causal=True, enable_gqa=True
+        )
+
+    ring = RingAttention(dist.group.WORLD, 0, 1)
+    assert fuses(q, k, v, None)
+    exact = attention(sdpa, torch.float64)
+    for ours, theirs, truth in zip(
+        attention(ring, dtype), attention(sdpa, dtype), exact, strict=True
+    ):
+        if dtype == torch.float32:
+            assert (ours - truth).abs().max() <= 1e-5
+        else:
+            quarter_step = 2**-9 * truth.abs().max()
+            assert (ours - truth).abs().max() <= (theirs - truth).abs().max() + quarter_step
+
+
+def test_a_stability_probe_sees_the_fused_rings_largest_score(single_rank_group) -> None:
+    """The fused kernel keeps no scores, so a sampled step takes each pair's largest one
+    tile by tile: the largest causal score of the whole sequence."""
+    torch.manual_seed(0)
+    q, k, v = torch.randn(1, 2, 600, 8), torch.randn(1, 1, 600, 8), torch.randn(1, 1, 600, 8)
+    seen: list[torch.Tensor] = []
+    ring = RingAttention(dist.group.WORLD, 0, 1)
+    ring.probe = seen.append
+    ring(q, k, v)
+    scores = q @ k.transpose(-1, -2) / 8**0.5
+    causal = torch.ones(600, 600, dtype=torch.bool).tril()
+    assert seen[0] == scores.masked_fill(~causal, float("-inf")).amax()
+
+
+def test_on_cuda_the_fused_pairs_call_flash_attention_with_its_shapes() -> None:
+    """CUDA's flash kernels under fake tensors (no GPU here): a grouped pair's output, FP32
+    log-sum-exp and gradients come back in the ring's shapes, the key heads' gradients summed
+    over the query heads sharing them. FP32, wide heads, documents and keys wider than values
+    take the tiled FP32 path instead."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        b, kv, group, s, d = 2, 2, 4, 128, 64
+        q = torch.empty(b, kv, group, s, d, device="cuda", dtype=torch.bfloat16)
+        k = torch.empty(b, kv, 1, s, d, device="cuda", dtype=torch.bfloat16)
+        assert fuses(q, k, k, None)
+        out, lse = _fused_forward(q, k, k, causal=True)
+        assert (out.shape, out.dtype, lse.shape, lse.dtype) == (
+            q.shape, torch.float32, q.shape[:-1], torch.float32,
+        )  # fmt: skip
+        dq, dk, dv = _fused_backward(q, k, k, out.to(q.dtype), lse, torch.empty_like(q), True)
+        assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, k.shape)
+        assert not fuses(q.float(), k.float(), k.float(), None)
+        wide = torch.empty(b, kv, group, s, 288, device="cuda", dtype=torch.bfloat16)
+        assert not fuses(wide, wide, wide, None)
+        assert not fuses(q, k, k, RingDocuments(torch.zeros(1, b, s, dtype=torch.long)))
+        narrow = torch.empty(b, kv, 1, s, 32, device="cuda", dtype=torch.bfloat16)
+        assert not fuses(q, k, narrow, None)

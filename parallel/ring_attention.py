@@ -24,8 +24,9 @@ SDPA dispatch has no sharding rule for aten._scaled_dot_product_flash_attention_
 so the CPU tests cover the code a GPU runs. A chunk pair's attention runs one of two kernels
 (`fuses` picks): the device's fused flash attention (CUDA's FlashAttention-2 in BF16/FP16,
 the CPU's flash kernel), which returns the log-sum-exp the merge needs and whose backward
-takes the final output and log-sum-exp, as a ring's backward must; or, where no fused
-kernel applies (packed documents, keys wider than values, FP32 on CUDA), FP32 matmuls over
+takes the final output and log-sum-exp, as a ring's backward must (MLA's narrower values
+padded to the keys' width); or, where no fused kernel applies (packed documents, FP32 on
+CUDA), FP32 matmuls over
 tiles of QUERY_TILE query rows, so its scores never exceed a tile per head.
 """
 
@@ -196,9 +197,10 @@ def _block_backward(q, k, v, out, lse, grad, causal, docs: PairDocuments = None)
 
 def fuses(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: object) -> bool:
     """Whether the ring's chunk pairs run the device's fused flash attention: without
-    packed documents (FlashAttention takes no mask), with keys as wide as values, on a CPU
-    or on CUDA in half precision with a head dim FlashAttention-2 supports."""
-    if documents is not None or k.shape[-1] != v.shape[-1]:
+    packed documents (FlashAttention takes no mask), on a CPU, or on CUDA in half precision
+    with a head dim FlashAttention-2 supports. Values narrower than the keys (MLA's) are
+    padded to the keys' width for it."""
+    if documents is not None or v.shape[-1] > k.shape[-1]:
         return False
     if q.device.type == "cpu":
         return True
@@ -259,33 +261,45 @@ def _pair_maximum(q, k, causal: bool, docs: PairDocuments = None) -> torch.Tenso
 
 def _fused_forward(q, k, v, causal, docs: PairDocuments = None, maxima: list | None = None):
     """`_block_forward` by the device's flash attention (no documents: `fuses`): output in
-    FP32 for the merge, log-sum-exp."""
+    FP32 for the merge, log-sum-exp. Values narrower than the keys get zero columns up to
+    their width (flash kernels take one head dim), which add zero columns to the output."""
     b, kv, group, sq, d = q.shape
     if maxima is not None:
         maxima.append(_pair_maximum(q, k, causal).detach())
+    width = v.shape[-1]
     out, lse = _flash_forward(
-        q.reshape(b, kv * group, sq, d), _heads(k, group), _heads(v, group), causal
+        q.reshape(b, kv * group, sq, d), _heads(k, group), _padded(_heads(v, group), d), causal
     )
-    return out.float().reshape(b, kv, group, sq, -1), lse.reshape(b, kv, group, sq)
+    out = out if width == d else out[..., :width]
+    return out.float().reshape(b, kv, group, sq, width), lse.reshape(b, kv, group, sq)
 
 
 def _fused_backward(q, k, v, out, lse, grad, causal, docs: PairDocuments = None):
     """`_block_backward` by the device's flash attention; `out` and `grad` in the compute
-    dtype. The repeated key heads' gradients are summed back onto their key head."""
+    dtype. The repeated key heads' gradients are summed back onto their key head; padded
+    values' zero columns get zero output gradients, and their gradients are dropped."""
     b, kv, group, sq, d = q.shape
-    sk, heads = k.shape[-2], kv * group
+    sk, heads, width = k.shape[-2], kv * group, v.shape[-1]
     dq, dk, dv = _flash_backward(
-        grad.reshape(b, heads, sq, -1),
+        _padded(grad.reshape(b, heads, sq, width), d),
         q.reshape(b, heads, sq, d),
         _heads(k, group),
-        _heads(v, group),
-        out.reshape(b, heads, sq, -1),
+        _padded(_heads(v, group), d),
+        _padded(out.reshape(b, heads, sq, width), d),
         lse.reshape(b, heads, sq),
         causal,
     )
-    dk = dk.float().reshape(b, kv, group, sk, -1).sum(2, keepdim=True)
-    dv = dv.float().reshape(b, kv, group, sk, -1).sum(2, keepdim=True)
+    dk = dk.float().reshape(b, kv, group, sk, d).sum(2, keepdim=True)
+    dv = (dv if width == d else dv[..., :width]).float().reshape(b, kv, group, sk, width)
+    dv = dv.sum(2, keepdim=True)
     return dq.float().reshape(q.shape), dk, dv
+
+
+def _padded(x: torch.Tensor, width: int) -> torch.Tensor:
+    """`x` with zero columns up to `width` on its last dim."""
+    if x.shape[-1] == width:
+        return x
+    return torch.cat((x, x.new_zeros(*x.shape[:-1], width - x.shape[-1])), dim=-1)
 
 
 def _halves(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

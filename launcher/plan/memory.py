@@ -813,9 +813,10 @@ def _block_backward(cfg: RecipeConfig, degrees: Degrees, compute: int, fsdp: boo
 
 def ring_fused(cfg: RecipeConfig) -> bool:
     """Whether a GPU job's ring runs FlashAttention on its chunk pairs
-    (parallel/ring_attention.py `fuses`): not under packed documents, nor with MLA's keys
-    wider than its values, nor in FP32; otherwise it computes FP32 tiles."""
-    return not cfg.data.doc_mask and not cfg.model.is_mla and cfg.precision.dtype != "fp32"
+    (parallel/ring_attention.py `fuses`): not under packed documents, nor in FP32 (nor with
+    heads wider than 256); otherwise it computes FP32 tiles."""
+    head = cfg.model.qk_head_dim
+    return not cfg.data.doc_mask and cfg.precision.dtype != "fp32" and head <= 256
 
 
 def _ring_backward(cfg: RecipeConfig, degrees: Degrees, compute: int) -> float:
@@ -829,7 +830,7 @@ def _ring_backward(cfg: RecipeConfig, degrees: Degrees, compute: int) -> float:
     m, b, t = cfg.model, cfg.train.micro_batch, degrees.tp
     chunk = local_tokens(cfg) / 2
     if ring_fused(cfg):
-        per_head = b * m.n_heads / t * chunk * m.head_dim
+        per_head = b * m.n_heads / t * chunk * m.qk_head_dim
         pair = per_head * (5 * compute + 3 * 4)
     else:
         pair = 3 * 4 * b * m.n_heads / t * min(chunk, RING_QUERY_TILE) * chunk

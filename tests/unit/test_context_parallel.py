@@ -296,7 +296,8 @@ def test_the_ring_of_one_rank_equals_sdpa_for_keys_wider_than_values(
     single_rank_group, documents: bool
 ) -> None:
     """MLA's shapes (keys nope + rope wide, values narrower, one key head per query head)
-    through the whole ring, forward and backward, against SDPA; with documents, under the
+    through the whole ring, forward and backward, against SDPA: without documents by the
+    flash kernel (values padded to the keys' width), with documents by FP32 tiles under the
     document mask."""
     torch.manual_seed(0)
     b, heads, s, dk, dv = 2, 4, 12, 10, 6
@@ -311,7 +312,9 @@ def test_the_ring_of_one_rank_equals_sdpa_for_keys_wider_than_values(
     )
     expected_grads = torch.autograd.grad(expected, (q, k, v), grad)
     ring = RingAttention(dist.group.WORLD, 0, 1)
-    out = ring(q, k, v, RingDocuments(ids[None]) if documents else None)
+    docs = RingDocuments(ids[None]) if documents else None
+    assert fuses(q, k, v, docs) is not documents
+    out = ring(q, k, v, docs)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
     for ours, theirs in zip(torch.autograd.grad(out, (q, k, v), grad), expected_grads, strict=True):
         torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
@@ -372,8 +375,8 @@ def test_a_stability_probe_sees_the_fused_rings_largest_score(single_rank_group)
 def test_on_cuda_the_fused_pairs_call_flash_attention_with_its_shapes() -> None:
     """CUDA's flash kernels under fake tensors (no GPU here): a grouped pair's output, FP32
     log-sum-exp and gradients come back in the ring's shapes, the key heads' gradients summed
-    over the query heads sharing them. FP32, wide heads, documents and keys wider than values
-    take the tiled FP32 path instead."""
+    over the query heads sharing them. FP32, heads wider than 256 and documents take the
+    tiled FP32 path instead."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode():
@@ -391,5 +394,7 @@ def test_on_cuda_the_fused_pairs_call_flash_attention_with_its_shapes() -> None:
         wide = torch.empty(b, kv, group, s, 288, device="cuda", dtype=torch.bfloat16)
         assert not fuses(wide, wide, wide, None)
         assert not fuses(q, k, k, RingDocuments(torch.zeros(1, b, s, dtype=torch.long)))
+        # MLA's values, narrower than its keys, are padded for the kernel (the padding is
+        # checked on CPU: copying a strided fake CUDA tensor needs a CUDA build).
         narrow = torch.empty(b, kv, 1, s, 32, device="cuda", dtype=torch.bfloat16)
-        assert not fuses(q, k, narrow, None)
+        assert fuses(q, k, narrow, None)

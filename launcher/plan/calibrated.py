@@ -145,8 +145,12 @@ def calibration_note(found: Calibration) -> str:
 
 
 def predicted_step_s(cfg: RecipeConfig) -> float | None:
-    """The plan's step time of `cfg` at its machine's calibrated rates (None without a
-    calibration)."""
+    """The plan's step time of `cfg` at its machine's calibrated rates, as the calibration
+    times a step (None without a calibration): on a GPU the step's wall time; on a CPU the
+    ranks' CPU seconds (trainer/calibrate.py), so the plan's step less its idle time (the
+    pipeline's fill and drain cost no CPU) with all its communication counted, hidden or
+    not (a CPU rank's communication threads take CPU time from the same cores whether or not
+    its compute runs beside them)."""
     device = calibrated_device(cfg)
     if device is None:
         return None
@@ -154,7 +158,10 @@ def predicted_step_s(cfg: RecipeConfig) -> float | None:
     degrees = resolve_degrees(cfg)
     micro = cfg.parallel.pp_microbatches or grad_accum_steps(cfg)
     links = with_recipe_links(cfg, links)
-    return step_cost(cfg, degrees, micro, kernels.peak["bf16"], links, kernels).total
+    cost = step_cost(cfg, degrees, micro, kernels.peak["bf16"], links, kernels)
+    if cfg.cluster.device == "cpu":
+        return cost.compute + cost.communication + cost.muon
+    return cost.total
 
 
 def render_calibration(cfg: RecipeConfig, path: Path) -> str:

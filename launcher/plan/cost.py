@@ -399,13 +399,16 @@ def _optimizer_params(
     cfg: RecipeConfig, degrees: Degrees, pp_rank: int, counts: ParamCount
 ) -> float:
     """Parameters whose optimizer states one rank of `pp_rank` updates: the stage's dense
-    ones over tp and its routed experts over ep, sharded over dp_shard x cp (the experts over
-    their own data-parallel ranks) from ZeRO-1 on."""
+    ones over tp and its routed experts over ep, from ZeRO-1 on sharded as the trainer shards
+    them (the memory model too): the dense ones over dp_shard (x cp under FSDP, which shards
+    over dp_shard x cp; ZeRO-1's owners are dealt over dp_shard,
+    parallel/data_parallel.py), the experts over the ranks holding the same ones."""
     blocks, root, _ = stage_params(cfg, pp_rank, counts)
     experts = stage_experts(cfg, pp_rank, counts)
     dense, routed = (blocks + root - experts) / degrees.tp, experts / degrees.ep
-    if cfg.parallel.zero >= 1:
-        dense /= degrees.dp_shard * degrees.cp
+    zero = cfg.parallel.zero
+    if zero >= 1:
+        dense /= degrees.dp_shard * (degrees.cp if zero >= 2 else 1)
         routed /= max(1, degrees.dp // degrees.ep) * degrees.cp
     return dense + routed
 

@@ -340,3 +340,18 @@ def test_the_optimizer_step_streams_the_ranks_shard_of_the_states_once() -> None
     cfg = recipe(LLAMA3_8B, nodes=1)
     kernels = gpu_kernels(cfg, PEAK)
     assert optimizer_seconds(kernels, cfg, 1e9) == pytest.approx(1e9 * 34 / 3.35e12)
+
+
+def test_zero1_steps_the_states_of_its_dp_shard_share_as_the_trainer_deals_them() -> None:
+    """ZeRO-1's owners are dealt over dp_shard (parallel/data_parallel.py
+    `build_zero1_optimizer`): under cp=2 on 8 GPUs each of 4 owners steps a quarter of the
+    parameters, where FSDP (ZeRO-2) shards them over dp_shard x cp, an eighth."""
+    from pretrain.launcher.plan.cost import _optimizer_params
+
+    shares = []
+    for zero in (1, 2):
+        cfg = recipe(LLAMA3_8B, nodes=1, cp=2, zero=zero)
+        shares.append(_optimizer_params(cfg, degrees(cfg), 0, count_params(cfg.model)))
+    assert shares == pytest.approx(
+        [count_params(LLAMA3_8B).total / 4, count_params(LLAMA3_8B).total / 8]
+    )

@@ -49,6 +49,9 @@ class Calibration:
     op_s: float = 0.0
     """Seconds one dispatched operator costs beyond its arithmetic (the framework's)."""
     path: Path | None = None
+    fsdp_call_s: float = 0.0
+    """Seconds one FSDP2 collective (a unit's all-gather or reduce-scatter) costs beyond
+    the bytes it moves: its latency, copies and hooks."""
 
     def step_ops(self, cfg: RecipeConfig) -> int:
         """Operators a step of `cfg`'s layout dispatched here (0 where it was not timed)."""
@@ -86,12 +89,13 @@ def read_calibration(path: Path) -> Calibration | None:
         layouts = [dict(x) for x in data.get("layouts", [])]
         world = int(data["world"])
         op_s = float(data.get("op_s", 0.0))
+        fsdp_call_s = float(data.get("fsdp_call_s", 0.0))
     except (ReadError, KeyError, TypeError, ValueError):
         return None
     if not gemm or not attention or memory <= 0 or loss <= 0:
         return None
     return Calibration(gemm, attention, memory, loss, links, str(data.get("measured", "")),
-                       world, layouts, op_s, path)  # fmt: skip
+                       world, layouts, op_s, path, fsdp_call_s)  # fmt: skip
 
 
 def _points(value: Any) -> tuple[tuple[float, float], ...]:

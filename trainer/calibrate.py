@@ -109,6 +109,7 @@ def _rates(
         "memory_gbs": _elementwise(*probe["elementwise"], dtype, device),
         "loss_gbs": _loss(*probe["loss"], device),
         "op_s": _op_seconds(dtype, device),
+        "fsdp_call_s": _fsdp_call_seconds(rank, device),
         "links": _links(cfg, rank, probe, device),
     }
 
@@ -129,6 +130,7 @@ def _medians(rounds: list[dict[str, Any]]) -> dict[str, Any]:
         "memory_gbs": statistics.median(r["memory_gbs"] for r in rounds),
         "loss_gbs": statistics.median(r["loss_gbs"] for r in rounds),
         "op_s": statistics.median(r["op_s"] for r in rounds),
+        "fsdp_call_s": statistics.median(r["fsdp_call_s"] for r in rounds),
         "links": {k: statistics.median(r["links"][k] for r in rounds) for k in first["links"]},
     }
 
@@ -309,15 +311,66 @@ def _send(nbytes: int, rank: RankInfo, device: torch.device) -> float:
 
 class _OpCounter(TorchDispatchMode):
     """Counts the operators dispatched while active (each one a kernel launch on a GPU, an
-    eager call through the dispatcher on a CPU)."""
+    eager call through the dispatcher on a CPU), and among them the process groups'
+    collectives."""
 
     def __init__(self) -> None:
         super().__init__()
         self.ops = 0
+        self.collectives = 0
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         self.ops += 1
+        self.collectives += getattr(func, "namespace", "") == "c10d"
         return func(*args, **(kwargs or {}))
+
+
+class _Chain(torch.nn.Module):
+    """A few small square matrices applied in turn: an FSDP unit of several parameters
+    whose arithmetic and bytes are negligible."""
+
+    def __init__(self, count: int, width: int) -> None:
+        super().__init__()
+        self.weights = torch.nn.ParameterList(
+            torch.nn.Parameter(torch.eye(width)) for _ in range(count)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for weight in self.weights:
+            x = x @ weight
+        return x
+
+
+def _fsdp_call_seconds(rank: RankInfo, device: torch.device) -> float:
+    """Seconds one FSDP2 collective costs beyond the bytes it moves (its latency, the copies
+    into and out of its buffer, the hooks around it): four units of tiny parameters and a
+    root sharded over every rank as ZeRO-3 shards a block, forward and backward, against the
+    same model unsharded, over the collectives it issued. 0 on one rank."""
+    if rank.world_size == 1:
+        return 0.0
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    def model() -> torch.nn.Module:
+        return torch.nn.Sequential(*(_Chain(4, 8) for _ in range(4)), _Chain(1, 8)).to(device)
+
+    plain, sharded = model(), model()
+    mesh = init_device_mesh(device.type, (rank.world_size,))
+    for unit in list(sharded)[:-1]:
+        fully_shard(unit, mesh=mesh)
+    fully_shard(sharded, mesh=mesh, reshard_after_forward=False)
+    x = torch.randn(1, 8, device=device)
+
+    def step(module: torch.nn.Module) -> Callable[[], None]:
+        return lambda: module(x).sum().backward()
+
+    counter = _OpCounter()
+    with counter:
+        step(sharded)()
+    if counter.collectives == 0:
+        return 0.0
+    extra = _timed(step(sharded), device) - _timed(step(plain), device)
+    return max(0.0, extra) / counter.collectives
 
 
 def _op_seconds(dtype: torch.dtype, device: torch.device) -> float:

@@ -56,6 +56,7 @@ def calibrated_device(cfg: RecipeConfig) -> tuple[Kernels, Links, Calibration] |
         found.op_s,
         found.step_ops,
         found.loss_gbs / 1e3,
+        fsdp_call_s=found.fsdp_call_s,
     )
     table = hardware.links(cfg.cluster.gpu_type) if cfg.cluster.device == "cuda" else None
     measured = {k: v for k, v in found.links.items() if v > 0}

@@ -92,6 +92,9 @@ class Kernels:
     loss_tbs: float = 0.0
     """TB/s the loss streams its logits at, where measured apart (a calibration's); else
     the memory bandwidth."""
+    fsdp_call_s: float = 0.0
+    """Seconds each FSDP2 collective costs beyond its bytes (a calibration's; 0 for the GPU
+    table, where that host work runs behind the kernels)."""
     blocks: dict = field(default_factory=dict, compare=False, repr=False)
     """Block seconds already priced on this device, by what they depend on (a layout search
     prices the same block shapes for thousands of layouts)."""

@@ -76,13 +76,13 @@ from dataclasses import dataclass
 
 from pretrain.core import hardware
 from pretrain.core.hardware import KernelRates, Links
-from pretrain.core.layout import Degrees, world_size
+from pretrain.core.layout import Degrees, uses_fsdp, world_size
 from pretrain.core.pipedream import segment_steps
 from pretrain.core.precision import COMPUTE_BYTES, fp8_experts
 from pretrain.core.recompute import is_recomputed
 from pretrain.core.schedules import SCHEDULES, splits_backward
 from pretrain.core.schema import RecipeConfig
-from pretrain.core.stages import head_rank, placement
+from pretrain.core.stages import head_rank, placement, rank_stages
 from pretrain.launcher.plan.comm.cp import cp_communication
 from pretrain.launcher.plan.comm.ep import (
     all_to_alls,
@@ -321,6 +321,8 @@ def step_cost(
     dispatch = 0.0
     if kernels.op_s and kernels.step_ops:
         dispatch = kernels.step_ops(cfg) * kernels.op_s / microbatches
+    # So does each FSDP2 collective its fixed cost (where a calibration measured it).
+    dispatch += kernels.fsdp_call_s * fsdp_calls(cfg, degrees, microbatches) / microbatches
     compute = [w.total + dispatch for w in work]
     etp_time = _etp_all_reduces(cfg, degrees, links)
     tp_time = [_tensor_parallel(cfg, degrees, links, r) + etp_time[r] for r in range(pp)]
@@ -520,6 +522,33 @@ def _data_parallel(
     gather_window = compute if cfg.parallel.zero == 3 else first_forward
     exposed = overlapped(reduce, last_backward) + overlapped(gather, gather_window) + after_step
     return reduce + gather + after_step, exposed
+
+
+def fsdp_calls(cfg: RecipeConfig, degrees: Degrees, microbatches: int) -> int:
+    """Collectives FSDP2 issues per step on the pipeline rank holding most units
+    (parallel/data_parallel.py); 0 without FSDP. A unit is a block, a multi-token
+    prediction module, a MoE layer's experts where they are sharded, or a stage chunk's root
+    (embedding, final norm, head). Each reduce-scatters its gradient once per step
+    (PipeDream-2BW: every micro-batch) and all-reduces it over dp_replicate under hybrid
+    sharding; ZeRO-2 all-gathers each once per step, ZeRO-3 each in every micro-batch's
+    forward and all but the roots again in its backward (a root stays gathered through it)."""
+    p, m = cfg.parallel, cfg.model
+    if not uses_fsdp(p, degrees):
+        return 0
+    style = placement(p.pp_schedule) if p.pp > 1 else "loop"
+    experts_sharded = degrees.grad_replicas // degrees.ep > 1
+    units, roots = 0, 1
+    for r in range(p.pp):
+        held = rank_layers(cfg, r)
+        chunks = len(rank_stages(r, p.pp, p.vpp, style)) if p.pp > 1 else 1
+        count = len(held) + chunks
+        count += sum(m.is_moe_layer(layer) for layer in held) if experts_sharded else 0
+        count += m.mtp_layers if r == head_rank(p.pp, p.vpp, style) else 0
+        units, roots = max((units, roots), (count, chunks))
+    syncs = microbatches if weight_versions(cfg) > 1 else 1
+    reduces = units * syncs * (2 if degrees.dp_replicate > 1 else 1)
+    gathers = microbatches * (2 * units - roots) if p.zero == 3 else units * syncs
+    return reduces + gathers
 
 
 def _group_traffic(

@@ -355,3 +355,28 @@ def test_zero1_steps_the_states_of_its_dp_shard_share_as_the_trainer_deals_them(
     assert shares == pytest.approx(
         [count_params(LLAMA3_8B).total / 4, count_params(LLAMA3_8B).total / 8]
     )
+
+
+def test_fsdp_issues_a_gather_per_unit_and_pass_and_a_reduction_per_unit_and_step() -> None:
+    """The tiny recipe's units are 4 blocks and the root, over 2 accumulation micro-batches:
+    ZeRO-3 gathers 5 + 4 per micro-batch and reduce-scatters 5 per step, 23 (torch's
+    profiler counts 18 c10d all-gathers and 5 reduce-scatters in one such step on 2 CPU
+    ranks); ZeRO-2 gathers once per step, 10; hybrid sharding all-reduces each reduction
+    again; a pipeline rank of two chunks has two roots."""
+    from pretrain.core.layout import grad_accum_steps, resolve_degrees
+    from pretrain.launcher.plan.cost import fsdp_calls
+    from tests.helpers import compose_recipe
+
+    def calls(*overrides: str) -> int:
+        cfg = compose_recipe("tiny", list(overrides))
+        return fsdp_calls(cfg, resolve_degrees(cfg), grad_accum_steps(cfg))
+
+    assert calls("parallel.zero=3") == 2 * (5 + 4) + 5
+    assert calls("parallel.zero=2") == 5 + 5
+    assert calls() == calls("parallel.zero=1") == 0
+    hybrid = ["cluster.gpus_per_node=4", "parallel.dp_replicate=2"]
+    assert calls("parallel.zero=2", *hybrid) == 5 + 2 * 5
+    # pp=2 x vpp=2 over 4 GPUs: each rank one block and a root in each of its two chunks.
+    piped = ["cluster.gpus_per_node=4", "parallel.pp=2", "parallel.vpp=2",
+             "parallel.pp_schedule=interleaved_1f1b"]  # fmt: skip
+    assert calls("parallel.zero=2", *piped) == 4 + 4

@@ -45,18 +45,27 @@ class Calibration:
     world: int
     layouts: list[dict[str, Any]] = field(default_factory=list)
     """Layouts timed in the same job: {"overrides": [...], "key": `layout_key`, "step_s":
-    [...], "ops": operators one step dispatched on rank 0}."""
+    [...], "ops": operators one step dispatched on rank 0, "dtensor_ops": those of them on
+    DTensors}."""
     op_s: float = 0.0
     """Seconds one dispatched operator costs beyond its arithmetic (the framework's)."""
     path: Path | None = None
     fsdp_call_s: float = 0.0
     """Seconds one FSDP2 collective (a unit's all-gather or reduce-scatter) costs beyond
     the bytes it moves: its latency, copies and hooks."""
+    dtensor_op_s: float = 0.0
+    """Seconds one operator on DTensors costs beyond its arithmetic (sharding propagation
+    and the local operator's dispatch)."""
+    tp_call_s: float = 0.0
+    """Seconds one tensor-parallel collective costs beyond its bytes as DTensor issues it (a
+    redistribution through functional collectives and their autograd wrappers)."""
 
-    def step_ops(self, cfg: RecipeConfig) -> int:
-        """Operators a step of `cfg`'s layout dispatched here (0 where it was not timed)."""
+    def step_ops(self, cfg: RecipeConfig) -> tuple[int, int]:
+        """Operators a step of `cfg`'s layout dispatched here, and how many of them on
+        DTensors ((0, 0) where it was not timed)."""
         key = layout_key(cfg)
-        return next((int(x.get("ops", 0)) for x in self.layouts if x.get("key") == key), 0)
+        timed = next((x for x in self.layouts if x.get("key") == key), {})
+        return int(timed.get("ops", 0)), int(timed.get("dtensor_ops", 0))
 
 
 def calibration_path(cfg: RecipeConfig) -> Path:
@@ -90,12 +99,15 @@ def read_calibration(path: Path) -> Calibration | None:
         world = int(data["world"])
         op_s = float(data.get("op_s", 0.0))
         fsdp_call_s = float(data.get("fsdp_call_s", 0.0))
+        dtensor_op_s = float(data.get("dtensor_op_s", 0.0))
+        tp_call_s = float(data.get("tp_call_s", 0.0))
     except (ReadError, KeyError, TypeError, ValueError):
         return None
     if not gemm or not attention or memory <= 0 or loss <= 0:
         return None
     return Calibration(gemm, attention, memory, loss, links, str(data.get("measured", "")),
-                       world, layouts, op_s, path, fsdp_call_s)  # fmt: skip
+                       world, layouts, op_s, path, fsdp_call_s, dtensor_op_s,
+                       tp_call_s)  # fmt: skip
 
 
 def _points(value: Any) -> tuple[tuple[float, float], ...]:

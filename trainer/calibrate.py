@@ -27,6 +27,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from pretrain.core.calibration import (
@@ -81,6 +84,7 @@ def calibrate(cfg: RecipeConfig, rank: RankInfo) -> None:
                 "key": layout_key(variant),
                 "step_s": seconds,
                 "ops": stepping.ops,
+                "dtensor_ops": stepping.dtensor_ops,
             }
         )
         log.info("calibration: %s timed", " ".join(overrides) or "the recipe's layout")
@@ -110,6 +114,8 @@ def _rates(
         "loss_gbs": _loss(*probe["loss"], device),
         "op_s": _op_seconds(dtype, device),
         "fsdp_call_s": _fsdp_call_seconds(rank, device),
+        "dtensor_op_s": _dtensor_op_seconds(rank, device),
+        "tp_call_s": _tp_call_seconds(rank, device),
         "links": _links(cfg, rank, probe, device),
     }
 
@@ -131,6 +137,8 @@ def _medians(rounds: list[dict[str, Any]]) -> dict[str, Any]:
         "loss_gbs": statistics.median(r["loss_gbs"] for r in rounds),
         "op_s": statistics.median(r["op_s"] for r in rounds),
         "fsdp_call_s": statistics.median(r["fsdp_call_s"] for r in rounds),
+        "dtensor_op_s": statistics.median(r["dtensor_op_s"] for r in rounds),
+        "tp_call_s": statistics.median(r["tp_call_s"] for r in rounds),
         "links": {k: statistics.median(r["links"][k] for r in rounds) for k in first["links"]},
     }
 
@@ -311,18 +319,28 @@ def _send(nbytes: int, rank: RankInfo, device: torch.device) -> float:
 
 class _OpCounter(TorchDispatchMode):
     """Counts the operators dispatched while active (each one a kernel launch on a GPU, an
-    eager call through the dispatcher on a CPU), and among them the process groups'
-    collectives."""
+    eager call through the dispatcher on a CPU), and among them those on DTensors (seen here
+    before DTensor dispatches their local operators) and the collectives, of process groups
+    (c10d) or functional (as DTensor issues them)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.ops = 0
+        self.dtensor_ops = 0
         self.collectives = 0
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         self.ops += 1
-        self.collectives += getattr(func, "namespace", "") == "c10d"
+        self.dtensor_ops += DTensor in types
+        namespace = getattr(func, "namespace", "")
+        name = str(getattr(func, "overloadpacket", ""))
+        functional = namespace == "_c10d_functional" and name.split(".")[-1] in FUNCTIONAL
+        self.collectives += namespace == "c10d" or functional
         return func(*args, **(kwargs or {}))
+
+
+FUNCTIONAL = ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce", "all_to_all_single")
+"""The functional collectives that move data (not their waits or autograd wrappers)."""
 
 
 class _Chain(torch.nn.Module):
@@ -348,14 +366,12 @@ def _fsdp_call_seconds(rank: RankInfo, device: torch.device) -> float:
     same model unsharded, over the collectives it issued. 0 on one rank."""
     if rank.world_size == 1:
         return 0.0
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
     def model() -> torch.nn.Module:
         return torch.nn.Sequential(*(_Chain(4, 8) for _ in range(4)), _Chain(1, 8)).to(device)
 
     plain, sharded = model(), model()
-    mesh = init_device_mesh(device.type, (rank.world_size,))
+    mesh = _world_mesh(rank, device)
     for unit in list(sharded)[:-1]:
         fully_shard(unit, mesh=mesh)
     fully_shard(sharded, mesh=mesh, reshard_after_forward=False)
@@ -390,6 +406,50 @@ def _op_seconds(dtype: torch.dtype, device: torch.device) -> float:
     return _timed(step, device) / counter.ops
 
 
+def _dtensor_op_seconds(rank: RankInfo, device: torch.device) -> float:
+    """Seconds one operator on DTensors costs beyond its arithmetic: element-wise operators
+    and their backward on tiny sequence-sharded DTensors (no collective), over the DTensor
+    operators they dispatch. 0 on one rank."""
+    if rank.world_size == 1:
+        return 0.0
+    mesh = _world_mesh(rank, device)
+    local = torch.randn(2, 8, device=device, requires_grad=True)
+
+    def step() -> None:
+        x = DTensor.from_local(local, mesh, [Shard(0)])
+        (F.silu(x) * x + x).to_local().sum().backward()
+
+    counter = _OpCounter()
+    with counter:
+        step()
+    return _timed(step, device) / max(1, counter.dtensor_ops)
+
+
+def _tp_call_seconds(rank: RankInfo, device: torch.device) -> float:
+    """Seconds one tensor-parallel collective costs beyond its bytes as DTensor issues it
+    under sequence parallelism: a tiny sequence-sharded activation all-gathered forward and
+    its partial gradient reduce-scattered backward, over the collectives issued. 0 on one
+    rank."""
+    if rank.world_size == 1:
+        return 0.0
+    mesh = _world_mesh(rank, device)
+    local = torch.randn(2, 8, device=device, requires_grad=True)
+
+    def step() -> None:
+        gathered = DTensor.from_local(local, mesh, [Shard(0)]).redistribute(mesh, [Replicate()])
+        gathered.to_local(grad_placements=[Partial()]).sum().backward()
+
+    counter = _OpCounter()
+    with counter:
+        step()
+    return _timed(step, device) / max(1, counter.collectives)
+
+
+def _world_mesh(rank: RankInfo, device: torch.device) -> DeviceMesh:
+    """A one-dimensional mesh of every rank (the default process group's)."""
+    return init_device_mesh(device.type, (rank.world_size,))
+
+
 class _Stepping:
     """A layout's trainer state, built on this job's ranks, and its steps timed on
     synthetic batches (one untimed first)."""
@@ -411,6 +471,8 @@ class _Stepping:
             self.time(1)
         self.ops = counter.ops
         """Operators one step dispatches on this rank."""
+        self.dtensor_ops = counter.dtensor_ops
+        """Of them, those on DTensors."""
 
     def time(self, steps: int) -> list[float]:
         """Seconds of each of `steps` steps, each the slowest rank's."""

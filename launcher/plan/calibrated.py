@@ -57,6 +57,8 @@ def calibrated_device(cfg: RecipeConfig) -> tuple[Kernels, Links, Calibration] |
         found.step_ops,
         found.loss_gbs / 1e3,
         fsdp_call_s=found.fsdp_call_s,
+        dtensor_op_s=found.dtensor_op_s,
+        tp_call_s=found.tp_call_s,
     )
     table = hardware.links(cfg.cluster.gpu_type) if cfg.cluster.device == "cuda" else None
     measured = {k: v for k, v in found.links.items() if v > 0}

@@ -86,15 +86,20 @@ class Kernels:
     op_s: float = 0.0
     """Seconds each dispatched operator costs beyond its arithmetic (a calibration's; 0
     for the GPU table, whose kernels run behind their launches)."""
-    step_ops: Callable[[RecipeConfig], int] | None = field(default=None, compare=False)
-    """Operators a step of a recipe's layout dispatches (a calibration's count, 0 where it
-    did not time the layout)."""
+    step_ops: Callable[[RecipeConfig], tuple[int, int]] | None = field(default=None, compare=False)
+    """Operators a step of a recipe's layout dispatches, and of them those on DTensors (a
+    calibration's count, 0 where it did not time the layout)."""
     loss_tbs: float = 0.0
     """TB/s the loss streams its logits at, where measured apart (a calibration's); else
     the memory bandwidth."""
     fsdp_call_s: float = 0.0
     """Seconds each FSDP2 collective costs beyond its bytes (a calibration's; 0 for the GPU
     table, where that host work runs behind the kernels)."""
+    dtensor_op_s: float = 0.0
+    """Seconds each operator on DTensors costs beyond its arithmetic (a calibration's)."""
+    tp_call_s: float = 0.0
+    """Seconds each tensor-parallel collective costs beyond its bytes as DTensor issues it
+    (a calibration's; 0: a latency per ring step)."""
     blocks: dict = field(default_factory=dict, compare=False, repr=False)
     """Block seconds already priced on this device, by what they depend on (a layout search
     prices the same block shapes for thousands of layouts)."""

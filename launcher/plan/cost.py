@@ -320,12 +320,18 @@ def step_cost(
     # the framework's time per operator too (eager dispatch on a CPU), every micro-batch.
     dispatch = 0.0
     if kernels.op_s and kernels.step_ops:
-        dispatch = kernels.step_ops(cfg) * kernels.op_s / microbatches
+        # An operator on DTensors costs its sharding propagation too (where measured).
+        ops, on_dtensors = kernels.step_ops(cfg)
+        per_dtensor_op = kernels.dtensor_op_s or kernels.op_s
+        host = (ops - on_dtensors) * kernels.op_s + on_dtensors * per_dtensor_op
+        dispatch = host / microbatches
     # So does each FSDP2 collective its fixed cost (where a calibration measured it).
     dispatch += kernels.fsdp_call_s * fsdp_calls(cfg, degrees, microbatches) / microbatches
     compute = [w.total + dispatch for w in work]
     etp_time = _etp_all_reduces(cfg, degrees, links)
-    tp_time = [_tensor_parallel(cfg, degrees, links, r) + etp_time[r] for r in range(pp)]
+    tp_time = [
+        _tensor_parallel(cfg, degrees, links, r, kernels.tp_call_s) + etp_time[r] for r in range(pp)
+    ]
     a2a = _all_to_all(cfg, degrees, links)
     chunks = p.vpp if SCHEDULES[p.pp_schedule].interleaved else 1
     p2p = tied = 0.0
@@ -415,11 +421,14 @@ def _optimizer_params(
     return dense + routed
 
 
-def _tensor_parallel(cfg: RecipeConfig, degrees: Degrees, links: Links, pp_rank: int) -> float:
+def _tensor_parallel(
+    cfg: RecipeConfig, degrees: Degrees, links: Links, pp_rank: int, call_s: float = 0.0
+) -> float:
     """Per micro-batch, the seconds of pipeline rank `pp_rank`'s TP collectives
     (`tp_comm.rank_collectives`: each one's ring bytes over the tp group's bandwidth, and a
     latency per ring step: 2(t-1) for an all-reduce, t-1 for an all-gather or
-    reduce-scatter)."""
+    reduce-scatter; or, where a calibration measured what one costs beyond its bytes as
+    DTensor issues it, `call_s` each)."""
     t = degrees.tp
     if t == 1:
         return 0.0
@@ -431,7 +440,7 @@ def _tensor_parallel(cfg: RecipeConfig, degrees: Degrees, links: Links, pp_rank:
     seconds = 0.0
     for kind, handed in calls:
         steps = 2 * (t - 1) if kind == "all_reduce" else t - 1
-        seconds += wire_bytes(kind, t, handed) / bandwidth + steps * step
+        seconds += wire_bytes(kind, t, handed) / bandwidth + (call_s or steps * step)
     return seconds
 
 

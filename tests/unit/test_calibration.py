@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from pretrain.core.calibration import calibration_path, layout_variants, write_calibration
 from pretrain.launcher.plan.calibrated import probe_spec
 from pretrain.launcher.plan.plan import make_plan
@@ -84,3 +86,41 @@ def test_each_machine_has_its_own_calibration_under_the_cache(tmp_path) -> None:
     other = tiny(tmp_path, "cluster.omp_num_threads=2")
     assert calibration_path(cfg) != calibration_path(other)
     assert calibration_path(cfg).parent == Path(tmp_path) / "hardware"
+
+
+def test_a_calibration_charges_each_dtensor_operator_and_fsdp_and_tp_collective(tmp_path) -> None:
+    """The plan's CPU step (`predicted_step_s`) at a calibration that measured the host costs
+    against one that did not: tp2 adds, for each of its step's 2,500 DTensor operators, the
+    DTensor cost less a plain operator's, and for each TP collective the measured fixed cost
+    in place of its latency per ring step; ZeRO-3 adds the FSDP cost for each of its step's
+    23 FSDP collectives."""
+    from pretrain.core.calibration import layout_key
+    from pretrain.core.layout import grad_accum_steps, resolve_degrees
+    from pretrain.launcher.plan.calibrated import predicted_step_s
+    from pretrain.launcher.plan.comm.tp import rank_collectives
+
+    tp2, zero3 = (
+        tiny(tmp_path, "parallel.tp=2", "parallel.sp=true"),
+        tiny(tmp_path, "parallel.zero=3"),
+    )
+    timed = [
+        {
+            "overrides": [],
+            "key": layout_key(tp2),
+            "step_s": [1.0],
+            "ops": 5000,
+            "dtensor_ops": 2500,
+        },
+        {"overrides": [], "key": layout_key(zero3), "step_s": [1.0], "ops": 2500},
+    ]
+    path = calibration_path(tp2)
+    steps = []
+    for host in ({}, {"dtensor_op_s": 5e-5, "tp_call_s": 1e-3, "fsdp_call_s": 2e-3}):
+        write_calibration(path, {**record(0.1), "layouts": timed, **host})
+        steps.append([predicted_step_s(tp2), predicted_step_s(zero3)])
+    degrees = resolve_degrees(tp2)
+    calls = rank_collectives(tp2, degrees, tuple(range(tp2.model.n_layers)), True, True)
+    latency = sum((2 if kind == "all_reduce" else 1) * 400e-6 for kind, _ in calls)
+    per_step = grad_accum_steps(tp2) * (len(calls) * 1e-3 - latency)
+    assert steps[1][0] - steps[0][0] == pytest.approx(2500 * (5e-5 - 1e-5) + per_step)
+    assert steps[1][1] - steps[0][1] == pytest.approx(23 * 2e-3)

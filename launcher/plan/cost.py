@@ -15,7 +15,10 @@ the layout search alike.
   grouped GEMM for the scaling (`fp8_experts`). Uneven stages (`parallel.pp_layers`)
   give each rank its own share. A MoE layer's router and experts run whole on every TP rank
   (parallel/expert.py): tp does not divide their work; etp divides the routed experts'
-  hidden width. The optimizer step streams the fullest rank's shard once per step.
+  hidden width. The optimizer step streams the fullest rank's shard once per step. Where a
+  calibration measured the host's work (per operator, per operator on DTensors, per FSDP2
+  collective: `fsdp_calls`), it adds to compute on a CPU and paces it on a GPU, whose host
+  runs ahead of its kernels (the larger of the two).
 - tp_r: tensor parallelism's collectives, not overlapped (`pretrain.launcher.plan.comm.tp`).
   Per block and micro-batch, forward and backward each move two all-reduces of the block's
   s*b*h activations (with SP, two reduce-scatters and two all-gathers: the same bytes); a
@@ -327,7 +330,12 @@ def step_cost(
         dispatch = host / microbatches
     # So does each FSDP2 collective its fixed cost (where a calibration measured it).
     dispatch += kernels.fsdp_call_s * fsdp_calls(cfg, degrees, microbatches) / microbatches
-    compute = [w.total + dispatch for w in work]
+    # On a CPU the host's work is the computation's; a GPU's host runs ahead of the kernels
+    # it launches, so the slower of the two paces the step.
+    if cfg.cluster.device == "cpu":
+        compute = [w.total + dispatch for w in work]
+    else:
+        compute = [max(w.total, dispatch) for w in work]
     etp_time = _etp_all_reduces(cfg, degrees, links)
     tp_time = [
         _tensor_parallel(cfg, degrees, links, r, kernels.tp_call_s) + etp_time[r] for r in range(pp)

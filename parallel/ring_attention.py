@@ -23,7 +23,7 @@ SDPA dispatch has no sharding rule for aten._scaled_dot_product_flash_attention_
 (NotImplementedError, torch 2.13 with gloo). One in-repo ring runs on every device instead,
 so the CPU tests cover the code a GPU runs. A chunk pair's attention runs one of two kernels
 (`fuses` picks): the device's fused flash attention (CUDA's FlashAttention-2 in BF16/FP16,
-the CPU's flash kernel), which returns the log-sum-exp the merge needs and whose backward
+the CPU's flash kernel in FP32), which returns the log-sum-exp the merge needs and whose backward
 takes the final output and log-sum-exp, as a ring's backward must (MLA's narrower values
 padded to the keys' width); or, where no fused kernel applies (packed documents, FP32 on
 CUDA), FP32 matmuls over
@@ -218,10 +218,13 @@ def _heads(x: torch.Tensor, group: int) -> torch.Tensor:
 def _flash_forward(q, k, v, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """The device's flash attention of [b, h, s, d] tensors: output and FP32 log-sum-exp
     [b, h, sq]. Arguments after the tensors go by name, as torch has added optional ones
-    between them."""
+    between them. CUDA's kernel runs in the inputs' half precision, so each pair's output
+    and gradients are rounded to it before the FP32 merge (as torch's own context
+    parallelism rounds them); the CPU's runs in FP32, the precision the one-process SDPA
+    accumulates in, so that the CPU tests compare the ring's algebra, not that rounding."""
     if q.device.type == "cpu":
         return aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, dropout_p=0.0, is_causal=causal
+            q.float(), k.float(), v.float(), dropout_p=0.0, is_causal=causal
         )
     out, lse = aten._scaled_dot_product_flash_attention(q, k, v, dropout_p=0.0, is_causal=causal)[
         :2
@@ -235,7 +238,7 @@ def _flash_backward(grad, q, k, v, out, lse, causal: bool) -> tuple[torch.Tensor
     are the whole attention's."""
     if q.device.type == "cpu":
         return aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            grad, q, k, v, out, lse, dropout_p=0.0, is_causal=causal
+            *(x.float() for x in (grad, q, k, v, out)), lse, dropout_p=0.0, is_causal=causal
         )
     # Without dropout the random state is unread; dense (not variable-length) batches have
     # no cumulative lengths, and their longest sequences are the chunks'.

@@ -319,23 +319,13 @@ def step_cost(
     activation = seq // degrees.cp * b * cfg.model.dim * c
 
     work = [rank_compute(cfg, degrees, kernels, r) for r in range(pp)]
-    # Where a calibration counted the operators this layout's step dispatches, each costs
-    # the framework's time per operator too (eager dispatch on a CPU), every micro-batch.
-    dispatch = 0.0
-    if kernels.op_s and kernels.step_ops:
-        # An operator on DTensors costs its sharding propagation too (where measured).
-        ops, on_dtensors = kernels.step_ops(cfg)
-        per_dtensor_op = kernels.dtensor_op_s or kernels.op_s
-        host = (ops - on_dtensors) * kernels.op_s + on_dtensors * per_dtensor_op
-        dispatch = host / microbatches
-    # So does each FSDP2 collective its fixed cost (where a calibration measured it).
-    dispatch += kernels.fsdp_call_s * fsdp_calls(cfg, degrees, microbatches) / microbatches
+    host = host_seconds(cfg, degrees, microbatches, kernels)
     # On a CPU the host's work is the computation's; a GPU's host runs ahead of the kernels
     # it launches, so the slower of the two paces the step.
     if cfg.cluster.device == "cpu":
-        compute = [w.total + dispatch for w in work]
+        compute = [w.total + host for w in work]
     else:
-        compute = [max(w.total, dispatch) for w in work]
+        compute = [max(w.total, host) for w in work]
     etp_time = _etp_all_reduces(cfg, degrees, links)
     tp_time = [
         _tensor_parallel(cfg, degrees, links, r, kernels.tp_call_s) + etp_time[r] for r in range(pp)
@@ -539,6 +529,19 @@ def _data_parallel(
     gather_window = compute if cfg.parallel.zero == 3 else first_forward
     exposed = overlapped(reduce, last_backward) + overlapped(gather, gather_window) + after_step
     return reduce + gather + after_step, exposed
+
+
+def host_seconds(cfg: RecipeConfig, degrees: Degrees, microbatches: int, kernels: Kernels) -> float:
+    """Per micro-batch, the host's work a calibration measured (0 without one): each
+    operator the layout's step dispatches at the framework's time per operator (those on
+    DTensors at theirs, sharding propagation included), and each FSDP2 collective at its
+    fixed cost."""
+    seconds = kernels.fsdp_call_s * fsdp_calls(cfg, degrees, microbatches)
+    if kernels.op_s and kernels.step_ops:
+        ops, on_dtensors = kernels.step_ops(cfg)
+        per_dtensor_op = kernels.dtensor_op_s or kernels.op_s
+        seconds += (ops - on_dtensors) * kernels.op_s + on_dtensors * per_dtensor_op
+    return seconds / microbatches
 
 
 def fsdp_calls(cfg: RecipeConfig, degrees: Degrees, microbatches: int) -> int:

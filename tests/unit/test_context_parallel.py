@@ -325,8 +325,9 @@ def test_the_ring_of_one_rank_runs_flash_attention_and_equals_sdpa(
     single_rank_group, dtype: torch.dtype
 ) -> None:
     """Grouped-query shapes without documents take the fused kernel (the CPU's flash
-    attention here, FlashAttention-2 on CUDA): the merged pairs and their gradients, computed
-    from the merged output and log-sum-exp, equal SDPA over the whole sequence: in FP32
+    attention here, in FP32; FlashAttention-2 on CUDA): the merged pairs and their
+    gradients, computed from the merged output and log-sum-exp, equal SDPA over the whole
+    sequence: in FP32
     within 1e-5 of the exact result, in BF16 as close to the exact result of the rounded
     inputs as SDPA's own BF16 result is (within a quarter of a BF16 step)."""
     torch.manual_seed(0)

@@ -64,6 +64,10 @@ from pretrain.launcher.plan.suggest import HEADROOM, Layout, Search, Suggestion,
 from pretrain.models.flops import flops_per_token
 from tests.helpers import LLAMA3_70B, LLAMA3_405B, validate_and_fit
 
+# The cases' searches are cached per process (the 1T model's takes about 30 s): split over
+# two workers, each would search them again.
+pytestmark = pytest.mark.xdist_group("published_layouts")
+
 BOUND = (0.85, 1.15)
 """Predicted over published throughput, for every case that does not say why not."""
 

@@ -400,10 +400,18 @@ def _op_seconds(dtype: torch.dtype, device: torch.device) -> float:
     def step() -> None:
         mlp(x).sum().backward()
 
+    return _seconds_per(step, device, lambda counted: counted.ops)
+
+
+def _seconds_per(
+    step: Callable[[], None], device: torch.device, count: Callable[[_OpCounter], int]
+) -> float:
+    """Seconds of one `step()` (`_timed`) over the operators of a kind it dispatches, `count`
+    of the counter of one untimed step."""
     counter = _OpCounter()
     with counter:
         step()
-    return _timed(step, device) / counter.ops
+    return _timed(step, device) / max(1, count(counter))
 
 
 def _dtensor_op_seconds(rank: RankInfo, device: torch.device) -> float:
@@ -419,10 +427,7 @@ def _dtensor_op_seconds(rank: RankInfo, device: torch.device) -> float:
         x = DTensor.from_local(local, mesh, [Shard(0)])
         (F.silu(x) * x + x).to_local().sum().backward()
 
-    counter = _OpCounter()
-    with counter:
-        step()
-    return _timed(step, device) / max(1, counter.dtensor_ops)
+    return _seconds_per(step, device, lambda counted: counted.dtensor_ops)
 
 
 def _tp_call_seconds(rank: RankInfo, device: torch.device) -> float:
@@ -439,10 +444,7 @@ def _tp_call_seconds(rank: RankInfo, device: torch.device) -> float:
         gathered = DTensor.from_local(local, mesh, [Shard(0)]).redistribute(mesh, [Replicate()])
         gathered.to_local(grad_placements=[Partial()]).sum().backward()
 
-    counter = _OpCounter()
-    with counter:
-        step()
-    return _timed(step, device) / max(1, counter.collectives)
+    return _seconds_per(step, device, lambda counted: counted.collectives)
 
 
 def _world_mesh(rank: RankInfo, device: torch.device) -> DeviceMesh:

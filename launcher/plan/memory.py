@@ -814,9 +814,9 @@ def _block_backward(cfg: RecipeConfig, degrees: Degrees, compute: int, fsdp: boo
 def ring_fused(cfg: RecipeConfig) -> bool:
     """Whether a GPU job's ring runs FlashAttention on its chunk pairs
     (parallel/ring_attention.py `fuses`): not under packed documents, nor in FP32 (nor with
-    heads wider than 256); otherwise it computes FP32 tiles."""
+    heads wider than 256 or not a multiple of 8); otherwise it computes FP32 tiles."""
     head = cfg.model.qk_head_dim
-    return not cfg.data.doc_mask and cfg.precision.dtype != "fp32" and head <= 256
+    return not cfg.data.doc_mask and cfg.precision.dtype != "fp32" and head <= 256 and head % 8 == 0
 
 
 def _ring_backward(cfg: RecipeConfig, degrees: Degrees, compute: int) -> float:

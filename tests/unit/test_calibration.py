@@ -7,8 +7,15 @@ from pathlib import Path
 
 import pytest
 
-from pretrain.core.calibration import calibration_path, layout_variants, write_calibration
-from pretrain.launcher.plan.calibrated import probe_spec
+from pretrain.core.calibration import (
+    calibration_path,
+    layout_key,
+    layout_variants,
+    write_calibration,
+)
+from pretrain.core.layout import grad_accum_steps, resolve_degrees
+from pretrain.launcher.plan.calibrated import predicted_step_s, probe_spec
+from pretrain.launcher.plan.comm.tp import rank_collectives
 from pretrain.launcher.plan.plan import make_plan
 from tests.helpers import compose_recipe, problems
 
@@ -94,11 +101,6 @@ def test_a_calibration_charges_each_dtensor_operator_and_fsdp_and_tp_collective(
     DTensor cost less a plain operator's, and for each TP collective the measured fixed cost
     in place of its latency per ring step; ZeRO-3 adds the FSDP cost for each of its step's
     23 FSDP collectives."""
-    from pretrain.core.calibration import layout_key
-    from pretrain.core.layout import grad_accum_steps, resolve_degrees
-    from pretrain.launcher.plan.calibrated import predicted_step_s
-    from pretrain.launcher.plan.comm.tp import rank_collectives
-
     tp2, zero3 = (
         tiny(tmp_path, "parallel.tp=2", "parallel.sp=true"),
         tiny(tmp_path, "parallel.zero=3"),

@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from pretrain.core import hardware
-from pretrain.core.layout import Degrees
+from pretrain.core.layout import Degrees, grad_accum_steps, resolve_degrees
 from pretrain.core.model_config import ModelConfig
 from pretrain.core.schema import RecipeConfig
 from pretrain.launcher.plan.comm.ep import ep_communication
@@ -22,11 +22,18 @@ from pretrain.launcher.plan.compute import (
     head_seconds,
     optimizer_seconds,
 )
-from pretrain.launcher.plan.cost import LINK_EFFICIENCY, OVERLAP_SLOWDOWN, recipe_links, step_cost
+from pretrain.launcher.plan.cost import (
+    LINK_EFFICIENCY,
+    OVERLAP_SLOWDOWN,
+    _optimizer_params,
+    fsdp_calls,
+    recipe_links,
+    step_cost,
+)
 from pretrain.launcher.plan.memory import dispatch_padding
 from pretrain.launcher.plan.suggest import layouts, render_search, search, three_terms
 from pretrain.models.flops import count_params
-from tests.helpers import LLAMA3_8B
+from tests.helpers import LLAMA3_8B, compose_recipe
 
 PEAK = 989.5
 H100 = hardware.links("h100_sxm")
@@ -346,8 +353,6 @@ def test_zero1_steps_the_states_of_its_dp_shard_share_as_the_trainer_deals_them(
     """ZeRO-1's owners are dealt over dp_shard (parallel/data_parallel.py
     `build_zero1_optimizer`): under cp=2 on 8 GPUs each of 4 owners steps a quarter of the
     parameters, where FSDP (ZeRO-2) shards them over dp_shard x cp, an eighth."""
-    from pretrain.launcher.plan.cost import _optimizer_params
-
     shares = []
     for zero in (1, 2):
         cfg = recipe(LLAMA3_8B, nodes=1, cp=2, zero=zero)
@@ -363,9 +368,6 @@ def test_fsdp_issues_a_gather_per_unit_and_pass_and_a_reduction_per_unit_and_ste
     profiler counts 18 c10d all-gathers and 5 reduce-scatters in one such step on 2 CPU
     ranks); ZeRO-2 gathers once per step, 10; hybrid sharding all-reduces each reduction
     again; a pipeline rank of two chunks has two roots."""
-    from pretrain.core.layout import grad_accum_steps, resolve_degrees
-    from pretrain.launcher.plan.cost import fsdp_calls
-    from tests.helpers import compose_recipe
 
     def calls(*overrides: str) -> int:
         cfg = compose_recipe("tiny", list(overrides))

@@ -301,3 +301,19 @@ KERNELS: dict[str, KernelRates] = {
 def kernel_rates(name: str) -> KernelRates | None:
     """The kernel rates of GPU `name`, or None where the table has none (V100, `cpu`)."""
     return KERNELS.get(name)
+
+
+FLASH_HEAD_DIMS = range(8, 257, 8)
+"""Head dims CUDA's FlashAttention-2 kernel runs (multiples of 8 up to 256)."""
+
+
+def fused_ring_attention(device: str, half_precision: bool, head_dim: int, masked: bool) -> bool:
+    """Whether context parallelism's ring runs the device's fused flash attention on its
+    chunk pairs (parallel/ring_attention.py), the planner's memory model asking the same:
+    never under a document mask (FlashAttention takes none); on a CPU always (its flash
+    kernel, in FP32); on CUDA in half precision with a head dim FlashAttention-2 runs."""
+    if masked:
+        return False
+    if device == "cpu":
+        return True
+    return device == "cuda" and half_precision and head_dim in FLASH_HEAD_DIMS

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from pretrain.core import hardware
 from pretrain.models.layers import CoreMask
 
 aten = torch.ops.aten
@@ -196,16 +197,13 @@ def _block_backward(q, k, v, out, lse, grad, causal, docs: PairDocuments = None)
 
 
 def fuses(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: object) -> bool:
-    """Whether the ring's chunk pairs run the device's fused flash attention: without
-    packed documents (FlashAttention takes no mask), on a CPU, or on CUDA in half precision
-    with a head dim FlashAttention-2 supports. Values narrower than the keys (MLA's) are
-    padded to the keys' width for it."""
-    if documents is not None or v.shape[-1] > k.shape[-1]:
-        return False
-    if q.device.type == "cpu":
-        return True
+    """Whether the ring's chunk pairs run the device's fused flash attention
+    (`hardware.fused_ring_attention`); values narrower than the keys (MLA's) are padded to
+    the keys' width for it, wider ones are not."""
     half = q.dtype in (torch.bfloat16, torch.float16)
-    return q.device.type == "cuda" and half and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256
+    masked = documents is not None
+    kernel = hardware.fused_ring_attention(q.device.type, half, q.shape[-1], masked)
+    return kernel and v.shape[-1] <= k.shape[-1]
 
 
 def _heads(x: torch.Tensor, group: int) -> torch.Tensor:

@@ -59,6 +59,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from functools import lru_cache
 
+from pretrain.core import hardware
 from pretrain.core.hardware import GIB
 from pretrain.core.layout import Degrees, uses_fsdp
 from pretrain.core.model_config import ModelConfig
@@ -812,11 +813,12 @@ def _block_backward(cfg: RecipeConfig, degrees: Degrees, compute: int, fsdp: boo
 
 
 def ring_fused(cfg: RecipeConfig) -> bool:
-    """Whether a GPU job's ring runs FlashAttention on its chunk pairs
-    (parallel/ring_attention.py `fuses`): not under packed documents, nor in FP32 (nor with
-    heads wider than 256 or not a multiple of 8); otherwise it computes FP32 tiles."""
+    """Whether the job's ring runs the device's flash attention on its chunk pairs
+    (`hardware.fused_ring_attention`, which the trainer asks too); otherwise it computes
+    FP32 tiles. Attention runs in 16 bits in every precision but FP32."""
+    half = cfg.precision.dtype != "fp32"
     head = cfg.model.qk_head_dim
-    return not cfg.data.doc_mask and cfg.precision.dtype != "fp32" and head <= 256 and head % 8 == 0
+    return hardware.fused_ring_attention(cfg.cluster.device, half, head, cfg.data.doc_mask)
 
 
 def _ring_backward(cfg: RecipeConfig, degrees: Degrees, compute: int) -> float:
